@@ -1,0 +1,161 @@
+"""Array adapters: NumPy arrays, torch tensors and JAX arrays in, the same kind out.
+
+An adapter gives (1) a cheap hashable key for the dispatch cache, (2) the `Meta` that validation
+sees, (3) conversions to what a backend's kernels take (NumPy or torch) and back. torch and JAX are
+never imported here unless the caller already imported them. bfloat16 goes through ml_dtypes, so it
+crosses between frameworks bit-exactly.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from opport.dtypes import np_dtype
+from opport.spec import Meta
+
+_BF16 = np_dtype("bfloat16")
+
+
+class NumpyAdapter:
+    kind = "numpy"
+
+    @staticmethod
+    def key(a):
+        return (a.dtype, a.shape, a.strides)
+
+    @staticmethod
+    def meta(a) -> Meta:
+        item = a.itemsize
+        strides = tuple(s // item for s in a.strides) if item else None
+        return Meta("numpy", a.dtype.name, a.shape, strides, "cpu")
+
+    @staticmethod
+    def to_numpy(a):
+        return a
+
+    @staticmethod
+    def to_torch(a, device: str):
+        import torch
+
+        if not a.flags.writeable or any(s < 0 for s in a.strides):
+            a = a.copy()  # torch cannot wrap read-only or negatively strided memory
+        if a.dtype == _BF16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
+        return torch.from_numpy(a).to(device)
+
+    @staticmethod
+    def from_native(out, like):
+        if isinstance(out, np.ndarray):
+            return out
+        return TorchAdapter.to_numpy(out)
+
+
+class TorchAdapter:
+    kind = "torch"
+    _names: dict = {}
+
+    @classmethod
+    def dtype_name(cls, dt) -> str:
+        name = cls._names.get(dt)
+        if name is None:
+            name = cls._names[dt] = str(dt).removeprefix("torch.")
+        return name
+
+    @staticmethod
+    def key(t):
+        return (t.dtype, t.shape, t.stride(), t.device)
+
+    @classmethod
+    def meta(cls, t) -> Meta:
+        dev = t.device
+        device = dev.type if dev.index is None else f"{dev.type}:{dev.index}"
+        return Meta("torch", cls.dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), device)
+
+    @staticmethod
+    def to_numpy(t):
+        import torch
+
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(_BF16)
+        return t.numpy()
+
+    @staticmethod
+    def to_torch(t, device: str):
+        t = t.detach()
+        return t if t.device.type == device.split(":")[0] else t.to(device)
+
+    @staticmethod
+    def from_native(out, like):
+        if isinstance(out, np.ndarray):
+            out = NumpyAdapter.to_torch(out, "cpu")
+        return out if out.device == like.device else out.to(like.device)
+
+
+class JaxAdapter:
+    kind = "jax"
+
+    @staticmethod
+    def key(a):
+        return (a.dtype, a.shape, None, _jax_device(a))
+
+    @staticmethod
+    def meta(a) -> Meta:
+        dev = _jax_device(a)
+        platform = "cuda" if dev.platform in ("gpu", "cuda") else dev.platform  # JAX on a GPU selects cuda
+        device = "cpu" if platform == "cpu" else f"{platform}:{dev.id}"
+        return Meta("jax", np.dtype(a.dtype).name, a.shape, None, device)
+
+    @staticmethod
+    def to_numpy(a):
+        return np.asarray(a)
+
+    @staticmethod
+    def to_torch(a, device: str):
+        return NumpyAdapter.to_torch(np.asarray(a), device)
+
+    @staticmethod
+    def from_native(out, like):
+        import jax
+
+        if not isinstance(out, np.ndarray):
+            out = TorchAdapter.to_numpy(out)
+        return jax.device_put(out, _jax_device(like))
+
+
+def _jax_device(a):
+    dev = getattr(a, "device", None)  # jax >= 0.4.31: a property holding the single device
+    if dev is None or callable(dev):
+        (dev,) = a.devices()
+    return dev
+
+
+_by_type: dict[type, type] = {np.ndarray: NumpyAdapter}
+
+
+def adapter_for(a):
+    """The adapter for `a`'s type, or None if it is not an array opport takes."""
+    t = type(a)
+    ad = _by_type.get(t)
+    if ad is None:
+        ad = _resolve(a)
+        if ad is not None:
+            _by_type[t] = ad
+    return ad
+
+
+def _resolve(a):
+    if isinstance(a, np.ndarray):
+        return NumpyAdapter
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        return TorchAdapter
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+        return JaxAdapter
+    return None
+

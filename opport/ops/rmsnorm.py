@@ -1,0 +1,111 @@
+"""rmsnorm: x / sqrt(mean(x**2, -1) + eps) * weight, over the last axis."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opport import casegen as cg
+from opport.errors import ShapeError
+from opport.spec import Case, Cost, ErrorCase, check, check_eps, check_float, check_ndim, check_same_dtype, op
+
+NAME = "rmsnorm"
+
+
+@op(
+    arrays=("x", "weight"),
+    constraints={
+        "rmsnorm.dtype": "x is float32, float16, bfloat16 or float64",
+        "rmsnorm.dtype_mismatch": "weight has x's dtype",
+        "rmsnorm.x_rank": "x has at least one dimension",
+        "rmsnorm.weight_shape": "weight.shape == (x.shape[-1],)",
+        "rmsnorm.eps": "eps is a finite number > 0",
+    },
+)
+def rmsnorm(x, weight=None, eps=1e-6):
+    """Root-mean-square normalisation over the last axis, then an optional per-feature scale.
+
+    Statistics are computed in float32 for 16-bit inputs. In float32 the sum of squares itself is
+    float32, so rows with |x| above about 1.8e19/sqrt(N) overflow it (as torch's F.rms_norm does).
+    """
+    check_float(NAME, "x", x)
+    check_ndim(NAME, "x", x, 1, -1)
+    if weight is not None:
+        check_same_dtype(NAME, "x", x, weight=weight)
+        check(weight.shape == (x.shape[-1],), ShapeError, NAME, "weight", "rmsnorm.weight_shape",
+              f"({x.shape[-1]},) = x.shape[-1:]", weight.shape)
+    check_eps(NAME, eps)
+
+
+@rmsnorm.reference
+def _reference(x, weight, eps):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * weight
+
+
+def _case(name, dtype, shape, dist="normal", scale=1.0, weight=True, eps=1e-6, tags=()):
+    rng = cg.rng_for(NAME, name, dtype)
+    x = cg.array(shape, dtype, rng, dist, scale)
+    w = cg.array(shape[-1:], dtype, rng, "uniform", 2.0) if weight else None
+    return Case(name, (x, w), {"eps": eps}, tags)
+
+
+@rmsnorm.cases
+def _cases(dtype):
+    yield _case("llama8b-prefill", dtype, (16, 4096), tags=("llm",))
+    yield _case("llama70b-decode", dtype, (2, 8192), tags=("llm",))
+    yield _case("row-1", dtype, (7, 1))
+    for n in (127, 128, 129):
+        yield _case(f"row-{n}", dtype, (5, n))
+    yield _case("odd-3d", dtype, (2, 3, 23))
+    yield _case("1d", dtype, (129,))
+    yield _case("no-weight", dtype, (4, 100), weight=False)
+    yield _case("empty-rows", dtype, (0, 64))
+    yield _case("empty-features", dtype, (3, 0))
+    yield _case("zero-rows", dtype, (4, 64), dist="uniform", scale=0.0, tags=("edge",))
+    yield Case("constant-rows", (cg.cast(np.full((4, 64), -3.0), dtype), None), {"eps": 1e-6}, ("edge",))
+    yield _case("large", dtype, (4, 256), scale=13437.7 if dtype == "float16" else 4988429.2, tags=("edge",))
+    yield _case("tiny", dtype, (4, 256), scale=1e-4, tags=("edge",))
+    yield _case("eps-large", dtype, (4, 64), eps=0.5)
+    yield _case("specials", dtype, (6, 37), dist="specials", tags=("edge",))
+    yield _case("heavy-tails", dtype, (8, 300), dist="heavy")
+    yield _case("loguniform", dtype, (8, 300), dist="loguniform")
+
+
+@rmsnorm.strategy
+def _strategy(dtype):
+    from hypothesis import strategies as st
+
+    @st.composite
+    def case(draw):
+        shape = tuple(draw(st.lists(cg.dims(1, 64), min_size=0, max_size=2))) + (draw(cg.dims(1, 600)),)
+        dist, scale, weight = draw(cg.dists()), draw(cg.scales()), draw(st.booleans())
+        eps = draw(st.sampled_from([1e-6, 1e-5, 1e-2]))
+        seed = draw(cg.seeds())
+        rng = np.random.default_rng(seed)
+        x = cg.array(shape, dtype, rng, dist, scale)
+        w = cg.array(shape[-1:], dtype, rng, "uniform", 2.0) if weight else None
+        return Case(f"hyp-{seed}", (x, w), {"eps": eps}, ("hypothesis",))
+
+    return case()
+
+
+@rmsnorm.error_cases
+def _error_cases():
+    from opport.errors import ArgumentError, DTypeError
+
+    x = np.ones((2, 8), np.float32)
+    yield ErrorCase("rmsnorm.dtype", DTypeError, (np.ones((2, 8), np.int32),))
+    yield ErrorCase("rmsnorm.dtype_mismatch", DTypeError, (x, np.ones(8, np.float16)))
+    yield ErrorCase("rmsnorm.x_rank", ShapeError, (np.float32(1.0) * np.ones((), np.float32),))
+    yield ErrorCase("rmsnorm.weight_shape", ShapeError, (x, np.ones(7, np.float32)))
+    yield ErrorCase("rmsnorm.eps", ArgumentError, (x,), {"eps": 0.0})
+    yield ErrorCase("rmsnorm.eps", ArgumentError, (x,), {"eps": float("nan")})
+
+
+@rmsnorm.cost
+def _cost(x, weight, eps):
+    item = np.dtype(cg.np_dtype(x.dtype)).itemsize
+    n = x.size
+    w = weight.size * item if weight is not None else 0
+    return Cost(bytes=2 * n * item + w, flops=4 * n)
