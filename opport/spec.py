@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 from opport import errors
 from opport.dtypes import FLOATS
@@ -127,7 +127,7 @@ class ErrorCase:
 
 @dataclass
 class Kernel:
-    op: "OpSpec"
+    op: OpSpec
     backend: str
     fn: Callable
     name: str
@@ -198,12 +198,15 @@ class OpSpec:
         """Register a kernel of `backend` for this op; the kernel takes the bound arguments in order."""
 
         def register(fn):
-            kname = name or f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
+            kname = name or f"{backend}.{fn.__name__}"
             k = Kernel(self, backend, fn, kname, tuple(dtypes), supports, priority, deterministic)
             ks = [old for old in self.kernels.get(backend, []) if old.name != kname]  # reload-safe
             ks.append(k)
             ks.sort(key=lambda k: -k.priority)
             self.kernels[backend] = ks
+            from opport.dispatch.core import clear_cache
+
+            clear_cache()  # a new kernel can change earlier selections
             return fn
 
         return register

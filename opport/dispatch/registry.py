@@ -11,9 +11,9 @@ import importlib
 import importlib.util
 import pkgutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Callable
 
 from opport.errors import BackendUnavailableError
 
@@ -70,6 +70,27 @@ def backends() -> dict[str, Backend]:
                         found.setdefault(b.name, b)
                 _backends = dict(sorted(found.items(), key=lambda kv: kv[0] != "cpu"))
     return _backends
+
+
+def register_backend(b: Backend):
+    """Add a backend at run time (tests, plugins); its kernels come from `b.package` as usual."""
+    with _lock:
+        backends()[b.name] = b
+        _probes.pop(b.name, None)
+    from opport.dispatch.core import clear_cache
+
+    clear_cache()
+
+
+def unregister_backend(name: str):
+    with _lock:
+        backends().pop(name, None)
+        _probes.pop(name, None)
+        for key in [k for k in _loaded if k[1] == name]:
+            _loaded.discard(key)
+    from opport.dispatch.core import clear_cache
+
+    clear_cache()
 
 
 def get_backend(name: str, op: str = "opport") -> Backend:

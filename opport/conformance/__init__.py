@@ -1,0 +1,1 @@
+"""The conformance suite: cases from the op declarations, compared with the float64 reference."""
