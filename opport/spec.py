@@ -167,6 +167,7 @@ class OpSpec:
         self.kernels: dict[str, list[Kernel]] = {}
         self._reference = self._cases = self._strategy = self._errors = self._cost = None
         self.tolerances: dict[str, Tolerance] = dict(BASE_TOLERANCE)
+        self.invariants: list[Callable] = []
 
     # -- attaching the parts of the declaration
 
@@ -188,6 +189,15 @@ class OpSpec:
 
     def cost(self, fn):
         self._cost = fn
+        return fn
+
+    def invariant(self, fn):
+        """A property the output must have beyond closeness (e.g. softmax rows sum to 1).
+
+        `fn(out64, *bound)` gets the kernel's output upcast to float64 and the case's arguments, and
+        returns None when the property holds, else a message saying how it fails.
+        """
+        self.invariants.append(fn)
         return fn
 
     def tolerance(self, **per_dtype: Tolerance):
