@@ -117,7 +117,11 @@ def kernels(op, backend: Backend) -> list:
         with _lock:
             if key not in _loaded:
                 mod = f"{backend.package}.{op.name}"
-                if importlib.util.find_spec(mod) is not None:
+                try:
+                    found = importlib.util.find_spec(mod) is not None
+                except ModuleNotFoundError:  # a backend package registered at run time with no module tree
+                    found = False
+                if found:
                     importlib.import_module(mod)
                 _loaded.add(key)
     return op.kernels.get(backend.name, [])

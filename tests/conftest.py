@@ -1,0 +1,33 @@
+"""Shared fixtures: a throwaway backend whose kernels a test registers by hand."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from opport.dispatch import clear_cache
+from opport.dispatch.registry import Backend, register_backend, unregister_backend
+from opport.dtypes import FLOATS
+
+
+@contextlib.contextmanager
+def fake_backend(name: str, probe=lambda: None, device_types=("fakedev",), array_kind="numpy"):
+    """A backend named `name` with no kernels of its own; kernels registered on it are removed after."""
+    from opport.ops import all_ops
+
+    b = Backend(name=name, package=f"_opport_test_backends.{name}", array_kind=array_kind,
+                device_types=device_types, dtypes=FLOATS, probe=probe, mode=lambda: "test")
+    register_backend(b)
+    try:
+        yield b
+    finally:
+        for spec in all_ops().values():
+            spec.kernels.pop(name, None)
+        unregister_backend(name)
+        clear_cache()
+
+
+@pytest.fixture
+def backend_factory():
+    return fake_backend

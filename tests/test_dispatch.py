@@ -1,0 +1,141 @@
+"""Backend precedence, strict mode, fallback, explain, the selection cache and thread safety."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import opport
+from opport.errors import BackendUnavailableError, UnsupportedError
+from tests.conftest import fake_backend
+
+X = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+W = np.linspace(0.5, 2.0, 4, dtype=np.float32)
+
+
+def _tagging_kernel(tag, calls=None):
+    def kernel(x, weight, eps):
+        if calls is not None:
+            calls.append(tag)
+        return np.full(x.shape, tag, x.dtype)
+
+    return kernel
+
+
+def test_keyword_beats_context_beats_env_beats_device(monkeypatch):
+    with fake_backend("ta"), fake_backend("tb"), fake_backend("tc"):
+        opport.rmsnorm.impl("ta")(_tagging_kernel(1))
+        opport.rmsnorm.impl("tb")(_tagging_kernel(2))
+        opport.rmsnorm.impl("tc")(_tagging_kernel(3))
+        assert opport.rmsnorm(X, W)[0, 0] != 3  # device cpu -> cpu backend
+        monkeypatch.setenv("OPPORT_BACKEND", "tc")
+        assert opport.rmsnorm(X, W)[0, 0] == 3
+        with opport.use_backend("tb"):
+            assert opport.rmsnorm(X, W)[0, 0] == 2
+            assert opport.rmsnorm(X, W, backend="ta")[0, 0] == 1
+        assert opport.rmsnorm(X, W)[0, 0] == 3
+        monkeypatch.delenv("OPPORT_BACKEND")
+        np.testing.assert_allclose(opport.rmsnorm(X, W), opport.rmsnorm.run_reference(X, W), rtol=1e-6)
+
+
+def test_unknown_backend_lists_valid_names():
+    with pytest.raises(BackendUnavailableError) as info:
+        opport.rmsnorm(X, backend="tpu")
+    assert "cpu" in str(info.value) and info.value.constraint == "backend.name"
+    with pytest.raises(BackendUnavailableError):
+        with opport.use_backend("tpu"):
+            pass
+
+
+def test_unavailable_backend_named_explicitly_raises_with_reason():
+    with fake_backend("gone", probe=lambda: "toolchain missing"):
+        opport.rmsnorm.impl("gone")(_tagging_kernel(1))
+        with pytest.raises(BackendUnavailableError, match="toolchain missing"):
+            opport.rmsnorm(X, backend="gone")
+
+
+def test_declining_kernel_falls_back_once_with_warning_and_strict_raises():
+    calls = []
+    with fake_backend("picky"):
+        opport.rmsnorm.impl("picky", supports=lambda x, w, eps: "rows must be a multiple of 128")(_tagging_kernel(9, calls))
+        with pytest.warns(opport.FallbackWarning, match="multiple of 128"):
+            out = opport.rmsnorm(X, W, backend="picky")
+        np.testing.assert_allclose(out, opport.rmsnorm.run_reference(X, W), rtol=1e-6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opport.rmsnorm(X, W, backend="picky")  # warned once per (op, backend, reason)
+            opport.clear_cache()
+            opport.rmsnorm(X, W, backend="picky")
+        with opport.strict(), pytest.raises(UnsupportedError, match="multiple of 128") as info:
+            opport.rmsnorm(X, W, backend="picky")
+        assert info.value.op == "rmsnorm"
+        assert calls == []
+
+
+def test_strict_from_environment(monkeypatch):
+    with fake_backend("picky2"):
+        opport.rmsnorm.impl("picky2", dtypes=("float16",))(_tagging_kernel(9))
+        monkeypatch.setenv("OPPORT_STRICT", "1")
+        with pytest.raises(UnsupportedError, match="float32"):
+            opport.rmsnorm(X, W, backend="picky2")
+        with opport.strict(False), pytest.warns(opport.FallbackWarning):
+            opport.rmsnorm(X, W, backend="picky2")
+
+
+def test_explain_names_kernel_and_every_rejection():
+    with fake_backend("picky3"):
+        opport.rmsnorm.impl("picky3", name="picky3.fast", priority=2, supports=lambda *a: "needs D % 64 == 0")(_tagging_kernel(1))
+        opport.rmsnorm.impl("picky3", name="picky3.slow", priority=1)(_tagging_kernel(2))
+        d = opport.explain("rmsnorm", X, W, backend="picky3")
+        assert (d.backend, d.kernel, d.mode) == ("picky3", "picky3.slow", "test")
+        assert ("picky3", "picky3.fast", "needs D % 64 == 0") in d.candidates
+        assert "needs D % 64 == 0" in str(d)
+    d = opport.explain(opport.rmsnorm, X, W)
+    assert (d.backend, d.kernel, d.requested) == ("cpu", "cpu.rmsnorm", "input device cpu")
+
+
+def test_selection_is_cached_per_signature():
+    checks = []
+
+    def supports(x, w, eps):
+        checks.append(x.shape)
+
+    with fake_backend("counted"):
+        opport.rmsnorm.impl("counted", supports=supports)(_tagging_kernel(1))
+        for _ in range(5):
+            opport.rmsnorm(X, W, backend="counted")
+        assert checks == [(3, 4)]
+        opport.rmsnorm(X[:2], W, backend="counted")
+        opport.rmsnorm(X.copy(), W, backend="counted")  # same shape and strides: cached
+        assert checks == [(3, 4), (2, 4)]
+        opport.rmsnorm(np.asfortranarray(X), W, backend="counted")  # another layout: selected again
+        assert checks == [(3, 4), (2, 4), (3, 4)]
+
+
+def test_threads_with_cold_cache_agree_with_serial():
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((n, 16)).astype(np.float32) for n in (1, 2, 3, 5, 8)]
+    serial = [opport.rmsnorm(x) for x in inputs]
+    opport.clear_cache()
+    errors, results = [], {}
+    barrier = threading.Barrier(8)
+
+    def worker(t):
+        try:
+            barrier.wait()
+            for i in range(50):
+                j = (t + i) % len(inputs)
+                np.testing.assert_array_equal(opport.rmsnorm(inputs[j]), serial[j])
+            results[t] = True
+        except Exception as e:  # collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 8
