@@ -256,12 +256,22 @@ class OpSpec:
         return self.fixed_out_dtype or self.dtype_of(bound)
 
     def __call__(self, *args, backend=None, **kwargs):
-        from opport.dispatch import call
-
-        return call(self, self._bind(*args, **kwargs), backend)
+        return (_dispatch_call or _load_dispatch())(self, self._bind(*args, **kwargs), backend)
 
     def __repr__(self):
         return f"<opport op {self.name}{self.signature}>"
+
+
+_dispatch_call = None
+
+
+def _load_dispatch():
+    """The dispatcher's entry point, imported on first use (opport.dispatch imports this module)."""
+    global _dispatch_call
+    from opport.dispatch.core import call
+
+    _dispatch_call = call
+    return call
 
 
 def op(arrays: tuple, constraints: dict | None = None, dtypes=FLOATS, out_dtype: str | None = None):
