@@ -77,8 +77,9 @@ class TorchAdapter:
     def to_numpy(t):
         import torch
 
-        t = t.detach()
-        if t.device.type != "cpu":
+        if t.requires_grad:
+            t = t.detach()
+        if not t.is_cpu:
             t = t.cpu()
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(_BF16)
@@ -92,7 +93,11 @@ class TorchAdapter:
     @staticmethod
     def from_native(out, like):
         if isinstance(out, np.ndarray):
-            out = NumpyAdapter.to_torch(out, "cpu")
+            import torch
+
+            # kernels return fresh, writeable arrays, so torch can wrap them without a copy
+            out = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16) if out.dtype == _BF16 else torch.from_numpy(out)
+            return out if like.is_cpu else out.to(like.device)
         return out if out.device == like.device else out.to(like.device)
 
 

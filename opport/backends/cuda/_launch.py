@@ -1,0 +1,179 @@
+"""Launch helpers shared by the Triton kernels: strided layouts, tile sizes, index math.
+
+Layouts. A row-wise kernel (norms, softmax, cross-entropy) reduces over one axis and maps over the
+others; an elementwise kernel maps over everything. Both see a tensor as `lead x cols` where `lead`
+is at most three leading dims (after merging dims that are contiguous with each other in every
+tensor of the launch) and `cols` is the last dim, each with its own stride. So transposed, sliced,
+stride-0 expanded and offset views are read in place. Only a layout that still has more than three
+leading dims after merging (five-plus-d tensors with irregular strides) is copied to contiguous
+first: `Layout.of` returns None and the launcher calls `.contiguous()`; that copy is the only one.
+
+Offsets. Every element offset is computed in int64 (`lead_index`, `at`), so tensors past 2^31
+elements index correctly; pointers stay 64-bit, only the per-tile index vectors widen.
+
+Tile sizes. On a GPU, a program holds whole rows up to `ROW_MAX` elements in registers (one read,
+one write) and packs several short rows per program so that each moves at least ~4K elements.
+In the interpreter (one program at a time, each op a NumPy call with fixed overhead) fewer,
+larger programs are faster, so tiles go up to `INTERP_TILE` elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from opport.backends.cuda import setup
+
+INTERPRET = setup() == "interpreter"  # before any @triton.jit below: Triton reads the mode at definition
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+ROW_MAX = 16384  # whole-row registers: 16K fp32 over 16 warps = 32 values per thread per live array
+GPU_TILE = 4096  # elements per program that keep a memory-bound kernel's loads in flight
+INTERP_TILE = 1 << 16  # interpreter: ~64K elements per NumPy op amortises its per-op overhead
+MAX_LEAD = 3
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def warps_for(elements: int) -> int:
+    """num_warps for a memory-bound tile: ~8-16 values per thread in flight."""
+    return 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+
+
+def torch_to_tl(dtype):
+    import torch
+
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+            torch.float64: tl.float64}[dtype]
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """`n_rows` rows (leading dims `sizes` = (n0, n1, n2)) of `n_cols` columns; per-tensor strides."""
+
+    n_rows: int
+    n_cols: int
+    sizes: tuple  # (n0, n1, n2); a row index r is (r // (n1*n2), r // n2 % n1, r % n2)
+    strides: tuple  # per tensor: (s0, s1, s2, s_col)
+
+    @staticmethod
+    def of(shape: tuple, *strides: tuple, merge_cols: bool = False) -> Layout | None:
+        """Merge dims that are contiguous in every tensor; None if more than MAX_LEAD leading dims remain.
+
+        `merge_cols` also merges the last dim into the leading ones (elementwise ops, where no
+        axis is special), so a contiguous tensor becomes one long row.
+        """
+        dims = [(n, [s[i] for s in strides]) for i, n in enumerate(shape)]
+        if not dims:
+            dims = [(1, [0 for _ in strides])]
+        cols = None if merge_cols else dims.pop()
+        lead = []
+        for n, ss in dims:
+            if n == 1:
+                continue
+            if lead and all(p == s * n for p, s in zip(lead[-1][1], ss)):
+                lead[-1] = (lead[-1][0] * n, ss)
+            else:
+                lead.append((n, ss))
+        if cols is None:
+            cols = lead.pop() if lead else (1, [0 for _ in strides])
+        if len(lead) > MAX_LEAD:
+            return None
+        lead = [(1, [0 for _ in strides])] * (MAX_LEAD - len(lead)) + lead
+        sizes = tuple(n for n, _ in lead)
+        per_tensor = tuple(tuple(ss[t] for _, ss in lead) + (cols[1][t],) for t in range(len(strides)))
+        return Layout(math.prod(sizes), cols[0], sizes, per_tensor)
+
+    def args(self, t: int) -> tuple:
+        return self.strides[t]
+
+
+def rows_layout(inputs: list, out, merge_cols: bool = False) -> tuple[Layout, list]:
+    """Layout for `inputs` + `out` (out last). Inputs with irregular >3-d leading strides are copied."""
+    shape = tuple(out.shape)
+    lay = Layout.of(shape, *(t.stride() for t in inputs), out.stride(), merge_cols=merge_cols)
+    if lay is None:
+        inputs = [t.contiguous() for t in inputs]  # the documented copy (module docstring)
+        lay = Layout.of(shape, *(t.stride() for t in inputs), out.stride(), merge_cols=merge_cols)
+    return lay, inputs
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    block_m: int  # rows per program
+    block_n: int  # columns per chunk
+    single: bool  # the whole row fits one chunk (one read of the input)
+    num_warps: int
+
+    @property
+    def meta(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "SINGLE": self.single}
+
+
+def row_config(n_rows: int, n_cols: int) -> RowConfig:
+    """Tile for a row-wise kernel: whole rows when they fit, else chunks of ROW_MAX columns."""
+    tile = INTERP_TILE if INTERPRET else GPU_TILE
+    cap = INTERP_TILE if INTERPRET else ROW_MAX
+    block_n = min(next_pow2(n_cols), cap)
+    block_m = max(1, min(next_pow2(n_rows), tile // block_n))
+    return RowConfig(block_m, block_n, block_n >= n_cols, warps_for(block_m * block_n))
+
+
+def elementwise_config(lay: Layout) -> RowConfig:
+    """Tile for an elementwise kernel: 2-D (rows x cols) so a short last dim still fills a program."""
+    tile = INTERP_TILE if INTERPRET else 1024
+    block_n = min(next_pow2(lay.n_cols), tile)
+    block_m = max(1, min(next_pow2(lay.n_rows), tile // block_n))
+    return RowConfig(block_m, block_n, True, warps_for(block_m * block_n))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def elementwise(kernel, inputs: list, out, *scalars, **meta):
+    """Launch an elementwise `kernel(*inputs, out, n_rows, n_cols, n1, n2, <4 strides per tensor>, *scalars)`."""
+    if out.numel() == 0:
+        return out
+    lay, inputs = rows_layout(inputs, out, merge_cols=True)
+    cfg = elementwise_config(lay)
+    grid = (cdiv(lay.n_rows, cfg.block_m) * cdiv(lay.n_cols, cfg.block_n),)
+    strides = [s for t in range(len(inputs) + 1) for s in lay.args(t)]
+    kernel[grid](*inputs, out, lay.n_rows, lay.n_cols, lay.sizes[1], lay.sizes[2], *strides, *scalars,
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **meta)
+    return out
+
+
+# --------------------------------------------------------------------------- index math in kernels
+
+
+@triton.jit
+def lead_index(rows, n1, n2):
+    """Leading-dim indices (int64) of flattened row indices `rows` over leading dims (n0, n1, n2)."""
+    r = rows.to(tl.int64)
+    return r // (n1 * n2), (r // n2) % n1, r % n2
+
+
+@triton.jit
+def at(i0, i1, i2, cols, s0, s1, s2, sc):
+    """Element offsets (int64) of leading indices i0..i2 and columns `cols` for one tensor's strides."""
+    return i0 * s0 + i1 * s1 + i2 * s2 + cols.to(tl.int64) * sc
+
+
+@triton.jit
+def elementwise_tile(n_rows, n_cols, n1, n2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of an elementwise launch: (i0, i1, i2) [BLOCK_M, 1], cols [1, BLOCK_N], mask."""
+    pid = tl.program_id(0).to(tl.int64)
+    tiles_n = tl.cdiv(n_cols, BLOCK_N)
+    rows = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i0, i1, i2 = lead_index(rows, n1, n2)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    return i0[:, None], i1[:, None], i2[:, None], cols[None, :], mask
