@@ -25,6 +25,8 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from numpy import ndarray as _ndarray
+
 from opport import errors
 from opport.dtypes import FLOATS
 
@@ -256,7 +258,14 @@ class OpSpec:
         return self.fixed_out_dtype or self.dtype_of(bound)
 
     def __call__(self, *args, backend=None, **kwargs):
-        return (_dispatch_call or _load_dispatch())(self, self._bind(*args, **kwargs), backend)
+        bound = self._bind(*args, **kwargs)
+        if type(bound[0]) is not _ndarray:  # NumPy goes straight to the dispatcher; others may be traced
+            from opport.integrations import route
+
+            out = route(self, bound, backend)
+            if out is not NotImplemented:
+                return out
+        return (_dispatch_call or _load_dispatch())(self, bound, backend)
 
     def __repr__(self):
         return f"<opport op {self.name}{self.signature}>"

@@ -1,9 +1,137 @@
-"""`opport conformance` (placeholder until the runner lands: it refuses to run rather than pass)."""
+"""`opport conformance`: run the suite, print the matrix, write reports, gate (see docs/conformance.md)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rich.console import Console
+
+EXIT_USAGE = 2
 
 
 def add_arguments(p):
-    p.add_argument("--backend", default="cpu")
+    p.add_argument("--backend", action="append", default=None, metavar="NAME",
+                   help="cpu, cuda, neuron or all (every backend that can run here); repeatable. Default: cpu")
+    p.add_argument("--op", action="append", default=[], metavar="NAME", help="only this op (repeatable)")
+    p.add_argument("--dtype", action="append", default=[], metavar="D", help="only this dtype (repeatable)")
+    p.add_argument("--case", action="append", default=[], metavar="NAME",
+                   help="only cases with this name (fnmatch pattern, repeatable); bypasses tier filters")
+    p.add_argument("--tier", choices=("fast", "full"), default="fast",
+                   help="fast: CI (capped examples, no 'large' cases); full: thousands of examples, every layout")
+    p.add_argument("--examples", type=int, default=None, metavar="N", help="Hypothesis examples per op x dtype")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="Hypothesis seed (0 = the derandomized CI profile)")
+    p.add_argument("--json", metavar="F", help="write the JSON report (design.md section 6)")
+    p.add_argument("--junit", metavar="F", help="write JUnit XML (one testcase per case, metrics as properties)")
+    p.add_argument("--markdown", metavar="F", help="write a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)")
+    p.add_argument("--baseline", metavar="F", help="fail on new failures or metrics > 2x this baseline")
+    p.add_argument("--update-baseline", action="store_true", help="rewrite --baseline F from this run")
+    p.add_argument("--known-failures", action="append", default=[], metavar="F",
+                   help="an extra known-failures file (each backend's own known_failures.txt is always read)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="worker processes (default: one per core, max 8; 0 = in this process, no crash isolation)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per-case time limit (default 60)")
+    p.add_argument("--compile-timeout", type=float, default=300.0, metavar="S",
+                   help="extra time for the first case of an op in each worker (JIT compilation; default 300)")
+    p.add_argument("--setup", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="call this in every process before running (registers extra/test backends)")
+    p.add_argument("--no-layouts", action="store_true", help="skip the strided-layout variants")
+    p.add_argument("--no-bad-inputs", action="store_true", help="skip the bad-input cases")
+    p.add_argument("--self-test", action="store_true",
+                   help="check the gate itself: 5 mutant kernels per op must be caught, a crashing backend isolated")
+    p.add_argument("-q", "--quiet", action="store_true", help="no live progress")
 
 
 def run(args) -> int:
-    raise SystemExit("opport conformance: runner not built yet")
+    from opport.conformance.runner import Options
+    from opport.errors import OpError
+
+    if args.update_baseline and not args.baseline:
+        print("opport conformance: --update-baseline needs --baseline FILE", file=sys.stderr)
+        return EXIT_USAGE
+    if args.self_test:
+        return self_test(args)
+    opts = Options(backends=tuple(args.backend or ["cpu"]), ops=tuple(args.op), dtypes=tuple(args.dtype),
+                   cases=tuple(args.case), tier=args.tier, examples=args.examples, seed=args.seed, workers=args.workers,
+                   timeout=args.timeout, compile_timeout=args.compile_timeout, setup=tuple(args.setup),
+                   known_failures=tuple(args.known_failures), baseline=None if args.update_baseline else args.baseline,
+                   errors=not args.no_bad_inputs, layouts=not args.no_layouts)
+    try:
+        report = _run(opts, args.quiet)
+    except (OpError, ValueError) as e:  # unknown op/backend/dtype, malformed known-failures file
+        print(f"opport conformance: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    _write(report, args)
+    return report.exit_code
+
+
+def _run(opts, quiet: bool):
+    from opport.conformance import report as rep
+    from opport.conformance.runner import run as run_suite
+
+    _check_names(opts)
+    live = None if quiet else rep.Live(Console(stderr=True))
+    report = run_suite(opts, live)
+    rep.print_summary(report, Console())
+    return report
+
+
+def _check_names(opts):
+    from opport.dtypes import FLOATS
+    from opport.errors import ArgumentError
+    from opport.ops import get_op
+
+    for name in opts.ops:
+        get_op(name)
+    for d in opts.dtypes:
+        if d not in FLOATS:
+            raise ArgumentError(op="conformance", arg="dtype", constraint="conformance.dtype", expected=f"one of {FLOATS}",
+                                got=repr(d))
+
+
+def _write(report, args):
+    from opport.conformance import gate
+    from opport.conformance import report as rep
+
+    if args.json:
+        rep.write_json(report, args.json)
+    if args.junit:
+        rep.write_junit(report, args.junit)
+    if args.markdown:
+        with open(args.markdown, "a" if args.markdown == os.environ.get("GITHUB_STEP_SUMMARY") else "w") as f:
+            f.write(rep.to_markdown(report))
+    if args.update_baseline:
+        old = gate.load_baseline(args.baseline) if os.path.exists(args.baseline) else {}
+        gate.write_baseline(args.baseline, report.cases, old)
+        Console().print(f"baseline written: {args.baseline} ({len(report.cases)} cases)")
+
+
+def self_test(args) -> int:
+    """Mutant kill matrix (G4) and the crash-isolation check (G5), both on cpu."""
+    from rich.table import Table
+
+    from opport.conformance import faults, mutants
+    from opport.conformance.runner import Options
+    from opport.conformance.runner import run as run_suite
+
+    console = Console()
+    kills = mutants.self_test(ops=args.op or None, examples=args.examples if args.examples is not None else 5)
+    t = Table(title="mutant kernels (each must be caught by a case)")
+    t.add_column("op")
+    for m in mutants.MUTANTS:
+        t.add_column(m)
+    for op in sorted({op for op, _ in kills}):
+        t.add_row(op, *[f"[green]caught[/green]\n[dim]{kills[(op, m)].split('/')[-1]}[/dim]" if kills[(op, m)]
+                        else "[red]SURVIVED[/red]" for m in mutants.MUTANTS])
+    console.print(t)
+    survivors = [k for k, v in kills.items() if v is None]
+    opts = Options(backends=("faulty",), ops=("rmsnorm",), dtypes=("float32",), cases=tuple(faults.EXPECTED), workers=1,
+                   timeout=3.0, compile_timeout=0.0, setup=("opport.conformance.faults:install",), errors=False, layouts=False)
+    report = run_suite(opts)
+    got = {c["case"]: c["status"] for c in report.cases}
+    ok_isolation = got == faults.EXPECTED
+    console.print(f"crash isolation: {'[green]ok[/green]' if ok_isolation else '[red]FAILED[/red]'} "
+                  f"(statuses {got}, expected {faults.EXPECTED})")
+    if survivors:
+        console.print(f"[red]{len(survivors)} mutant(s) survived:[/red] {survivors}")
+    return 0 if not survivors and ok_isolation else 1

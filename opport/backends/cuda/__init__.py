@@ -44,11 +44,13 @@ def _probe() -> str | None:
         if importlib.util.find_spec(mod) is None:
             return f"{mod} is not installed"
     try:
-        import torch  # noqa: F401
-        import triton  # noqa: F401
+        mode = setup()  # before importing triton: its standard library is jit-defined at import
+        import triton.language as tl
     except Exception as e:  # a broken install (ABI mismatch, missing libs) means "cannot run"
         return f"importing torch/triton failed: {type(e).__name__}: {e}"
-    setup()
+    if mode == "interpreter" and type(tl.sum).__name__ != "InterpretedFunction":
+        return ("triton was imported before opport enabled its interpreter (no GPU here); "
+                "set TRITON_INTERPRET=1 before importing triton")
     return None
 
 

@@ -26,8 +26,42 @@ from opport.backends.cuda import setup
 
 INTERPRET = setup() == "interpreter"  # before any @triton.jit below: Triton reads the mode at definition
 
+import numpy as np  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.language.extra import libdevice  # noqa: E402
+
+
+def _fix_interpreter_index():
+    """Let loops run to a kernel argument in the interpreter under NumPy >= 2.4 (triton-lang/triton#9171).
+
+    The interpreter holds scalar arguments as 1-element arrays and converts them with `int(array)`,
+    which NumPy 2.4 refuses, so `for k in range(0, n, BLOCK)` fails. This applies the upstream fix
+    (take the single element) to the interpreter's tensor patching, only when the bug is present.
+    """
+    from triton.runtime import interpreter
+
+    try:
+        int(np.ones(1, np.int32))
+        return
+    except TypeError:
+        pass
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_opport_fixed", False):
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch._opport_fixed = True
+    interpreter._patch_lang_tensor = patch
+
+
+if INTERPRET:
+    _fix_interpreter_index()
+
+INTERPRETED = tl.constexpr(INTERPRET)  # what jit code may read: the interpreter needs the bf16 work-arounds below
 
 ROW_MAX = 16384  # whole-row registers: 16K fp32 over 16 warps = 32 values per thread per live array
 GPU_TILE = 4096  # elements per program that keep a memory-bound kernel's loads in flight
@@ -117,9 +151,14 @@ class RowConfig:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "SINGLE": self.single}
 
 
+def tile_elements() -> int:
+    """Elements one program of a memory-bound kernel should cover (see the module docstring)."""
+    return INTERP_TILE if INTERPRET else GPU_TILE
+
+
 def row_config(n_rows: int, n_cols: int) -> RowConfig:
     """Tile for a row-wise kernel: whole rows when they fit, else chunks of ROW_MAX columns."""
-    tile = INTERP_TILE if INTERPRET else GPU_TILE
+    tile = tile_elements()
     cap = INTERP_TILE if INTERPRET else ROW_MAX
     block_n = min(next_pow2(n_cols), cap)
     block_m = max(1, min(next_pow2(n_rows), tile // block_n))
@@ -128,7 +167,7 @@ def row_config(n_rows: int, n_cols: int) -> RowConfig:
 
 def elementwise_config(lay: Layout) -> RowConfig:
     """Tile for an elementwise kernel: 2-D (rows x cols) so a short last dim still fills a program."""
-    tile = INTERP_TILE if INTERPRET else 1024
+    tile = INTERP_TILE if INTERPRET else 2048  # 2K elements over 4 warps: 16 B loads in flight per thread
     block_n = min(next_pow2(lay.n_cols), tile)
     block_m = max(1, min(next_pow2(lay.n_rows), tile // block_n))
     return RowConfig(block_m, block_n, True, warps_for(block_m * block_n))
@@ -177,3 +216,75 @@ def elementwise_tile(n_rows, n_cols, n1, n2, BLOCK_M: tl.constexpr, BLOCK_N: tl.
     i0, i1, i2 = lead_index(rows, n1, n2)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     return i0[:, None], i1[:, None], i2[:, None], cols[None, :], mask
+
+
+# --------------------------------------------------------------------------- dtype conversions
+# The interpreter (Triton 3.6) stores bfloat16 as raw uint16 bits: its float32 <-> bfloat16 casts truncate
+# instead of rounding and mangle subnormals, and its tl.dot multiplies bfloat16 bit patterns as integers.
+# These helpers do the conversions by bits there (exact, round-to-nearest-even) and use the hardware
+# conversions in compiled mode.
+
+
+@triton.jit
+def f32(x):
+    """x widened to float32, exactly."""
+    if INTERPRETED and x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def narrow(x, dtype: tl.constexpr):
+    """float32 x rounded to `dtype`, nearest-even (NaN stays NaN)."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        b = tl.where(x != x, 0x7FC00000, b + (0x7FFF + ((b >> 16) & 1)))
+        return (b >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def dot_operand(x):
+    """A tl.dot operand: the 16-bit tile itself on a GPU (tensor cores), float32 in the interpreter."""
+    if INTERPRETED and x.dtype == tl.bfloat16:
+        return f32(x)
+    else:
+        return x
+
+
+# --------------------------------------------------------------------------- math shared by kernels
+
+
+@triton.jit
+def exp_f32(x):
+    """float32 exp to ~2 ULP. tl.exp is the fast ex2.approx path (15 ULP at |x| ~ 16, 64 overall, numerics.md
+    3.4), too coarse for float32 softmax's 1.3e-6 rtol; libdevice's expf is not. The interpreter uses NumPy."""
+    if INTERPRETED:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def pow2_scale(m):
+    """Per-row power of two <= m (its exponent bits) for m >= 2, else 1 (also for inf and NaN).
+
+    Dividing a row by it is exact, and keeps float32 sums of squares from overflowing (|x| > 1.8e19).
+    """
+    p = (m.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where((p < 2.0) | (p == float("inf")), 1.0, p)
+
+
+@triton.jit
+def sigmoid_f32(x):
+    """float32 sigmoid that exponentiates only -|x| (no overflow, no 0 * inf)."""
+    e = exp_f32(-tl.abs(x))
+    return tl.where(x >= 0, 1.0, e) / (1.0 + e)
+
+
+@triton.jit
+def silu_f32(x):
+    """x * sigmoid(x) with the limit silu(-inf) = -0.0 (the product alone gives -inf * 0 = NaN)."""
+    return tl.where(x == float("-inf"), -0.0, x * sigmoid_f32(x))

@@ -64,8 +64,7 @@ class Run:
     """One kernel invocation (one LNC program)."""
 
     def __init__(self, name: str = "", program_id: int = 0, num_programs: int = 1, grid_ndim: int = 0):
-        self.target = _target.current()
-        self.stats = KernelStats(kernel=name, target=self.target.name, calls=1)
+        self.stats = KernelStats(kernel=name, target=_target.current().name, calls=1)
         self.program_id, self.num_programs, self.grid_ndim = program_id, num_programs, grid_ndim
         # ScalarE / VectorE accumulation registers, one fp32 per lane; NaN until reset so stale reads show
         self.act_regs = np.full(PMAX, np.nan, np.float32)
@@ -74,6 +73,10 @@ class Run:
         self.psum_live = 0
         self.shared_allocs: list = []  # shared_hbm tensors in allocation order (LNC programs share them)
         self.shared_from: list | None = None
+
+    @property
+    def target(self):
+        return _target.current()
 
     # -- accounting ------------------------------------------------------------------------------
     def count(self, engine: str, n: int = 1):
@@ -127,6 +130,7 @@ def current() -> Run:
 
 @contextlib.contextmanager
 def kernel_run(name: str, program_id: int = 0, num_programs: int = 1, grid_ndim: int = 0, shared_from=None):
+    """Open the run of one LNC program; the caller records the statistics (record())."""
     outer = getattr(_local, "run", None)
     run = Run(name, program_id, num_programs, grid_ndim)
     run.shared_from = shared_from
@@ -135,11 +139,11 @@ def kernel_run(name: str, program_id: int = 0, num_programs: int = 1, grid_ndim:
         yield run
     finally:
         _local.run = outer
-        _record(run.stats)
 
 
 # -- statistics API ----------------------------------------------------------------------------------
-def _record(stats: KernelStats):
+def record(stats: KernelStats):
+    """Publish a finished kernel call's statistics to last_stats() and open collect_stats() blocks."""
     _local.last = stats
     for sink in getattr(_local, "sinks", ()):
         sink.merge(stats)

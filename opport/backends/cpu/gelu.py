@@ -1,0 +1,11 @@
+"""gelu on NumPy: float32 erfc fit (exact form) or stable sigmoid (tanh form), over bounded blocks."""
+
+import numpy as np
+
+from opport.backends.cpu import _activations as act
+from opport.ops.gelu import gelu as spec
+
+
+@spec.impl("cpu")
+def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
+    return act.elementwise(act.gelu_tanh if approximate == "tanh" else act.gelu_erf, x)

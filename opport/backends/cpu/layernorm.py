@@ -1,0 +1,49 @@
+"""layernorm on NumPy: float32 statistics for 16-bit inputs, over row blocks.
+
+The mean is refined once (mean + mean(x - mean)), so rows whose mean is large next to their spread
+are centred to float32 accuracy and constant rows centre to exactly 0. Rows with max|x| above 2**40
+(float32) or 2**400 (float64) are rescaled by a power of two so that sum(d*d) cannot overflow.
+"""
+
+import numpy as np
+
+from opport.backends.cpu._common import rows_in_blocks, upcast
+from opport.ops.layernorm import layernorm as spec
+from opport.ops.layernorm import row_scale
+
+_SCALE_ABOVE = {np.dtype(np.float32): 2.0**40, np.dtype(np.float64): 2.0**400}  # n * max**2 stays finite
+
+
+def _normalise(xf: np.ndarray, eps: float) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) of a 2-d float32/float64 block, in new memory."""
+    t = xf.dtype.type
+    s = row_scale(xf, _SCALE_ABOVE[xf.dtype])
+    xs = xf * s
+    mean = np.mean(xs, axis=-1, keepdims=True)
+    d = xs - mean
+    mean += np.mean(d, axis=-1, keepdims=True)  # the refinement: d is small, so its mean is accurate
+    np.subtract(xs, mean, out=d)
+    var = np.mean(np.square(d, out=xs), axis=-1, keepdims=True)
+    # scaled rows: eps * s**2 may underflow, and a constant row (d == 0) must still give 0 / sqrt(tiny) = 0
+    eps_s = np.where(s < 1, np.maximum(t(eps) * s * s, np.finfo(xf.dtype).tiny), t(eps))
+    return np.multiply(d, 1 / np.sqrt(var + eps_s), out=d)
+
+
+@spec.impl("cpu")
+def layernorm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
+    out = np.empty(x.shape, x.dtype)
+    n = x.shape[-1]
+    if out.size == 0:
+        return out
+    x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
+    w = upcast(weight) if weight is not None else None
+    b = upcast(bias) if bias is not None else None
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for rows in rows_in_blocks(x2.shape[0], 4 * 8 * n):
+            y = _normalise(upcast(x2[rows]), eps)
+            if w is not None:
+                y *= w
+            if b is not None:
+                y += b
+            o2[rows] = y
+    return out

@@ -1,0 +1,11 @@
+"""silu on NumPy: a stable sigmoid in float32 (float64 for float64 inputs), over bounded blocks."""
+
+import numpy as np
+
+from opport.backends.cpu import _activations as act
+from opport.ops.silu import silu as spec
+
+
+@spec.impl("cpu")
+def silu(x: np.ndarray) -> np.ndarray:
+    return act.elementwise(act.silu, x)

@@ -1,0 +1,33 @@
+"""softmax on NumPy: max-subtracted exp and a float32 row sum for 16-bit inputs, over row blocks.
+
+The reduction axis is moved last; when it was not last already, the result is computed in that
+layout and copied back into a contiguous output of x's shape (one extra pass over the output).
+"""
+
+import numpy as np
+
+from opport.backends.cpu._common import rows_in_blocks, upcast
+from opport.ops.softmax import softmax as spec
+
+
+def _softmax_rows(xf: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of a 2-d float32/float64 block, written into new memory only."""
+    e = np.subtract(xf, np.max(xf, axis=-1, keepdims=True))  # an all -inf row: -inf - -inf = NaN
+    np.exp(e, out=e)
+    return np.divide(e, np.sum(e, axis=-1, keepdims=True), out=e)
+
+
+@spec.impl("cpu")
+def softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    axis = axis % max(x.ndim, 1)
+    moved = np.moveaxis(x, axis, -1) if x.ndim else x.reshape(1)
+    out = np.empty(moved.shape, x.dtype)
+    n = moved.shape[-1]
+    if out.size:
+        x2, o2 = moved.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
+        with np.errstate(invalid="ignore", over="ignore"):
+            for rows in rows_in_blocks(x2.shape[0], 3 * 8 * n):
+                o2[rows] = _softmax_rows(upcast(x2[rows]))
+    if x.ndim == 0:
+        return out.reshape(())
+    return out if axis == x.ndim - 1 else np.ascontiguousarray(np.moveaxis(out, -1, axis))

@@ -1,0 +1,44 @@
+"""neuron backend: NKI kernels (NKI >= 0.3 API) run on hardware, the SDK simulator, or opport's emulator.
+
+Importing this package stays cheap: the SDK probe and the emulator load only when the backend is asked.
+"""
+
+import os
+
+from opport.dispatch.registry import Backend
+
+
+def _compat():
+    from opport.backends.neuron import nki_compat
+
+    return nki_compat
+
+
+def _probe():
+    return _compat().UNAVAILABLE  # None: the emulator always works unless OPPORT_NKI=real finds no SDK
+
+
+def _mode() -> str:
+    return _compat().MODE
+
+
+def _versions() -> dict:
+    import ml_dtypes
+    import numpy as np
+
+    return {**_compat().versions(), "numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__,
+            "OPPORT_NKI": os.environ.get("OPPORT_NKI", "auto")}
+
+
+BACKEND = Backend(
+    name="neuron",
+    package=__name__,
+    array_kind="numpy",
+    device_types=("xla", "neuron"),
+    dtypes=("float32", "float16", "bfloat16"),
+    probe=_probe,
+    mode=_mode,
+    versions=_versions,
+    hint="Install the Neuron SDK (`nki`, `neuronx-cc` from AWS's Neuron pip index) for hardware or simulator mode, "
+         "or unset OPPORT_NKI to use opport's emulator.",
+)

@@ -1,0 +1,136 @@
+"""`opport bench --overhead`: what `opport.<op>(...)` adds over calling the selected kernel directly.
+
+Tiny inputs, cached path (the first call fills the selection cache before timing). Public call and
+direct kernel call are timed in alternating batches with the garbage collector off (as `timeit`
+does); the overhead is the median over rounds of (public - direct) per call, with p20/p80.
+Goal (performance.md): <= 5 us (gate), <= 2 us (moonshot).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import time
+
+import numpy as np
+
+from opport.bench.workloads import ArrayMaker, get_workload, seed_for
+from opport.dispatch import backends, explain, kernels
+
+GATE_US, MOONSHOT_US = 5.0, 2.0
+
+
+def measure(specs: list, budget_ms: float = 300.0, kinds=None) -> list:
+    rows = []
+    for spec in specs:
+        wl = get_workload(spec)
+        shape = (wl.shapes_for("smoke") or wl.shapes)[0]
+        for kind in kinds or _kinds():
+            rows.append(_one(spec, wl, shape, kind, budget_ms))
+    return rows
+
+
+def _kinds() -> list:
+    kinds = ["numpy"]
+    if importlib.util.find_spec("torch") is not None:
+        kinds.append("torch-cpu")
+        import torch
+
+        if torch.cuda.is_available():
+            kinds.append("torch-cuda")
+    return kinds
+
+
+def _one(spec, wl, shape, kind: str, budget_ms: float) -> dict:
+    row = {"op": spec.name, "shape": shape.label, "inputs": kind}
+    try:
+        mk = ArrayMaker("numpy" if kind == "numpy" else "torch", "cuda" if kind == "torch-cuda" else "cpu",
+                        seed_for("overhead", spec.name))
+        bound = spec.bind(**wl.make(shape.dims, "float32", mk))
+        d = explain(spec, *bound)
+        kernel = next(k for k in kernels(spec, backends()[d.backend]) if k.name == d.kernel)
+    except Exception as e:
+        return {**row, "status": "error", "error": f"{type(e).__name__}: {e}"}
+    native, converted, note = _direct_calls(kernel, bound, backends()[d.backend].array_kind)
+    sync = _cuda_sync if kind == "torch-cuda" else None
+    spec(*bound)  # fill the selection cache: the cached path is what is measured
+    pub, direct, diffs = _alternate(lambda: spec(*bound), converted, budget_ms, sync)
+    row.update(status="ok", backend=d.backend, kernel=d.kernel, public_us=pub, direct_us=direct,
+               overhead_us=float(np.median(diffs)), p20_us=float(np.quantile(diffs, 0.2)),
+               p80_us=float(np.quantile(diffs, 0.8)), rounds=len(diffs))
+    if native is not converted:  # torch inputs on a NumPy backend: conversion is part of what opport adds
+        p2, d2, diffs2 = _alternate(lambda: spec(*bound), native, budget_ms / 2, sync)
+        row.update(total_added_us=float(np.median(diffs2)), note=note)
+    o = row["overhead_us"]
+    row["goal"] = "moonshot" if o <= MOONSHOT_US else ("gate" if o <= GATE_US else "over")
+    return row
+
+
+def _direct_calls(kernel, bound: tuple, array_kind: str):
+    """(kernel on arrays already of its kind, kernel with the same conversions opport makes, note)."""
+    from opport.dispatch.adapters import TorchAdapter, adapter_for
+
+    torch_in = [a for a in bound if adapter_for(a) is TorchAdapter]
+    if array_kind != "numpy" or not torch_in:
+        f = lambda: kernel.fn(*bound)
+        return f, f, ""
+    to_np = lambda b: tuple(TorchAdapter.to_numpy(a) if adapter_for(a) is TorchAdapter else a for a in b)
+    native_bound, like = to_np(bound), torch_in[0]
+
+    def converted():
+        return TorchAdapter.from_native(kernel.fn(*to_np(bound)), like)
+
+    note = "overhead_us: dispatch only (kernel timed with the same torch<->numpy conversions); total_added_us includes them"
+    return (lambda: kernel.fn(*native_bound)), converted, note
+
+
+def _cuda_sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _batch_us(fn, n: int, sync) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if sync:
+        sync()
+    return (time.perf_counter() - t0) * 1e6 / n
+
+
+def _alternate(public, direct, budget_ms: float, sync):
+    """Alternating batches of public and direct calls; per-call medians and per-round differences (us)."""
+    one = max(min(_batch_us(direct, 5, sync), _batch_us(public, 5, sync)), 0.05)
+    n = max(10, int(500 / one))  # about 0.5 ms per batch: well above timer resolution
+    pubs, dirs = [], []
+    deadline = time.perf_counter() + budget_ms / 1e3
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        while len(pubs) < 15 or (time.perf_counter() < deadline and len(pubs) < 2000):
+            pubs.append(_batch_us(public, n, sync))
+            dirs.append(_batch_us(direct, n, sync))
+    finally:
+        if was:
+            gc.enable()
+    diffs = np.array(pubs) - np.array(dirs)
+    return float(np.median(pubs)), float(np.median(dirs)), diffs
+
+
+def print_overhead(console, rows: list):
+    from rich.table import Table
+
+    t = Table(title=f"dispatch overhead: opport.<op>() minus the selected kernel called directly "
+                    f"(goal <= {GATE_US:g} us, moonshot <= {MOONSHOT_US:g} us)")
+    for col in ("op", "inputs", "kernel", "public us", "direct us", "overhead us [p20-p80]", "goal", "incl. conversion us"):
+        t.add_column(col, justify="left" if col in ("op", "inputs", "kernel") else "right")
+    for r in rows:
+        if r["status"] != "ok":
+            t.add_row(r["op"], r["inputs"], f"[red]{r['status']}[/red]", r.get("error", "")[:70])
+            continue
+        color = {"moonshot": "green", "gate": "yellow", "over": "red"}[r["goal"]]
+        t.add_row(r["op"], r["inputs"], r["kernel"], f"{r['public_us']:.2f}", f"{r['direct_us']:.2f}",
+                  f"{r['overhead_us']:.2f} [{r['p20_us']:.2f}-{r['p80_us']:.2f}]", f"[{color}]{r['goal']}[/{color}]",
+                  f"{r['total_added_us']:.2f}" if "total_added_us" in r else "")
+    console.print(t)

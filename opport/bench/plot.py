@@ -1,0 +1,93 @@
+"""`--plot F`: a roofline chart of every timed row and per-op speedup bars (matplotlib, Agg, PNG)."""
+
+from __future__ import annotations
+
+import math
+
+
+def write_plot(report: dict, path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_roof, ax_bar) = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [1.15, 1]})
+    _roofline(ax_roof, report)
+    _speedups(ax_bar, report)
+    dev = report["device"]["name"]
+    fig.suptitle(f"opport bench --backend {report['backend']} ({report['mode']}) on {dev}, tier {report['tier']}",
+                 fontsize=12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _roofline(ax, report: dict):
+    """x: arithmetic intensity (FLOP per model byte); y: achieved TFLOP/s; the roof from this run's ceilings."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if r.get("ms") and r.get("flops") and r.get("bytes")]
+    c = report["ceilings"]
+    bw, peak = c["copy_GBps"], c["matmul_TFLOPs"]  # GB/s, TFLOP/s of the run's main dtype
+    ops = sorted({r["op"] for r in rows})
+    colors = dict(zip(ops, plt.get_cmap("tab10").colors))
+    markers = {"opport": "o", "torch_eager": "s", "torch_compile": "^", "numpy": "D"}
+    xs = [r["flops"] / r["bytes"] for r in rows] or [1.0]
+    lo, hi = min(xs + [peak * 1e3 / bw]) / 4, max(xs + [peak * 1e3 / bw]) * 4
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(grid, [min(peak, x * bw / 1e3) for x in grid], color="black", lw=2,
+            label=f"roof: {bw:.0f} GB/s copy, {peak:.3g} TFLOP/s matmul")
+    for r in rows:
+        mine = r["impl"] == "opport"
+        ax.scatter(r["flops"] / r["bytes"], r["TFLOPs"], s=60 if mine else 28, marker=markers.get(r["impl"], "x"),
+                   facecolors=colors[r["op"]] if mine else "none", edgecolors=colors[r["op"]], alpha=0.9, zorder=3)
+    for op in ops:
+        ax.scatter([], [], marker="o", color=colors[op], label=op)
+    for impl, m in markers.items():
+        if any(r["impl"] == impl for r in rows):
+            ax.scatter([], [], marker=m, facecolors="black" if impl == "opport" else "none", edgecolors="black",
+                       label=impl + (" (filled)" if impl == "opport" else ""))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / model byte)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title("roofline (each point: one op, shape and provider)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
+
+
+def _speedups(ax, report: dict):
+    """Geometric-mean speedup of opport per op against each baseline (> 1: opport faster)."""
+    per_op = report["summary"]["per_op"]
+    ops = list(per_op)
+    names = sorted({k for v in per_op.values() for k in v if k.startswith("vs_")})
+    if not ops or not names:
+        ax.text(0.5, 0.5, "no baseline ratios in this run", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        vals = [(per_op[op].get(name) or {}).get("geomean") for op in ops]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(ops))]
+        bars = ax.bar(xs, [v or 0 for v in vals], width, label=name.removeprefix("vs_"))
+        for b, v in zip(bars, vals):
+            if v:
+                ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="black", lw=1, ls="--")
+    ax.set_xticks(range(len(ops)))
+    ax.set_xticklabels(ops, rotation=30, ha="right")
+    ax.set_yscale("log")
+    top = max([(per_op[op].get(n) or {}).get("geomean") or 1 for op in ops for n in names] + [1.0])
+    bottom = min([(per_op[op].get(n) or {}).get("geomean") or 1 for op in ops for n in names] + [1.0])
+    ax.set_ylim(bottom / 1.6, top * 1.6)
+    ax.yaxis.set_major_formatter(matplotlib_formatter())
+    ax.set_ylabel("baseline time / opport time (geomean over shapes)")
+    ax.set_title("opport speedup per op (> 1: opport faster)")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+
+
+def matplotlib_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda v, _: f"{v:g}x" if v >= 0.01 and math.isfinite(v) else "")

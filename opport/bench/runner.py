@@ -1,0 +1,253 @@
+"""One benchmark problem: build inputs, check every provider against the reference, time them interleaved.
+
+Providers are opport (the public call, dispatch included) and the baselines a user would call instead,
+all on the same inputs in the same process: torch eager and torch.compile on cuda; torch CPU eager and
+a NumPy composition on cpu (torch.compile too with --compile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from opport.bench.check import compare, to64
+from opport.bench.timing import summarize
+from opport.bench.workloads import ArrayMaker, seed_for
+from opport.dispatch.core import FallbackWarning, explain, metas_of
+
+LAUNCH_BOUND_BYTES = 8 << 20  # performance.md section 4: small/latency-bound shapes (< ~8 MB working set)
+LAUNCH_BOUND_FLOOR_MS = 0.010
+
+
+@dataclass
+class Settings:
+    backend: str
+    kind: str  # what the backend's kernels take: "numpy" or "torch"
+    device: str  # where inputs live
+    timer: object
+    ceilings: object
+    rounds: int = 2
+    budget_ms: float | None = None  # per provider, summed over the rounds
+    compile: bool = False
+    compile_mode: str = "default"
+    graphs: bool = False  # CUDA-graph variant and host wall time for launch-bound shapes
+
+
+@dataclass
+class Provider:
+    impl: str
+    call: str
+    fn: Callable
+    compiled: bool = False
+
+
+def run_shape(spec, wl, shape, dtype: str, st: Settings) -> list:
+    """Rows (dicts) for every provider on one shape and dtype; errors become rows, never exceptions."""
+    base = {"op": spec.name, "shape": shape.label, "case": shape.name, "dims": shape.dims, "dtype": dtype}
+    try:
+        kw = wl.make(shape.dims, dtype, ArrayMaker(st.kind, st.device, seed_for(spec.name, shape.name, dtype)))
+        bound = spec.bind(**kw)
+        cost = spec.get_cost(*metas_of(spec, bound))
+        decision = _explain(spec, bound, st.backend)
+    except Exception as e:
+        return [{**base, "impl": "opport", "status": "error", "error": f"{type(e).__name__}: {e}"}]
+    if decision.kernel is None or decision.backend != st.backend:
+        why = decision.fallback or decision.error or "no kernel"
+        return [{**base, "impl": "opport", "status": "skip", "error": f"no {st.backend} kernel takes it: {why}"}]
+    base.update(bytes=cost.bytes, flops=cost.flops)
+    providers = _providers(spec, wl, bound, st, decision.kernel)
+    ref = _reference(spec, wl, bound, st)
+    rows = [_check(p, ref, spec, dtype, st, base) for p in providers]
+    live = [(p, r) for p, r in zip(providers, rows) if r["status"] != "error"]
+    _time_all(live, st, cost, dtype)
+    _add_ratios(rows)
+    return rows
+
+
+def _explain(spec, bound, backend: str):
+    """The dispatch decision, without the fallback warning: a shape no kernel takes becomes a skip row."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        return explain(spec, *bound, backend=backend)
+
+
+def _providers(spec, wl, bound, st: Settings, kernel: str) -> list:
+    ps = [Provider("opport", f"opport.{spec.name}(..., backend={st.backend!r}) -> {kernel}",
+                   lambda: spec(*bound, backend=st.backend))]
+    torch_ok = wl.torch_eager is not None and importlib.util.find_spec("torch") is not None
+    if torch_ok:
+        tb = _torch_bound(bound, st)
+        call = wl.torch_call
+        if wl.torch_detail is not None:
+            call += f" [{wl.torch_detail(*tb)}]"
+        ps.append(Provider("torch_eager", call, lambda: wl.torch_eager(*tb)))
+        if st.compile:
+            ps.append(_compiled(wl, tb, st))
+    if st.kind == "numpy" and wl.numpy is not None:
+        ps.append(Provider("numpy", wl.numpy_call, lambda: wl.numpy(*bound)))
+    return ps
+
+
+def _torch_bound(bound, st: Settings) -> tuple:
+    if st.kind == "torch":
+        return bound
+    import numpy as np
+
+    from opport.dispatch.adapters import NumpyAdapter
+
+    return tuple(NumpyAdapter.to_torch(a, "cpu") if isinstance(a, np.ndarray) else a for a in bound)
+
+
+def _compiled(wl, tb, st: Settings) -> Provider:
+    import torch
+
+    torch._dynamo.reset()  # every shape compiles afresh: no recompile limit reached, no stale guards
+    cf = torch.compile(wl.torch_eager, dynamic=False, mode=st.compile_mode)
+    call = f"torch.compile({wl.torch_eager.__name__}, dynamic=False, mode={st.compile_mode!r}) of the eager call"
+    return Provider("torch_compile", call, lambda: cf(*tb), compiled=True)
+
+
+def _reference(spec, wl, bound, st: Settings):
+    """float64 reference on the same rounded inputs; None (unchecked) if it cannot be computed."""
+    try:
+        if st.kind == "numpy":
+            return spec.run_reference(*bound)
+        import torch
+
+        b64 = tuple(to64(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in bound)
+        with torch.no_grad():
+            return (wl.torch_reference or wl.torch_eager)(*b64)
+    except Exception as e:
+        return e
+
+
+def _check(p: Provider, ref, spec, dtype: str, st: Settings, base: dict) -> dict:
+    row = {**base, "impl": p.impl, "call": p.call, "status": "ok"}
+    try:
+        out = p.fn()  # also the warm-up: JIT compilation, autotuning, torch.compile happen here
+        _sync(st)
+        if isinstance(ref, Exception):
+            row.update(correct=None, note=f"unchecked: reference failed ({type(ref).__name__}: {ref})")
+        else:
+            ok, metrics = compare(out, ref, spec.tolerances.get(dtype, spec.tolerances["float32"]), dtype)
+            row.update(correct=ok, **metrics)
+        del out
+        if st.timer.device == "cuda":
+            row["peak_MB"] = _peak_mb(p.fn)
+    except Exception as e:
+        row.update(status="error", error=f"{type(e).__name__}: {e}")
+    return row
+
+
+def _peak_mb(fn) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - before) / 2**20, 2)
+
+
+def _time_all(live: list, st: Settings, cost, dtype: str):
+    """Interleaved rounds (every provider once per round), samples pooled per provider."""
+    samples = {id(p): [] for p, _ in live}
+    budget = (st.budget_ms or st.timer.budget_ms) / st.rounds  # the per-provider budget, split over the rounds
+    for _ in range(st.rounds):
+        for p, row in live:
+            if row["status"] == "error":
+                continue
+            try:
+                with _no_recompile(p):
+                    samples[id(p)] += st.timer.samples(p.fn, budget)
+            except Exception as e:
+                row.update(status="error", error=f"while timing: {type(e).__name__}: {e}")
+    floor, bound = st.ceilings.floor_ms(cost.bytes, cost.flops, dtype)
+    launch_bound = cost.bytes < LAUNCH_BOUND_BYTES or floor < LAUNCH_BOUND_FLOOR_MS
+    for p, row in live:
+        if row["status"] == "error" or not samples[id(p)]:
+            continue
+        t = summarize(samples[id(p)])
+        row.update(ms=t.ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, samples=t.n, bound=bound, launch_bound=launch_bound,
+                   GBps=cost.bytes / (t.ms * 1e6), TFLOPs=cost.flops / (t.ms * 1e9), roofline_pct=100 * floor / t.ms)
+        if st.graphs and launch_bound:
+            _graph_and_host(p, row, st)
+
+
+def _graph_and_host(p: Provider, row: dict, st: Settings):
+    try:
+        with _no_recompile(p):
+            row["graph_ms"] = st.timer.graph(p.fn).ms
+    except Exception as e:
+        row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    with contextlib.suppress(Exception), _no_recompile(p):
+        row["host_us"] = st.timer.host_us(p.fn)
+
+
+@contextlib.contextmanager
+def _no_recompile(p: Provider):
+    """torch.compile providers may not recompile while timed (performance.md 5.4)."""
+    if not p.compiled:
+        yield
+        return
+    import torch
+
+    with torch.compiler.set_stance("fail_on_recompile"):
+        yield
+
+
+def _sync(st: Settings):
+    if st.timer.device == "cuda":
+        st.timer.sync()
+
+
+def _add_ratios(rows: list):
+    """vs = baseline time / opport time (> 1: opport faster); performance.md 5.8 sanity notes."""
+    mine = next((r for r in rows if r["impl"] == "opport" and "ms" in r), None)
+    if mine is None:
+        return
+    vs, vs_graph = {}, {}
+    for r in rows:
+        if r is mine or "ms" not in r:
+            continue
+        vs[r["impl"]] = r["ms"] / mine["ms"]
+        if "graph_ms" in r and "graph_ms" in mine:
+            vs_graph[r["impl"]] = r["graph_ms"] / mine["graph_ms"]
+    mine["vs"] = vs
+    if vs_graph:
+        mine["vs_graph"] = vs_graph
+    fast = [k for k, v in vs.items() if v > 2.0]
+    if fast:
+        mine["note"] = f"speedup > 2x over {', '.join(fast)}: re-check (performance.md 5.8)"
+
+
+def run_counts(spec, wl, shape, dtype: str) -> dict:
+    """neuron emulator: DMA bytes and instructions per engine for one call (counts, not speed)."""
+    from opport.bench.neuron import stats_block
+
+    base = {"op": spec.name, "shape": shape.label, "case": shape.name, "dims": shape.dims, "dtype": dtype,
+            "impl": "opport", "status": "ok"}
+    try:
+        kw = wl.make(shape.dims, dtype, ArrayMaker("numpy", "cpu", seed_for(spec.name, shape.name, dtype)))
+        bound = spec.bind(**kw)
+        cost = spec.get_cost(*metas_of(spec, bound))
+        decision = _explain(spec, bound, "neuron")
+        if decision.kernel is None or decision.backend != "neuron":
+            why = decision.fallback or decision.error or "no kernel"
+            return {**base, "status": "skip", "error": f"no neuron kernel takes it: {why}"}
+        t0 = time.perf_counter()
+        with stats_block() as stats:
+            out = spec(*bound, backend="neuron")
+        host_s = time.perf_counter() - t0
+        ok, metrics = compare(out, spec.run_reference(*bound), spec.tolerances.get(dtype, spec.tolerances["float32"]), dtype)
+    except Exception as e:
+        return {**base, "status": "error", "error": f"{type(e).__name__}: {e}"}
+    counts = stats.as_dict()
+    return {**base, "kernel": decision.kernel, "bytes": cost.bytes, "flops": cost.flops, "correct": ok, **metrics,
+            "counts": counts, "hbm_bytes_vs_min": counts["hbm_bytes"] / cost.bytes if cost.bytes else None,
+            "emulator_host_s": round(host_s, 3)}

@@ -1,0 +1,98 @@
+"""attention: Llama-3 GQA (32/8, 64/8 heads), head dim 64/128, S from 1 (decode) to 16K, causal and not."""
+
+import numpy as np
+
+from opport.bench.workloads import Shape, Workload, acc
+
+
+def _s(name, b, hq, hkv, sq, sk, d, causal, tiers):
+    label = f"B{b} H{hq}/{hkv} S{sq}x{sk} D{d}" + (" causal" if causal else "")
+    return Shape(name, label, dict(b=b, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, causal=causal), tiers)
+
+
+SHAPES = [
+    _s("smoke", 1, 2, 1, 16, 16, 32, True, ("smoke",)),
+    _s("gqa-256-hd64-causal", 1, 8, 2, 256, 256, 64, True, ("small",)),
+    _s("mha-128", 1, 8, 8, 128, 128, 128, False, ("small",)),
+    _s("gqa-decode-512", 4, 8, 2, 1, 512, 128, False, ("small",)),
+    _s("mha-4k", 4, 32, 32, 4096, 4096, 128, False, ("llm",)),  # performance.md 2e rows
+    _s("mha-4k-causal", 4, 32, 32, 4096, 4096, 128, True, ("llm",)),
+    _s("llama8b-4k-causal", 4, 32, 8, 4096, 4096, 128, True, ("llm",)),
+    _s("llama8b-16k-causal", 1, 32, 8, 16384, 16384, 128, True, ("llm",)),
+    _s("llama70b-1k-causal", 8, 64, 8, 1024, 1024, 128, True, ("llm",)),
+    _s("mha-2k-hd64", 8, 32, 32, 2048, 2048, 64, False, ("llm",)),
+    _s("llama8b-decode-8k", 32, 32, 8, 1, 8192, 128, False, ("llm",)),
+    _s("llama70b-decode-16k", 8, 64, 8, 1, 16384, 128, False, ("llm",)),
+]
+
+
+def make(d, dtype, mk):
+    b, sq, sk, dh = d["b"], d["sq"], d["sk"], d["d"]
+    return dict(q=mk.normal((b, d["hq"], sq, dh), dtype), k=mk.normal((b, d["hkv"], sk, dh), dtype),
+                v=mk.normal((b, d["hkv"], sk, dh), dtype), causal=d["causal"], scale=None)
+
+
+def _sdpa_args(q, k, causal):
+    """(attn_mask, is_causal): SDPA's is_causal is top-left aligned, opport's bottom-right (they agree when Sq == Sk)."""
+    sq, sk = q.shape[-2], k.shape[-2]
+    if causal and sq != sk:
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(sq, sk), False
+    return None, causal
+
+
+def torch_eager(q, k, v, causal, scale):
+    import torch.nn.functional as F
+
+    mask, is_causal = _sdpa_args(q, k, causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def torch_detail(q, k, v, causal, scale) -> str:
+    """The SDPA backend torch picks for these inputs (performance.md 5.9: name the baseline exactly)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    mask, is_causal = _sdpa_args(q, k, causal)
+    try:
+        c = torch._fused_sdp_choice(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
+                                    enable_gqa=q.shape[1] != k.shape[1])
+    except Exception as e:  # a private API: say that it could not be read rather than guess
+        return f"SDPA backend unknown ({type(e).__name__})"
+    names = {int(b.value): n for n, b in SDPBackend.__members__.items()}
+    return f"SDPA backend {names.get(int(c), c)}"
+
+
+def torch_reference(q, k, v, causal, scale):
+    """float64 SDPA one (batch, kv head) group at a time: the math backend's S x S scores fit in memory."""
+    import torch
+
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    r = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        for g in range(k.shape[1]):
+            heads = slice(g * r, (g + 1) * r)
+            out[b:b + 1, heads] = torch_eager(q[b:b + 1, heads], k[b:b + 1, g:g + 1], v[b:b + 1, g:g + 1], causal, scale)
+    return out
+
+
+def numpy_composition(q, k, v, causal, scale):
+    qf, r = acc(q), q.shape[1] // k.shape[1]
+    kf, vf = np.repeat(acc(k), r, axis=1), np.repeat(acc(v), r, axis=1)
+    s = qf @ kf.swapaxes(-1, -2) * qf.dtype.type(scale if scale is not None else q.shape[-1] ** -0.5)
+    if causal:
+        sq, sk = q.shape[-2], k.shape[-2]
+        s = np.where(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True) @ vf).astype(q.dtype)
+
+
+WORKLOAD = Workload(
+    "attention", SHAPES, make,
+    torch_eager=torch_eager,
+    torch_call="torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal, scale, enable_gqa)",
+    torch_reference=torch_reference, torch_detail=torch_detail,
+    numpy=numpy_composition, numpy_call="softmax(q @ k.T * scale + mask) @ v, kv heads repeated (float32 math)",
+)

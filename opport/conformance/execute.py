@@ -1,0 +1,376 @@
+"""Running one case against one backend, in whatever process calls it (a worker, pytest, or the CLI).
+
+A value case calls the op through the dispatcher with `backend=` inside `opport.strict()`, so a
+kernel that declines can only skip, never fall back to cpu and pass. It calls three times:
+outputs poisoned with NaN, then with a second sentinel, then NaN again (the allocator is poisoned,
+since kernels allocate their own outputs); the reference runs between the first and second call.
+Results must agree bitwise (unless the kernel declares itself non-deterministic), inputs are
+checksummed before and after, and the output is judged by `compare`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+
+import numpy as np
+
+from opport.conformance import compare as cmp
+from opport.conformance.cases import Item, lay_out, layout_ok
+from opport.dispatch import clear_cache, explain, kernels, strict
+from opport.dispatch.core import metas_of
+from opport.dtypes import acc_dtype, np_dtype
+from opport.errors import OpError
+from opport.ops import get_op
+
+SENTINEL = 1234.5  # the second poison: finite, so it survives where a NaN check would not look
+CALLS = 3
+BUILTIN_BASES = (TypeError, ValueError, NotImplementedError, RuntimeError)
+# Messages after which a device context is unusable (cuml PR #7954): the worker must be replaced.
+STICKY = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
+          "an illegal instruction", "CUDA error: uncorrectable", "NRT_EXEC", "hardware error")
+
+
+def new_result(item: Item) -> dict:
+    return {"id": item.id, "op": item.op, "backend": item.backend, "kernel": "", "dtype": item.dtype,
+            "case": item.name, "source": item.source, "layout": item.layout, "tags": list(item.tags),
+            "status": "pass", "metrics": {}, "message": "", "worst": None}
+
+
+def run_item(item: Item) -> dict:
+    """Run one item; never raises (a harness or kernel exception becomes status `error`)."""
+    res = new_result(item)
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)  # overflow in a kernel is judged by its output
+            _dispatch(item, res)
+    except Exception as e:  # the kernel (or the case) raised: report it, keep going
+        res["status"] = "error"
+        res["message"] = f"{type(e).__name__}: {e}\n{_short_tb(e)}"
+        if any(s in str(e) for s in STICKY):
+            res["status"], res["sticky"] = "crash", True
+            res["message"] = "device left unusable (worker replaced): " + res["message"]
+    res["duration_s"] = round(time.perf_counter() - t0, 4)
+    return res
+
+
+def _dispatch(item: Item, res: dict):
+    if item.source == "error":
+        _error_case(item, res)
+    elif item.source == "coverage":
+        res["status"] = "fail"
+        res["message"] = f"declared constraints without a bad-input case: {', '.join(item.missing)}"
+    else:
+        _value_case(item, res)
+
+
+_HARNESS = (f"{os.sep}opport{os.sep}conformance{os.sep}", f"{os.sep}opport{os.sep}dispatch{os.sep}",
+            f"{os.sep}opport{os.sep}spec.py")
+
+
+def _short_tb(e: BaseException, frames: int = 4) -> str:
+    """The last frames of the traceback that are not the harness or the dispatcher (the kernel's own)."""
+    tb = [f for f in traceback.extract_tb(e.__traceback__) if not any(h in f.filename for h in _HARNESS)]
+    return "".join(traceback.format_list(tb[-frames:])).rstrip()
+
+
+# --------------------------------------------------------------------------- value cases
+
+
+def _value_case(item: Item, res: dict):
+    from opport.dispatch import get_backend
+
+    spec, case, b = get_op(item.op), item.case, get_backend(item.backend)
+    tol = case.tolerance or spec.tolerances[item.dtype]
+    if case.tolerance is not None and not case.tolerance.reason:
+        raise ValueError(f"case {case.name}: tolerance override without a reason")
+    laid = lay_out(case, item.layout, _torch_device(b) if item.layout else None)
+    if item.layout and not all(layout_ok(v, item.layout) for v in laid.views):
+        raise AssertionError(f"layout {item.layout} did not produce a strided view")
+    with strict():
+        decision = explain(spec, *laid.args, backend=b.name, **laid.kwargs)
+    if decision.kernel is None or decision.backend != b.name:
+        res["status"], res["message"] = "skip", f"declined by {b.name}: {decision.error or decision.fallback}"
+        return
+    res["kernel"] = decision.kernel
+    kernel = next(k for k in spec.kernels[b.name] if k.name == decision.kernel)
+    sums = [checksum(buf) for buf in laid.buffers]
+
+    outs = [_call(spec, b, laid, np.nan)]
+    ref = np.asarray(spec.run_reference(*laid.ref_args, **laid.ref_kwargs))
+    outs += [_call(spec, b, laid, SENTINEL), _call(spec, b, laid, np.nan)]
+
+    problems = []
+    changed = [i for i, buf in enumerate(laid.buffers) if checksum(buf) != sums[i]]
+    if changed:
+        problems.append(f"kernel wrote into its input (argument buffers {changed} changed)")
+    bound = spec.bind(*laid.ref_args, **laid.ref_kwargs)
+    out_dtype = spec.out_dtype(metas_of(spec, bound))
+    arrays = [o for o, _ in outs]
+    for o, why in outs:
+        if why:
+            return _fail(res, why, problems)
+        msg = cmp.contract(o, ref, out_dtype)
+        if msg:
+            return _fail(res, msg, problems)
+
+    override = case.tolerance is not None
+    verdict = cmp.compare(arrays[0], ref, tol, out_dtype, override)
+    res["metrics"] = dict(verdict.metrics)
+    if not verdict.ok:
+        problems.append(verdict.message)
+        res["worst"] = {**verdict.worst, "inputs": _inputs_at(bound, spec, verdict.worst["index"], ref.shape)}
+    problems += _repeat_problems(arrays, ref, tol, out_dtype, kernel.deterministic, res, override)
+    out64 = arrays[0].astype(np.float64)
+    for inv in spec.invariants:
+        msg = inv(out64, *bound)
+        if msg:
+            problems.append(f"invariant {getattr(inv, '__name__', 'invariant')}: {msg}")
+    if verdict.ok:
+        floor = cmp.noise_floor(arrays[0], ref, plain_numpy(spec, bound, out_dtype), tol, out_dtype)
+        res["metrics"].update(floor.metrics)
+        if not floor.ok:
+            problems.append(floor.message)
+    if problems:
+        _fail(res, "; ".join(problems), [])
+
+
+def _fail(res: dict, msg: str, more: list):
+    res["status"] = "fail"
+    res["message"] = "; ".join([*more, msg])
+
+
+def _torch_device(b) -> str | None:
+    """Layout views are torch tensors: on the backend's device for torch kernels, on the CPU otherwise."""
+    if b.array_kind == "torch":
+        return b.torch_device()
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None  # NumPy views then
+    return "cpu"
+
+
+def _call(spec, b, laid, poison) -> tuple:
+    """(output as a NumPy copy, None) or (None, why the output breaks the contract)."""
+    with poisoned(poison), strict():
+        out = spec(*laid.args, backend=b.name, **laid.kwargs)
+    first = next(a for a in (*laid.args, *laid.kwargs.values()) if hasattr(a, "shape"))
+    return _as_numpy(out, first, laid)
+
+
+def _as_numpy(out, like, laid) -> tuple:
+    """The output copied to NumPy, after checking it is the input's array kind and aliases no input."""
+    torch = sys.modules.get("torch")
+    is_torch = torch is not None and isinstance(like, torch.Tensor)
+    if is_torch:
+        if not isinstance(out, torch.Tensor):
+            return None, f"returned {type(out).__name__} for torch input"
+        if out.device != like.device:
+            return None, f"output on {out.device}, input on {like.device}"
+        ptrs = {_storage(a) for a in (*laid.args, *laid.kwargs.values()) if isinstance(a, torch.Tensor)}
+        if out.numel() and _storage(out) in ptrs:
+            return None, "output aliases an input"
+        from opport.dispatch.adapters import TorchAdapter
+
+        return np.array(TorchAdapter.to_numpy(out), copy=True), None
+    if isinstance(out, np.generic):
+        out = np.asarray(out)
+    if not isinstance(out, np.ndarray):
+        return None, f"returned {type(out).__name__} for NumPy input"
+    if any(isinstance(a, np.ndarray) and out.size and np.shares_memory(out, a) for a in laid.buffers):
+        return None, "output aliases an input"
+    return np.array(out, copy=True), None
+
+
+def _storage(t) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _repeat_problems(arrays, ref, tol, out_dtype, deterministic: bool, res: dict, override: bool) -> list:
+    """Calls 2 and 3 (poisoned with the sentinel, then NaN) must equal call 1 bitwise, or pass on their own."""
+    first = arrays[0]
+    if not deterministic:
+        out = []
+        for k, o in enumerate(arrays[1:], 2):
+            v = cmp.compare(o, ref, tol, out_dtype, override)
+            if not v.ok:
+                out.append(f"call {k}: {v.message}")
+        return out
+    for k, o in enumerate(arrays[1:], 2):
+        if o.tobytes() != first.tobytes():
+            diff = _bit_diff(first, o)
+            idx = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(diff)[0]), diff.shape))
+            sentinel = np.asarray(SENTINEL).astype(np_dtype(out_dtype)).astype(np.float64)
+            unwritten = k == 2 and np.isnan(first.astype(np.float64)[idx]) and o.astype(np.float64)[idx] == sentinel
+            res["worst"] = res["worst"] or {"index": idx, "got": float(first[idx]), "call": k, "got_call": float(o[idx])}
+            what = "output left unwritten (the poison survived)" if unwritten else "nondeterministic"
+            return [f"call {k} differs from call 1 bitwise in {int(diff.sum())} elements ({what}); "
+                    f"first at {idx}: {float(first[idx])!r} vs {float(o[idx])!r}"]
+    return []
+
+
+def _bit_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    u = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    return np.ascontiguousarray(a).view(u) != np.ascontiguousarray(b).view(u)
+
+
+def _inputs_at(bound: tuple, spec, idx: tuple, shape: tuple) -> dict:
+    """The input values behind the worst element: arguments shaped like the output, at the same index."""
+    out = {}
+    for i in spec.array_pos:
+        a = bound[i]
+        if isinstance(a, np.ndarray) and a.shape == shape and a.size:
+            out[spec.params[i]] = float(a[idx])
+    return out
+
+
+def plain_numpy(spec, bound: tuple, out_dtype: str) -> np.ndarray:
+    """The reference evaluated in the accumulation dtype (float32 for 16-bit) on the same inputs, rounded
+    to the output dtype: the noise floor a plain same-dtype NumPy implementation reaches."""
+    args = list(bound)
+    for i in spec.array_pos:
+        a = args[i]
+        if isinstance(a, np.ndarray) and a.dtype.kind in "fV":
+            args[i] = a.astype(acc_dtype(a.dtype.name))
+    with np.errstate(all="ignore"):
+        r = np.asarray(spec._reference(*args))
+        return r.astype(np_dtype(out_dtype))
+
+
+def checksum(buf) -> bytes:
+    """blake2b of an array's bytes (torch tensors are read back to the host)."""
+    if not isinstance(buf, np.ndarray):
+        from opport.dispatch.adapters import TorchAdapter
+
+        buf = TorchAdapter.to_numpy(buf)
+    flat = np.ascontiguousarray(buf).reshape(-1)
+    return hashlib.blake2b(flat.view(np.uint8).data if flat.size else b"").digest()
+
+
+# --------------------------------------------------------------------------- poisoning
+
+
+@contextmanager
+def poisoned(value: float):
+    """Every float buffer from np.empty/np.empty_like (and torch.empty*, when torch is loaded) starts as `value`.
+
+    Kernels allocate their own outputs, so poisoning the allocator is how an unwritten element shows:
+    it keeps the poison, and the two poisons differ.
+    """
+    patches = [(np, "empty", _filled(np.empty, value)), (np, "empty_like", _filled(np.empty_like, value))]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        patches += [(torch, n, _filled_torch(getattr(torch, n), value)) for n in ("empty", "empty_like", "empty_strided")]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    for mod, name, fn in patches:
+        setattr(mod, name, fn)
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def _filled(alloc, value):
+    def empty(*args, **kwargs):
+        out = alloc(*args, **kwargs)
+        if out.dtype.kind in "fcV" and out.dtype.fields is None:
+            out.fill(value)
+        return out
+
+    return empty
+
+
+def _filled_torch(alloc, value):
+    def empty(*args, **kwargs):
+        out = alloc(*args, **kwargs)
+        if out.is_floating_point() and out.device.type != "meta":
+            out.fill_(value)
+        return out
+
+    return empty
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def _error_case(item: Item, res: dict):
+    """The declared error class with the declared constraint id, before any kernel runs, inputs untouched."""
+    from opport.dispatch import get_backend
+
+    spec, ec, b = get_op(item.op), item.error, get_backend(item.backend)
+    res["kernel"] = "-"
+    arrays = [a for a in (*ec.args, *ec.kwargs.values()) if hasattr(a, "shape") and not getattr(a, "is_meta", False)]
+    sums = [checksum(a) for a in arrays]
+    ran: list = []
+    got = None
+    kernels(spec, b)  # load the backend's kernels so the tripwire covers them
+    with tripwire(spec, ran):
+        try:
+            with strict():
+                out = spec(*ec.args, backend=b.name, **ec.kwargs)
+        except Exception as e:  # what we are here to look at
+            got = e
+    problems = []
+    if got is None:
+        problems.append(f"returned {type(out).__name__} instead of raising {ec.error.__name__} [{ec.constraint}]")
+    else:
+        problems += _error_problems(spec, ec, got)
+    if ran:
+        problems.append(f"kernel {ran[0]} ran before the error")
+    if any(checksum(a) != s for a, s in zip(arrays, sums)):
+        problems.append("an input was modified")
+    res["metrics"] = {}
+    if problems:
+        _fail(res, "; ".join(problems), [])
+    else:
+        res["message"] = f"{type(got).__name__}: {got}"
+
+
+def _error_problems(spec, ec, e) -> list:
+    name = f"{type(e).__name__}: {e}"
+    if not isinstance(e, ec.error):
+        return [f"raised {name}, expected {ec.error.__name__} [{ec.constraint}]"]
+    out = []
+    if not isinstance(e, OpError) or not isinstance(e, BUILTIN_BASES):
+        out.append(f"{type(e).__name__} is not an opport.OpError that is also a builtin error")
+    if getattr(e, "constraint", None) != ec.constraint:
+        out.append(f"constraint {getattr(e, 'constraint', None)!r}, expected {ec.constraint!r}")
+    if getattr(e, "op", None) != spec.name:
+        out.append(f"error names op {getattr(e, 'op', None)!r}, expected {spec.name!r}")
+    missing = [a for a in ("arg", "expected", "got") if not hasattr(e, a)]
+    if missing:
+        out.append(f"error lacks {missing}")
+    return out
+
+
+@contextmanager
+def tripwire(spec, ran: list):
+    """Replace every loaded kernel of `spec` with one that records that it ran, then restore them."""
+    saved = []
+    for ks in spec.kernels.values():
+        for k in ks:
+            saved.append((k, k.fn))
+            k.fn = _tripped(k, ran)
+    clear_cache()
+    try:
+        yield
+    finally:
+        for k, fn in saved:
+            k.fn = fn
+        clear_cache()
+
+
+def _tripped(k, ran):
+    def fn(*args, **kwargs):
+        ran.append(k.name)
+        raise RuntimeError(f"tripwire: kernel {k.name} ran on a bad input")
+
+    return fn

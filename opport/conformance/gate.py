@@ -1,0 +1,143 @@
+"""The CI gate: known failures per backend, the metrics baseline, and the exit code.
+
+Known failures live next to each backend's kernels in `known_failures.txt` (format in
+docs/conformance.md): `<case id pattern> | <reason>` per line. A matching case that fails, errors,
+crashes or times out is `xfail`; one that passes is `xpass`, which fails the run so the entry gets
+removed. Entries that matched no case of a run that covered their op and dtype are reported stale.
+
+The baseline is a JSON file of per-case status and metrics. Against it, a run fails on a new failure,
+or on a metric (`tol_ratio`, `floor_ratio`) more than 2x its baseline value (and worse by more than a
+small absolute slack, so noise near zero is not a regression).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+BAD = ("fail", "error", "crash", "timeout")
+FAILING = BAD + ("xpass",)
+STATUSES = ("pass", "fail", "error", "crash", "timeout", "skip", "xfail", "xpass")
+KNOWN_FILE = "known_failures.txt"
+REGRESSION_FACTOR = 2.0
+SLACK = {"tol_ratio": 0.05, "floor_ratio": 0.1}  # absolute increase that must also be exceeded
+
+
+@dataclass
+class KnownFailure:
+    pattern: str
+    reason: str
+    where: str  # file:line
+    matched: int = 0
+
+
+class KnownFailureFileError(ValueError):
+    pass
+
+
+def known_failures_path(backend) -> Path | None:
+    """`known_failures.txt` in the backend's package folder (None if the package has no folder)."""
+    spec = importlib.util.find_spec(backend.package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / KNOWN_FILE
+
+
+def load_known(path: Path) -> list[KnownFailure]:
+    """Parse a known-failures file; every entry needs a reason."""
+    if path is None or not Path(path).exists():
+        return []
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        text = line.strip()
+        if not text or text.startswith("#"):  # a '#' later in the line belongs to the reason (issue links)
+            continue
+        pattern, sep, reason = text.partition("|")
+        if not sep or not reason.strip() or not pattern.strip():
+            raise KnownFailureFileError(f"{path}:{n}: expected '<case id pattern> | <reason>', got {line!r}")
+        if pattern.strip().count("/") != 3:
+            raise KnownFailureFileError(f"{path}:{n}: pattern {pattern.strip()!r} is not <op>/<backend>/<dtype>/<case>")
+        out.append(KnownFailure(pattern.strip(), reason.strip(), f"{path}:{n}"))
+    return out
+
+
+def apply_known(res: dict, entries: list[KnownFailure]) -> dict:
+    """xfail / xpass for a case matched by a known-failure entry (first match wins)."""
+    for e in entries:
+        if fnmatch.fnmatchcase(res["id"], e.pattern):
+            e.matched += 1
+            res["known_failure"] = f"{e.reason} ({e.where})"
+            if res["status"] in BAD:
+                res["status"] = "xfail"
+            elif res["status"] == "pass":
+                res["status"] = "xpass"
+                res["message"] = f"passes but is listed as a known failure: {e.reason} ({e.where})"
+            break
+    return res
+
+
+def stale_known(entries: list[KnownFailure], covered: set) -> list[dict]:
+    """Entries that matched nothing although this run covered their (op, backend, dtype)."""
+    out = []
+    for e in entries:
+        if e.matched:
+            continue
+        op, backend, dtype, _ = e.pattern.split("/")
+        if any(fnmatch.fnmatchcase(o, op) and fnmatch.fnmatchcase(b, backend) and fnmatch.fnmatchcase(d, dtype)
+               for o, b, d in covered):
+            out.append({"pattern": e.pattern, "reason": e.reason, "where": e.where})
+    return out
+
+
+# --------------------------------------------------------------------------- baseline
+
+
+def load_baseline(path) -> dict:
+    """{case id: {"status", "metrics"}} from a baseline file or a full JSON report."""
+    data = json.loads(Path(path).read_text())
+    cases = data.get("cases", {})
+    if isinstance(cases, list):  # a JSON report used as a baseline
+        return {c["id"]: {"status": c["status"], "metrics": c.get("metrics", {})} for c in cases}
+    return cases
+
+
+def write_baseline(path, cases: list, old: dict | None = None):
+    """Merge this run's cases into the baseline (cases not run keep their entry)."""
+    merged = dict(old or {})
+    for c in cases:
+        keep = {k: c["metrics"][k] for k in ("max_abs", "max_rel", "max_ulp", "tol_ratio", "floor_ratio", "rmse_ratio")
+                if c.get("metrics", {}).get(k) is not None}
+        merged[c["id"]] = {"status": c["status"], "metrics": keep}
+    body = {"opport_conformance_baseline": 1, "cases": dict(sorted(merged.items()))}
+    Path(path).write_text(json.dumps(body, indent=1) + "\n")
+
+
+def regressions(cases: list, baseline: dict) -> list[dict]:
+    """New failures and metrics more than 2x their baseline."""
+    out = []
+    for c in cases:
+        old = baseline.get(c["id"])
+        if c["status"] in BAD and (old is None or old["status"] not in BAD + ("xfail",)):
+            out.append({"id": c["id"], "kind": "new failure", "detail": f"{c['status']} (baseline: "
+                        f"{old['status'] if old else 'not in baseline'})"})
+            continue
+        if old is None or c["status"] != "pass" or old["status"] != "pass":
+            continue
+        for key, slack in SLACK.items():
+            new, was = c.get("metrics", {}).get(key), old.get("metrics", {}).get(key)
+            if new is not None and was is not None and new > REGRESSION_FACTOR * was and new - was > slack:
+                out.append({"id": c["id"], "kind": "metric regression", "detail": f"{key} {new:.3g} vs baseline {was:.3g}"})
+    return out
+
+
+def exit_code(summary: dict, regressions_found: list) -> int:
+    """design.md section 6: 0 only if nothing failed, errored, crashed, timed out or xpassed, and a case ran."""
+    ran = sum(summary.get(s, 0) for s in STATUSES if s != "skip")
+    if ran == 0:
+        return 1
+    if any(summary.get(s, 0) for s in FAILING) or regressions_found:
+        return 1
+    return 0

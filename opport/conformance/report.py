@@ -1,0 +1,306 @@
+"""What a run shows and writes: live progress, the op x backend matrix, JSON, JUnit XML, Markdown."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from opport.conformance.gate import BAD, FAILING, STATUSES
+
+SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "n/a": "bad"}
+COLORS = {"pass": "green", "xfail": "yellow", "skip": "dim", "fail": "red", "error": "red", "crash": "red",
+          "timeout": "red", "xpass": "magenta"}
+METRIC_KEYS = ("max_abs", "max_rel", "max_ulp", "tol_ratio", "rmse", "rmse_ratio", "floor_ratio", "mismatches")
+
+
+# --------------------------------------------------------------------------- terminal
+
+
+class Live:
+    """Progress bar plus one line per failure as it happens (with its repro command)."""
+
+    def __init__(self, console: Console | None = None, show_failures: bool = True):
+        self.console = console or Console(stderr=True)
+        self.show_failures = show_failures
+        self.counts = dict.fromkeys(STATUSES, 0)
+        self.progress = None
+        self.task = None
+
+    def start(self, plan):
+        modes = ", ".join(f"{n} ({i['mode'] or 'unavailable'})" for n, i in plan.backends.items())
+        sel = next(iter(plan.selections.values()), None)
+        extra = f", tier {sel.tier}, seed {sel.seed}" if sel else ""
+        self.console.print(f"[bold]opport conformance[/bold]: {modes}{extra}; {len(plan.batches)} batches")
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=self.console, transient=False)
+        self.task = self.progress.add_task(self._describe(), total=0)
+        self.progress.start()
+
+    def add_total(self, n: int):
+        self.progress.update(self.task, total=(self.progress.tasks[0].total or 0) + n)
+
+    def result(self, res: dict):
+        self.counts[res["status"]] += 1
+        if res["source"] not in ("plan", "batch"):
+            self.progress.advance(self.task)
+        self.progress.update(self.task, description=self._describe())
+        if self.show_failures and res["status"] in FAILING:
+            self.progress.console.print(failure_text(res), soft_wrap=True)
+
+    def _describe(self) -> str:
+        parts = [f"[{COLORS[s]}]{s} {n}[/{COLORS[s]}]" for s, n in self.counts.items() if n]
+        return " ".join(parts) or "starting"
+
+    def stop(self):
+        if self.progress:
+            self.progress.stop()
+
+
+def failure_lines(res: dict) -> list[str]:
+    """One failure as plain lines: status and id, message, worst element, repro command."""
+    kernel = f"  ({res['kernel']})" if res["kernel"] else ""
+    lines = [f"{res['status'].upper()} {res['id']}{kernel}"]
+    lines += [f"    {line}" for line in (res["message"] or "").splitlines()[:12]]
+    if res.get("worst"):
+        lines.append(f"    worst element: {_worst_text(res['worst'])}")
+    lines.append(f"    repro: {res.get('repro', '')}")
+    return lines
+
+
+def failure_text(res: dict) -> str:
+    """`failure_lines` with rich markup, as printed live and in the summary."""
+    from rich.markup import escape
+
+    color = COLORS[res["status"]]
+    head, *body = failure_lines(res)
+    status, _, rest = head.partition(" ")
+    out = [f"[{color}]{status}[/{color}] {escape(rest)}"] + [escape(x) for x in body[:-1]]
+    return "\n".join(out + [f"[cyan]{escape(body[-1])}[/cyan]"])
+
+
+def _worst_text(w: dict) -> str:
+    parts = [f"index {tuple(w['index'])}"]
+    if w.get("inputs"):
+        parts.append("input " + ", ".join(f"{k}={v!r}" for k, v in w["inputs"].items()))
+    for k in ("expected", "got", "abs_err", "allowed", "call", "got_call"):
+        if w.get(k) is not None:
+            parts.append(f"{k} {w[k]!r}")
+    return ", ".join(parts)
+
+
+def cells(report) -> dict:
+    """{(op, backend): {dtype: Counter of statuses}}"""
+    grid = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
+    for c in report.cases:
+        grid[(c["op"], c["backend"])][c["dtype"]][c["status"]] += 1
+    return grid
+
+
+def cell_verdict(counts: dict) -> str:
+    """fail | pass | skip for one op x backend x dtype cell."""
+    if any(counts.get(s) for s in FAILING):
+        return "fail"
+    if counts.get("pass") or counts.get("xfail"):
+        return "pass"
+    return "skip"
+
+
+def _cell_line(dtype: str, counts: dict) -> str:
+    total = sum(counts.values())
+    v = cell_verdict(counts)
+    if v == "fail":
+        bad = sum(counts.get(s, 0) for s in FAILING)
+        return f"[red]{SHORT.get(dtype, dtype)} ✗ {bad}/{total}[/red]"
+    if v == "skip":
+        return f"[dim]{SHORT.get(dtype, dtype)} skip[/dim]"
+    x = f" ({counts['xfail']} xfail)" if counts.get("xfail") else ""
+    return f"[green]{SHORT.get(dtype, dtype)} ✓ {counts.get('pass', 0)}[/green]{x}"
+
+
+def matrix(report) -> Table:
+    """op x backend; each cell lists its dtypes (and the bad-input checks) with pass/fail counts."""
+    grid = cells(report)
+    names = list(report.backends)
+    t = Table(title="conformance")
+    t.add_column("op")
+    for n in names:
+        info = report.backends[n]
+        t.add_column(f"{n}\n[dim]{info['mode'] or 'unavailable'}[/dim]")
+    for op in sorted({op for op, _ in grid}):
+        row = [op]
+        for n in names:
+            per = grid.get((op, n))
+            if not per:
+                why = report.backends[n]["unavailable"]
+                row.append("[dim]unavailable[/dim]" if why else "-")
+                continue
+            order = sorted(per, key=lambda d: (d == "n/a", list(SHORT).index(d) if d in SHORT else 9))
+            row.append("\n".join(_cell_line(d, per[d]) for d in order))
+        t.add_row(*row)
+    return t
+
+
+def print_summary(report, console: Console | None = None):
+    console = console or Console()
+    console.print(matrix(report))
+    s = report.summary
+    console.print("  ".join(f"[{COLORS[k]}]{k} {v}[/{COLORS[k]}]" for k, v in s.items()) + f"   ({report.duration_s:.1f} s)")
+    for n, info in report.backends.items():
+        if info["unavailable"]:
+            console.print(f"[dim]{n}: unavailable: {info['unavailable']}[/dim]")
+    fails = report.failures()
+    if fails:
+        console.print(f"\n[bold red]{len(fails)} failing case(s)[/bold red]" + (" (first 30)" if len(fails) > 30 else ""))
+        for res in fails[:30]:
+            console.print(failure_text(res), soft_wrap=True)
+    for e in report.stale:
+        console.print(f"[yellow]stale known failure[/yellow] {e['pattern']} ({e['where']}): matched no case")
+    for r in report.regressions:
+        console.print(f"[red]baseline: {r['kind']}[/red] {r['id']}: {r['detail']}")
+    code = report.exit_code
+    verdict = "[green]PASS[/green]" if code == 0 else "[red]FAIL[/red]"
+    why = "" if code == 0 else " (nothing ran)" if sum(v for k, v in s.items() if k != "skip") == 0 else ""
+    console.print(f"conformance: {verdict}{why}")
+
+
+# --------------------------------------------------------------------------- files
+
+
+def to_json(report) -> dict:
+    """design.md section 6, plus run details (seed, tier, stale entries, baseline regressions)."""
+    names = list(report.backends)
+    single = len(names) == 1
+    o = report.options
+    return {
+        "backend": names[0] if single else "all",
+        "mode": report.backends[names[0]]["mode"] if single else ",".join(f"{n}={i['mode']}" for n, i in report.backends.items()),
+        "versions": report.backends[names[0]]["versions"] if single else {n: i["versions"] for n, i in report.backends.items()},
+        "backends": report.backends,
+        "summary": report.summary,
+        "exit_code": report.exit_code,
+        "tier": o.tier, "seed": o.seed, "examples": o.examples, "duration_s": report.duration_s,
+        "stale_known_failures": report.stale,
+        "baseline_regressions": report.regressions,
+        "cases": [_case_json(c) for c in report.cases],
+    }
+
+
+def _case_json(c: dict) -> dict:
+    keys = ("id", "op", "backend", "kernel", "dtype", "status", "metrics", "message", "repro", "case", "source", "layout",
+            "tags", "worst", "known_failure", "duration_s")
+    return {k: c.get(k) for k in keys if k in c}
+
+
+def write_json(report, path):
+    with open(path, "w") as f:
+        json.dump(to_json(report), f, indent=1, default=_plain)
+        f.write("\n")
+
+
+def _plain(x):
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, (set, tuple)):
+        return list(x)
+    return str(x)
+
+
+def write_junit(report, path):
+    """One <testsuite> per backend, one <testcase> per case, metrics as <property> elements."""
+    root = ET.Element("testsuites", name="opport-conformance", time=f"{report.duration_s:.3f}")
+    by_backend = defaultdict(list)
+    for c in report.cases:
+        by_backend[c["backend"]].append(c)
+    for name, cases in by_backend.items():
+        info = report.backends.get(name, {})
+        counts = defaultdict(int)
+        for c in cases:
+            counts[c["status"]] += 1
+        suite = ET.SubElement(root, "testsuite", name=f"opport.conformance.{name}", tests=str(len(cases)),
+                              failures=str(counts["fail"] + counts["xpass"]),
+                              errors=str(counts["error"] + counts["crash"] + counts["timeout"]),
+                              skipped=str(counts["skip"] + counts["xfail"]),
+                              time=f"{sum(c.get('duration_s') or 0 for c in cases):.3f}")
+        props = ET.SubElement(suite, "properties")
+        ET.SubElement(props, "property", name="mode", value=str(info.get("mode")))
+        for k, v in (info.get("versions") or {}).items():
+            ET.SubElement(props, "property", name=f"version.{k}", value=str(v))
+        for c in cases:
+            _junit_case(suite, c)
+    ET.indent(root)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _junit_case(suite, c: dict):
+    tc = ET.SubElement(suite, "testcase", classname=f"opport.{c['backend']}.{c['op']}.{c['dtype']}", name=c["case"],
+                       time=f"{c.get('duration_s') or 0:.4f}")
+    props = ET.SubElement(tc, "properties")
+    for k in METRIC_KEYS:
+        v = (c.get("metrics") or {}).get(k)
+        if v is not None:
+            ET.SubElement(props, "property", name=k, value=repr(v))
+    for k in ("kernel", "status", "repro"):
+        ET.SubElement(props, "property", name=k, value=str(c.get(k) or ""))
+    text = "\n".join(filter(None, [c["message"], c.get("worst") and f"worst element: {_worst_text(c['worst'])}",
+                                   f"repro: {c.get('repro', '')}"]))
+    first = (c["message"] or c["status"]).splitlines()[0][:500]
+    status = c["status"]
+    if status in ("fail", "xpass"):
+        ET.SubElement(tc, "failure", message=first, type=status).text = text
+    elif status in ("error", "crash", "timeout"):
+        ET.SubElement(tc, "error", message=first, type=status).text = text
+    elif status in ("skip", "xfail"):
+        why = f"xfail: {c.get('known_failure', '')}" if status == "xfail" else first
+        ET.SubElement(tc, "skipped", message=why[:500], type=status)
+
+
+def to_markdown(report) -> str:
+    """A summary for a CI job page ($GITHUB_STEP_SUMMARY): verdict, counts, matrix, failures with repros."""
+    code = report.exit_code
+    s = report.summary
+    names = list(report.backends)
+    out = [f"## opport conformance: {'✅ PASS' if code == 0 else '❌ FAIL'}", ""]
+    modes = ", ".join(f"`{n}` ({i['mode'] or 'unavailable'})" for n, i in report.backends.items())
+    out += [f"Backends {modes}; tier `{report.options.tier}`, seed `{report.options.seed}`, {report.duration_s:.0f} s.", ""]
+    out += ["| " + " | ".join(s) + " |", "|" + "---|" * len(s), "| " + " | ".join(str(v) for v in s.values()) + " |", ""]
+    grid = cells(report)
+    out += ["| op | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for op in sorted({op for op, _ in grid}):
+        row = []
+        for n in names:
+            per = grid.get((op, n), {})
+            row.append("<br>".join(_md_cell(d, per[d]) for d in sorted(per, key=lambda d: d == "n/a")) or "-")
+        out.append(f"| {op} | " + " | ".join(row) + " |")
+    fails = report.failures()
+    if fails:
+        out += ["", f"### Failures ({len(fails)})", ""]
+        for c in fails[:50]:
+            msg = (c["message"] or "").splitlines()[0] if c["message"] else ""
+            out += [f"- **{c['status']}** `{c['id']}` {('(' + c['kernel'] + ')') if c['kernel'] else ''}: {msg}"]
+            if c.get("worst"):
+                out.append(f"  - worst element: {_worst_text(c['worst'])}")
+            out.append(f"  - repro: `{c.get('repro', '')}`")
+    if report.regressions:
+        out += ["", "### Baseline regressions", ""] + [f"- `{r['id']}`: {r['kind']}: {r['detail']}" for r in report.regressions]
+    if report.stale:
+        out += ["", "### Stale known failures", ""] + [f"- `{e['pattern']}` ({e['where']})" for e in report.stale]
+    return "\n".join(out) + "\n"
+
+
+def _md_cell(dtype: str, counts: dict) -> str:
+    v = cell_verdict(counts)
+    total = sum(counts.values())
+    if v == "fail":
+        return f"❌ {SHORT.get(dtype, dtype)} {sum(counts.get(s, 0) for s in FAILING)}/{total}"
+    if v == "skip":
+        return f"⏭️ {SHORT.get(dtype, dtype)}"
+    x = f" ({counts['xfail']} xfail)" if counts.get("xfail") else ""
+    return f"✅ {SHORT.get(dtype, dtype)} {counts.get('pass', 0)}{x}"
+
+
+__all__ = ["BAD", "Live", "matrix", "print_summary", "to_json", "to_markdown", "write_json", "write_junit"]

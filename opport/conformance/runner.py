@@ -1,0 +1,219 @@
+"""Plan a conformance run, execute it (worker processes or in-process), gate it, return the Report."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shlex
+import time
+from dataclasses import dataclass, field
+
+from opport.conformance import gate
+from opport.conformance.cases import SLOW_MODES, Selection
+from opport.conformance.worker import Batch, Pool, run_batch, run_setup
+
+# order of the status counters in summaries
+STATUSES = gate.STATUSES
+
+
+@dataclass
+class Options:
+    backends: tuple = ("cpu",)  # backend names, or ("all",): every backend that can run here
+    ops: tuple = ()  # () = every op
+    dtypes: tuple = ()  # () = every dtype the op and backend share
+    cases: tuple = ()  # case-name patterns
+    tier: str = "fast"
+    examples: int | None = None
+    seed: int = 0
+    workers: int | None = None  # None = one per CPU core (max 8); 0 = in this process, no isolation
+    timeout: float = 60.0  # per case
+    compile_timeout: float = 300.0  # extra for the first case of an op on a backend in each worker
+    setup: tuple = ()  # "module:function" hooks run in every worker (register test backends)
+    known_failures: tuple = ()  # extra known-failure files, on top of each backend's own
+    baseline: str | None = None
+    errors: bool = True  # run the bad-input cases
+    layouts: bool = True
+
+
+@dataclass
+class Report:
+    options: Options
+    backends: dict  # name -> {"mode", "versions", "unavailable"}
+    cases: list = field(default_factory=list)
+    stale: list = field(default_factory=list)
+    regressions: list = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def summary(self) -> dict:
+        out = dict.fromkeys(STATUSES, 0)
+        for c in self.cases:
+            out[c["status"]] += 1
+        return out
+
+    @property
+    def exit_code(self) -> int:
+        return gate.exit_code(self.summary, self.regressions)
+
+    def failures(self) -> list:
+        return [c for c in self.cases if c["status"] in gate.FAILING]
+
+
+@dataclass
+class Plan:
+    options: Options
+    batches: list = field(default_factory=list)
+    preset: list = field(default_factory=list)  # results known without running anything (no kernel, unavailable)
+    backends: dict = field(default_factory=dict)  # name -> {"mode", "versions", "unavailable"}
+    selections: dict = field(default_factory=dict)  # backend -> Selection
+    covered: set = field(default_factory=set)  # (op, backend, dtype) that run
+    known: dict = field(default_factory=dict)  # backend -> known failures (loaded on first use)
+
+
+def plan(options: Options) -> Plan:
+    from opport.dispatch import backends, get_backend, kernels
+    from opport.ops import all_ops, get_op
+
+    specs = [get_op(n) for n in options.ops] if options.ops else list(all_ops().values())
+    everything = "all" in options.backends
+    names = list(backends()) if everything else list(dict.fromkeys(options.backends))
+    p = Plan(options)
+    for name in names:
+        b = get_backend(name)
+        why = b.unavailable()
+        p.backends[name] = {"mode": None if why else b.mode(), "versions": {} if why else _versions(b), "unavailable": why}
+        if why:
+            if not everything:
+                p.preset += [_preset(s.name, name, "n/a", "backend-unavailable", why) for s in specs]
+            continue
+        sel = Selection(options.tier, options.examples, options.seed, tuple(options.cases), b.mode() in SLOW_MODES,
+                        options.layouts)
+        p.selections[name] = sel
+        for spec in specs:
+            _plan_op(p, spec, b, sel, options, kernels(spec, b))
+    p.batches.sort(key=lambda bt: not p.selections[bt.backend].slow)  # slow backends first: shorter tail
+    return p
+
+
+def _plan_op(p: Plan, spec, b, sel: Selection, options: Options, ks: list):
+    if not ks:
+        p.preset.append(_preset(spec.name, b.name, "n/a", "no-kernel", f"no {b.name} kernel for {spec.name}"))
+        return
+    for d in options.dtypes or spec.dtypes:
+        if d not in spec.dtypes or d not in b.dtypes:
+            continue
+        if not any(d in k.dtypes for k in ks):
+            p.preset.append(_preset(spec.name, b.name, d, "no-kernel", f"no {b.name} kernel for {spec.name} in {d}"))
+            continue
+        p.batches.append(Batch("cases", spec.name, b.name, d, sel))
+        p.covered.add((spec.name, b.name, d))
+    if options.errors:
+        p.batches.append(Batch("errors", spec.name, b.name, "n/a", sel))
+
+
+def _versions(b) -> dict:
+    import platform
+
+    import hypothesis
+
+    from opport import __version__
+
+    return {"opport": __version__, "python": platform.python_version(), "hypothesis": hypothesis.__version__,
+            **b.versions()}
+
+
+def _preset(op, backend, dtype, case, why) -> dict:
+    return {"id": f"{op}/{backend}/{dtype}/{case}", "op": op, "backend": backend, "kernel": "", "dtype": dtype,
+            "case": case, "source": "plan", "layout": None, "tags": [], "status": "skip", "metrics": {},
+            "message": why, "worst": None, "index": -1}
+
+
+def default_workers(n_batches: int) -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8, n_batches))
+
+
+def run(options: Options, display=None) -> Report:
+    """Plan, run every batch, apply known failures and the baseline; `display` gets live progress."""
+    t0 = time.perf_counter()
+    run_setup(options.setup)  # the parent must know the same backends as the workers
+    p = plan(options)
+    for name in p.backends:
+        known_for(p, name)  # a malformed file stops the run before anything runs
+    report = Report(options, p.backends)
+
+    def sink(res: dict):
+        gate.apply_known(res, known_for(p, res["backend"]))
+        res["repro"] = repro(res, options, p.selections.get(res["backend"]))
+        report.cases.append(res)
+        if display:
+            display.result(res)
+
+    if display:
+        display.start(p)
+    try:
+        for res in p.preset:
+            sink(res)
+        on_count = display.add_total if display else (lambda n: None)
+        if options.workers == 0:
+            _in_process(p.batches, sink, on_count)
+        elif p.batches:
+            n = options.workers or default_workers(len(p.batches))
+            Pool(n, tuple(options.setup), options.timeout, options.compile_timeout, sink, on_count).run(p.batches)
+    finally:
+        if display:
+            display.stop()
+    order = {name: i for i, name in enumerate(p.backends)}
+    report.cases.sort(key=lambda c: (order.get(c["backend"], 99), c["op"], c["dtype"] == "n/a", c["dtype"], c.get("index", -1)))
+    if not options.cases:
+        report.stale = gate.stale_known([e for es in p.known.values() for e in es], p.covered)
+    if options.baseline and os.path.exists(options.baseline):
+        report.regressions = gate.regressions(report.cases, gate.load_baseline(options.baseline))
+    report.duration_s = round(time.perf_counter() - t0, 2)
+    return report
+
+
+def known_for(p: Plan, backend: str) -> list:
+    """The backend's own known failures plus the extra files' entries for it (cached on the plan)."""
+    from opport.dispatch import get_backend
+
+    if backend not in p.known:
+        extra = [e for path in p.options.known_failures for e in gate.load_known(path)]
+        own = gate.load_known(gate.known_failures_path(get_backend(backend)))
+        p.known[backend] = own + [e for e in extra if fnmatch.fnmatchcase(backend, e.pattern.split("/")[1])]
+    return p.known[backend]
+
+
+def _in_process(batches: list, sink, on_count):
+    """Run batches here, without isolation (debugging, the pytest plugin, fast unit tests)."""
+    from opport.conformance.worker import _batch_result
+
+    for batch in batches:
+        def send(msg, batch=batch):
+            if msg[0] == "count":
+                on_count(max(0, msg[1] - batch.start))
+            elif msg[0] == "result":
+                sink(msg[2])
+            elif msg[0] == "batch_error":
+                sink(_batch_result(batch, "error", msg[1]))
+
+        run_batch(batch, send)
+
+
+def repro(res: dict, options: Options, sel: Selection | None) -> str:
+    """A command that reruns exactly this case."""
+    parts = ["opport", "conformance", "--backend", res["backend"], "--op", res["op"]]
+    if res["dtype"] != "n/a":
+        parts += ["--dtype", res["dtype"]]
+    if res.get("source") not in ("plan", "batch"):
+        parts += ["--case", res["case"]]
+    if res.get("source") == "hypothesis" and sel is not None:
+        parts += ["--seed", str(sel.seed), "--examples", str(sel.n_examples())]
+        if sel.tier != "fast":
+            parts += ["--tier", sel.tier]
+    for hook in options.setup:
+        parts += ["--setup", hook]
+    return " ".join(shlex.quote(x) for x in parts)

@@ -1,0 +1,52 @@
+"""Framework integration: opport ops inside `torch.compile` and `jax.jit`, and model patching.
+
+`OpSpec.__call__` sends every call whose first array is not a NumPy array through `route` before
+the dispatcher. Outside tracing `route` declines (returns NotImplemented) and the call is dispatched
+as usual; while torch.compile traces, the call becomes the custom op `torch.ops.opport.<name>`
+(opport.integrations.torch); when an argument is a JAX tracer, it becomes a `jax.pure_callback` into
+the dispatcher (opport.integrations.jax). Neither framework is imported here unless the caller
+already imported it, and nothing is imported at all on the NumPy path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def route(spec, bound: tuple, backend: str | None):
+    """The traced form of a call, or NotImplemented when the call is not being traced."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.compiler.is_compiling():
+        from opport.integrations.torch import compiled_call
+
+        return compiled_call(spec, bound, backend)
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        tracer = jax.core.Tracer
+        for i in spec.array_pos:
+            if isinstance(bound[i], tracer):
+                from opport.integrations.jax import traced_call
+
+                return traced_call(spec, bound, backend)
+    return NotImplemented
+
+
+def out_shape(spec, metas) -> tuple:
+    """The output shape of a call from its metas: the op's declared rule, else its first array's shape."""
+    rule = getattr(spec, "out_shape", None)  # OpSpec.out_shape (the op's `@<op>.shape` rule), when declared
+    return tuple(rule(metas)) if rule is not None else tuple(metas[spec.array_pos[0]].shape)
+
+
+def small_cases(spec, dtype: str = "float32", limit: int = 2, max_elements: int = 4096) -> list:
+    """A few of the op's own conformance cases, small and free of special values, to check an integration.
+
+    Falls back to the smallest case when none is under `max_elements` elements in all.
+    """
+    import numpy as np
+
+    def size(case):
+        return sum(a.size for a in case.args if isinstance(a, np.ndarray))
+
+    cases = [c for c in spec.get_cases(dtype) if "edge" not in c.tags]
+    small = [c for c in cases if 0 < size(c) <= max_elements][:limit]
+    return small or sorted(cases, key=size)[:1]

@@ -1,0 +1,166 @@
+"""Drop-in opport kernels for Hugging Face Llama-family models (Llama, Mistral, Qwen2).
+
+    from opport.integrations.transformers import patch, unpatch
+    patch(model)     # RMSNorm -> opport.rmsnorm, SwiGLU MLP -> opport.swiglu,
+                     # rotary embedding -> opport.rope, attention -> opport.attention
+    unpatch(model)   # the original forwards again
+
+Patching replaces the `forward` of this model's own module instances (nothing global changes, other
+models are untouched); the weights, the projections (nn.Linear) and the KV cache stay as they are.
+Where a call is outside what an opport op expresses, the patched forward hands it to the model's own
+code for that call:
+- RMSNorm with activations and weight of different dtypes (opport takes one dtype);
+- attention with a materialised mask (padding, sliding window in reach, packed sequences,
+  `attn_implementation="eager"`, which always builds one), with dropout while training, or a prefill
+  whose key length differs from its query length without a mask (static-cache prefill);
+- rotary tables narrower than the head (partial rotary).
+
+Written against transformers 5.x (`pip install 'opport[transformers]'`); the ops are inference-only
+(no autograd), as everywhere in opport.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import opport
+from opport.errors import UnsupportedError
+
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # config.model_type -> class prefix
+_SAVED = "_opport_saved_forward"  # on a patched module: (forward it had in its __dict__ or None,)
+
+
+def patch(model) -> dict:
+    """Swap the RMSNorms, SwiGLU MLPs, rotary embedding and attention of `model` for opport ops.
+
+    Returns how many modules of each kind now run opport ({"rmsnorm": n, "swiglu": n, "attention": n}).
+    Patching an already patched model changes nothing. Raises UnsupportedError for other model types.
+    """
+    prefix = _family_prefix(model)
+    counts = {"rmsnorm": 0, "swiglu": 0, "attention": 0}
+    for module in model.modules():
+        kind = _kind(module, prefix)
+        if kind is None or _SAVED in vars(module):
+            continue
+        make = {"rmsnorm": _rmsnorm_forward, "swiglu": _mlp_forward, "attention": _attention_forward}[kind]
+        vars(module)[_SAVED] = (vars(module).get("forward"),)
+        vars(module)["forward"] = make(module, module.forward)
+        counts[kind] += 1
+    return counts
+
+
+def unpatch(model) -> int:
+    """Give every module `patch` changed its original forward back; returns how many were restored."""
+    restored = 0
+    for module in model.modules():
+        saved = vars(module).pop(_SAVED, None)
+        if saved is None:
+            continue
+        if saved[0] is None:
+            del vars(module)["forward"]  # the class's forward shows through again
+        else:
+            vars(module)["forward"] = saved[0]
+        restored += 1
+    return restored
+
+
+def is_patched(model) -> bool:
+    return any(_SAVED in vars(m) for m in model.modules())
+
+
+def _family_prefix(model) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FAMILIES:
+        raise UnsupportedError(op="transformers.patch", arg="model", constraint="transformers.model_type",
+                               expected=f"a model whose config.model_type is one of {tuple(FAMILIES)}",
+                               got=repr(model_type))
+    return FAMILIES[model_type]
+
+
+def _kind(module, prefix: str) -> str | None:
+    """Which opport op takes this module over, judged by its class (the family's own modeling file)."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers.models."):
+        return None
+    if cls.__name__ == f"{prefix}RMSNorm":
+        return "rmsnorm"
+    if cls.__name__ == f"{prefix}Attention":
+        return "attention"
+    if cls.__name__ == f"{prefix}MLP" and getattr(module.config, "hidden_act", None) in ("silu", "swish"):
+        return "swiglu"
+    return None
+
+
+# --------------------------------------------------------------------------- the patched forwards
+
+
+def _rmsnorm_forward(module, original):
+    def forward(hidden_states):
+        if hidden_states.dtype != module.weight.dtype:
+            return original(hidden_states)
+        return opport.rmsnorm(hidden_states, module.weight, module.variance_epsilon)
+
+    return forward
+
+
+def _mlp_forward(module, original):
+    def forward(x):
+        return module.down_proj(opport.swiglu(module.gate_proj(x), module.up_proj(x)))
+
+    return forward
+
+
+def _attention_forward(module, original):
+    """The Llama-family attention forward with rope and attention from opport (modeling_llama's layout)."""
+    modeling = sys.modules[type(module).__module__]
+    hf_rope, eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
+    attention_functions = modeling.ALL_ATTENTION_FUNCTIONS
+
+    def forward(hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, module.head_dim)
+        q = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        q, k = _rotate(q, k, *position_embeddings, hf_rope)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, module.layer_idx)
+        if _opport_attends(module, q, k, attention_mask):
+            out = opport.attention(q, k, v, causal=q.shape[2] > 1, scale=module.scaling).transpose(1, 2)
+        else:
+            fallback = attention_functions.get_interface(module.config._attn_implementation, eager)
+            out, _ = fallback(module, q, k, v, attention_mask, scaling=module.scaling, sliding_window=_window(module),
+                              dropout=module.attention_dropout if module.training else 0.0, **kwargs)
+        out = out.reshape(*input_shape, -1).contiguous()
+        return module.o_proj(out), None
+
+    return forward
+
+
+def _rotate(q, k, cos, sin, hf_rope):
+    """q and k rotated by opport.rope; HF's tables are [B or 1, S, D] with the half-angle table repeated."""
+    d = q.shape[-1]
+    if cos.shape[-1] != d:  # partial rotary: not an opport.rope layout
+        return hf_rope(q, k, cos, sin)
+    cos, sin = cos[..., : d // 2], sin[..., : d // 2]
+    if cos.shape[0] == 1 and q.shape[0] != 1:
+        cos, sin = cos[0], sin[0]  # one table for the whole batch: [S, D/2]
+    return opport.rope(q, cos, sin), opport.rope(k, cos, sin)
+
+
+def _opport_attends(module, q, k, attention_mask) -> bool:
+    """True when the call is plain causal attention as SDPA would run it without a mask.
+
+    With no mask HF means `is_causal` for Sq > 1 (top-left aligned, equal to opport's bottom-right
+    only when Sq == Sk) and "every key" for Sq == 1 (a decode step, which bottom-right causal equals).
+    """
+    if attention_mask is not None or (module.training and module.attention_dropout > 0):
+        return False
+    sq, sk = q.shape[2], k.shape[2]
+    return sq == 1 or sq == sk
+
+
+def _window(module):
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)

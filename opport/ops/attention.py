@@ -1,0 +1,207 @@
+"""attention: softmax(q @ k^T * scale, masked) @ v with grouped KV heads and a bottom-right causal mask."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from opport import casegen as cg
+from opport.errors import ArgumentError, DTypeError, ShapeError
+from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_bool, check_float, check_ndim, check_same_dtype, op
+
+NAME = "attention"
+
+
+@op(
+    arrays=("q", "k", "v"),
+    constraints={
+        "attention.dtype": "q is float32, float16, bfloat16 or float64",
+        "attention.dtype_mismatch": "k and v have q's dtype",
+        "attention.rank": "q, k, v are 4-d: [B, Hq, Sq, D], [B, Hkv, Sk, D], [B, Hkv, Sk, Dv]",
+        "attention.batch": "q, k, v share the batch size B",
+        "attention.gqa_ratio": "k and v have the same Hkv >= 1 and Hq % Hkv == 0",
+        "attention.head_dim": "k.shape[-1] == q.shape[-1] = D >= 1",
+        "attention.kv_seq": "k and v have the same key length Sk",
+        "attention.causal": "causal is True or False",
+        "attention.scale": "scale is None or a finite number",
+    },
+)
+def attention(q, k, v, causal=False, scale=None):
+    """Scaled dot-product attention, out [B, Hq, Sq, Dv].
+
+    Query head h reads KV head h // (Hq / Hkv) (grouped-query attention). scale defaults to
+    1/sqrt(D). The causal mask is bottom-right aligned (FlashAttention): query i sees key j iff
+    j <= i + Sk - Sq. A query row that sees no key (Sk = 0, or i < Sq - Sk when causal) outputs 0,
+    as does a row whose visible scores are all -inf (SDPA's safe softmax). Masked keys get exactly
+    zero weight: NaN or inf in masked k or v never reaches the output.
+    """
+    check_float(NAME, "q", q)
+    check_same_dtype(NAME, "q", q, k=k, v=v)
+    for arg, m in (("q", q), ("k", k), ("v", v)):
+        check_ndim(NAME, arg, m, 4, constraint="attention.rank")
+    for arg, m in (("k", k), ("v", v)):
+        check(m.shape[0] == q.shape[0], ShapeError, NAME, arg, "attention.batch", f"batch {q.shape[0]} (as q)", m.shape)
+    hq, hkv = q.shape[1], k.shape[1]
+    check(hkv >= 1 and hq % hkv == 0, ShapeError, NAME, "k", "attention.gqa_ratio", f"Hkv >= 1 dividing Hq = {hq}", k.shape)
+    check(v.shape[1] == hkv, ShapeError, NAME, "v", "attention.gqa_ratio", f"Hkv = {hkv} heads (as k)", v.shape)
+    check(q.shape[3] >= 1 and k.shape[3] == q.shape[3], ShapeError, NAME, "k", "attention.head_dim",
+          f"head dim D = {q.shape[3]} (as q), >= 1", k.shape)
+    check(v.shape[2] == k.shape[2], ShapeError, NAME, "v", "attention.kv_seq", f"Sk = {k.shape[2]} (as k)", v.shape)
+    check_bool(NAME, "causal", causal)
+    ok = scale is None or (isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool) and math.isfinite(scale))
+    check(ok, ArgumentError, NAME, "scale", "attention.scale", "None or a finite number", repr(scale))
+
+
+def visible_keys(sq: int, sk: int, causal: bool) -> np.ndarray:
+    """For each query row, how many keys (a prefix) it sees: min(Sk, max(0, i + Sk - Sq + 1)) when causal."""
+    i = np.arange(sq)
+    return np.clip(i + sk - sq + 1, 0, sk) if causal else np.full(sq, sk)
+
+
+@attention.reference
+def _reference(q, k, v, causal, scale):
+    b, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    out = np.zeros((b, hq, sq, dv))
+    if sk == 0 or sq == 0:
+        return out
+    g = hq // hkv
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    nvis = visible_keys(sq, sk, causal)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for i in range(sq):  # each row over its visible prefix only, so masked k/v values never enter
+            n = nvis[i]
+            if n == 0:
+                continue
+            s = np.einsum("bhd,bhkd->bhk", q[:, :, i], k[:, :, :n]) * scale
+            m = s.max(axis=-1, keepdims=True)
+            m = np.where(m == -np.inf, 0.0, m)  # all -inf: weights 0, row stays 0
+            p = np.exp(s - m)
+            den = p.sum(axis=-1)[..., None]
+            row = np.einsum("bhk,bhkd->bhd", p, v[:, :, :n])
+            out[:, :, i] = np.where(den == 0, 0.0, row / np.where(den == 0, 1.0, den))
+    return out
+
+
+_WHY = "numerics.md 3.3: K-accumulating (over D and Sk), norm-wise against max|r|"
+attention.tolerance(
+    float64=Tolerance(1e-7, 1e-7, "normwise", reason=_WHY),
+    float32=Tolerance(1e-5, 1e-5, "normwise", reason=_WHY),
+    float16=Tolerance(2e-3, 1e-5, "normwise", reason=_WHY + "; fp32 accumulation"),
+    bfloat16=Tolerance(1.6e-2, 1e-5, "normwise", reason=_WHY + "; fp32 accumulation"),
+)
+
+
+def _qkv(rng, dtype, b, hq, hkv, sq, sk, d, dv=None, qk_scale=1.0, v_dist="normal"):
+    """q and k are normal with std qk_scale, so scores have std ~qk_scale**2: softmax amplifies the float32
+    rounding of a score s (~eps·|s|) into the output, so well-conditioned cases keep |s| in the low hundreds
+    at most; v, which enters linearly, may take any distribution."""
+    q = cg.array((b, hq, sq, d), dtype, rng, "normal", qk_scale)
+    k = cg.array((b, hkv, sk, d), dtype, rng, "normal", qk_scale)
+    v = cg.array((b, hkv, sk, dv or d), dtype, rng, v_dist, 1.0)
+    return q, k, v
+
+
+def _case(name, dtype, b, hq, hkv, sq, sk, d, dv=None, causal=False, scale=None, v_dist="normal", qk_scale=1.0, tags=()):
+    q, k, v = _qkv(cg.rng_for(NAME, name, dtype), dtype, b, hq, hkv, sq, sk, d, dv, qk_scale, v_dist)
+    return Case(name, (q, k, v), {"causal": causal, "scale": scale}, tags)
+
+
+def _nan_under_mask(dtype: str) -> Case:
+    """Causal with Sq > Sk: NaN/inf in every k and v position some query must not see; the first rows see nothing."""
+    rng = cg.rng_for(NAME, "nan-under-mask", dtype)
+    sq, sk = 48, 40
+    q, k, v = _qkv(rng, dtype, 1, 4, 2, sq, sk, 32)
+    k[:, :, sk - 3:, ::5] = cg.cast(np.nan, dtype)  # the last keys are masked for all but the last rows
+    v[:, :, sk - 3:, ::7] = cg.cast(np.inf, dtype)
+    q[:, :, : sq - sk] = cg.cast(np.nan, dtype)  # rows that see no key: output 0 whatever q holds
+    return Case("nan-under-mask", (q, k, v), {"causal": True, "scale": None}, ("edge",))
+
+
+def _nonfinite_visible(dtype: str) -> Case:
+    """A NaN in one query row and +inf scores in one head: those rows are NaN, every other row is untouched."""
+    rng = cg.rng_for(NAME, "nonfinite-visible", dtype)
+    q, k, v = _qkv(rng, dtype, 1, 2, 2, 16, 16, 32)
+    q[0, 0, 3, 4] = cg.cast(np.nan, dtype)
+    k[0, 1, 5, :] = cg.cast(np.inf, dtype)
+    q[0, 1, :, :] = np.abs(q[0, 1])  # q·k[5] = +inf exactly (no inf - inf)
+    return Case("nonfinite-visible", (q, k, v), {"causal": False, "scale": None}, ("edge",))
+
+
+@attention.cases
+def _cases(dtype):
+    yield _case("prefill-h8-d64", dtype, 1, 8, 8, 128, 128, 64, tags=("llm",))
+    yield _case("prefill-causal-h4-d128", dtype, 1, 4, 4, 64, 64, 128, causal=True, tags=("llm",))
+    yield _case("gqa-8-2-causal", dtype, 1, 8, 2, 96, 96, 64, causal=True, tags=("llm",))
+    yield _case("gqa-8-2", dtype, 2, 8, 2, 33, 47, 64)
+    yield _case("mqa-4-1-causal", dtype, 1, 4, 1, 70, 70, 32, causal=True)
+    yield _case("decode", dtype, 2, 8, 2, 1, 300, 128, causal=True, tags=("llm",))
+    yield _case("decode-noncausal", dtype, 1, 4, 4, 1, 129, 64)
+    yield _case("chunked-prefill-sq-lt-sk", dtype, 1, 4, 2, 37, 150, 64, causal=True, tags=("llm",))
+    yield _case("sq-gt-sk-causal-masked-rows", dtype, 1, 2, 1, 50, 20, 64, causal=True, tags=("edge",))
+    yield _case("sq-gt-sk-noncausal", dtype, 1, 2, 1, 50, 20, 64)
+    yield _case("dv-ne-d", dtype, 1, 2, 2, 17, 23, 64, dv=32, causal=True)
+    yield _case("head-dim-1", dtype, 1, 1, 1, 9, 9, 1)
+    yield _case("scale-explicit", dtype, 1, 2, 2, 31, 31, 64, scale=0.5)
+    yield _case("empty-kv", dtype, 1, 2, 2, 5, 0, 64, tags=("edge",))
+    yield _case("empty-q", dtype, 1, 2, 2, 0, 7, 64, tags=("edge",))
+    # scores up to ~150: exp overflows float32 unless the running max is subtracted
+    yield _case("large-scores", dtype, 1, 2, 2, 65, 65, 64, causal=True, qk_scale=5.0, tags=("edge",))
+    yield _case("heavy-tailed-v", dtype, 1, 2, 1, 64, 64, 64, v_dist="heavy")
+    yield _case("loguniform-v", dtype, 1, 2, 1, 40, 64, 64, v_dist="loguniform", causal=True)
+    yield _nan_under_mask(dtype)
+    yield _nonfinite_visible(dtype)
+
+
+@attention.strategy
+def _strategy(dtype):
+    from hypothesis import strategies as st
+
+    @st.composite
+    def case(draw):
+        b, hkv, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4]))
+        sq, sk = draw(cg.dims(0, 80)), draw(cg.dims(0, 80))
+        d = draw(st.sampled_from([1, 8, 16, 17, 32, 64]))
+        dv = draw(st.sampled_from([d, d, 8, 24]))
+        causal = draw(st.booleans())
+        scale = draw(st.sampled_from([None, None, 0.05, 1.0]))
+        v_dist, qk_scale, seed = draw(cg.dists(specials=False)), draw(st.sampled_from([0.1, 1.0, 3.0])), draw(cg.seeds())
+        q, k, v = _qkv(np.random.default_rng(seed), dtype, b, hkv * g, hkv, sq, sk, d, dv, qk_scale, v_dist)
+        return Case(f"hyp-{seed}", (q, k, v), {"causal": causal, "scale": scale}, ("hypothesis",))
+
+    return case()
+
+
+@attention.error_cases
+def _error_cases():
+    def t(*shape, dt=np.float32):
+        return np.ones(shape, dt)
+
+    q, k, v = t(1, 4, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)
+    yield ErrorCase("attention.dtype", DTypeError, (t(1, 4, 8, 16, dt=np.int32), k, v))
+    yield ErrorCase("attention.dtype_mismatch", DTypeError, (q, t(1, 2, 8, 16, dt=np.float16), v))
+    yield ErrorCase("attention.dtype_mismatch", DTypeError, (q, k, t(1, 2, 8, 16, dt=np.float64)))
+    yield ErrorCase("attention.rank", ShapeError, (t(4, 8, 16), k, v))
+    yield ErrorCase("attention.rank", ShapeError, (q, k, t(1, 2, 8, 16, 1)))
+    yield ErrorCase("attention.batch", ShapeError, (q, t(2, 2, 8, 16), t(2, 2, 8, 16)))
+    yield ErrorCase("attention.gqa_ratio", ShapeError, (q, t(1, 3, 8, 16), t(1, 3, 8, 16)))
+    yield ErrorCase("attention.gqa_ratio", ShapeError, (q, t(1, 0, 8, 16), t(1, 0, 8, 16)))
+    yield ErrorCase("attention.gqa_ratio", ShapeError, (q, k, t(1, 4, 8, 16)))
+    yield ErrorCase("attention.head_dim", ShapeError, (q, t(1, 2, 8, 32), v))
+    yield ErrorCase("attention.head_dim", ShapeError, (t(1, 4, 8, 0), t(1, 2, 8, 0), v))
+    yield ErrorCase("attention.kv_seq", ShapeError, (q, k, t(1, 2, 9, 16)))
+    yield ErrorCase("attention.causal", ArgumentError, (q, k, v), {"causal": 1})
+    yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": float("inf")})
+    yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": "0.1"})
+
+
+@attention.cost
+def _cost(q, k, v, causal, scale):
+    b, hq, sq, d = q.shape
+    sk, dv = k.shape[2], v.shape[3]
+    item = np.dtype(cg.np_dtype(q.dtype)).itemsize
+    pairs = int(visible_keys(sq, sk, causal).sum())  # (query, key) pairs that are computed: ~half when causal
+    out = b * hq * sq * dv
+    return Cost(bytes=(q.size + k.size + v.size + out) * item, flops=2 * b * hq * pairs * (d + dv))

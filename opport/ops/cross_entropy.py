@@ -1,0 +1,195 @@
+"""cross_entropy: logsumexp(row) - row[target] per row of logits [N, V], with ignore_index, smoothing, reductions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from opport import casegen as cg
+from opport.dtypes import INTS
+from opport.errors import ArgumentError, DTypeError, ShapeError
+from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_choice, check_float, op
+
+NAME = "cross_entropy"
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@op(
+    arrays=("logits", "target"),
+    constraints={
+        "cross_entropy.dtype": "logits is float32, float16, bfloat16 or float64",
+        "cross_entropy.logits_shape": "logits is 2-d [N, V] with V >= 1",
+        "cross_entropy.target_dtype": f"target is an integer array ({', '.join(INTS)})",
+        "cross_entropy.target_shape": "target.shape == (N,)",
+        "cross_entropy.ignore_index": "ignore_index is an int",
+        "cross_entropy.reduction": f"reduction is one of {REDUCTIONS}",
+        "cross_entropy.label_smoothing": "label_smoothing is a number in [0, 1]",
+    },
+    out_dtype="float32",
+)
+def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """Softmax cross-entropy of integer class targets, always returned in float32.
+
+    Row loss = logsumexp(row) - row[target]; with smoothing eps: (1 - eps)·that + eps·(logsumexp - mean(row)).
+    Rows whose target == ignore_index have loss 0 and are left out of the mean's count; with every
+    row ignored (or N = 0), "mean" is NaN, as in torch. reduction "none" -> [N], "sum"/"mean" -> 0-d.
+    A target outside [0, V) that is not ignore_index cannot be seen by validation (it looks at
+    shapes and dtypes only, which keeps calls cacheable and free of device syncs): that row's loss
+    is NaN, which poisons "sum" and "mean" (the departure PyTorch PR #195829 documents).
+    """
+    check_float(NAME, "logits", logits)
+    check(logits.ndim == 2 and logits.shape[1] >= 1, ShapeError, NAME, "logits", "cross_entropy.logits_shape",
+          "2-d [N, V] with V >= 1", logits.shape)
+    check(target.dtype in INTS, DTypeError, NAME, "target", "cross_entropy.target_dtype", f"one of {', '.join(INTS)}",
+          target.dtype)
+    check(target.shape == logits.shape[:1], ShapeError, NAME, "target", "cross_entropy.target_shape",
+          f"({logits.shape[0]},) = (N,)", target.shape)
+    ok = isinstance(ignore_index, (int, np.integer)) and not isinstance(ignore_index, (bool, np.bool_))
+    check(ok, ArgumentError, NAME, "ignore_index", "cross_entropy.ignore_index", "an int", repr(ignore_index))
+    check_choice(NAME, "reduction", reduction, REDUCTIONS)
+    ls = label_smoothing
+    ok = isinstance(ls, (int, float, np.floating)) and not isinstance(ls, bool) and math.isfinite(ls) and 0 <= ls <= 1
+    check(ok, ArgumentError, NAME, "label_smoothing", "cross_entropy.label_smoothing", "a number in [0, 1]", repr(ls))
+
+
+def reduce_losses(loss: np.ndarray, ignored: np.ndarray, reduction: str):
+    """Apply the reduction to per-row losses (ignored rows already 0); the mean divides by the kept rows."""
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    if reduction == "sum":
+        return np.asarray(total)
+    kept = int(ignored.size - np.count_nonzero(ignored))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.asarray(total / loss.dtype.type(kept))
+
+
+@cross_entropy.reference
+def _reference(logits, target, ignore_index, reduction, label_smoothing):
+    n, v = logits.shape
+    t = target.astype(np.int64)
+    ignored = t == ignore_index
+    valid = (t >= 0) & (t < v)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = logits.max(axis=1, initial=-np.inf)
+        lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
+        nll = lse - logits[np.arange(n), np.clip(t, 0, v - 1)]
+        loss = (1 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(axis=1)) if label_smoothing else nll
+    loss = np.where(ignored, 0.0, np.where(valid, loss, np.nan))
+    return reduce_losses(loss, ignored, reduction)
+
+
+# numerics.md 3.3: the loss is judged relative to itself; atol covers losses that are ~0 (peaked rows), whose
+# float32 result carries an absolute error of a few eps·log(V), not a relative one.
+cross_entropy.tolerance(
+    float64=Tolerance(1e-7, 1e-9, reason="numerics.md 3.2 (float64 computes in float64)"),
+    float32=Tolerance(1e-5, 1e-6, reason="numerics.md 3.3: loss relative, fp32 inputs"),
+    float16=Tolerance(1e-4, 1e-6, reason="numerics.md 3.3: loss returned in fp32 with fp32 accumulation"),
+    bfloat16=Tolerance(1e-4, 1e-6, reason="numerics.md 3.3: loss returned in fp32 with fp32 accumulation"),
+)
+
+
+def _case(name, dtype, n, v, ignore=(), ignore_index=-100, reduction="mean", smoothing=0.0, dist="normal", scale=1.0,
+          peaked=None, shift=0.0, tags=()):
+    rng = cg.rng_for(NAME, name, dtype)
+    x = rng.standard_normal((n, v)) * scale if dist == "normal" else cg.array((n, v), "float64", rng, dist, scale)
+    t = rng.integers(0, v, n)
+    if peaked is not None:  # the target logit stands `peaked` above the rest: loss ~ V·exp(-peaked)
+        x[np.arange(n), t] = x.max(axis=1) + peaked
+    x += shift  # all logits negative: a masked tail that loads 0 instead of -inf becomes the row max
+    t[list(ignore)] = ignore_index
+    return Case(name, (cg.cast(x, dtype), t), {"ignore_index": ignore_index, "reduction": reduction,
+                                               "label_smoothing": smoothing}, tags)
+
+
+@cross_entropy.cases
+def _cases(dtype):
+    yield _case("llama2-vocab", dtype, 4, 32000, ignore=(2,), tags=("llm",))
+    yield _case("llama3-vocab", dtype, 4, 128256, reduction="sum", tags=("llm",))
+    yield _case("llama3-vocab-smoothing", dtype, 2, 128256, smoothing=0.1, reduction="none", tags=("llm",))
+    yield _case("gpt2-vocab-odd", dtype, 3, 50257, ignore=(1,), reduction="none")  # V % any power-of-2 block != 0
+    yield _case("v-block-plus-1", dtype, 5, 4097, smoothing=0.05)
+    yield _case("v-1", dtype, 6, 1, ignore=(0,))
+    yield _case("v-small-many-rows", dtype, 300, 23, ignore=range(0, 300, 7))
+    yield _case("ignore-positive", dtype, 8, 1000, ignore=(0, 5), ignore_index=7)
+    yield _case("all-ignored-mean", dtype, 4, 100, ignore=range(4), tags=("edge",))
+    yield _case("all-ignored-sum", dtype, 4, 100, ignore=range(4), reduction="sum", tags=("edge",))
+    yield _case("empty-batch-mean", dtype, 0, 100, tags=("edge",))
+    yield _case("empty-batch-none", dtype, 0, 100, reduction="none", tags=("edge",))
+    yield _case("smoothing-1", dtype, 4, 300, smoothing=1.0, reduction="none")
+    # peaked rows: losses ~0.05, still resolvable in float32 (log(1 + t) rounds to 0 below t ~ 1e-7, as in torch)
+    yield _case("peaked", dtype, 4, 32000, peaked=10.0, reduction="none", tags=("edge",))
+    yield _case("peaked-negative", dtype, 4, 50257, peaked=6.0, shift=-30.0, reduction="none", tags=("edge",))
+    yield _case("peaked-smoothing", dtype, 4, 32000, peaked=30.0, smoothing=0.1, reduction="none", tags=("edge",))
+    yield _case("logits-1e4", dtype, 4, 4099, scale=1e4, reduction="none", tags=("edge",))
+    yield _case("logits-1e4-peaked", dtype, 4, 4099, scale=1e4, peaked=5.0, reduction="none", tags=("edge",))
+    yield _case("heavy-tails", dtype, 8, 3000, dist="heavy", scale=3.0, reduction="none")
+    yield _out_of_range(dtype)
+    yield _neg_inf_logits(dtype)
+
+
+def _out_of_range(dtype: str) -> Case:
+    """Targets V and -1 (not ignore_index): NaN rows, which poison the mean; the ignored row stays 0."""
+    rng = cg.rng_for(NAME, "target-out-of-range", dtype)
+    t = np.array([3, 100, -1, -100, 7])
+    return Case("target-out-of-range", (cg.array((5, 100), dtype, rng), t), {"reduction": "none"}, ("edge",))
+
+
+def _neg_inf_logits(dtype: str) -> Case:
+    """Masked-out vocabulary entries (-inf logits) away from the target, and a NaN in an ignored row."""
+    rng = cg.rng_for(NAME, "neg-inf-logits", dtype)
+    x = rng.standard_normal((4, 300))
+    t = rng.integers(0, 150, 4)
+    x[:, 150:] = -np.inf
+    t[3] = -100
+    x[3, 10] = np.nan
+    return Case("neg-inf-logits", (cg.cast(x, dtype), t), {"reduction": "none"}, ("edge",))
+
+
+@cross_entropy.strategy
+def _strategy(dtype):
+    from hypothesis import strategies as st
+
+    @st.composite
+    def case(draw):
+        n, v = draw(st.integers(0, 40)), draw(st.one_of(cg.dims(1, 5000), st.sampled_from([4095, 4096, 4097, 8193])))
+        ignore_index = draw(st.sampled_from([-100, -1, 0, 3]))
+        reduction = draw(st.sampled_from(REDUCTIONS))
+        smoothing = draw(st.sampled_from([0.0, 0.0, 0.1, 0.5]))
+        dist, scale, seed = draw(cg.dists(specials=False)), draw(cg.scales()), draw(cg.seeds())
+        tdtype = draw(st.sampled_from(["int64", "int32"]))
+        rng = np.random.default_rng(seed)
+        x = cg.array((n, v), dtype, rng, dist, scale)
+        t = rng.integers(0, v, n)
+        t[rng.random(n) < draw(st.sampled_from([0.0, 0.2, 1.0]))] = ignore_index
+        kwargs = {"ignore_index": ignore_index, "reduction": reduction, "label_smoothing": smoothing}
+        return Case(f"hyp-{seed}", (x, t.astype(tdtype)), kwargs, ("hypothesis",))
+
+    return case()
+
+
+@cross_entropy.error_cases
+def _error_cases():
+    x, t = np.zeros((4, 10), np.float32), np.zeros(4, np.int64)
+    yield ErrorCase("cross_entropy.dtype", DTypeError, (np.zeros((4, 10), np.int32), t))
+    yield ErrorCase("cross_entropy.logits_shape", ShapeError, (np.zeros(10, np.float32), np.zeros((), np.int64)))
+    yield ErrorCase("cross_entropy.logits_shape", ShapeError, (np.zeros((4, 0), np.float32), t))
+    yield ErrorCase("cross_entropy.target_dtype", DTypeError, (x, np.zeros(4, np.float32)))
+    yield ErrorCase("cross_entropy.target_dtype", DTypeError, (x, np.zeros(4, bool)))
+    yield ErrorCase("cross_entropy.target_shape", ShapeError, (x, np.zeros(5, np.int64)))
+    yield ErrorCase("cross_entropy.target_shape", ShapeError, (x, np.zeros((4, 1), np.int64)))
+    yield ErrorCase("cross_entropy.ignore_index", ArgumentError, (x, t), {"ignore_index": 1.5})
+    yield ErrorCase("cross_entropy.ignore_index", ArgumentError, (x, t), {"ignore_index": True})
+    yield ErrorCase("cross_entropy.reduction", ArgumentError, (x, t), {"reduction": "avg"})
+    yield ErrorCase("cross_entropy.label_smoothing", ArgumentError, (x, t), {"label_smoothing": 1.5})
+    yield ErrorCase("cross_entropy.label_smoothing", ArgumentError, (x, t), {"label_smoothing": float("nan")})
+
+
+@cross_entropy.cost
+def _cost(logits, target, ignore_index, reduction, label_smoothing):
+    item = np.dtype(cg.np_dtype(logits.dtype)).itemsize
+    titem = np.dtype(cg.np_dtype(target.dtype)).itemsize
+    n = logits.shape[0]
+    out = n if reduction == "none" else 1
+    return Cost(bytes=logits.size * item + n * titem + 4 * out, flops=4 * logits.size)

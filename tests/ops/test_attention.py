@@ -1,0 +1,193 @@
+"""attention: the cpu kernel against the float64 reference, torch SDPA, a brute-force mask, and its memory bound."""
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import opport
+import opport.backends.cpu.attention as cpu_attention
+from opport.backends.cpu.attention import attention as kernel
+from opport.casegen import cast
+from opport.dispatch.adapters import NumpyAdapter
+from opport.ops.attention import attention as spec
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def assert_matches(case, dtype, out):
+    """Shape, dtype, NaN/inf positions exact (from the reference rounded to the output dtype), then the tolerance."""
+    __tracebackhide__ = True
+    out_dtype = spec.fixed_out_dtype or dtype
+    ref = np.asarray(spec.run_reference(*case.args, **case.kwargs), np.float64)
+    assert out.shape == ref.shape and out.dtype == cast([], out_dtype).dtype, (out.shape, out.dtype)
+    o, exact = out.astype(np.float64), cast(ref, out_dtype).astype(np.float64)
+    assert np.array_equal(np.isnan(o), np.isnan(exact)), f"{case.name}: NaN positions differ"
+    inf = np.isinf(exact)
+    assert np.array_equal(np.isinf(o), inf) and np.array_equal(o[inf], exact[inf]), f"{case.name}: inf positions differ"
+    tol = case.tolerance or spec.tolerances[dtype]
+    fin = np.isfinite(exact)
+    err = np.abs(o[fin] - ref[fin])
+    scale = np.abs(ref[fin]).max(initial=0.0) if tol.metric == "normwise" else np.abs(ref[fin])
+    bound = tol.atol + tol.rtol * scale
+    assert (err <= bound).all(), f"{case.name}: max error {err.max():.3g} over bound (max|r| {np.abs(ref[fin]).max():.3g})"
+
+
+def run(case):
+    return kernel(*spec.bind(*case.args, **case.kwargs))
+
+
+def qkv(b, hq, hkv, sq, sk, d, dv=None, seed=0, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s).astype(dtype) for s in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, dv or d)))
+
+
+def brute_force(q, k, v, causal, scale=None):
+    """Dense float64 attention with an explicit boolean mask, independent of the reference's prefix loop."""
+    g = q.shape[1] // k.shape[1]
+    sq, sk = q.shape[2], k.shape[2]
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = q @ k.swapaxes(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    seen = np.array([[(j <= i + sk - sq) or not causal for j in range(sk)] for i in range(sq)], bool).reshape(sq, sk)
+    w = np.where(seen, np.exp(s - np.where(seen, s, -np.inf).max(-1, keepdims=True, initial=-np.inf)), 0.0)
+    den = w.sum(-1, keepdims=True)
+    return np.where(den > 0, (w / np.where(den > 0, den, 1)) @ v, 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fixed_cases(dtype):
+    cases = list(spec.get_cases(dtype))
+    assert len(cases) >= 12 and len({c.name for c in cases}) == len(cases)
+    for case in cases:
+        assert max(a.size for a in case.args) <= 1 << 20, case.name  # emulators run these too
+        assert_matches(case, dtype, run(case))
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16"))
+def test_hypothesis_cases(dtype):
+    @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(spec.get_strategy(dtype))
+    def check(case):
+        assert_matches(case, dtype, run(case))
+
+    check()
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 9), (7, 7), (9, 5), (5, 9), (3, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bottom_right_mask_matches_brute_force(sq, sk, causal):
+    q, k, v = qkv(2, 4, 2, sq, sk, 8, 5, seed=sq * 10 + sk)
+    out = kernel(q, k, v, causal, None)
+    assert np.allclose(out, brute_force(q, k, v, causal), rtol=1e-12, atol=1e-12)
+
+
+def test_rows_that_see_no_key_are_exactly_zero_even_with_nan_queries():
+    q, k, v = qkv(1, 2, 1, 10, 4, 8)
+    q[:, :, :6] = np.nan  # rows 0..5 see no key (i + Sk - Sq < 0)
+    out = kernel(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), True, None)
+    assert np.array_equal(out[:, :, :6], np.zeros((1, 2, 6, 8), np.float32))
+    assert np.isfinite(out[:, :, 6:]).all() and np.abs(out[:, :, 6:]).max() > 0
+
+
+def test_nan_under_the_mask_does_not_leak():
+    q, k, v = qkv(1, 2, 2, 6, 6, 8)
+    clean = kernel(q, k, v, True, None)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, :, 3:] = np.nan  # masked for rows 0..2
+    v2[:, :, 3:] = np.inf
+    dirty = kernel(q, k2, v2, True, None)
+    assert np.allclose(dirty[:, :, :3], clean[:, :, :3], rtol=1e-14, atol=1e-14)  # (prefix sums round differently)
+    assert np.isnan(dirty[:, :, 3:]).all()  # rows that do see the NaN keys are NaN
+
+
+def test_gqa_head_mapping():
+    q, k, v = qkv(1, 6, 2, 5, 7, 4)
+    out = kernel(q, k, v, False, None)
+    for h in range(6):  # query head h reads KV head h // (Hq / Hkv)
+        single = kernel(q[:, h:h + 1], k[:, h // 3:h // 3 + 1], v[:, h // 3:h // 3 + 1], False, None)
+        assert np.allclose(out[:, h:h + 1], single, rtol=1e-13, atol=1e-13)
+    rep = kernel(q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1), False, None)
+    assert np.allclose(out, rep, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("sq,sk", [(13, 13), (5, 21), (21, 5)])
+def test_matches_torch_sdpa(sq, sk):
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = qkv(2, 8, 2, sq, sk, 16, seed=3)
+    tq, tk, tv = map(torch.from_numpy, (q, k, v))
+    for causal in (False, True):
+        # torch's is_causal is top-left; the bottom-right convention is an explicit mask (Sq > Sk rows see nothing,
+        # where SDPA's math path gives NaN, so compare only rows that see a key)
+        mask = torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=sk - sq) if causal else None
+        ref = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True, scale=0.3).numpy()
+        out = kernel(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), causal, 0.3)
+        rows = slice(max(sq - sk, 0) if causal else 0, None)
+        assert np.allclose(out[:, :, rows], ref[:, :, rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_many_blocks_and_head_chunks(monkeypatch, dtype):
+    """Tiny blocks and a tiny budget: every block boundary, partly masked blocks and one-head steps are exercised."""
+    monkeypatch.setattr(cpu_attention, "BLOCK_Q", 4)
+    monkeypatch.setattr(cpu_attention, "BLOCK_K", 5)
+    monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 1)
+    for sq, sk, causal in ((23, 31, True), (31, 23, True), (17, 17, False)):
+        q, k, v = (cast(a, dtype) for a in qkv(2, 4, 2, sq, sk, 8, seed=sq))
+        k[:, :, -1, 0] = cast(np.nan, dtype)  # masked for all but the last row when causal
+        v[:, :, -1, 1] = cast(np.inf, dtype)
+        case = opport.spec.Case(f"blocks-{sq}-{sk}", (q, k, v), {"causal": causal})
+        assert_matches(case, dtype, run(case))
+
+
+def test_memory_stays_bounded_at_long_sequences():
+    s, d = 2048, 32
+    q, k, v = (a.astype(np.float32) for a in qkv(1, 1, 1, s, s, d, seed=5))
+    tracemalloc.start()
+    try:
+        out = kernel(q, k, v, True, None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    score_matrix = s * s * 4
+    assert peak < score_matrix / 8, f"peak {peak} bytes: an S x S temporary ({score_matrix} bytes) is being built"
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16"))
+def test_strided_inputs_match_contiguous_and_are_not_mutated(dtype):
+    q, k, v = (cast(a, dtype) for a in qkv(1, 4, 2, 9, 12, 8))
+    qt = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # [B, S, H, D] memory, as from a QKV proj
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    vs = np.repeat(v, 2, axis=-1)[..., ::2]
+    before = [a.copy() for a in (qt, kt, vs)]
+    out = kernel(qt, kt, vs, True, None)
+    assert np.array_equal(out, kernel(q, k, v, True, None))
+    assert all(np.array_equal(a, b) for a, b in zip((qt, kt, vs), before))
+
+
+def test_dispatch_reaches_cpu_kernel():
+    q, k, v = (a.astype(np.float32) for a in qkv(1, 2, 1, 3, 3, 4))
+    assert opport.explain("attention", q, k, v, backend="cpu").kernel == "cpu.attention"
+    assert np.array_equal(opport.attention(q, k, v, causal=True, backend="cpu"), kernel(q, k, v, True, None))
+
+
+def test_error_cases_cover_every_constraint():
+    errs = list(spec.get_error_cases())
+    own = {c for c in spec.constraints if not c.endswith((".array_type", ".device"))}
+    assert own <= {e.constraint for e in errs}
+    for e in errs:
+        with pytest.raises(e.error) as info:
+            spec(*e.args, **e.kwargs, backend="cpu")
+        assert info.value.constraint == e.constraint
+
+
+def test_cost_counts_visible_pairs():
+    metas = [NumpyAdapter.meta(np.ones(s, np.float16)) for s in ((1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))]
+    full, causal = spec.get_cost(*metas), spec.get_cost(*metas, causal=True)
+    assert full.flops == 4 * 1 * 4 * 8 * 8 * 16
+    assert causal.flops == full.flops * 36 // 64  # 8·9/2 of 64 pairs
+    assert full.bytes == 2 * (512 + 256 + 256 + 512)

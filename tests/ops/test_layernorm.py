@@ -1,0 +1,66 @@
+"""layernorm on the cpu backend: fixed cases and Hypothesis examples against the float64 reference, and its exact semantics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import opport
+from opport.dtypes import FLOATS, np_dtype
+from opport.ops.layernorm import layernorm as spec
+from tests.ops.test_silu import check_case, cpu_kernel, hypothesis_test
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_fixed_cases_match_reference(dtype):
+    names = []
+    for case in spec.get_cases(dtype):
+        check_case(spec, case, dtype, signed_zero=False)
+        names.append(case.name)
+    assert len(names) >= 15 and len(set(names)) == len(names)
+
+
+test_hypothesis_examples_match_reference = hypothesis_test(spec, signed_zero=False)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_constant_rows_are_exactly_zero_then_bias(dtype):
+    dt = np_dtype(dtype)
+    x = np.array([[0.1] * 1000, [-7.3] * 1000, [1e30 if dtype in ("float32", "float64") else 1e4] * 1000], dt)
+    b = np.arange(1000).astype(dt)
+    assert np.all(opport.layernorm(x) == 0)
+    np.testing.assert_array_equal(opport.layernorm(x, None, b), np.broadcast_to(b, x.shape))
+
+
+def test_population_variance_and_affine():
+    x = np.array([[1.0, 2.0, 3.0, 4.0]])
+    w, b = np.array([1.0, 2.0, 3.0, 4.0]), np.array([0.5, 0.0, 0.0, -0.5])
+    z = (x - 2.5) / np.sqrt(1.25 + 1e-5)  # var = 1.25 (divides by N, not N - 1)
+    np.testing.assert_allclose(opport.layernorm(x, w, b), z * w + b, rtol=1e-15)
+
+
+def test_huge_rows_stay_finite_like_the_exact_result():
+    # float32 squares overflow above 1.8e19; the exact result is finite and scale invariant
+    x = np.array([[3e38, -3e38, 1e38, 0.0], [1e20, 3e20, -2e20, 5e19]], np.float32)
+    y = opport.layernorm(x).astype(np.float64)
+    want = spec.run_reference(x.astype(np.float64))
+    assert np.all(np.isfinite(y))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_large_mean_small_spread_is_centred_accurately():
+    x = (1000.0 + np.random.default_rng(7).standard_normal((4, 4096))).astype(np.float32)
+    got = opport.layernorm(x).astype(np.float64)
+    want = spec.run_reference(x.astype(np.float64))
+    assert np.max(np.abs(got - want)) < 1e-5  # a one-pass float32 mean is off by ~5e-5 here (torch: 7e-5)
+
+
+def test_views_and_public_call():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((10, 16)).astype(np.float32)
+    w, b = rng.standard_normal((2, 16)).astype(np.float32)
+    kernel = cpu_kernel(spec)
+    for view in (x.T.copy().T, x[::2], np.broadcast_to(x[:1], (5, 16))):
+        np.testing.assert_array_equal(kernel(view, w[::-1], b, 1e-5), kernel(view.copy(), w[::-1].copy(), b, 1e-5))
+    y = opport.layernorm(x.astype(np.float16), w.astype(np.float16), b.astype(np.float16))
+    assert y.dtype == np.float16 and y.shape == x.shape

@@ -1,0 +1,112 @@
+"""matmul: the cpu kernel against the float64 reference on every declared case, plus exact semantics."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import opport
+from opport.backends.cpu.matmul import matmul as kernel
+from opport.casegen import cast
+from opport.dispatch.adapters import NumpyAdapter
+from opport.ops.matmul import matmul as spec
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def assert_matches(case, dtype, out):
+    """Shape, dtype, NaN/inf positions exact, then the declared tolerance (norm-wise here) on finite values.
+
+    Special values are read from the reference rounded to the output dtype: an exact result beyond the dtype's
+    range must come out as inf."""
+    __tracebackhide__ = True
+    ref = np.asarray(spec.run_reference(*case.args, **case.kwargs), np.float64)
+    assert out.shape == ref.shape and out.dtype == cast([], dtype).dtype, (out.shape, out.dtype)
+    o, exact = out.astype(np.float64), cast(ref, dtype).astype(np.float64)
+    assert np.array_equal(np.isnan(o), np.isnan(exact)), f"{case.name}: NaN positions differ"
+    inf = np.isinf(exact)
+    assert np.array_equal(np.isinf(o), inf) and np.array_equal(o[inf], exact[inf]), f"{case.name}: inf positions differ"
+    tol = case.tolerance or spec.tolerances[dtype]
+    fin = np.isfinite(exact)
+    err = np.abs(o[fin] - ref[fin])
+    scale = np.abs(ref[fin]).max(initial=0.0) if tol.metric == "normwise" else np.abs(ref[fin])
+    bound = tol.atol + tol.rtol * scale
+    assert (err <= bound).all(), f"{case.name}: max error {err.max():.3g} over bound (max|r| {np.abs(ref[fin]).max():.3g})"
+
+
+def run(case):
+    return kernel(*spec.bind(*case.args, **case.kwargs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fixed_cases(dtype):
+    cases = list(spec.get_cases(dtype))
+    assert len(cases) >= 12 and len({c.name for c in cases}) == len(cases)
+    for case in cases:
+        assert max(a.size for a in case.args if a is not None) <= 1 << 20, case.name  # emulators run these too
+        assert_matches(case, dtype, run(case))
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16"))
+def test_hypothesis_cases(dtype):
+    @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(spec.get_strategy(dtype))
+    def check(case):
+        assert_matches(case, dtype, run(case))
+
+    check()
+
+
+def test_k_zero_is_bias_exactly():
+    a, b, bias = np.ones((3, 0), np.float32), np.ones((0, 5), np.float32), np.arange(5, dtype=np.float32)
+    assert np.array_equal(kernel(a, b, None), np.zeros((3, 5), np.float32))
+    assert np.array_equal(kernel(a, b, bias), np.broadcast_to(bias, (3, 5)))
+
+
+def test_shared_and_batched_b_agree():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((3, 4, 17, 64)).astype(np.float32), rng.standard_normal((64, 9)).astype(np.float32)
+    bb = np.ascontiguousarray(np.broadcast_to(b, (3, 4, 64, 9)))
+    assert np.array_equal(kernel(a, b, None), kernel(a, bb, None))
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_strided_inputs_match_contiguous_and_are_not_mutated(dtype):
+    rng = np.random.default_rng(1)
+    big_a = cast(rng.standard_normal((40, 2 * 33)), dtype)
+    bt = cast(rng.standard_normal((17, 33)), dtype)
+    a, b = big_a[::2, ::2], bt.T  # strided rows/columns, transposed
+    bias = cast(rng.standard_normal(34), dtype)[::2]
+    before = [x.copy() for x in (big_a, bt, bias)]
+    out = kernel(a, b, bias)
+    assert np.array_equal(out, kernel(np.ascontiguousarray(a), np.ascontiguousarray(b), np.ascontiguousarray(bias)))
+    assert all(np.array_equal(x, y) for x, y in zip((big_a, bt, bias), before))
+
+
+def test_16bit_accumulates_in_float32():
+    # 4096 ones plus 1/256 each: a float16 accumulator stalls at 2048, float32 gets 4112 exactly
+    a = np.full((1, 4096), 1.0, np.float16)
+    b = np.full((4096, 1), 1.00390625, np.float16)
+    assert float(kernel(a, b, None)[0, 0]) == 4112.0
+
+
+def test_dispatch_reaches_cpu_kernel():
+    a, b = np.ones((2, 3), np.float32), np.ones((3, 4), np.float32)
+    assert opport.explain("matmul", a, b, backend="cpu").kernel == "cpu.matmul"
+    assert np.array_equal(opport.matmul(a, b, backend="cpu"), np.full((2, 4), 3.0, np.float32))
+
+
+def test_error_cases_cover_every_constraint():
+    errs = list(spec.get_error_cases())
+    own = {c for c in spec.constraints if not c.endswith((".array_type", ".device"))}
+    assert own <= {e.constraint for e in errs}
+    for e in errs:
+        with pytest.raises(e.error) as info:
+            spec(*e.args, **e.kwargs, backend="cpu")
+        assert info.value.constraint == e.constraint
+
+
+def test_cost():
+    metas = [NumpyAdapter.meta(np.ones(s, np.float16)) for s in ((2, 3, 5), (5, 7), (7,))]
+    c = spec.get_cost(*metas)
+    assert c.flops == 2 * 2 * 3 * 7 * 5 + 2 * 3 * 7
+    assert c.bytes == 2 * (30 + 35 + 7 + 42)
