@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from numpy import ndarray as _ndarray
+import numpy as np
 
 from opport import errors
 from opport.dtypes import FLOATS
@@ -235,7 +235,8 @@ class OpSpec:
         for i in self.array_pos:
             a = bound[i]
             if a is not None and getattr(a, "dtype", None) is not None and a.dtype.kind in "fV":
-                bound[i] = a.astype("float64")
+                with np.errstate(invalid="ignore"):  # NaN payloads of 16-bit inputs
+                    bound[i] = a.astype("float64")
         return self._reference(*bound)
 
     def get_cases(self, dtype: str) -> Iterable[Case]:
@@ -259,7 +260,7 @@ class OpSpec:
 
     def __call__(self, *args, backend=None, **kwargs):
         bound = self._bind(*args, **kwargs)
-        if type(bound[0]) is not _ndarray:  # NumPy goes straight to the dispatcher; others may be traced
+        if type(bound[0]) is not np.ndarray:  # NumPy goes straight to the dispatcher; others may be traced
             from opport.integrations import route
 
             out = route(self, bound, backend)

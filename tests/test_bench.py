@@ -190,7 +190,7 @@ def test_overhead_reports_the_cached_path(tmp_path):
     assert numpy_row["public_us"] > numpy_row["direct_us"] > 0  # the public call does more work than the kernel
     if HAS_TORCH:
         t = next(r for r in rows if r["inputs"] == "torch-cpu")
-        assert "total_added_us" in t and t["total_added_us"] >= t["overhead_us"] - t["p80_us"]
+        assert t["total_added_us"] > t["overhead_us"]  # converting torch <-> numpy costs more than nothing
 
 
 def test_cuda_without_a_gpu_is_refused_clearly(capsys):

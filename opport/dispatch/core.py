@@ -217,8 +217,11 @@ def decide(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool
     if len(devices) > 1:
         raise errors.DeviceError(op=op.name, arg=arrays[-1][0], constraint=f"{op.name}.device",
                                  expected="all arrays on one device", got=", ".join(sorted(devices)))
-    op.validate(*metas)
     device_type = arrays[0][1].device_type if arrays else "cpu"
+    if device_type != "cpu" and not any(device_type in b.device_types for b in backends().values()):
+        raise errors.DeviceError(op=op.name, arg=arrays[0][0], constraint=f"{op.name}.device",
+                                 expected="arrays on a device some backend can use", got=arrays[0][1].device)
+    op.validate(*metas)
 
     if name:
         requested = "backend= keyword" if by_keyword else (

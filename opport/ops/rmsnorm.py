@@ -24,8 +24,8 @@ NAME = "rmsnorm"
 def rmsnorm(x, weight=None, eps=1e-6):
     """Root-mean-square normalisation over the last axis, then an optional per-feature scale.
 
-    Statistics are computed in float32 for 16-bit inputs. In float32 the sum of squares itself is
-    float32, so rows with |x| above about 1.8e19/sqrt(N) overflow it (as torch's F.rms_norm does).
+    Statistics are computed in float32 for 16-bit inputs. Rows whose sum of squares would overflow
+    (|x| near the dtype's maximum) are defined by the exact scaled form: the result stays finite.
     """
     check_float(NAME, "x", x)
     check_ndim(NAME, "x", x, 1, -1)
@@ -38,8 +38,14 @@ def rmsnorm(x, weight=None, eps=1e-6):
 
 @rmsnorm.reference
 def _reference(x, weight, eps):
-    with np.errstate(invalid="ignore", divide="ignore"):
-        y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        # rows whose float64 squares could overflow are scaled by a power of two first (exact):
+        # x / sqrt(mean(x^2) + eps) == (x s) / sqrt(mean((x s)^2) + eps s^2)
+        amax = np.max(np.abs(x), axis=-1, keepdims=True, initial=0.0)
+        big = np.isfinite(amax) & (amax > 2.0**400)
+        s = np.where(big, np.ldexp(1.0, -np.frexp(amax)[1]), 1.0)
+        xs = x * s
+        y = xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + eps * s * s)
     return y if weight is None else y * weight
 
 

@@ -10,13 +10,34 @@ from opport.ops.rmsnorm import rmsnorm as spec
 def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
     out = np.empty(x.shape, x.dtype)
     n = x.shape[-1]
+    if out.size == 0:
+        return out
     x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
     w = upcast(weight) if weight is not None else None
     for rows in rows_in_blocks(x2.shape[0], 4 * n):
         xf = upcast(x2[rows])
-        inv = 1.0 / np.sqrt(np.mean(np.square(xf), axis=-1, keepdims=True, dtype=xf.dtype) + xf.dtype.type(eps))
-        y = xf * inv
+        t = xf.dtype.type
+        with np.errstate(over="ignore"):
+            ms = np.mean(np.square(xf), axis=-1, keepdims=True, dtype=xf.dtype)
+        y = xf * (1 / np.sqrt(ms + t(eps)))
+        _rescale_overflowed_rows(xf, ms, t(eps), y)
         if w is not None:
             y *= w
         o2[rows] = y
     return out
+
+
+def _rescale_overflowed_rows(xf, ms, eps, y):
+    """Rows of finite values whose sum of squares overflowed: redo them scaled by a power of two.
+
+    x / sqrt(ms + eps) == (x s) / sqrt(ms s^2 + eps s^2) exactly for s = 2^-k, so the result of
+    huge rows (e.g. bfloat16 near its 3.4e38 maximum) stays right instead of collapsing to 0.
+    """
+    bad = np.isinf(ms[:, 0]) & np.isfinite(xf).all(axis=-1)
+    if not bad.any():
+        return
+    xb = xf[bad]
+    s = np.ldexp(xf.dtype.type(1), -np.frexp(np.max(np.abs(xb), axis=-1, keepdims=True))[1])
+    xs = xb * s
+    ms_s = np.mean(np.square(xs), axis=-1, keepdims=True)
+    y[bad] = xs / np.sqrt(ms_s + eps * s * s)

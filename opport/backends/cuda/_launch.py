@@ -268,6 +268,15 @@ def exp_f32(x):
 
 
 @triton.jit
+def log_f32(x):
+    """float32 natural log to ~1 ULP (libdevice) on a GPU; tl.log is the approximate lg2 path."""
+    if INTERPRETED:
+        return tl.log(x)
+    else:
+        return libdevice.log(x)
+
+
+@triton.jit
 def pow2_scale(m):
     """Per-row power of two <= m (its exponent bits) for m >= 2, else 1 (also for inf and NaN).
 

@@ -6,29 +6,12 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.backends.neuron.rmsnorm import load_row_broadcast, row_scale, scaled_eps
 from opport.ops.layernorm import layernorm as spec
 
 FMAX = 4096  # free-dim chunk: input chunk + fp32 scratch <= 32 KiB per partition
 BN = 512  # bn_stats reads at most 512 elements per partition (nl.tile_size.bn_stats_fmax)
 RESIDENT = 8192  # rows up to this length stay in SBUF (input + scaled float32 copy <= 64 KiB per partition)
-EXP_BITS = 0x7F800000  # float32 exponent field: amax & EXP_BITS = 2^floor(log2 amax) (inf/NaN -> inf, subnormal -> 0)
-SCALE_TO = 2.0**39  # rows with max|x| >= 2^40 are scaled to [2^39, 2^40): n * max^2 stays far below FLT_MAX
-TINY = 1.1754943508222875e-38  # FLT_MIN: eps * s^2 may underflow; a constant row must still give 0 / sqrt(tiny) = 0
-
-
-def _load_row_broadcast(dst_sb, vec_hbm, c0, f, p):
-    """DMA vec[c0:c0+f] into all p partitions of dst_sb (a stride-0 partition access pattern)."""
-    nisa.dma_copy(dst=dst_sb, src=vec_hbm.ap(pattern=[[0, p], [1, f]], offset=c0))
-
-
-def _row_scale(s_sb, amax_sb, p):
-    """s = min(1, 2^39 / 2^floor(log2 max|x|)) per row: a power of two (so x * s is exact) that brings rows
-    above 2^40 to [2^39, 2^40), where n * max**2 cannot overflow float32; 1 for every other row."""
-    pow_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # amax with its mantissa bits cleared
-    nisa.tensor_scalar(dst=pow_sb.view(nl.int32), data=amax_sb.view(nl.int32), op0=nl.bitwise_and, operand0=EXP_BITS)
-    inv_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=inv_sb, data=pow_sb)
-    nisa.tensor_scalar(dst=s_sb, data=inv_sb, op0=nl.multiply, operand0=SCALE_TO, op1=nl.minimum, operand1=1.0)
 
 
 def _scaled(x_hbm, r0, p, c0, f, s_sb):
@@ -93,11 +76,11 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
             f = min(FMAX, N - c0)
             if has_w:
                 w_sb = nl.ndarray((p_all, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
-                _load_row_broadcast(w_sb, w_hbm, c0, f, p_all)
+                load_row_broadcast(w_sb, w_hbm, c0, f, p_all)
                 w_tiles.append(w_sb)
             if has_b:
                 b_sb = nl.ndarray((p_all, f), dtype=b_hbm.dtype, buffer=nl.sbuf)
-                _load_row_broadcast(b_sb, b_hbm, c0, f, p_all)
+                load_row_broadcast(b_sb, b_hbm, c0, f, p_all)
                 b_tiles.append(b_sb)
 
     for r0 in range(0, R, PMAX):
@@ -118,11 +101,9 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
         amax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=amax_sb, op=nl.maximum, data=amax_parts_sb, axis=1, keepdims=True)
         s_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        _row_scale(s_sb, amax_sb, p)
-        eps_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # max(eps * s^2, FLT_MIN)
-        nisa.scalar_tensor_tensor(dst=eps_sb, data=s_sb, op0=nl.multiply, operand0=float(eps), op1=nl.multiply,
-                                  operand1=s_sb)
-        nisa.tensor_scalar(dst=eps_sb, data=eps_sb, op0=nl.maximum, operand0=TINY)
+        row_scale(s_sb, amax_sb, p)
+        eps_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        scaled_eps(eps_sb, s_sb, eps)
 
         # statistics of the scaled rows
         xs_tiles = []
@@ -154,13 +135,13 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
                     w_sb = w_tiles[c]
                 else:
                     w_sb = nl.ndarray((p, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
-                    _load_row_broadcast(w_sb, w_hbm, c0, f, p)
+                    load_row_broadcast(w_sb, w_hbm, c0, f, p)
             if has_b:
                 if resident:
                     b_sb = b_tiles[c]
                 else:
                     b_sb = nl.ndarray((p, f), dtype=b_hbm.dtype, buffer=nl.sbuf)
-                    _load_row_broadcast(b_sb, b_hbm, c0, f, p)
+                    load_row_broadcast(b_sb, b_hbm, c0, f, p)
             out_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             if has_w:
                 xw_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)

@@ -10,11 +10,35 @@ from opport.ops.rmsnorm import rmsnorm as spec
 
 FMAX = 4096  # free-dim chunk: input chunk + fp32 scratch <= 32 KiB per partition
 RESIDENT = 16384  # rows up to this length stay in SBUF between the statistics and the output pass
+EXP_BITS = 0x7F800000  # float32 exponent field: amax & EXP_BITS = 2^floor(log2 amax) (subnormal -> 0)
+SCALE_TO = 2.0**39  # rows with max|x| >= 2^40 are scaled to [2^39, 2^40): n * max^2 stays far below FLT_MAX
+FLT_MAX = 3.4028234663852886e38
+TINY = 1.1754943508222875e-38  # FLT_MIN: eps * s^2 may underflow; a zero row must still give 0 * rsqrt(tiny) = 0
 
 
-def _load_row_broadcast(dst_sb, vec_hbm, c0, f, p):
+def load_row_broadcast(dst_sb, vec_hbm, c0, f, p):
     """DMA vec[c0:c0+f] into all p partitions of dst_sb (a stride-0 partition access pattern)."""
     nisa.dma_copy(dst=dst_sb, src=vec_hbm.ap(pattern=[[0, p], [1, f]], offset=c0))
+
+
+def row_scale(s_sb, amax_sb, p):
+    """s = min(1, 2^39 / 2^floor(log2 max|x|)) per row: a power of two (so x * s is exact) that brings rows
+    with max|x| >= 2^40 to [2^39, 2^40), where n * max^2 cannot overflow float32; 1 for every other row.
+    max|x| is clamped to FLT_MAX first, so a row holding inf keeps its inf (and NaN stays NaN)."""
+    fin_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=fin_sb, data=amax_sb, op0=nl.minimum, operand0=FLT_MAX)
+    pow_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # its mantissa bits cleared: 2^floor(log2)
+    nisa.tensor_scalar(dst=pow_sb.view(nl.int32), data=fin_sb.view(nl.int32), op0=nl.bitwise_and, operand0=EXP_BITS)
+    inv_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inv_sb, data=pow_sb)
+    nisa.tensor_scalar(dst=s_sb, data=inv_sb, op0=nl.multiply, operand0=SCALE_TO, op1=nl.minimum, operand1=1.0)
+
+
+def scaled_eps(eps_sb, s_sb, eps):
+    """max(eps * s^2, FLT_MIN): eps in the scaled problem; it may underflow, and a zero row must stay 0 / sqrt(>0)."""
+    nisa.scalar_tensor_tensor(dst=eps_sb, data=s_sb, op0=nl.multiply, operand0=float(eps), op1=nl.multiply,
+                              operand1=s_sb)
+    nisa.tensor_scalar(dst=eps_sb, data=eps_sb, op0=nl.maximum, operand0=TINY)
 
 
 @nki.jit
@@ -33,18 +57,23 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
         out_hbm: [R, N] in x's dtype, x * rsqrt(mean(x**2) + eps) * w.
 
     Notes:
-        One ScalarE instruction per chunk squares x and sums the squares into a float32 column
-        (fused activation-with-reduce); one more turns the row sum into rsqrt(sum/N + eps) (scale and
-        bias are free on ScalarE). The output is one VectorE scalar_tensor_tensor per chunk:
-        (x * rstd) * w. The weight is DMA'd once into the partitions in use through a stride-0
-        partition access pattern. Rows up to RESIDENT elements stay in SBUF, so x is read once.
+        Rows are rescaled by an exact power of two s (from max|x|: one VectorE tensor_scalar_reduce
+        per chunk, then a few [P, 1] instructions on the exponent bits), so a float32 sum of squares
+        cannot overflow for |x| up to FLT_MAX; rmsnorm is scale invariant once eps becomes eps * s^2.
+        The scale is free on ScalarE: one activation per chunk computes (s * x)^2 and sums it into a
+        float32 column (fused activation-with-reduce), one more turns the row sum into
+        rsqrt(sum/N + eps s^2) (scale and bias are free too). The output is one VectorE
+        scalar_tensor_tensor per chunk: (x * (s * rstd)) * w. The weight is DMA'd once into the
+        partitions in use through a stride-0 partition access pattern. Rows up to RESIDENT elements
+        stay in SBUF, so x is read from HBM once.
 
     Pseudocode:
         w_sb[p, :] = w for every partition p in use
         for each 128-row tile:
-            ss = sum over chunks of sum(x_c ** 2)
-            rstd = rsqrt(ss / N + eps)
-            for each chunk c: out_c = (x_c * rstd) * w_c
+            s = power of two with max|x * s| < 2^40 (1 if max|x| < 2^40)
+            ss = sum over chunks of sum((s * x_c) ** 2)
+            k = s * rsqrt(ss / N + max(eps * s^2, FLT_MIN))
+            for each chunk c: out_c = (x_c * k) * w_c
     """
     R, N = x_hbm.shape
     out_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
@@ -54,21 +83,20 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
     has_weight = w_hbm != None  # noqa: E711 (NKI kernels compare with None by value)
     p_all = min(PMAX, R)
 
-    eps_sb = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=eps_sb, value=float(eps))
     w_tiles = []
     if has_weight and resident:
         for c in range(n_chunks):
             c0 = c * FMAX
             f = min(FMAX, N - c0)
             w_sb = nl.ndarray((p_all, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
-            _load_row_broadcast(w_sb, w_hbm, c0, f, p_all)
+            load_row_broadcast(w_sb, w_hbm, c0, f, p_all)
             w_tiles.append(w_sb)
 
     for r0 in range(0, R, PMAX):
         p = min(PMAX, R - r0)
+        # row scale from max|x|
         x_tiles = []
-        ss_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
+        amax_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
         for c in range(n_chunks):
             c0 = c * FMAX
             f = min(FMAX, N - c0)
@@ -76,13 +104,35 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
             nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
             if resident:
                 x_tiles.append(x_sb)
+            abs_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar_reduce(dst=abs_sb, data=x_sb, op0=nl.abs, operand0=0.0, reduce_op=nl.maximum,
+                                      reduce_res=amax_parts_sb[0:p, c:c + 1])
+        amax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=amax_sb, op=nl.maximum, data=amax_parts_sb, axis=1, keepdims=True)
+        s_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        row_scale(s_sb, amax_sb, p)
+        eps_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        scaled_eps(eps_sb, s_sb, eps)
+
+        # sum of (s x)^2, then k = s * rsqrt(sum / N + eps s^2)
+        ss_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
+        for c in range(n_chunks):
+            c0 = c * FMAX
+            f = min(FMAX, N - c0)
+            if resident:
+                x_sb = x_tiles[c]
+            else:
+                x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
             sq_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=sq_sb, op=nl.square, data=x_sb, reduce_op=nl.add, reduce_res=ss_parts_sb[0:p, c:c + 1],
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            nisa.activation(dst=sq_sb, op=nl.square, data=x_sb, scale=s_sb, reduce_op=nl.add,
+                            reduce_res=ss_parts_sb[0:p, c:c + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
         ss_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=ss_sb, op=nl.add, data=ss_parts_sb, axis=1, keepdims=True)
         rstd_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=rstd_sb, op=nl.rsqrt, data=ss_sb, scale=1.0 / N, bias=eps_sb[0:p, 0:1])
+        nisa.activation(dst=rstd_sb, op=nl.rsqrt, data=ss_sb, scale=1.0 / N, bias=eps_sb)
+        k_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=k_sb, data1=rstd_sb, data2=s_sb, op=nl.multiply)
 
         for c in range(n_chunks):
             c0 = c * FMAX
@@ -98,11 +148,11 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
                     w_sb = w_tiles[c]
                 else:
                     w_sb = nl.ndarray((p, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
-                    _load_row_broadcast(w_sb, w_hbm, c0, f, p)
-                nisa.scalar_tensor_tensor(dst=out_sb, data=x_sb, op0=nl.multiply, operand0=rstd_sb, op1=nl.multiply,
+                    load_row_broadcast(w_sb, w_hbm, c0, f, p)
+                nisa.scalar_tensor_tensor(dst=out_sb, data=x_sb, op0=nl.multiply, operand0=k_sb, op1=nl.multiply,
                                           operand1=w_sb[0:p, 0:f])
             else:
-                nisa.tensor_scalar(dst=out_sb, data=x_sb, op0=nl.multiply, operand0=rstd_sb)
+                nisa.tensor_scalar(dst=out_sb, data=x_sb, op0=nl.multiply, operand0=k_sb)
             nisa.dma_copy(dst=out_hbm[r0:r0 + p, c0:c0 + f], src=out_sb)
     return out_hbm
 

@@ -1,0 +1,184 @@
+"""attention in Triton: FlashAttention-2-style forward with an online softmax, GQA-packed query tiles.
+
+Query rows of one KV head's whole group share a tile ((g, i) -> row g*Sq + i), so grouped-query and
+decode calls (Sq = 1, Hq/Hkv query heads per KV head) read each K/V block once per group, not per head.
+"""
+
+import math
+
+import torch
+
+from opport.backends.cuda._launch import INTERPRET, cdiv, dot_operand, f32, narrow, next_pow2, tl, triton
+from opport.ops.attention import attention as spec
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256  # q tile [BLOCK_M, D] and accumulator [BLOCK_M, Dv] live in registers
+MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, which holds B * Hkv
+
+
+@triton.jit
+def _attention_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, out_ptr,
+    # shapes, strides
+    n_kv_heads, group, sq, sk, d, dv,
+    q_sb, q_sh, q_ss, q_sd,
+    k_sb, k_sh, k_ss, k_sd,
+    v_sb, v_sh, v_ss, v_sd,
+    o_sb, o_sh, o_ss, o_sd,
+    qk_scale,
+    # meta-parameters
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """out = softmax(q k^T * scale, masked) v for BLOCK_M query rows of one (batch, KV head).
+
+    Dimensions: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], out [B, Hq, Sq, Dv]; all strided.
+    Notes: scores are scaled by scale*log2(e) and exponentiated with exp2. Keys are visited in two
+    stages: blocks every row of the tile sees in full (no score masking), then the blocks that need
+    the causal/tail mask (bottom-right: key j is visible to query i iff j <= i + Sk - Sq). A running max
+    of -inf (nothing visible yet) is replaced by 0 inside exp2, so masked scores add exactly 0; rows
+    that end with a zero denominator (see no key, or only -inf scores) output 0. In the masked stage,
+    NaN/inf in v under the mask would turn 0 * v into NaN inside the dot: a block holding such v is
+    split into its finite part (through the dot) and its non-finite entries, which reach only the
+    rows that see them (counted with 0/1 dots); this path runs only when the block has one. P is
+    rounded to v's dtype for the second dot on 16-bit inputs (as FlashAttention does).
+    Pseudocode: for each key block: s = q k^T; m' = max(m, rowmax s); p = exp2(s - m'); l = l*exp2(m - m') + sum p;
+                acc = acc*exp2(m - m') + p v.  out = acc / l (0 where l == 0)
+    """
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // n_kv_heads).to(tl.int64)
+    hkv = (bh % n_kv_heads).to(tl.int64)
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < group * sq
+    i = r % sq  # query position
+    head = hkv * group + (r // sq)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_rows = q_ptr + b * q_sb + head.to(tl.int64) * q_sh + i.to(tl.int64) * q_ss
+    q = tl.load(q_rows[:, None] + offs_d[None, :] * q_sd, mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
+    q = dot_operand(q)
+    k_base = k_ptr + b * k_sb + hkv * k_sh
+    v_base = v_ptr + b * v_sb + hkv * v_sh
+    off = sk - sq
+    i_lo = tl.min(tl.where(row_ok, i, sq), 0)
+    i_hi = tl.max(tl.where(row_ok, i, 0), 0)
+    if CAUSAL:
+        full_end = tl.minimum(tl.maximum(i_lo + off + 1, 0), sk) // BLOCK_N * BLOCK_N
+        end = tl.minimum(tl.maximum(i_hi + off + 1, 0), sk)
+    else:
+        full_end = sk // BLOCK_N * BLOCK_N
+        end = sk
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for start in range(0, full_end, BLOCK_N):
+        acc, m, l_sum = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd, v_ss, v_sd,
+                                    qk_scale, offs_d, offs_dv, False, CAUSAL, PRECISION, BLOCK_N)
+    for start in range(full_end, end, BLOCK_N):
+        acc, m, l_sum = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd, v_ss, v_sd,
+                                    qk_scale, offs_d, offs_dv, True, CAUSAL, PRECISION, BLOCK_N)
+    out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
+    o_rows = out_ptr + b * o_sb + head.to(tl.int64) * o_sh + i.to(tl.int64) * o_ss
+    tl.store(o_rows[:, None] + offs_dv[None, :] * o_sd, narrow(out, out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < dv))
+
+
+@triton.jit
+def _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale,
+                offs_d, offs_dv, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key block of the online softmax; returns the updated (acc, m, l_sum)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    kmask = (keys[None, :] < sk) & (offs_d[:, None] < d)
+    kt = tl.load(k_base + keys.to(tl.int64)[None, :] * k_ss + offs_d[:, None] * k_sd, mask=kmask, other=0.0)
+    s = tl.dot(q, dot_operand(kt), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        vis = keys[None, :] < sk
+        if CAUSAL:
+            vis = vis & (keys[None, :] <= i[:, None] + off)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    vmask = (keys[:, None] < sk) & (offs_dv[None, :] < dv)
+    v = tl.load(v_base + keys.to(tl.int64)[:, None] * v_ss + offs_dv[None, :] * v_sd, mask=vmask, other=0.0)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        bad = (v != v) | (tl.abs(f32(v)) == float("inf"))
+        if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:  # rare: keep masked NaN/inf out of 0 * v
+            acc += _nonfinite_part(vis, p, v)
+            v = tl.where(bad, tl.zeros_like(v), v)
+    return tl.dot(dot_operand(narrow(p, v.dtype)), dot_operand(v), acc, input_precision=PRECISION), m_new, l_sum
+
+
+@triton.jit
+def _nonfinite_part(vis, p, v):
+    """The contribution of v's NaN/inf entries to p @ v, counting only (row, key) pairs that are visible.
+
+    0/1 matrices through tl.dot count, per output element, the visible NaNs, the visible infs of each
+    sign with weight > 0, and the visible infs whose weight underflowed to 0 (0 * inf = NaN, as the
+    reference computes it). Counts are small integers, exact in any dot precision.
+    """
+    vf = f32(v)
+    seen = vis.to(tl.float32)
+    pos_w = (vis & (p > 0)).to(tl.float32)
+    zero_w = (vis & (p == 0)).to(tl.float32)
+    is_pinf = (vf == float("inf")).to(tl.float32)
+    is_ninf = (vf == float("-inf")).to(tl.float32)
+    n_nan = tl.dot(seen, (vf != vf).to(tl.float32), input_precision="ieee")
+    n_pinf = tl.dot(pos_w, is_pinf, input_precision="ieee")
+    n_ninf = tl.dot(pos_w, is_ninf, input_precision="ieee")
+    n_zinf = tl.dot(zero_w, is_pinf + is_ninf, input_precision="ieee")
+    nan = (n_nan > 0) | (n_zinf > 0) | ((n_pinf > 0) & (n_ninf > 0))
+    return tl.where(nan, float("nan"), tl.where(n_pinf > 0, float("inf"), tl.where(n_ninf > 0, float("-inf"), 0.0)))
+
+
+def _supports(q, k, v, causal, scale):
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"head dims D={q.shape[-1]}, Dv={v.shape[-1]}: the Triton kernel takes D, Dv <= {MAX_HEAD_DIM}"
+    if q.shape[0] * k.shape[1] > MAX_GRID_Y:
+        return f"B * Hkv = {q.shape[0] * k.shape[1]} exceeds the grid's {MAX_GRID_Y} (axis 1)"
+    return None
+
+
+def _config(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> dict:
+    """Tile shape per problem. GPU numbers are design choices for Hopper, not yet tuned on hardware (docs/cuda.md)."""
+    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+    fit = lambda n, cap: max(16, min(cap, next_pow2(n)))  # noqa: E731 (tl.dot needs every dim >= 16)
+    if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
+        return {"BLOCK_M": fit(rows, 128), "BLOCK_N": fit(sk, 128), "BLOCK_D": block_d, "BLOCK_DV": block_dv,
+                "num_warps": 4, "num_stages": 1}
+    wide = max(block_d, block_dv)
+    if rows <= 64:  # decode: the packed GQA group is the whole M tile
+        return {"BLOCK_M": fit(rows, 64), "BLOCK_N": 64 if wide > 128 else 128, "BLOCK_D": block_d,
+                "BLOCK_DV": block_dv, "num_warps": 4, "num_stages": 3}
+    if dtype == torch.float32 or wide > 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 32 if wide > 128 else 64, "BLOCK_D": block_d, "BLOCK_DV": block_dv,
+                "num_warps": 4 if wide <= 64 else 8, "num_stages": 2}
+    # FA2 on Hopper: 128 query rows per program; 64-key blocks keep S, P and the accumulator in registers at D = 128
+    return {"BLOCK_M": 128, "BLOCK_N": 128 if wide <= 64 else 64, "BLOCK_D": block_d, "BLOCK_DV": block_dv,
+            "num_warps": 4 if wide <= 64 else 8, "num_stages": 3}
+
+
+@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale) -> torch.Tensor:
+    bsz, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty((bsz, hq, sq, dv), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    if sk == 0:
+        return out.zero_()
+    group = hq // hkv
+    cfg = _config(group * sq, sk, d, dv, q.dtype)
+    qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
+    grid = (cdiv(group * sq, cfg["BLOCK_M"]), bsz * hkv)
+    _attention_kernel[grid](
+        q, k, v, out, hkv, group, sq, sk, d, dv, *q.stride(), *k.stride(), *v.stride(), *out.stride(), qk_scale,
+        CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg,
+    )
+    return out

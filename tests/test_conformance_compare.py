@@ -1,0 +1,106 @@
+"""The comparison rules of numerics.md section 3, on hand-made outputs."""
+
+import numpy as np
+import pytest
+
+from opport.conformance import compare as cmp
+from opport.dtypes import np_dtype
+from opport.spec import BASE_TOLERANCE, Tolerance
+
+F32 = BASE_TOLERANCE["float32"]
+
+
+def test_contract_checks_dtype_then_shape():
+    ref = np.zeros((2, 3))
+    assert cmp.contract(np.zeros((2, 3), np.float32), ref, "float32") is None
+    assert "dtype float16" in cmp.contract(np.zeros((2, 3), np.float16), ref, "float32")
+    assert "shape (3, 2)" in cmp.contract(np.zeros((3, 2), np.float32), ref, "float32")
+    assert "dtype" in cmp.contract(np.zeros((3, 2), np.float16), ref, "float32")  # dtype is reported first
+
+
+def test_exact_output_passes_with_zero_metrics():
+    r = np.linspace(-3, 3, 50)
+    v = cmp.compare(r.astype(np.float32), r, F32, "float32")
+    assert v.ok and v.metrics["mismatches"] == 0 and v.metrics["max_ulp"] <= 0.5
+
+
+def test_nan_positions_must_match():
+    r = np.array([1.0, np.nan, 3.0])
+    assert cmp.compare(np.array([1, np.nan, 3], np.float32), r, F32, "float32").ok
+    v = cmp.compare(np.array([1, 2, 3], np.float32), r, F32, "float32")
+    assert not v.ok and v.worst["index"] == (1,) and "special value" in v.message
+    v = cmp.compare(np.array([np.nan, np.nan, 3], np.float32), r, F32, "float32")
+    assert not v.ok and v.worst["index"] == (0,)
+
+
+def test_infinities_match_with_sign():
+    r = np.array([np.inf, -np.inf, 0.0])
+    assert cmp.compare(np.array([np.inf, -np.inf, 0], np.float32), r, F32, "float32").ok
+    assert not cmp.compare(np.array([-np.inf, -np.inf, 0], np.float32), r, F32, "float32").ok
+    assert not cmp.compare(np.array([np.inf, -np.inf, np.inf], np.float32), r, F32, "float32").ok
+
+
+def test_reference_that_overflows_the_dtype_accepts_inf_or_max():
+    r = np.array([70000.0, 1.0])  # above float16's max (65504): rounds to inf
+    assert cmp.compare(np.array([np.inf, 1], np.float16), r, BASE_TOLERANCE["float16"], "float16").ok
+    assert cmp.compare(np.array([65504, 1], np.float16), r, BASE_TOLERANCE["float16"], "float16").ok
+    assert not cmp.compare(np.array([-np.inf, 1], np.float16), r, BASE_TOLERANCE["float16"], "float16").ok
+
+
+def test_elementwise_tolerance_boundary():
+    r = np.full(4, 2.0)
+    allowed = F32.atol + F32.rtol * 2.0
+    inside = np.array([2.0, 2.0, 2.0, 2.0 + 0.9 * allowed])
+    outside = np.array([2.0, 2.0, 2.0, 2.0 + 1.5 * allowed])
+    assert cmp.compare(inside, r, F32, "float64").ok
+    v = cmp.compare(outside, r, F32, "float64")
+    assert not v.ok and v.worst["index"] == (3,) and v.metrics["tol_ratio"] == pytest.approx(1.5, rel=1e-6)
+
+
+def test_normwise_scales_with_max_reference():
+    tol = Tolerance(1e-3, 0.0, "normwise", reason="test")
+    r = np.array([1000.0, 1e-3])
+    out = np.array([1000.0, 1e-3 + 0.5])  # 0.5 <= 1e-3 * 1000: fine norm-wise, far off element-wise
+    assert cmp.compare(out, r, tol, "float64").ok
+    assert not cmp.compare(out, r, Tolerance(1e-3, 0.0, reason="test"), "float64").ok
+
+
+def test_ulp_or_abs_passes_on_either():
+    tol = Tolerance(0.0, 1e-7, "ulp_or_abs", ulp=2, reason="test")
+    r = np.array([1.0, 1e-9])
+    one_ulp = float(np.spacing(np.float32(1.0)))
+    assert cmp.compare(np.array([1 + one_ulp, 1e-9 + 5e-8], np.float32), r, tol, "float32").ok  # 1 ulp; abs 5e-8
+    v = cmp.compare(np.array([1 + 4 * one_ulp, 1e-9], np.float32), r, tol, "float32")  # 4 ulp and abs 4.8e-7
+    assert not v.ok and v.worst["index"] == (0,)
+    v = cmp.compare(np.array([1.0, 1e-9 + 3e-7], np.float32), r, tol, "float32")  # abs 3e-7, a huge ulp count
+    assert not v.ok and v.worst["index"] == (1,)
+
+
+def test_rule6_stops_zeros_passing_tiny_outputs():
+    r = np.full(1000, 2e-6)  # softmax over a long row: every output is below atol = 1e-5
+    zeros = np.zeros(1000, np.float32)
+    assert not cmp.compare(zeros, r, F32, "float32").ok
+    assert cmp.compare(r.astype(np.float32), r, F32, "float32").ok
+    # a case's own reasoned tolerance is the author's call, and a reference that is zero at atol's scale stays absolute
+    assert cmp.compare(zeros, r, Tolerance(1.3e-6, 1e-5, reason="test"), "float32", override=True).ok
+    assert cmp.compare(zeros, np.full(1000, 4e-15), F32, "float32").ok
+
+
+def test_ulp_of_matches_numpy_spacing():
+    for dtype in ("float32", "float16"):
+        x = np.array([1.0, 3.5, 1e-3, 0.0], dtype=np_dtype(dtype))
+        assert np.array_equal(cmp.ulp_of(x.astype(np.float64), dtype), np.spacing(x).astype(np.float64))
+    assert cmp.ulp_of(np.array([1.0]), "bfloat16")[0] == 2.0**-7
+
+
+def test_noise_floor_gate():
+    rng = np.random.default_rng(0)
+    r = rng.standard_normal(4096) * 100
+    base = r.astype(np.float32)  # correctly rounded: the best a float32 implementation does
+    tol = Tolerance(1e-3, 0.0, reason="test")  # loose elementwise, so only the RMSE gate can object
+    good = (r * (1 + 2e-7 * rng.standard_normal(4096))).astype(np.float32)
+    bad = (r * (1 + 5e-4 * rng.uniform(-1, 1, 4096))).astype(np.float32)  # every element within rtol
+    assert cmp.compare(bad, r, tol, "float32").ok
+    assert cmp.noise_floor(good, r, base, tol, "float32").ok
+    v = cmp.noise_floor(bad, r, base, tol, "float32")
+    assert not v.ok and v.metrics["floor_ratio"] > 1 and v.metrics["rmse_ratio"] > 100
