@@ -93,7 +93,7 @@ def _setup(console, args, tier: str):
         return 2
     dtypes = args.dtype or DEFAULT_DTYPES.get(b.name, ["float32"])
     report = {"backend": b.name, "mode": mode, "tier": tier, "dtypes": dtypes,
-              "command": "opport bench " + " ".join(sys.argv[2:]),
+              "command": _command(args, tier),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "versions": {**env.versions(), **_backend_versions(b)}}
     if b.name == "neuron":
@@ -110,6 +110,19 @@ def _setup(console, args, tier: str):
                         budget_ms=args.budget_ms, compile=compile_, compile_mode=args.compile_mode,
                         graphs=b.name == "cuda" and not args.no_graphs)
     return report, settings
+
+
+def _command(args, tier: str | None) -> str:
+    """The command that repeats this run (what the JSON records)."""
+    run = "--smoke" if args.smoke else f"--tier {tier}"
+    parts = ["opport bench", "--overhead" if args.overhead else f"--backend {args.backend} {run}"]
+    parts += [f"--op {o}" for o in args.op] + [f"--dtype {d}" for d in args.dtype]
+    for flag, value in (("--budget-ms", args.budget_ms), ("--rounds", args.rounds), ("--max-minutes", args.max_minutes)):
+        if value is not None:
+            parts.append(f"{flag} {value:g}")
+    if args.compile is not None:
+        parts.append("--compile" if args.compile else "--no-compile")
+    return " ".join(parts)
 
 
 def _mode_problem(name: str, mode: str) -> str | None:
@@ -203,7 +216,7 @@ def _run_overhead(console, specs, args) -> int:
 
     rows = overhead.measure(specs, budget_ms=args.budget_ms or (100.0 if args.smoke else 300.0))
     overhead.print_overhead(console, rows)
-    report = {"kind": "overhead", "command": "opport bench " + " ".join(sys.argv[2:]), "device": env.cpu_device(),
+    report = {"kind": "overhead", "command": _command(args, None), "device": env.cpu_device(),
               "versions": env.versions(), "goal_us": {"gate": overhead.GATE_US, "moonshot": overhead.MOONSHOT_US},
               "method": overhead.__doc__.strip(), "rows": rows}
     if args.json:

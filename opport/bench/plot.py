@@ -11,7 +11,7 @@ def write_plot(report: dict, path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_roof, ax_bar) = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [1.15, 1]})
+    fig, (ax_roof, ax_bar) = plt.subplots(1, 2, figsize=(15, 7.5), gridspec_kw={"width_ratios": [1.15, 1]})
     _roofline(ax_roof, report)
     _speedups(ax_bar, report)
     dev = report["device"]["name"]
@@ -30,7 +30,7 @@ def _roofline(ax, report: dict):
     c = report["ceilings"]
     bw, peak = c["copy_GBps"], c["matmul_TFLOPs"]  # GB/s, TFLOP/s of the run's main dtype
     ops = sorted({r["op"] for r in rows})
-    colors = dict(zip(ops, plt.get_cmap("tab10").colors))
+    colors = dict(zip(ops, plt.get_cmap("tab10" if len(ops) <= 10 else "tab20").colors * 2))
     markers = {"opport": "o", "torch_eager": "s", "torch_compile": "^", "numpy": "D"}
     xs = [r["flops"] / r["bytes"] for r in rows] or [1.0]
     lo, hi = min(xs + [peak * 1e3 / bw]) / 4, max(xs + [peak * 1e3 / bw]) * 4
@@ -53,7 +53,7 @@ def _roofline(ax, report: dict):
     ax.set_ylabel("achieved TFLOP/s")
     ax.set_title("roofline (each point: one op, shape and provider)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, frameon=False)  # off the data
 
 
 def _speedups(ax, report: dict):
@@ -69,7 +69,7 @@ def _speedups(ax, report: dict):
     for i, name in enumerate(names):
         vals = [(per_op[op].get(name) or {}).get("geomean") for op in ops]
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(ops))]
-        bars = ax.bar(xs, [v or 0 for v in vals], width, label=name.removeprefix("vs_"))
+        bars = ax.bar(xs, [v or 0 for v in vals], width, label="vs " + name.removeprefix("vs_"))
         for b, v in zip(bars, vals):
             if v:
                 ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=7)

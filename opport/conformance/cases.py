@@ -228,6 +228,8 @@ def _arg_applies(layout: str, a: np.ndarray) -> bool:
         return a.ndim >= 2 and a.shape[-1] > 1 and a.shape[-2] > 1
     if layout == "expanded":
         return a.ndim >= 2 and a.shape[0] > 1 and a.dtype.kind in "fV"
+    if layout == "sliced":
+        return a.ndim >= 1 and a.size > 1
     return a.ndim >= 1
 
 

@@ -87,42 +87,50 @@ def _value_case(item: Item, res: dict):
     from opport.dispatch import get_backend
 
     spec, case, b = get_op(item.op), item.case, get_backend(item.backend)
-    tol = case.tolerance or spec.tolerances[item.dtype]
     if case.tolerance is not None and not case.tolerance.reason:
         raise ValueError(f"case {case.name}: tolerance override without a reason")
     laid = lay_out(case, item.layout, _torch_device(b) if item.layout else None)
-    if item.layout and not all(layout_ok(v, item.layout) for v in laid.views):
+    if item.layout and not any(layout_ok(v, item.layout) for v in laid.views):
         raise AssertionError(f"layout {item.layout} did not produce a strided view")
+    kernel = _chosen_kernel(spec, b, laid, res)
+    if kernel is None:
+        return
+    sums = [checksum(buf) for buf in laid.buffers]
+    outs = [_call(spec, b, laid, np.nan)]
+    ref = np.asarray(spec.run_reference(*laid.ref_args, **laid.ref_kwargs))  # between kernel calls, on purpose
+    outs += [_call(spec, b, laid, SENTINEL), _call(spec, b, laid, np.nan)]
+
+    changed = [i for i, buf in enumerate(laid.buffers) if checksum(buf) != sums[i]]
+    problems = [f"kernel wrote into its input (argument buffers {changed} changed)"] if changed else []
+    bound = spec.bind(*laid.ref_args, **laid.ref_kwargs)
+    out_dtype = spec.out_dtype(metas_of(spec, bound))
+    for o, why in outs:  # output kind, aliasing, dtype and shape before any value
+        broken = why or cmp.contract(o, ref, out_dtype)
+        if broken:
+            return _fail(res, broken, problems)
+    problems += _judge(spec, case, item.dtype, bound, [o for o, _ in outs], ref, out_dtype, kernel, res)
+    if problems:
+        _fail(res, "; ".join(problems), [])
+
+
+def _chosen_kernel(spec, b, laid, res: dict):
+    """The kernel strict dispatch picks for this call on `b`, or None (the case is skipped, with why)."""
     with strict():
         decision = explain(spec, *laid.args, backend=b.name, **laid.kwargs)
     if decision.kernel is None or decision.backend != b.name:
         res["status"], res["message"] = "skip", f"declined by {b.name}: {decision.error or decision.fallback}"
-        return
+        return None
     res["kernel"] = decision.kernel
-    kernel = next(k for k in spec.kernels[b.name] if k.name == decision.kernel)
-    sums = [checksum(buf) for buf in laid.buffers]
+    return next(k for k in spec.kernels[b.name] if k.name == decision.kernel)
 
-    outs = [_call(spec, b, laid, np.nan)]
-    ref = np.asarray(spec.run_reference(*laid.ref_args, **laid.ref_kwargs))
-    outs += [_call(spec, b, laid, SENTINEL), _call(spec, b, laid, np.nan)]
 
-    problems = []
-    changed = [i for i, buf in enumerate(laid.buffers) if checksum(buf) != sums[i]]
-    if changed:
-        problems.append(f"kernel wrote into its input (argument buffers {changed} changed)")
-    bound = spec.bind(*laid.ref_args, **laid.ref_kwargs)
-    out_dtype = spec.out_dtype(metas_of(spec, bound))
-    arrays = [o for o, _ in outs]
-    for o, why in outs:
-        if why:
-            return _fail(res, why, problems)
-        msg = cmp.contract(o, ref, out_dtype)
-        if msg:
-            return _fail(res, msg, problems)
-
+def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict) -> list:
+    """Values, repeated calls, invariants and the noise floor; fills res metrics/worst, returns the problems."""
     override = case.tolerance is not None
+    tol = case.tolerance or spec.tolerances[dtype]
     verdict = cmp.compare(arrays[0], ref, tol, out_dtype, override)
     res["metrics"] = dict(verdict.metrics)
+    problems = []
     if not verdict.ok:
         problems.append(verdict.message)
         res["worst"] = {**verdict.worst, "inputs": _inputs_at(bound, spec, verdict.worst["index"], ref.shape)}
@@ -137,8 +145,7 @@ def _value_case(item: Item, res: dict):
         res["metrics"].update(floor.metrics)
         if not floor.ok:
             problems.append(floor.message)
-    if problems:
-        _fail(res, "; ".join(problems), [])
+    return problems
 
 
 def _fail(res: dict, msg: str, more: list):

@@ -128,12 +128,17 @@ def _preset(op, backend, dtype, case, why) -> dict:
             "message": why, "worst": None, "index": -1}
 
 
-def default_workers(n_batches: int) -> int:
+DEVICE_MODES = ("compiled", "hardware", "simulator")  # one device shared by the workers
+
+
+def default_workers(n_batches: int, modes=()) -> int:
+    """One worker per core (at most 8); at most 4 where they share a real device (each holds a context)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 1
-    return max(1, min(cpus, 8, n_batches))
+    cap = 4 if any(m in DEVICE_MODES for m in modes) else 8
+    return max(1, min(cpus, cap, n_batches))
 
 
 def run(options: Options, display=None) -> Report:
@@ -161,7 +166,8 @@ def run(options: Options, display=None) -> Report:
         if options.workers == 0:
             _in_process(p.batches, sink, on_count)
         elif p.batches:
-            n = options.workers or default_workers(len(p.batches))
+            modes = [i["mode"] for i in p.backends.values()]
+            n = options.workers or default_workers(len(p.batches), modes)
             Pool(n, tuple(options.setup), options.timeout, options.compile_timeout, sink, on_count).run(p.batches)
     finally:
         if display:

@@ -39,11 +39,10 @@ class NumpyAdapter:
     def to_torch(a, device: str):
         import torch
 
-        if not a.flags.writeable or any(s < 0 for s in a.strides):
+        if not a.flags.writeable or (not a.flags.c_contiguous and any(s < 0 for s in a.strides)):
             a = a.copy()  # torch cannot wrap read-only or negatively strided memory
-        if a.dtype == _BF16:
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
-        return torch.from_numpy(a).to(device)
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == _BF16 else torch.from_numpy(a)
+        return t if device == "cpu" else t.to(device)
 
     @staticmethod
     def from_native(out, like):

@@ -2,7 +2,7 @@
 
 import torch
 
-from opport.backends.cuda._launch import at, elementwise, elementwise_tile, f32, narrow, sigmoid_f32, silu_f32, tl, triton
+from opport.backends.cuda._launch import at, elementwise, elementwise_tile, f32, narrow, sigmoid_f32, tl, triton
 from opport.ops.swiglu import swiglu as spec
 
 
@@ -16,13 +16,14 @@ def _swiglu_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """out = silu(gate) * up in float32, rounded once. Two reads and one write per element."""
+    """out = silu(gate) * up in float32, rounded once, with the limits of the reference. Two reads, one write."""
     i0, i1, i2, cols, mask = elementwise_tile(n_rows, n_cols, n1, n2, BLOCK_M, BLOCK_N)
     g = f32(tl.load(gate_ptr + at(i0, i1, i2, cols, g_s0, g_s1, g_s2, g_sc), mask=mask, other=0.0))
     u = f32(tl.load(up_ptr + at(i0, i1, i2, cols, u_s0, u_s1, u_s2, u_sc), mask=mask, other=0.0))
-    # |gate| < 1: (gate * up) * sigmoid(gate), so a tiny gate times a huge up is not lost to silu(gate)
-    # underflowing first (silu(min subnormal) rounds to 0); elsewhere that order could overflow instead.
-    y = tl.where(tl.abs(g) < 1.0, (g * u) * sigmoid_f32(g), silu_f32(g) * u)
+    # gate * (sigmoid(gate) * up) overflows or underflows only where the exact product does; against an
+    # infinite up the limit is gate * up (silu(gate) != 0 for finite gate != 0), and silu(-inf) = -0.0
+    y = tl.where((u == float("inf")) | (u == float("-inf")), g * u, g * (sigmoid_f32(g) * u))
+    y = tl.where(g == float("-inf"), -0.0 * u, y)
     tl.store(out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc), narrow(y, out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from opport.backends.neuron import nki_compat
 from opport.dtypes import np_dtype
 
 P = 128  # SBUF/PSUM partitions (nl.tile_size.pmax on every NeuronCore generation)
@@ -23,8 +24,6 @@ def run(kernel, *args):
     `nki_compat.run` calls the jitted function directly on hardware and in the emulator, and
     through `nki.simulate` in the SDK's simulator.
     """
-    from opport.backends.neuron import nki_compat
-
     return nki_compat.run(kernel, *args)
 
 

@@ -184,8 +184,10 @@ def cross_entropy(logits: np.ndarray, target: np.ndarray, ignore_index: int, red
                   label_smoothing: float) -> np.ndarray:
     """Host side: targets to int32 (clipped so out-of-range stays out of range), launch, float32 out."""
     n = logits.shape[0]
-    if n == 0:  # no rows: an empty "none", an empty sum (0) and a mean over no kept row (NaN, as torch)
-        return {"none": np.empty(0, np.float32), "sum": np.zeros((), np.float32)}.get(reduction, np.full((), np.nan, np.float32))
+    if n == 0:  # no rows: nothing to launch; an empty "none", an empty sum (0) and a mean over no kept row (NaN, as torch)
+        if reduction == "none":
+            return np.empty(0, np.float32)
+        return np.full((), 0.0 if reduction == "sum" else np.nan, np.float32)
     t32 = np.clip(target.astype(np.int64), -TARGET_CLIP, TARGET_CLIP).astype(np.int32)
     out = _host.run(_cross_entropy_kernel, _host.contiguous(logits), t32, int(ignore_index), reduction,
                     float(label_smoothing))

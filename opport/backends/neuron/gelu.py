@@ -8,7 +8,7 @@ from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.ops.gelu import gelu as spec
 
-FMAX = 8192  # free-dim chunk: in, clamped and out tiles <= 96 KiB per partition (fp32)
+FMAX = 4096  # free-dim chunk: in, clamped and out tiles <= 48 KiB per partition (fp32), room to double-buffer
 NEG_BIG = -3.4028234663852886e38  # -FLT_MAX: gelu(-FLT_MAX) = -0.0 = gelu(-inf), inside the activation's input range
 
 
@@ -29,8 +29,9 @@ def _gelu_kernel(x_hbm, approximate):
     Notes:
         One ScalarE activation per tile (nl.gelu or nl.gelu_apprx_tanh), computed in float32 and
         cast to x's dtype on the write. The activation tables cover the reals only (-inf would give
-        -inf * 0 = NaN), so a VectorE max first maps -inf to -FLT_MAX, whose GELU is the limit -0.0;
-        NaN passes through. Pure streaming: every element is read and written once.
+        -inf * 0 = NaN), so a VectorE max first maps -inf to -FLT_MAX, whose GELU is the limit -0.0
+        (NaN must pass through that max: IEEE maximum, checked in emulation only). Pure streaming:
+        every element is read and written once.
 
     Pseudocode:
         for each [128, FMAX] tile: out = gelu(max(x, -FLT_MAX))

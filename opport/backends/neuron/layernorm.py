@@ -48,7 +48,7 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
         variance: one pass, no E[x^2] - E[x]^2 cancellation. rstd = rsqrt(var + eps) is one ScalarE
         activation. The affine part is one or two VectorE instructions per chunk:
         scalar_tensor_tensor((x - mean) * w) then scalar_tensor_tensor(. * rstd + b). Weight and bias
-        are DMA'd once into the partitions in use through stride-0 partition access patterns. Rows up
+        are read from HBM once and replicated across the partitions on TensorE (load_row_broadcast). Rows up
         to RESIDENT elements stay in SBUF (the scaled float32 copy), so x is read from HBM once.
 
     Pseudocode:

@@ -8,6 +8,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.backends.neuron.rmsnorm import load_row_broadcast
 from opport.dtypes import np_dtype
 from opport.ops.matmul import matmul as spec
 
@@ -38,8 +39,8 @@ def _matmul_kernel(a_hbm, b_hbm, bias_hbm):
         (nc_transpose, bit-exact from NeuronCore-v3, so NaN/inf stay in their row) into aT tiles that
         stay in SBUF for the whole row block. For each 512-wide column tile, the K tiles of b stream
         in and accumulate into one float32 PSUM bank (the first matmul overwrites, the rest add).
-        The eviction PSUM -> SBUF adds the bias (broadcast to the partitions by a stride-0 DMA) and
-        casts to the output dtype in the same VectorE instruction. b is re-read once per 128-row
+        The eviction PSUM -> SBUF adds the bias (replicated across the partitions by a K = 1 matmul,
+        load_row_broadcast) and casts to the output dtype in the same VectorE instruction. b is re-read once per 128-row
         block of a (the tutorial's "hoisted lhsT" schedule).
 
     Pseudocode:
@@ -83,7 +84,7 @@ def _matmul_kernel(a_hbm, b_hbm, bias_hbm):
                 res_sb = nl.ndarray((mt, nt), dtype=a_hbm.dtype, buffer=nl.sbuf)
                 if has_bias:
                     bias_sb = nl.ndarray((mt, nt), dtype=bias_hbm.dtype, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=bias_sb, src=bias_hbm.ap(pattern=[[0, mt], [1, nt]], offset=n0))
+                    load_row_broadcast(bias_sb, bias_hbm, n0, nt, mt)
                     nisa.tensor_tensor(dst=res_sb, data1=acc_psum, data2=bias_sb, op=nl.add)
                 else:
                     nisa.tensor_copy(dst=res_sb, src=acc_psum)

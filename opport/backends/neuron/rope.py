@@ -73,16 +73,16 @@ def _rope_kernel(x_hbm, cos_hbm, sin_hbm, interleaved):
                 else:
                     x1, x2 = x_sb[0:p, 0:hb, 0:half], x_sb[0:p, 0:hb, half:D]
                     o1, o2 = out_sb[0:p, 0:hb, 0:half], out_sb[0:p, 0:hb, half:D]
-                t1 = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
-                t2 = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=t1, data1=x1, data2=cb, op=nl.multiply)
-                nisa.tensor_tensor(dst=t2, data1=x2, data2=sb, op=nl.multiply)
-                nisa.tensor_tensor(dst=o1, data1=t1, data2=t2, op=nl.subtract)
-                t3 = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
-                t4 = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=t3, data1=x2, data2=cb, op=nl.multiply)
-                nisa.tensor_tensor(dst=t4, data1=x1, data2=sb, op=nl.multiply)
-                nisa.tensor_tensor(dst=o2, data1=t3, data2=t4, op=nl.add)
+                t1_sb = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
+                t2_sb = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=t1_sb, data1=x1, data2=cb, op=nl.multiply)
+                nisa.tensor_tensor(dst=t2_sb, data1=x2, data2=sb, op=nl.multiply)
+                nisa.tensor_tensor(dst=o1, data1=t1_sb, data2=t2_sb, op=nl.subtract)
+                t3_sb = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
+                t4_sb = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=t3_sb, data1=x2, data2=cb, op=nl.multiply)
+                nisa.tensor_tensor(dst=t4_sb, data1=x1, data2=sb, op=nl.multiply)
+                nisa.tensor_tensor(dst=o2, data1=t3_sb, data2=t4_sb, op=nl.add)
                 nisa.dma_copy(dst=out_hbm.ap(pattern=[[D, p], [S * D, hb], [1, D]], offset=base), src=out_sb)
     return out_hbm
 

@@ -1,0 +1,21 @@
+"""Gate sensitivity (numerics.md G4): five broken versions of every cpu kernel are each caught."""
+
+import numpy as np
+
+from opport.conformance import mutants
+
+
+def test_every_mutant_of_every_op_is_caught():
+    kills = mutants.self_test(examples=0)
+    survivors = [key for key, case in kills.items() if case is None]
+    assert not survivors, f"mutants not caught by any case: {survivors}"
+    assert {m for _, m in kills} == set(mutants.MUTANTS)
+
+
+def test_as_if_contiguous_reads_the_buffer_not_the_view():
+    buf = np.arange(12.0).reshape(3, 4)
+    assert mutants.as_if_contiguous(buf) is buf
+    assert np.array_equal(mutants.as_if_contiguous(buf.T), np.arange(12.0).reshape(4, 3))
+    assert np.array_equal(mutants.as_if_contiguous(buf[:, ::2]), [[0, 1], [2, 3], [4, 5]])
+    stride0 = np.broadcast_to(np.arange(3.0), (4, 3))
+    assert np.array_equal(mutants.as_if_contiguous(stride0), [[0, 1, 2]] + [[0, 0, 0]] * 3)  # never past the buffer

@@ -1,0 +1,108 @@
+"""opport ops on JAX arrays, eager and inside jax.jit / vmap: same values, dtype, shape and device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import opport
+from opport.errors import ArgumentError, ShapeError
+from opport.integrations import small_cases
+from tests.conftest import fake_backend
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+OPS = sorted(opport.all_ops())
+
+
+def _jax_args(case) -> tuple:
+    return tuple(jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in case.args)
+
+
+def _split(args):
+    """Array positions (traced) and the rest (static), so jit sees only arrays as arguments."""
+    slots = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+    return slots, [args[i] for i in slots]
+
+
+def _jitted(spec, args, kwargs):
+    slots, arrays = _split(args)
+
+    def f(*arrays):
+        full = list(args)
+        for i, a in zip(slots, arrays):
+            full[i] = a
+        return spec(*full, **kwargs)
+
+    return jax.jit(f), arrays
+
+
+def _bits(a):
+    return np.atleast_1d(np.asarray(a)).view(np.uint8)
+
+
+def _assert_same(got, want):
+    __tracebackhide__ = True
+    assert isinstance(got, jax.Array) and isinstance(want, jax.Array)
+    assert got.dtype == want.dtype and got.shape == want.shape and got.devices() == want.devices()
+    np.testing.assert_array_equal(_bits(got), _bits(want))  # the same kernel ran
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", OPS)
+def test_jit_matches_eager(name, dtype):
+    spec = opport.get_op(name)
+    case = small_cases(spec, dtype, limit=1)[0]
+    args = _jax_args(case)
+    eager = spec(*args, **case.kwargs)
+    f, arrays = _jitted(spec, args, case.kwargs)
+    _assert_same(f(*arrays), eager)
+    np.testing.assert_array_equal(_bits(eager), _bits(spec(*case.args, **case.kwargs)))
+
+
+def test_jit_output_feeds_jax_ops_and_traces_to_one_callback():
+    x, w = jnp.linspace(-2, 2, 24, dtype=jnp.float32).reshape(3, 8), jnp.linspace(0.5, 1.5, 8, dtype=jnp.float32)
+    f = jax.jit(lambda x, w: opport.silu(opport.rmsnorm(x * 2, w)) + 1)
+    _assert_same(f(x, w), opport.silu(opport.rmsnorm(x * 2, w)) + 1)
+    eqns = [e.primitive.name for e in jax.make_jaxpr(lambda x, w: opport.rmsnorm(x, w))(x, w).eqns]
+    assert eqns == ["pure_callback"]
+
+
+def test_numpy_constants_mix_with_tracers():
+    w = np.linspace(0.5, 1.5, 8, dtype=np.float32)
+    x = jnp.ones((2, 8), jnp.float32)
+    _assert_same(jax.jit(lambda x: opport.rmsnorm(x, w))(x), opport.rmsnorm(x, jnp.asarray(w)))
+
+
+def test_vmap_runs_each_item_through_the_op():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3, 8)), jnp.float32)
+    batched = jax.jit(jax.vmap(lambda row: opport.softmax(row)))(x)
+    _assert_same(batched, opport.softmax(x))
+
+
+def test_bad_input_raises_the_typed_error_at_trace_time():
+    x = jnp.ones((2, 8), jnp.float32)
+    with pytest.raises(ArgumentError) as info:
+        jax.jit(lambda x: opport.rmsnorm(x, eps=0.0))(x)
+    assert info.value.constraint == "rmsnorm.eps"
+    with pytest.raises(ShapeError) as info:
+        jax.jit(lambda x, w: opport.rmsnorm(x, w))(x, jnp.ones(7, jnp.float32))
+    assert info.value.constraint == "rmsnorm.weight_shape"
+
+
+def test_backend_choice_is_fixed_when_the_function_is_traced():
+    x = jnp.ones((2, 8), jnp.float32)
+
+    def marker(value):
+        return lambda x, weight, eps: np.full(x.shape, value, x.dtype)
+
+    with fake_backend("t_jax_ctx"), fake_backend("t_jax_named"):
+        opport.rmsnorm.impl("t_jax_ctx")(marker(7.0))
+        opport.rmsnorm.impl("t_jax_named")(marker(9.0))
+        assert (jax.jit(lambda x: opport.rmsnorm(x, backend="t_jax_named"))(x) == 9.0).all()
+        in_ctx = jax.jit(lambda x: opport.rmsnorm(x))
+        with opport.use_backend("t_jax_ctx"):
+            assert (in_ctx(x) == 7.0).all()
+        assert (in_ctx(x) == 7.0).all()  # the cached trace keeps its backend
+        _assert_same(jax.jit(lambda x: opport.rmsnorm(x))(x), opport.rmsnorm(x))
