@@ -7,7 +7,7 @@
     with opport.strict(): ...                # no silent fallback to cpu
 """
 
-from opport.dispatch import Decision, FallbackWarning, backends, clear_cache, explain, strict, use_backend
+from opport.dispatch import Decision, FallbackWarning, clear_cache, explain, strict, use_backend
 from opport.errors import (
     ArgumentError,
     BackendUnavailableError,
@@ -25,6 +25,6 @@ globals().update(all_ops())  # opport.softmax, opport.rmsnorm, ... straight from
 
 __all__ = [
     "ArgumentError", "BackendUnavailableError", "Decision", "DeviceError", "DTypeError", "FallbackWarning",
-    "OpError", "ShapeError", "UnsupportedError", "all_ops", "backends", "clear_cache", "explain", "get_op",
+    "OpError", "ShapeError", "UnsupportedError", "all_ops", "clear_cache", "explain", "get_op",
     "strict", "use_backend", *all_ops(),
 ]

@@ -10,7 +10,10 @@ def test_faulty_backend_yields_one_status_per_case_and_a_complete_report(tmp_pat
     opts = Options(backends=("faulty",), ops=("rmsnorm",), dtypes=("float32",), cases=tuple(faults.EXPECTED), workers=1,
                    timeout=3.0, compile_timeout=0.0, setup=("opport.conformance.faults:install",), errors=False,
                    layouts=False)
-    report = run(opts)
+    try:
+        report = run(opts)
+    finally:
+        faults.uninstall()
     got = {c["case"]: c["status"] for c in report.cases}
     assert got == faults.EXPECTED
     by = {c["case"]: c for c in report.cases}

@@ -3,6 +3,7 @@
 import numpy as np
 
 from opport.conformance import mutants
+from opport.dispatch import backends
 
 
 def test_every_mutant_of_every_op_is_caught():
@@ -10,6 +11,7 @@ def test_every_mutant_of_every_op_is_caught():
     survivors = [key for key, case in kills.items() if case is None]
     assert not survivors, f"mutants not caught by any case: {survivors}"
     assert {m for _, m in kills} == set(mutants.MUTANTS)
+    assert not any(name.startswith("mutant-") for name in backends())  # removed again
 
 
 def test_as_if_contiguous_reads_the_buffer_not_the_view():

@@ -244,3 +244,50 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert main([*argv, "--baseline", str(base), "--update-baseline"]) == 0
     assert "rmsnorm/cpu/float32/row-1" in json.loads(base.read_text())["cases"]
     assert main([*argv, "--baseline", str(base)]) == 0
+
+
+@pytest.fixture
+def ttest():
+    """A torch-kind backend `ttest` (kernels get torch tensors, like cuda's): install(fn)."""
+    torch = pytest.importorskip("torch")
+    spec = get_op("rmsnorm")
+    register_backend(Backend(name="ttest", package="opport.conformance", array_kind="torch", device_types=(),
+                             dtypes=FLOATS, probe=lambda: None, mode=lambda: "test"))
+
+    def install(fn):
+        spec.kernels.pop("ttest", None)
+        spec.impl("ttest", name="ttest.rmsnorm")(fn)
+
+    yield install, torch
+    spec.kernels.pop("ttest", None)
+    unregister_backend("ttest")
+
+
+def test_torch_kernels_get_strided_tensors_and_poisoned_allocations(ttest):
+    install, torch = ttest
+    seen = {}
+
+    def kernel(x, w, eps):
+        seen[tuple(x.stride())] = x.is_contiguous()
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        return (y * w.float()).to(x.dtype) if w is not None else y.to(x.dtype)
+
+    install(kernel)
+    report = run(opts(backends=("ttest",), cases=("row-127", "row-127@*"), errors=False))
+    assert set(statuses(report).values()) == {"pass"} and len(report.cases) == 5
+    assert False in seen.values()  # the layout cases reached the kernel as non-contiguous tensors
+    install(lambda x, w, eps: torch.empty_like(x))  # never writes its output
+    res = run(opts(backends=("ttest",), cases=("row-127",), errors=False, layouts=False)).cases[0]
+    assert res["status"] == "fail" and "special value mismatch" in res["message"]
+
+
+def test_named_backend_that_cannot_run_skips_and_fails():
+    register_backend(Backend(name="absent", package="opport.conformance", array_kind="numpy", device_types=(),
+                             dtypes=FLOATS, probe=lambda: "needs hardware that is not here", mode=lambda: "-"))
+    try:
+        report = run(opts(backends=("absent",)))
+    finally:
+        unregister_backend("absent")
+    assert [(c["id"], c["status"]) for c in report.cases] == [("rmsnorm/absent/n/a/backend-unavailable", "skip")]
+    assert "not here" in report.cases[0]["message"] and report.exit_code == 1
+    assert rep.to_json(report)["backends"]["absent"]["unavailable"] == "needs hardware that is not here"

@@ -174,13 +174,14 @@ def error_items(spec: OpSpec, backend: str, sel: Selection) -> list[Item]:
 
 
 def uncovered_constraints(spec: OpSpec, found: list) -> list:
-    """Declared constraint ids without a bad-input case (the device check needs two array arguments)."""
+    """Declared constraint ids without a bad-input case."""
     have = {ec.constraint for ec in found}
-    return [c for c in spec.constraints if c not in have and not (c == f"{spec.name}.device" and len(spec.arrays) < 2)]
+    return [c for c in spec.constraints if c not in have]
 
 
 def generic_error_cases(spec: OpSpec) -> list:
-    """A list where an array belongs (array_type) and two arrays on different devices (device)."""
+    """A list where an array belongs (array_type); arrays on different devices, or on a device no backend can
+    use (device: torch's `meta` device stands in for a foreign one)."""
     from opport.errors import DeviceError, DTypeError
 
     valid = next(iter(spec.get_cases("float32")), None)
@@ -188,16 +189,16 @@ def generic_error_cases(spec: OpSpec) -> list:
         return []
     bound = list(spec.bind(*valid.args, **valid.kwargs))
     present = [i for i in spec.array_pos if bound[i] is not None]
-    out = []
     bad = list(bound)
     bad[present[0]] = bound[present[0]].tolist()
-    out.append(ErrorCase(f"{spec.name}.array_type", DTypeError, tuple(bad)))
-    if len(present) >= 2 and _torch():
+    out = [ErrorCase(f"{spec.name}.array_type", DTypeError, tuple(bad))]
+    if _torch():
         import torch
 
         dev = list(bound)
-        dev[present[0]] = torch.from_numpy(np.ascontiguousarray(bound[present[0]]).astype(np.float32))
-        dev[present[1]] = torch.empty(bound[present[1]].shape, device="meta")
+        for k, i in enumerate(present[:2]):
+            a = np.ascontiguousarray(bound[i]).astype(np.float32 if bound[i].dtype.kind in "fV" else bound[i].dtype)
+            dev[i] = torch.empty(a.shape, device="meta") if k == len(present[:2]) - 1 else torch.from_numpy(a)
         out.append(ErrorCase(f"{spec.name}.device", DeviceError, tuple(dev)))
     return out
 

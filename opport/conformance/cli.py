@@ -127,7 +127,10 @@ def self_test(args) -> int:
     survivors = [k for k, v in kills.items() if v is None]
     opts = Options(backends=("faulty",), ops=("rmsnorm",), dtypes=("float32",), cases=tuple(faults.EXPECTED), workers=1,
                    timeout=3.0, compile_timeout=0.0, setup=("opport.conformance.faults:install",), errors=False, layouts=False)
-    report = run_suite(opts)
+    try:
+        report = run_suite(opts)
+    finally:
+        faults.uninstall()
     got = {c["case"]: c["status"] for c in report.cases}
     ok_isolation = got == faults.EXPECTED
     console.print(f"crash isolation: {'[green]ok[/green]' if ok_isolation else '[red]FAILED[/red]'} "

@@ -94,20 +94,28 @@ def install():
                           name=f"{name}.{k.name.split('.', 1)[-1]}")(MAKERS[kind](k.fn, spec))
 
 
-def self_test(ops=None, dtypes=("float32",), examples: int = 5, on_result=None) -> dict:
+def uninstall():
+    """Remove the mutant backends and kernels again (so they never show up in `opport.backends()` afterwards)."""
+    from opport.dispatch.registry import unregister_backend
+    from opport.ops import all_ops
+
+    for kind in MUTANTS:
+        for spec in all_ops().values():
+            spec.kernels.pop(f"mutant-{kind}", None)
+        unregister_backend(f"mutant-{kind}")
+
+
+def self_test(ops=None, dtypes=("float32",), examples: int = 5) -> dict:
     """{(op, mutant): id of the first case that caught it, or None if it survived}."""
     from opport.ops import all_ops, get_op
 
-    install()
     specs = [get_op(n) for n in ops] if ops else list(all_ops().values())
     sel = Selection("fast", examples, 0)
-    out = {}
-    for spec in specs:
-        for kind in MUTANTS:
-            out[(spec.name, kind)] = _first_kill(spec, f"mutant-{kind}", dtypes, sel)
-            if on_result:
-                on_result(spec.name, kind, out[(spec.name, kind)])
-    return out
+    install()
+    try:
+        return {(spec.name, kind): _first_kill(spec, f"mutant-{kind}", dtypes, sel) for spec in specs for kind in MUTANTS}
+    finally:
+        uninstall()
 
 
 def _first_kill(spec, backend: str, dtypes, sel) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 
 from opport.dispatch.registry import Backend
@@ -33,6 +34,8 @@ def setup() -> str:
 
                 if _interpret_requested() or not torch.cuda.is_available():
                     os.environ["TRITON_INTERPRET"] = "1"
+                    if "triton.language" in sys.modules:  # imported before the variable was set
+                        _reinterpret_stdlib()
                     _mode = "interpreter"
                 else:
                     _mode = "compiled"
@@ -44,14 +47,37 @@ def _probe() -> str | None:
         if importlib.util.find_spec(mod) is None:
             return f"{mod} is not installed"
     try:
-        mode = setup()  # before importing triton: its standard library is jit-defined at import
+        mode = setup()  # before importing triton where possible: its standard library is jit-defined at import
         import triton.language as tl
     except Exception as e:  # a broken install (ABI mismatch, missing libs) means "cannot run"
         return f"importing torch/triton failed: {type(e).__name__}: {e}"
-    if mode == "interpreter" and type(tl.sum).__name__ != "InterpretedFunction":
-        return ("triton was imported before opport enabled its interpreter (no GPU here); "
-                "set TRITON_INTERPRET=1 before importing triton")
+    if mode == "interpreter" and not _interpreted(tl):
+        return "triton was imported before TRITON_INTERPRET=1 was set and its standard library could not be re-wrapped"
     return None
+
+
+def _interpreted(tl) -> bool:
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+def _reinterpret_stdlib():
+    """Re-wrap triton.language's jit-defined functions (tl.sum, tl.max, ...) for the interpreter.
+
+    Triton decides compiled-vs-interpreted when a @triton.jit function is defined, so if the process
+    imported triton before opport chose interpreter mode (torch.compile does, for one), those library
+    functions are compiled-mode objects the interpreter cannot call. With no GPU in this process
+    nothing can run them compiled anyway, so they are swapped for the interpreted wrappers that
+    importing triton under TRITON_INTERPRET=1 would have made.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    wrapped: dict = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is not None and name.startswith("triton.language"):
+            for attr, value in list(vars(mod).items()):
+                if isinstance(value, JITFunction):
+                    setattr(mod, attr, wrapped.setdefault(id(value), InterpretedFunction(value.fn)))
 
 
 def _versions() -> dict:

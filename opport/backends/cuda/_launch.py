@@ -258,13 +258,14 @@ def dot_operand(x):
 
 
 @triton.jit
-def exp_f32(x):
-    """float32 exp to ~2 ULP. tl.exp is the fast ex2.approx path (15 ULP at |x| ~ 16, 64 overall, numerics.md
-    3.4), too coarse for float32 softmax's 1.3e-6 rtol; libdevice's expf is not. The interpreter uses NumPy."""
-    if INTERPRETED:
-        return tl.exp(x)
-    else:
+def exp_f32(x, PRECISE: tl.constexpr):
+    """float32 exp. tl.exp is the fast ex2.approx path (15 ULP at |x| ~ 16, 64 overall, numerics.md 3.4):
+    fine under a 16-bit output, an activation's abs/ULP bound or a logsumexp, too coarse for an
+    elementwise float32 rtol of 1.3e-6 (softmax), where PRECISE takes libdevice's expf (~2 ULP)."""
+    if PRECISE and not INTERPRETED:
         return libdevice.exp(x)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit
@@ -289,7 +290,7 @@ def pow2_scale(m):
 @triton.jit
 def sigmoid_f32(x):
     """float32 sigmoid that exponentiates only -|x| (no overflow, no 0 * inf)."""
-    e = exp_f32(-tl.abs(x))
+    e = tl.exp(-tl.abs(x))  # fast exp: its error stays inside the activations' ULP-or-abs bound
     return tl.where(x >= 0, 1.0, e) / (1.0 + e)
 
 

@@ -5,8 +5,8 @@ import torch
 from opport.backends.cuda._launch import at, elementwise, elementwise_tile, f32, narrow, sigmoid_f32, tl, triton
 from opport.ops.gelu import gelu as spec
 
-SQRT1_2 = 0.7071067811865476
-TANH_K = 1.5957691216057308  # 2 * sqrt(2 / pi): 1 + tanh(u) = 2 * sigmoid(2u)
+SQRT1_2 = tl.constexpr(0.7071067811865476)
+TANH_K = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): 1 + tanh(u) = 2 * sigmoid(2u)
 
 
 @triton.jit
