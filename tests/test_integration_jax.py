@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import opport
+from opport.dispatch.core import metas_of
 from opport.errors import ArgumentError, ShapeError
-from opport.integrations import small_cases
+from opport.integrations import out_shape, small_cases
 from tests.conftest import fake_backend
 
 jax = pytest.importorskip("jax")
@@ -106,3 +107,16 @@ def test_backend_choice_is_fixed_when_the_function_is_traced():
             assert (in_ctx(x) == 7.0).all()
         assert (in_ctx(x) == 7.0).all()  # the cached trace keeps its backend
         _assert_same(jax.jit(lambda x: opport.rmsnorm(x))(x), opport.rmsnorm(x))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_declared_output_shape_and_dtype_match_the_cpu_kernel(name):
+    """The rule jit (and torch's fake kernels) rely on, checked on the op's conformance cases."""
+    spec = opport.get_op(name)
+    cases = small_cases(spec, "float32", limit=50, max_elements=1 << 16)
+    assert cases
+    for case in cases:
+        bound = spec.bind(*case.args, **case.kwargs)
+        metas = metas_of(spec, bound)
+        out = spec(*bound)
+        assert (out.shape, out.dtype.name) == (out_shape(spec, metas), spec.out_dtype(metas)), case.name

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -173,3 +176,17 @@ def test_eager_torch_calls_do_not_go_through_the_custom_op(monkeypatch):
     x = torch.randn(2, 8)
     monkeypatch.setitem(ot.OPS, "rmsnorm", None)  # would fail if eager calls used it
     _assert_same(opport.rmsnorm(x), torch.ops.opport.rmsnorm(x))
+
+
+def _doc_blocks() -> list:
+    text = (Path(__file__).parent.parent / "docs" / "integration.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+@pytest.mark.parametrize("block", range(len(_doc_blocks())))
+def test_docs_example_runs(block):
+    """docs/integration.md's examples run as written (each checks its own results)."""
+    code = _doc_blocks()[block]
+    for module in re.findall(r"^(?:import|from) (\w+)", code, re.M):
+        pytest.importorskip(module)
+    exec(compile(code, f"docs/integration.md block {block}", "exec"), {"__name__": "__docs__"})

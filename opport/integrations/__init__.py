@@ -1,6 +1,6 @@
 """Framework integration: opport ops inside `torch.compile` and `jax.jit`, and model patching.
 
-`OpSpec.__call__` sends every call whose first array is not a NumPy array through `route` before
+`OpSpec.__call__` sends every call whose first argument is not a NumPy array through `route` before
 the dispatcher. Outside tracing `route` declines (returns NotImplemented) and the call is dispatched
 as usual; while torch.compile traces, the call becomes the custom op `torch.ops.opport.<name>`
 (opport.integrations.torch); when an argument is a JAX tracer, it becomes a `jax.pure_callback` into
@@ -11,6 +11,8 @@ already imported it, and nothing is imported at all on the NumPy path.
 from __future__ import annotations
 
 import sys
+
+import numpy as np
 
 
 def route(spec, bound: tuple, backend: str | None):
@@ -42,7 +44,6 @@ def small_cases(spec, dtype: str = "float32", limit: int = 2, max_elements: int 
 
     Falls back to the smallest case when none is under `max_elements` elements in all.
     """
-    import numpy as np
 
     def size(case):
         return sum(a.size for a in case.args if isinstance(a, np.ndarray))

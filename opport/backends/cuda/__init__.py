@@ -3,8 +3,9 @@
 Modes: `compiled` when torch sees a CUDA device (kernels JIT-compile for the GPU), else `interpreter`
 (Triton's NumPy interpreter on CPU tensors, how CI runs it). Triton reads TRITON_INTERPRET when a
 `@triton.jit` function is *defined*, so `setup()` fixes the mode and the variable before any kernel
-module is imported; every kernel module calls it first (through `_launch`). Importing this package
-imports neither torch nor triton.
+module is imported; every kernel module calls it first (through `_launch`). If triton was imported
+earlier, `setup()` re-wraps triton's own jit-defined library for the interpreter. Importing this
+package imports neither torch nor triton. See docs/cuda.md.
 """
 
 from __future__ import annotations

@@ -136,6 +136,7 @@ def rows_layout(inputs: list, out, merge_cols: bool = False) -> tuple[Layout, li
     if lay is None:
         inputs = [t.contiguous() for t in inputs]  # the documented copy (module docstring)
         lay = Layout.of(shape, *(t.stride() for t in inputs), out.stride(), merge_cols=merge_cols)
+        assert lay is not None, "outputs are allocated contiguous (or one axis moved), so they always merge"
     return lay, inputs
 
 

@@ -49,7 +49,11 @@ def _rope_kernel(
 
 @triton.jit
 def _widen(t, COMPUTE: tl.constexpr):
-    return f32(t).to(COMPUTE)
+    """t in the compute dtype; float64 tables stay float64 (never rounded through float32)."""
+    if t.dtype == tl.float64:
+        return t
+    else:
+        return f32(t).to(COMPUTE)
 
 
 def _table_strides(t: torch.Tensor) -> tuple:
