@@ -170,6 +170,7 @@ class OpSpec:
         self._reference = self._cases = self._strategy = self._errors = self._cost = None
         self.tolerances: dict[str, Tolerance] = dict(BASE_TOLERANCE)
         self.invariants: list[Callable] = []
+        self._shape: Callable | None = None
 
     # -- attaching the parts of the declaration
 
@@ -191,6 +192,11 @@ class OpSpec:
 
     def cost(self, fn):
         self._cost = fn
+        return fn
+
+    def shape(self, fn):
+        """The output's shape rule `fn(*bound) -> tuple`, for ops whose output is not shaped like their first array."""
+        self._shape = fn
         return fn
 
     def invariant(self, fn):
@@ -254,6 +260,12 @@ class OpSpec:
     def dtype_of(self, bound: tuple) -> str:
         """The dtype that names a call (first array argument's dtype)."""
         return bound[self.array_pos[0]].dtype
+
+    def out_shape(self, bound: tuple) -> tuple:
+        """The output's shape for bound arguments (arrays or Metas)."""
+        if self._shape is None:
+            return tuple(bound[self.array_pos[0]].shape)
+        return tuple(self._shape(*bound))
 
     def out_dtype(self, bound: tuple) -> str:
         return self.fixed_out_dtype or self.dtype_of(bound)

@@ -31,3 +31,12 @@ def fake_backend(name: str, probe=lambda: None, device_types=("fakedev",), array
 @pytest.fixture
 def backend_factory():
     return fake_backend
+
+
+def pytest_configure(config):
+    """Probe the backends before any test imports triton by another route (transformers, inductor):
+    the cuda backend must set TRITON_INTERPRET before triton is first imported on a GPU-less machine."""
+    from opport.dispatch.registry import backends
+
+    for b in backends().values():
+        b.unavailable()

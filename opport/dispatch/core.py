@@ -96,13 +96,14 @@ class Decision:
     requested: str  # how the backend was chosen
     candidates: list = field(default_factory=list)  # (backend, kernel, reason or None if taken)
     fallback: str | None = None  # why the requested backend's kernels were not used
+    fallback_from: str | None = None  # the backend that was requested and declined
     error: str | None = None  # what the call would raise (strict mode)
 
     def __str__(self):
         lines = [f"{self.op}: backend {self.backend} ({self.mode}), kernel {self.kernel or '-'}",
                  f"  backend chosen by: {self.requested}"]
         if self.fallback:
-            lines.append(f"  fell back to cpu because: {self.fallback}")
+            lines.append(f"  fell back from {self.fallback_from} to cpu because: {self.fallback}")
         if self.error:
             lines.append(f"  raises: {self.error}")
         for b, k, reason in self.candidates:
@@ -207,6 +208,8 @@ def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool
         raise errors.UnsupportedError(op=op.name, arg=None, constraint=f"{op.name}.supported",
                                       expected=f"a {decision.backend} kernel that takes this call",
                                       got=decision.error, message=f"{op.name}: {decision.error}")
+    if decision.fallback:
+        _warn_once(op.name, decision.fallback_from, decision.fallback)
     return _make_plan(op, bound, kernel, decision)
 
 
@@ -253,11 +256,10 @@ def decide(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool
         return Decision(op.name, b.name, b.mode(), None, requested, candidates, error=why), None
     cpu = backends()["cpu"]
     chosen = _first_taker(op, cpu, dtype, metas, candidates)
-    d = Decision(op.name, "cpu", cpu.mode(), chosen and chosen.name, requested, candidates, fallback=fallback)
+    d = Decision(op.name, "cpu", cpu.mode(), chosen and chosen.name, requested, candidates, fallback=fallback,
+                 fallback_from=b.name)
     if chosen is None:
         d.error = f"no cpu kernel takes this call either (after: {fallback})"
-    else:
-        _warn_once(op.name, b.name, fallback)
     return d, chosen
 
 

@@ -27,7 +27,7 @@ NAME = "attention"
         "attention.scale": "scale is None or a finite number",
     },
 )
-def attention(q, k, v, causal=False, scale=None):
+def attention(q, k, v, causal: bool = False, scale: float | None = None):
     """Scaled dot-product attention, out [B, Hq, Sq, Dv].
 
     Query head h reads KV head h // (Hq / Hkv) (grouped-query attention). scale defaults to
@@ -195,6 +195,11 @@ def _error_cases():
     yield ErrorCase("attention.causal", ArgumentError, (q, k, v), {"causal": 1})
     yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": float("inf")})
     yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": "0.1"})
+
+
+@attention.shape
+def _shape(q, k, v, causal, scale):
+    return (*q.shape[:3], v.shape[3])
 
 
 @attention.cost

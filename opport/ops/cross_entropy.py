@@ -186,6 +186,11 @@ def _error_cases():
     yield ErrorCase("cross_entropy.label_smoothing", ArgumentError, (x, t), {"label_smoothing": float("nan")})
 
 
+@cross_entropy.shape
+def _shape(logits, target, ignore_index, reduction, label_smoothing):
+    return (logits.shape[0],) if reduction == "none" else ()
+
+
 @cross_entropy.cost
 def _cost(logits, target, ignore_index, reduction, label_smoothing):
     item = np.dtype(cg.np_dtype(logits.dtype)).itemsize

@@ -134,6 +134,11 @@ def _error_cases():
     yield ErrorCase("matmul.bias_shape", ShapeError, (a, b, np.ones((1, 5), np.float32)))
 
 
+@matmul.shape
+def _shape(a, b, bias):
+    return (*a.shape[:-1], b.shape[-1])
+
+
 @matmul.cost
 def _cost(a, b, bias):
     item = np.dtype(cg.np_dtype(a.dtype)).itemsize
