@@ -23,7 +23,8 @@ def render() -> str:
         out += [f"| `{cid}` | {rule} |" for cid, rule in spec.constraints.items()]
         out += ["", "| dtype | metric | rtol | atol | ulp | why |", "|---|---|---|---|---|---|"]
         for dtype, t in spec.tolerances.items():
-            out.append(f"| {dtype} | {t.metric} | {t.rtol:g} | {t.atol:g} | {'' if t.ulp is None else f'{t.ulp:g}'} | {t.reason} |")
+            ulp = "" if t.ulp is None else f"{t.ulp:g}"
+            out.append(f"| {dtype} | {t.metric} | {t.rtol:g} | {t.atol:g} | {ulp} | {t.reason} |")
         out.append("")
     return "\n".join(out)
 

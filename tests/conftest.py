@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 
 import pytest
+
+# A fresh inductor cache per run: a cache left by an earlier build of a fake kernel can replay stale code.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="opport-inductor-"))
 
 from opport.dispatch import clear_cache
 from opport.dispatch.registry import Backend, register_backend, unregister_backend
