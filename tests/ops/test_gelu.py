@@ -8,7 +8,7 @@ import pytest
 import opport
 from opport.dtypes import FLOATS, np_dtype
 from opport.ops.gelu import gelu as spec
-from tests.ops.test_silu import check_case, hypothesis_test, views_match_contiguous
+from tests.ops._check import check_case, hypothesis_test, views_match_contiguous
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

@@ -8,7 +8,7 @@ import pytest
 import opport
 from opport.dtypes import FLOATS, np_dtype
 from opport.ops.layernorm import layernorm as spec
-from tests.ops.test_silu import check_case, cpu_kernel, hypothesis_test
+from tests.ops._check import check_case, cpu_kernel, hypothesis_test
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

@@ -1,5 +1,7 @@
 """rope: the cpu kernel against the float64 reference on every declared case, plus exact semantics."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,26 +12,12 @@ from opport.casegen import cast
 from opport.dispatch.adapters import NumpyAdapter
 from opport.ops.rope import angle_tables
 from opport.ops.rope import rope as spec
+from tests.ops import _check
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
-def assert_matches(case, dtype, out):
-    """Shape, dtype, NaN/inf positions exact (from the reference rounded to the output dtype), then the tolerance."""
-    __tracebackhide__ = True
-    out_dtype = spec.fixed_out_dtype or dtype
-    ref = np.asarray(spec.run_reference(*case.args, **case.kwargs), np.float64)
-    assert out.shape == ref.shape and out.dtype == cast([], out_dtype).dtype, (out.shape, out.dtype)
-    o, exact = out.astype(np.float64), cast(ref, out_dtype).astype(np.float64)
-    assert np.array_equal(np.isnan(o), np.isnan(exact)), f"{case.name}: NaN positions differ"
-    inf = np.isinf(exact)
-    assert np.array_equal(np.isinf(o), inf) and np.array_equal(o[inf], exact[inf]), f"{case.name}: inf positions differ"
-    tol = case.tolerance or spec.tolerances[dtype]
-    fin = np.isfinite(exact)
-    err = np.abs(o[fin] - ref[fin])
-    scale = np.abs(ref[fin]).max(initial=0.0) if tol.metric == "normwise" else np.abs(ref[fin])
-    bound = tol.atol + tol.rtol * scale
-    assert (err <= bound).all(), f"{case.name}: max error {err.max():.3g} over bound (max|r| {np.abs(ref[fin]).max():.3g})"
+assert_matches = partial(_check.assert_matches, spec)
 
 
 def run(case):
