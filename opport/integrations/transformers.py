@@ -116,15 +116,16 @@ def _attention_forward(module, original):
     hf_rope, eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
     attention_functions = modeling.ALL_ATTENTION_FUNCTIONS
 
-    def forward(hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(hidden_states, position_embeddings, attention_mask=None, past_key_values=None, cache=None, **kwargs):
+        cache = cache if cache is not None else past_key_values  # transformers 5.24 renamed the argument `cache`
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, module.head_dim)
         q = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         k = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         q, k = _rotate(q, k, *position_embeddings, hf_rope)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, module.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, module.layer_idx)
         if _opport_attends(module, q, k, attention_mask):
             out = opport.attention(q, k, v, causal=q.shape[2] > 1, scale=module.scaling).transpose(1, 2)
         else:
