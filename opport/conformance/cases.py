@@ -24,9 +24,9 @@ SLOW_MODES = ("interpreter", "emulator", "simulator")  # backends that emulate a
 # Per tier: Hypothesis examples per op x dtype, element caps (all array arguments together), and
 # how many fixed cases also run under a non-contiguous layout. "slow" applies to SLOW_MODES.
 TIERS = {
-    "fast": {"examples": 20, "examples_slow": 4, "hyp_max": 1 << 20, "hyp_max_slow": 1 << 15,
+    "fast": {"examples": 100, "examples_slow": 100, "hyp_max": 1 << 20, "hyp_max_slow": 1 << 15,
              "case_max_slow": 1 << 18, "layout_max": 1 << 16, "layouts_slow": 4, "skip_tags": ("large", "slow")},
-    "full": {"examples": 1000, "examples_slow": 100, "hyp_max": None, "hyp_max_slow": 1 << 20,
+    "full": {"examples": 1000, "examples_slow": 1000, "hyp_max": None, "hyp_max_slow": 1 << 20,
              "case_max_slow": None, "layout_max": 1 << 20, "layouts_slow": None, "skip_tags": ()},
 }
 

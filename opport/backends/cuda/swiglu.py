@@ -2,8 +2,11 @@
 
 import torch
 
-from opport.backends.cuda._launch import at, elementwise, elementwise_tile, f32, narrow, sigmoid_f32, tl, triton
+from opport.backends.cuda._launch import at, elementwise, elementwise_tile, exp_f32, f32, narrow, sigmoid_f32, tl, triton
 from opport.ops.swiglu import swiglu as spec
+
+DEEP = tl.constexpr(64.0)  # below -DEEP, sigmoid(gate) heads for float32 subnormals (few significant bits)
+EXP_NEG_DEEP = tl.constexpr(1.603810890548638e-28)  # exp(-DEEP), a float32 normal
 
 
 @triton.jit
@@ -22,7 +25,9 @@ def _swiglu_kernel(
     u = f32(tl.load(up_ptr + at(i0, i1, i2, cols, u_s0, u_s1, u_s2, u_sc), mask=mask, other=0.0))
     # gate * (sigmoid(gate) * up) overflows or underflows only where the exact product does; against an
     # infinite up the limit is gate * up (silu(gate) != 0 for finite gate != 0), and silu(-inf) = -0.0
-    y = tl.where((u == float("inf")) | (u == float("-inf")), g * u, g * (sigmoid_f32(g) * u))
+    # for gate < -DEEP: sigmoid(gate) * up = (exp(gate + DEEP) * up) * exp(-DEEP), no subnormal in between
+    su = tl.where(g < -DEEP, (exp_f32(g + DEEP, True) * u) * EXP_NEG_DEEP, sigmoid_f32(g) * u)
+    y = tl.where((u == float("inf")) | (u == float("-inf")), g * u, g * su)
     y = tl.where(g == float("-inf"), -0.0 * u, y)
     tl.store(out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc), narrow(y, out_ptr.dtype.element_ty), mask=mask)
 
