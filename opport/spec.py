@@ -80,6 +80,7 @@ class Tolerance:
     metric: "elementwise" |a-r| <= atol + rtol*|r|; "normwise" |a-r| <= atol + rtol*max|r|
     (K-accumulating ops); "ulp_or_abs" passes where the error is <= `ulp` units in the last
     place of the dtype or <= atol (composite activations near cancellation).
+    NaN positions and signed infinities are always exact; signed zeros too where `signed_zero`.
     """
 
     rtol: float
@@ -87,6 +88,7 @@ class Tolerance:
     metric: str = "elementwise"
     ulp: float | None = None
     reason: str = ""
+    signed_zero: bool = False  # the reference defines the sign of its zeros (elementwise ops): check it exactly
 
 
 # numerics.md section 3.2

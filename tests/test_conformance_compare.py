@@ -104,3 +104,11 @@ def test_noise_floor_gate():
     assert cmp.noise_floor(good, r, base, tol, "float32").ok
     v = cmp.noise_floor(bad, r, base, tol, "float32")
     assert not v.ok and v.metrics["floor_ratio"] > 1 and v.metrics["rmse_ratio"] > 100
+
+
+def test_signed_zero_is_exact_only_where_the_tolerance_says_so():
+    ref = np.array([-0.0, 0.0, 1.0])
+    out = np.array([0.0, -0.0, 1.0], np.float32)
+    assert cmp.compare(out, ref, Tolerance(1.3e-6, 1e-5), "float32").ok
+    v = cmp.compare(out, ref, Tolerance(1.3e-6, 1e-5, signed_zero=True), "float32")
+    assert not v.ok and v.metrics["mismatches"] == 2 and "signed zero" in v.message

@@ -57,6 +57,8 @@ def compare(out: np.ndarray, ref: np.ndarray, tol, out_dtype: str, override: boo
     with np.errstate(over="ignore", invalid="ignore"):
         rr = r.astype(np_dtype(out_dtype)).astype(np.float64)  # reference as the dtype can hold it
     bad_special = _special_mismatch(a, r, rr, out_dtype)
+    if tol.signed_zero:
+        bad_special |= (r == 0) & (a == 0) & (np.signbit(a) != np.signbit(r))
     fin = np.isfinite(a) & np.isfinite(rr)
     err = np.where(fin, np.abs(a - np.where(fin, r, 0.0)), 0.0)
     allowed, ok_elem, ratio = _allowance(err, r, fin, tol, out_dtype, override)
@@ -69,10 +71,10 @@ def compare(out: np.ndarray, ref: np.ndarray, tol, out_dtype: str, override: boo
     worst = {"index": idx, "expected": _num(r[idx]), "got": _num(a[idx]),
              "abs_err": _num(err[idx]) if fin[idx] else None, "allowed": _num(allowed[idx]) if fin[idx] else None}
     n = a.size
-    what = "special value mismatch" if bad_special[idx] else "value out of tolerance"
+    what = "special value mismatch (NaN, signed inf or signed zero)" if bad_special[idx] else "value out of tolerance"
     msg = (f"{metrics['mismatches']}/{n} elements ({100.0 * metrics['mismatches'] / max(n, 1):.3g}%) mismatch; worst: "
            f"{what} at {idx}: expected {float(r[idx])!r}, got {float(a[idx])!r}")
-    if fin[idx]:
+    if fin[idx] and not bad_special[idx]:
         msg += f", |err| {err[idx]:.3g} > allowed {allowed[idx]:.3g} ({tol.metric}, rtol {tol.rtol:g}, atol {tol.atol:g}"
         msg += f", {tol.ulp:g} ulp)" if tol.metric == "ulp_or_abs" else ")"
     return Verdict(False, metrics, msg, worst)

@@ -298,4 +298,10 @@ def sigmoid_f32(x):
 @triton.jit
 def silu_f32(x):
     """x * sigmoid(x) with the limit silu(-inf) = -0.0 (the product alone gives -inf * 0 = NaN)."""
-    return tl.where(x == float("-inf"), -0.0, x * sigmoid_f32(x))
+    return tl.where(x == float("-inf"), neg_zero_like(x), x * sigmoid_f32(x))
+
+
+@triton.jit
+def neg_zero_like(x):
+    """-0.0 in x's shape. A -0.0 literal loses its sign in Triton 3.6's interpreter; 0 * -1 keeps it."""
+    return tl.zeros_like(x) * -1.0

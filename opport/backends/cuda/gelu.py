@@ -2,7 +2,17 @@
 
 import torch
 
-from opport.backends.cuda._launch import at, elementwise, elementwise_tile, f32, narrow, sigmoid_f32, tl, triton
+from opport.backends.cuda._launch import (
+    at,
+    elementwise,
+    elementwise_tile,
+    f32,
+    narrow,
+    neg_zero_like,
+    sigmoid_f32,
+    tl,
+    triton,
+)
 from opport.ops.gelu import gelu as spec
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)
@@ -30,7 +40,7 @@ def _gelu_kernel(
         y = x * sigmoid_f32(TANH_K * (x + 0.044715 * x * x * x))
     else:
         y = 0.5 * x * (1.0 + tl.erf(x * SQRT1_2))
-    y = tl.where(x == float("-inf"), -0.0, y)
+    y = tl.where(x == float("-inf"), neg_zero_like(x), y)
     tl.store(out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc), narrow(y, out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -2,7 +2,18 @@
 
 import torch
 
-from opport.backends.cuda._launch import at, elementwise, elementwise_tile, exp_f32, f32, narrow, sigmoid_f32, tl, triton
+from opport.backends.cuda._launch import (
+    at,
+    elementwise,
+    elementwise_tile,
+    exp_f32,
+    f32,
+    narrow,
+    neg_zero_like,
+    sigmoid_f32,
+    tl,
+    triton,
+)
 from opport.ops.swiglu import swiglu as spec
 
 DEEP = tl.constexpr(64.0)  # below -DEEP, sigmoid(gate) heads for float32 subnormals (few significant bits)
@@ -28,7 +39,7 @@ def _swiglu_kernel(
     # for gate < -DEEP: sigmoid(gate) * up = (exp(gate + DEEP) * up) * exp(-DEEP), no subnormal in between
     su = tl.where(g < -DEEP, (exp_f32(g + DEEP, True) * u) * EXP_NEG_DEEP, sigmoid_f32(g) * u)
     y = tl.where((u == float("inf")) | (u == float("-inf")), g * u, g * su)
-    y = tl.where(g == float("-inf"), -0.0 * u, y)
+    y = tl.where(g == float("-inf"), neg_zero_like(u) * u, y)
     tl.store(out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc), narrow(y, out_ptr.dtype.element_ty), mask=mask)
 
 
