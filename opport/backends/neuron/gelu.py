@@ -31,10 +31,11 @@ def _gelu_kernel(x_hbm, approximate):
         cast to x's dtype on the write. The activation tables cover the reals only (-inf would give
         -inf * 0 = NaN), so a VectorE max first maps -inf to -FLT_MAX, whose GELU is the limit -0.0
         (NaN must pass through that max: IEEE maximum, checked in emulation only). Pure streaming:
-        every element is read and written once.
+        every element is read and written once. ScalarE adds its (zero) bias, which turns -0.0 into
+        +0.0: two VectorE instructions copy x itself where x == 0 (gelu(+-0) = +-0).
 
     Pseudocode:
-        for each [128, FMAX] tile: out = gelu(max(x, -FLT_MAX))
+        for each [128, FMAX] tile: out = gelu(max(x, -FLT_MAX)); out[x == 0] = x
     """
     R, C = x_hbm.shape
     out_hbm = nl.ndarray((R, C), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
@@ -50,6 +51,9 @@ def _gelu_kernel(x_hbm, approximate):
             nisa.tensor_scalar(dst=xc_sb, data=x_sb, op0=nl.maximum, operand0=NEG_BIG)
             out_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             nisa.activation(dst=out_sb, op=act, data=xc_sb)
+            zero_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # 1 where x == +-0
+            nisa.tensor_scalar(dst=zero_sb, data=x_sb, op0=nl.equal, operand0=0.0)
+            nisa.tensor_copy_predicated(dst=out_sb, src=x_sb, predicate=zero_sb)
             nisa.dma_copy(dst=out_hbm[r0:r0 + p, c0:c0 + f], src=out_sb)
     return out_hbm
 

@@ -27,9 +27,11 @@ def _silu_kernel(x_hbm):
     Notes:
         A single ScalarE nl.silu activation per tile, float32 inside, cast on the write; the
         activation table handles x = -inf (-0.0) where a naive x * sigmoid(x) would give NaN.
+        ScalarE computes silu(x * scale + bias), and -0.0 + 0.0 is +0.0, so silu(-0.0) would come out
+        +0.0: two VectorE instructions copy x itself where x == 0 (silu(+-0) = +-0).
 
     Pseudocode:
-        for each [128, FMAX] tile: out = silu(x)
+        for each [128, FMAX] tile: out = silu(x); out[x == 0] = x
     """
     R, C = x_hbm.shape
     out_hbm = nl.ndarray((R, C), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
@@ -42,6 +44,9 @@ def _silu_kernel(x_hbm):
             nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
             out_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             nisa.activation(dst=out_sb, op=nl.silu, data=x_sb)
+            zero_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # 1 where x == +-0
+            nisa.tensor_scalar(dst=zero_sb, data=x_sb, op0=nl.equal, operand0=0.0)
+            nisa.tensor_copy_predicated(dst=out_sb, src=x_sb, predicate=zero_sb)
             nisa.dma_copy(dst=out_hbm[r0:r0 + p, c0:c0 + f], src=out_sb)
     return out_hbm
 
