@@ -33,12 +33,6 @@ def route(spec, bound: tuple, backend: str | None):
     return NotImplemented
 
 
-def out_shape(spec, metas) -> tuple:
-    """The output shape of a call from its metas: the op's declared rule, else its first array's shape."""
-    rule = getattr(spec, "out_shape", None)  # OpSpec.out_shape (the op's `@<op>.shape` rule), when declared
-    return tuple(rule(metas)) if rule is not None else tuple(metas[spec.array_pos[0]].shape)
-
-
 def small_cases(spec, dtype: str = "float32", limit: int = 2, max_elements: int = 4096) -> list:
     """A few of the op's own conformance cases, small and free of special values, to check an integration.
 

@@ -21,7 +21,6 @@ import numpy as np
 from opport.dispatch import core
 from opport.dispatch.adapters import adapter_for
 from opport.dtypes import np_dtype
-from opport.integrations import out_shape
 from opport.spec import Meta
 
 
@@ -36,7 +35,7 @@ def traced_call(spec, bound: tuple, backend: str | None):
         slots.append(i)
         operands.append(a)
     spec.validate(*metas)
-    result = jax.ShapeDtypeStruct(out_shape(spec, metas), np_dtype(spec.out_dtype(metas)))
+    result = jax.ShapeDtypeStruct(spec.out_shape(metas), np_dtype(spec.out_dtype(metas)))
     template = tuple(None if i in slots else v for i, v in enumerate(bound))  # scalars only: no tracer kept
     host = _host_fn(spec, template, tuple(slots), backend or core._backend_ctx.get(), core._strict_ctx.get())
     return jax.pure_callback(host, result, *operands, vmap_method="sequential")

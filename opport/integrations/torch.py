@@ -25,7 +25,7 @@ import torch
 from opport import errors
 from opport.dispatch.adapters import NumpyAdapter
 from opport.dispatch.core import call, metas_of
-from opport.integrations import out_shape, small_cases
+from opport.integrations import small_cases
 from opport.ops import all_ops
 
 NAMESPACE = "opport"
@@ -110,7 +110,7 @@ def _fake_kernel(spec):
         _check_one_device(spec, metas)
         spec.validate(*metas)
         like = bound[spec.array_pos[0]]
-        return like.new_empty(out_shape(spec, metas), dtype=getattr(torch, spec.out_dtype(metas)))
+        return like.new_empty(spec.out_shape(metas), dtype=getattr(torch, spec.out_dtype(metas)))
 
     return fake
 
