@@ -166,6 +166,9 @@ def print_summary(report, console: Console | None = None):
     verdict = "[green]PASS[/green]" if code == 0 else "[red]FAIL[/red]"
     why = "" if code == 0 else " (nothing ran)" if sum(v for k, v in s.items() if k != "skip") == 0 else ""
     console.print(f"conformance: {verdict}{why}")
+    # a plain closing count line, as test runners end (CI logs are read for it)
+    failed = sum(s[k] for k in ("fail", "error", "crash", "timeout", "xpass"))
+    console.print(f"conformance: {s['pass']} passed, {failed} failed, {s['skip'] + s['xfail']} skipped", markup=False)
 
 
 # --------------------------------------------------------------------------- files
