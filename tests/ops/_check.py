@@ -65,6 +65,22 @@ def check_case(op, case, dtype: str, signed_zero: bool = True):
     return out
 
 
+def fixed_cases_test(op, min_cases: int = 12, signed_zero: bool = True, max_elements: int = 1 << 20):
+    """A test over `op`'s fixed cases in every float dtype: enough of them, uniquely named, small enough
+    for the emulating backends that run the same cases, and each one passing `check_case`."""
+
+    @pytest.mark.parametrize("dtype", FLOATS)
+    def test(dtype):
+        cases = list(op.get_cases(dtype))
+        assert len(cases) >= min_cases and len({c.name for c in cases}) == len(cases)
+        for case in cases:
+            size = sum(a.size for a in case.args if isinstance(a, np.ndarray))
+            assert size <= max_elements, f"{case.name}: {size} elements (the emulators run these too)"
+            check_case(op, case, dtype, signed_zero)
+
+    return test
+
+
 def hypothesis_test(op, signed_zero: bool = True, dtypes=FLOATS):
     """A test over `op`'s Hypothesis strategy in every float dtype."""
 

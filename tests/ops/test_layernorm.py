@@ -8,16 +8,9 @@ import pytest
 import opport
 from opport.dtypes import FLOATS, np_dtype
 from opport.ops.layernorm import layernorm as spec
-from tests.ops._check import check_case, cpu_kernel, hypothesis_test
+from tests.ops._check import cpu_kernel, fixed_cases_test, hypothesis_test
 
-
-@pytest.mark.parametrize("dtype", FLOATS)
-def test_fixed_cases_match_reference(dtype):
-    names = []
-    for case in spec.get_cases(dtype):
-        check_case(spec, case, dtype, signed_zero=False)
-        names.append(case.name)
-    assert len(names) >= 15 and len(set(names)) == len(names)
+test_fixed_cases_match_reference = fixed_cases_test(spec, min_cases=15, signed_zero=False)
 
 
 test_hypothesis_examples_match_reference = hypothesis_test(spec, signed_zero=False)

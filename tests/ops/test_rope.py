@@ -4,7 +4,6 @@ from functools import partial
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
 
 import opport
 from opport.backends.cpu.rope import rope as kernel
@@ -29,23 +28,8 @@ def halves_from_pairs(a):
     return np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fixed_cases(dtype):
-    cases = list(spec.get_cases(dtype))
-    assert len(cases) >= 12 and len({c.name for c in cases}) == len(cases)
-    for case in cases:
-        assert max(a.size for a in case.args) <= 1 << 20, case.name  # emulators run these too
-        assert_matches(case, dtype, run(case))
-
-
-@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16"))
-def test_hypothesis_cases(dtype):
-    @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-    @given(spec.get_strategy(dtype))
-    def check(case):
-        assert_matches(case, dtype, run(case))
-
-    check()
+test_fixed_cases = _check.fixed_cases_test(spec, signed_zero=False)
+test_hypothesis_cases = _check.hypothesis_test(spec, signed_zero=False)
 
 
 def test_interleaved_is_rotate_half_on_permuted_features():

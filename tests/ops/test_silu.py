@@ -8,18 +8,12 @@ import pytest
 import opport
 from opport.dtypes import FLOATS, np_dtype
 from opport.ops.silu import silu as spec
-from tests.ops._check import check_case, hypothesis_test, views_match_contiguous
+from tests.ops._check import fixed_cases_test, hypothesis_test, views_match_contiguous
 
 # --------------------------------------------------------------------------- silu
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
-def test_fixed_cases_match_reference(dtype):
-    names = []
-    for case in spec.get_cases(dtype):
-        check_case(spec, case, dtype)
-        names.append(case.name)
-    assert len(names) >= 15 and len(set(names)) == len(names)
+test_fixed_cases_match_reference = fixed_cases_test(spec, min_cases=15)
 
 
 test_hypothesis_examples_match_reference = hypothesis_test(spec)
