@@ -6,7 +6,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
-from opport.backends.neuron.rmsnorm import load_row_broadcast, row_scale, scaled_eps
+from opport.backends.neuron.rmsnorm import load_row_broadcast, scaled_rows
 from opport.ops.layernorm import layernorm as spec
 
 FMAX = 4096  # free-dim chunk: input chunk + fp32 scratch <= 32 KiB per partition
@@ -86,24 +86,7 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
     for r0 in range(0, R, PMAX):
         p = min(PMAX, R - r0)
         # row scale from max|x|
-        x_tiles = []
-        amax_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
-        for c in range(n_chunks):
-            c0 = c * FMAX
-            f = min(FMAX, N - c0)
-            x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
-            if resident:
-                x_tiles.append(x_sb)
-            abs_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar_reduce(dst=abs_sb, data=x_sb, op0=nl.abs, operand0=0.0, reduce_op=nl.maximum,
-                                      reduce_res=amax_parts_sb[0:p, c:c + 1])
-        amax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=amax_sb, op=nl.maximum, data=amax_parts_sb, axis=1, keepdims=True)
-        s_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        row_scale(s_sb, amax_sb, p)
-        eps_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        scaled_eps(eps_sb, s_sb, eps)
+        x_tiles, s_sb, eps_sb = scaled_rows(x_hbm, r0, p, resident, eps)
 
         # statistics of the scaled rows
         xs_tiles = []

@@ -52,6 +52,33 @@ def scaled_eps(eps_sb, s_sb, eps):
     nisa.tensor_scalar(dst=eps_sb, data=eps_sb, op0=nl.maximum, operand0=TINY)
 
 
+def scaled_rows(x_hbm, r0, p, keep, eps):
+    """Rows r0:r0+p of x_hbm, FMAX columns at a time: their max|x| gives the row scale s (row_scale) and
+    eps * s^2 (scaled_eps), shared by rmsnorm and layernorm. Returns (the chunks, kept in SBUF when `keep`,
+    else [] and the caller streams them again; s_sb [p, 1]; eps_sb [p, 1])."""
+    N = x_hbm.shape[1]
+    n_chunks = (N + FMAX - 1) // FMAX
+    x_tiles = []
+    amax_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
+    for c in range(n_chunks):
+        c0 = c * FMAX
+        f = min(FMAX, N - c0)
+        x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
+        if keep:
+            x_tiles.append(x_sb)
+        abs_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=abs_sb, data=x_sb, op0=nl.abs, operand0=0.0, reduce_op=nl.maximum,
+                                  reduce_res=amax_parts_sb[0:p, c:c + 1])
+    amax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=amax_sb, op=nl.maximum, data=amax_parts_sb, axis=1, keepdims=True)
+    s_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    row_scale(s_sb, amax_sb, p)
+    eps_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    scaled_eps(eps_sb, s_sb, eps)
+    return x_tiles, s_sb, eps_sb
+
+
 @nki.jit
 def _rmsnorm_kernel(x_hbm, w_hbm, eps):
     """RMS normalisation of a [R, N] tensor over N, with an optional per-feature weight.
@@ -106,24 +133,7 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
     for r0 in range(0, R, PMAX):
         p = min(PMAX, R - r0)
         # row scale from max|x|
-        x_tiles = []
-        amax_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
-        for c in range(n_chunks):
-            c0 = c * FMAX
-            f = min(FMAX, N - c0)
-            x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
-            if resident:
-                x_tiles.append(x_sb)
-            abs_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar_reduce(dst=abs_sb, data=x_sb, op0=nl.abs, operand0=0.0, reduce_op=nl.maximum,
-                                      reduce_res=amax_parts_sb[0:p, c:c + 1])
-        amax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=amax_sb, op=nl.maximum, data=amax_parts_sb, axis=1, keepdims=True)
-        s_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        row_scale(s_sb, amax_sb, p)
-        eps_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        scaled_eps(eps_sb, s_sb, eps)
+        x_tiles, s_sb, eps_sb = scaled_rows(x_hbm, r0, p, resident, eps)
 
         # sum of (s x)^2, then k = s * rsqrt(sum / N + eps s^2)
         ss_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
