@@ -139,3 +139,11 @@ def test_threads_with_cold_cache_agree_with_serial():
     for t in threads:
         t.join()
     assert not errors and len(results) == 8
+
+
+def test_cached_valid_call_does_not_let_an_equal_but_invalid_scalar_through():
+    q = np.ones((1, 2, 4, 8), np.float32)
+    opport.attention(q, q, q, causal=True)
+    with pytest.raises(opport.ArgumentError) as info:
+        opport.attention(q, q, q, causal=1)  # 1 == True, but causal must be a bool
+    assert info.value.constraint == "attention.causal"

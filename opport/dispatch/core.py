@@ -151,7 +151,9 @@ def call(op, bound: tuple, backend: str | None):
         key.append(ad)
         key.append(ad.key(a))
     for i in op.scalar_pos:
-        key.append(bound[i])
+        s = bound[i]
+        key.append(s)
+        key.append(s.__class__)  # True == 1 == 1.0 hash alike, but validation tells them apart
     name = backend or _backend_ctx.get() or env("OPPORT_BACKEND") or None
     key.append(name)
     strict_now = is_strict()
