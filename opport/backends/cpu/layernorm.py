@@ -1,8 +1,9 @@
 """layernorm on NumPy: float32 statistics for 16-bit inputs, over row blocks.
 
 The mean is refined once (mean + mean(x - mean)), so rows whose mean is large next to their spread
-are centred to float32 accuracy and constant rows centre to exactly 0. Rows with max|x| above 2**40
-(float32) or 2**400 (float64) are rescaled by a power of two so that sum(d*d) cannot overflow.
+are centred to float32 accuracy and constant rows centre to exactly 0. Rows of finite values whose
+statistics overflowed are redone rescaled by a power of two (exact), so that sum(d*d) cannot overflow;
+the common rows pay nothing for that.
 """
 
 import numpy as np
@@ -16,17 +17,26 @@ _SCALE_ABOVE = {np.dtype(np.float32): 2.0**40, np.dtype(np.float64): 2.0**400}  
 
 def _normalise(xf: np.ndarray, eps: float) -> np.ndarray:
     """(x - mean) / sqrt(var + eps) of a 2-d float32/float64 block, in new memory."""
-    t = xf.dtype.type
-    s = row_scale(xf, _SCALE_ABOVE[xf.dtype])
-    xs = xf * s
-    mean = np.mean(xs, axis=-1, keepdims=True)
-    d = xs - mean
+    y, var = _centred_scaled(xf, xf.dtype.type(eps))
+    overflowed = ~np.isfinite(var[:, 0])  # the mean or the sum of squares left the float range
+    if overflowed.any():
+        rows = np.flatnonzero(overflowed & np.isfinite(xf).all(axis=-1))
+        if rows.size:
+            xb = xf[rows]
+            s = row_scale(xb, _SCALE_ABOVE[xf.dtype])
+            # eps * s**2 may underflow, and a constant row (d == 0) must still give 0 / sqrt(tiny) = 0
+            eps_s = np.maximum(eps * s * s, np.finfo(xf.dtype).tiny).astype(xf.dtype)
+            y[rows] = _centred_scaled(xb * s, eps_s)[0]
+    return y
+
+
+def _centred_scaled(xf: np.ndarray, eps) -> np.ndarray:
+    mean = np.mean(xf, axis=-1, keepdims=True)
+    d = xf - mean
     mean += np.mean(d, axis=-1, keepdims=True)  # the refinement: d is small, so its mean is accurate
-    np.subtract(xs, mean, out=d)
-    var = np.mean(np.square(d, out=xs), axis=-1, keepdims=True)
-    # scaled rows: eps * s**2 may underflow, and a constant row (d == 0) must still give 0 / sqrt(tiny) = 0
-    eps_s = np.where(s < 1, np.maximum(t(eps) * s * s, np.finfo(xf.dtype).tiny), t(eps))
-    return np.multiply(d, 1 / np.sqrt(var + eps_s), out=d)
+    np.subtract(xf, mean, out=d)
+    var = np.mean(np.square(d), axis=-1, keepdims=True)
+    return np.multiply(d, 1 / np.sqrt(var + eps), out=d), var
 
 
 @spec.impl("cpu")
@@ -39,7 +49,7 @@ def layernorm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
     w = upcast(weight) if weight is not None else None
     b = upcast(bias) if bias is not None else None
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        for rows in rows_in_blocks(x2.shape[0], 4 * 8 * n):
+        for rows in rows_in_blocks(x2.shape[0], 4 * 8 * n, 8 << 20):  # 8 MiB blocks stay mostly in cache
             y = _normalise(upcast(x2[rows]), eps)
             if w is not None:
                 y *= w
