@@ -33,7 +33,10 @@ def _rescale_overflowed_rows(xf, ms, eps, y):
     x / sqrt(ms + eps) == (x s) / sqrt(ms s^2 + eps s^2) exactly for s = 2^-k, so the result of
     huge rows (e.g. bfloat16 near its 3.4e38 maximum) stays right instead of collapsing to 0.
     """
-    bad = np.isinf(ms[:, 0]) & np.isfinite(xf).all(axis=-1)
+    bad = np.isinf(ms[:, 0])
+    if not bad.any():  # the common case costs one look at the row statistics
+        return
+    bad[bad] = np.isfinite(xf[bad]).all(axis=-1)
     if not bad.any():
         return
     xb = xf[bad]
