@@ -121,7 +121,7 @@ class Decision:
         for b, k, reason in self.candidates:
             t.add_row(b, k, "yes" if reason is None else "no", reason or "")
         if self.fallback:
-            t.add_row("", "", "", f"fallback: {self.fallback}")
+            t.add_row("", "", "", f"fell back from {self.fallback_from} to cpu: {self.fallback}")
         return t
 
 
