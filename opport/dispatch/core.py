@@ -130,9 +130,21 @@ class Plan:
 
     __slots__ = ("fn", "convert", "back", "first", "decision", "kernel")
 
-    def __init__(self, kernel, convert, back, first, decision):
-        self.kernel, self.fn, self.convert, self.back = kernel, kernel.fn, convert, back
+    def __init__(self, kernel, convert, back, first, decision, lock=None):
+        self.kernel, self.convert, self.back = kernel, convert, back
+        self.fn = kernel.fn if lock is None else _serial(kernel.fn, lock)
         self.first, self.decision = first, decision
+
+
+_backend_locks: dict = {}
+
+
+def _serial(fn, lock):
+    def run(*args):
+        with lock:
+            return fn(*args)
+
+    return run
 
 
 # --------------------------------------------------------------------------- the call path
@@ -306,7 +318,8 @@ def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
                 convert.append((i, lambda x, ad=ad, device=device: ad.to_torch(x, device)))
     same_kind = (src is None or src.kind == b.array_kind) and not convert
     back = None if same_kind else src.from_native
-    return Plan(kernel, tuple(convert), back, first if first is not None else 0, decision)
+    lock = _backend_locks.setdefault(b.name, threading.Lock()) if b.serialized() else None
+    return Plan(kernel, tuple(convert), back, first if first is not None else 0, decision, lock)
 
 
 def _on(t, device: str) -> bool:

@@ -30,6 +30,9 @@ class Backend:
     versions: Callable[[], dict] = dict
     hint: str = ""  # how to get it when it cannot run
     torch_device: Callable[[], str] = field(default=lambda: "cpu")  # where torch-kind kernels want arrays
+    # True when two of its kernels must never run at once (Triton's interpreter patches triton.language
+    # while a kernel runs): the dispatcher then runs them under one lock per backend
+    serialized: Callable[[], bool] = field(default=lambda: False)
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run here (None if it can); probed once, lazily."""

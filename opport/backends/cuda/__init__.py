@@ -103,4 +103,5 @@ BACKEND = Backend(
     versions=_versions,
     hint="pip install 'opport[cuda]'",
     torch_device=lambda: "cuda" if setup() == "compiled" else "cpu",
+    serialized=lambda: setup() == "interpreter",  # the interpreter patches triton.language while it runs
 )
