@@ -52,6 +52,13 @@ def scaled_eps(eps_sb, s_sb, eps):
     nisa.tensor_scalar(dst=eps_sb, data=eps_sb, op0=nl.maximum, operand0=TINY)
 
 
+def load_chunk(x_hbm, r0, p, c0, f):
+    """x_hbm[r0:r0+p, c0:c0+f] DMA'd into a new SBUF tile (the streaming pass of rows too long to keep)."""
+    x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
+    return x_sb
+
+
 def scaled_rows(x_hbm, r0, p, keep, eps):
     """Rows r0:r0+p of x_hbm, FMAX columns at a time: their max|x| gives the row scale s (row_scale) and
     eps * s^2 (scaled_eps), shared by rmsnorm and layernorm. Returns (the chunks, kept in SBUF when `keep`,
@@ -63,8 +70,7 @@ def scaled_rows(x_hbm, r0, p, keep, eps):
     for c in range(n_chunks):
         c0 = c * FMAX
         f = min(FMAX, N - c0)
-        x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
+        x_sb = load_chunk(x_hbm, r0, p, c0, f)
         if keep:
             x_tiles.append(x_sb)
         abs_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
@@ -140,11 +146,7 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
         for c in range(n_chunks):
             c0 = c * FMAX
             f = min(FMAX, N - c0)
-            if resident:
-                x_sb = x_tiles[c]
-            else:
-                x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
+            x_sb = x_tiles[c] if resident else load_chunk(x_hbm, r0, p, c0, f)
             sq_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=sq_sb, op=nl.square, data=x_sb, scale=s_sb, reduce_op=nl.add,
                             reduce_res=ss_parts_sb[0:p, c:c + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
@@ -158,11 +160,7 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
         for c in range(n_chunks):
             c0 = c * FMAX
             f = min(FMAX, N - c0)
-            if resident:
-                x_sb = x_tiles[c]
-            else:
-                x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
+            x_sb = x_tiles[c] if resident else load_chunk(x_hbm, r0, p, c0, f)
             out_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             if has_weight:
                 if resident:
