@@ -43,6 +43,22 @@ def setup() -> str:
     return _mode
 
 
+def compile_only() -> None:
+    """Define the kernels as compiled JIT functions on a machine with no GPU, for aot.py.
+
+    Nothing can launch in such a process: aot.py installs a driver that only compiles. Must run
+    before any kernel module is imported; a process that already chose the interpreter cannot switch.
+    """
+    global _mode
+    with _lock:
+        if _mode == "compiled":
+            return
+        if _mode == "interpreter" or "opport.backends.cuda._launch" in sys.modules:
+            raise RuntimeError("the cuda kernels were already imported for the interpreter; compile in a fresh process")
+        os.environ.pop("TRITON_INTERPRET", None)
+        _mode = "compiled"
+
+
 def _probe() -> str | None:
     for mod in ("torch", "triton"):
         if importlib.util.find_spec(mod) is None:

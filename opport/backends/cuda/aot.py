@@ -1,0 +1,298 @@
+"""Compile the cuda kernels for a GPU this machine does not have, and check what only a GPU would.
+
+    python -m opport.backends.cuda.aot [--arch 90] [--op NAME]... [--tier llm]... [--no-cases] [--json F]
+
+Each problem (the bench's shapes of the chosen tiers and every conformance case, in float32, float16
+and bfloat16) goes through the kernel's host code on torch meta tensors, so tiles, layouts, grids and
+specialisations are picked exactly as on a GPU; each launch is then compiled by Triton for the target
+(default sm_90, the H200) down to a cubin with the bundled ptxas, instead of running. The interpreter
+that runs the conformance suite on CPUs checks none of what this does:
+
+- the kernel compiles (tl.dot tile minimums, dtype rules, constexpr misuse);
+- its shared memory fits the SM (`Required: X, Hardware limit: Y` at launch otherwise);
+- its grid fits CUDA's limits (y and z at most 65535);
+- registers and spills (ptxas -v), which the summary reports; spills are a warning, not a failure.
+
+Must run in a fresh process: the kernels have to be defined as compiled JIT functions, which a
+process that already picked Triton's interpreter cannot undo. Exit 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+# H100/H200 (sm_90): 227 KiB of shared memory per block (opt-in maximum), 255 registers per thread.
+SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}
+GRID_LIMIT = (2**31 - 1, 65535, 65535)
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class Build:
+    """One compiled kernel configuration (a Triton cache entry)."""
+
+    kernel: str
+    dtype: str  # the first pointer argument's element type
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    shared: int
+    seconds: float
+    registers: int | None = None
+    spill_bytes: int | None = None
+    problems: list = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        return {**vars(self), "problems": self.problems[:20], "n_problems": len(self.problems)}
+
+
+@dataclass
+class Report:
+    arch: int
+    builds: dict = field(default_factory=dict)  # metadata hash -> Build
+    failures: list = field(default_factory=list)  # (problem, what went wrong)
+    skipped: list = field(default_factory=list)  # (problem, why no cuda kernel takes it)
+    problems: int = 0
+
+
+class _CompileOnlyDriver:
+    """Enough of Triton's driver for JITFunction.run to compile for `arch`; nothing here can launch."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self):
+        return True
+
+
+class _Recorder:
+    """Turns every JIT launch into a compile; records the config and checks it against the target."""
+
+    def __init__(self, report: Report, progress: bool = False):
+        self.report, self.problem, self.progress = report, "", progress
+
+    def install(self):
+        from triton.runtime.jit import JITFunction
+
+        original = JITFunction.run
+        rec = self
+
+        def run(self, *args, grid, warmup, **kwargs):
+            t0 = time.perf_counter()
+            kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+            rec.record(self.fn.__name__, kernel, grid, time.perf_counter() - t0)
+            return kernel
+
+        JITFunction.run = run
+
+    def record(self, name: str, kernel, grid, seconds: float):
+        md = kernel.metadata
+        build = self.report.builds.get(md.hash)
+        if build is None:
+            build = Build(name, *_describe(kernel.src), md.num_warps, md.num_stages, md.shared, round(seconds, 3))
+            build.registers, build.spill_bytes = _ptxas_usage(kernel.asm.get("ptx"), self.report.arch)
+            self.report.builds[md.hash] = build
+            if self.progress:
+                print(f"{len(self.report.builds):4d} {name} {build.dtype} {build.constexprs} {seconds:.1f} s "
+                      f"({self.problem})", file=sys.stderr, flush=True)
+        build.problems.append(self.problem)
+        limit = SHARED_LIMIT.get(self.report.arch)
+        if limit is not None and md.shared > limit:
+            self.report.failures.append((self.problem, f"{name}: {md.shared} bytes of shared memory > {limit}"))
+        g = tuple(grid) + (1,) * (3 - len(grid)) if not callable(grid) else None
+        if g is not None and any(n > lim or n < 1 for n, lim in zip(g, GRID_LIMIT)):
+            self.report.failures.append((self.problem, f"{name}: grid {g} outside CUDA's limits {GRID_LIMIT}"))
+
+
+def _describe(src) -> tuple:
+    """(the first pointer's element type, the declared tl.constexpr arguments) of a compile source."""
+    params = src.fn.params
+    named = {params[k[0]].name: v for k, v in src.constants.items() if len(k) == 1 and params[k[0]].is_constexpr}
+    ptr = next((t for t in src.signature.values() if isinstance(t, str) and t.startswith("*")), "")
+    return ptr.lstrip("*"), {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in named.items()}
+
+
+_USAGE = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _ptxas_usage(ptx: str | None, arch: int) -> tuple:
+    """(registers, spill bytes) from `ptxas -v`, or (None, None) when ptxas cannot be run."""
+    if not ptx:
+        return None, None
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        try:
+            log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{suffix}", f.name, "-o", "/dev/null"],
+                                 capture_output=True, text=True, timeout=300).stderr
+        except (OSError, subprocess.SubprocessError):
+            return None, None
+    regs = [int(m) for m in _USAGE.findall(log)]
+    spills = [int(a) + int(b) for a, b in _SPILL.findall(log)]
+    return (max(regs) if regs else None), (max(spills) if spills else None)
+
+
+# --------------------------------------------------------------------------- problems
+
+
+class _MetaMaker:
+    """The bench's ArrayMaker interface, handing out torch meta tensors (shapes and dtypes, no data)."""
+
+    kind, device = "torch", "meta"
+
+    def normal(self, shape, dtype: str, scale: float = 1.0):
+        return _empty(shape, dtype)
+
+    def uniform(self, shape, dtype: str, lo: float, hi: float):
+        return _empty(shape, dtype)
+
+    def integers(self, shape, lo: int, hi: int):
+        return _empty(shape, "int64")
+
+
+def _empty(shape, dtype: str):
+    import torch
+
+    return torch.empty(tuple(shape), dtype=getattr(torch, dtype), device="meta")
+
+
+def _meta_like(a):
+    """A meta tensor with a NumPy array's shape, dtype and (non-negative) strides."""
+    import numpy as np
+    import torch
+
+    if not isinstance(a, np.ndarray):
+        return a
+    name = "bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name
+    dt = getattr(torch, name)
+    if a.size and all(s >= 0 for s in a.strides):
+        return torch.empty_strided(a.shape, [s // a.itemsize for s in a.strides], dtype=dt, device="meta")
+    return torch.empty(a.shape, dtype=dt, device="meta")
+
+
+def problems(specs, tiers, cases: bool):
+    """(label, spec, bound arguments on meta tensors) for the bench shapes and the conformance cases."""
+    from opport.bench.workloads import get_workload
+
+    for spec in specs:
+        wl = get_workload(spec)
+        for dtype in DTYPES:
+            if dtype not in spec.dtypes:
+                continue
+            for shape in wl.shapes:
+                if set(shape.tiers) & set(tiers):
+                    yield f"{spec.name} bench {shape.label} {dtype}", spec, lambda s=shape, d=dtype: spec.bind(
+                        **wl.make(s.dims, d, _MetaMaker()))
+            if cases:
+                for case in spec.get_cases(dtype):
+                    yield f"{spec.name} case {case.name} {dtype}", spec, lambda c=case: spec.bind(
+                        *map(_meta_like, c.args), **{k: _meta_like(v) for k, v in c.kwargs.items()})
+
+
+def check(report: Report, recorder: _Recorder, label: str, spec, make):
+    """Run the problem's cuda kernel host code; its launches compile through the recorder."""
+    from opport.dispatch.registry import get_backend, kernels
+
+    report.problems += 1
+    recorder.problem = label
+    try:
+        bound = make()
+        dtype = next(bound[i].dtype for i in spec.array_pos if hasattr(bound[i], "dtype"))
+        dtype = str(dtype).removeprefix("torch.")
+        reasons = []
+        for k in kernels(spec, get_backend("cuda")):
+            why = k.check(dtype, bound)
+            if why is None:
+                k.fn(*bound)
+                return
+            reasons.append(f"{k.name}: {why}")
+        report.skipped.append((label, "; ".join(reasons) or "no cuda kernel"))
+    except Exception as e:  # a compile error, or host code that needs data a meta tensor lacks
+        report.failures.append((label, f"{type(e).__name__}: {str(e).strip()[:2000]}"))
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = True, progress: bool = False) -> Report:
+    from opport.backends import cuda
+
+    cuda.compile_only()
+    import triton
+
+    from opport.ops import all_ops, get_op
+
+    triton.runtime.driver.set_active(_CompileOnlyDriver(arch))
+    report = Report(arch)
+    recorder = _Recorder(report, progress)
+    recorder.install()
+    specs = [get_op(n) for n in ops] if ops else list(all_ops().values())
+    for label, spec, make in problems(specs, tiers, cases):
+        check(report, recorder, label, spec, make)
+    return report
+
+
+def print_report(report: Report, console):
+    from rich.table import Table
+
+    t = Table(title=f"cuda kernels compiled for sm_{report.arch} (one row per compiled configuration)")
+    for col in ("kernel", "dtype", "constexprs", "warps", "stages", "regs", "spill B", "shared KiB", "compile s", "problems"):
+        t.add_column(col, justify="left" if col in ("kernel", "dtype", "constexprs") else "right")
+    for b in sorted(report.builds.values(), key=lambda b: (b.kernel, b.dtype, -b.shared)):
+        consts = " ".join(f"{k}={v}" for k, v in b.constexprs.items())
+        spill = "" if b.spill_bytes is None else (f"[yellow]{b.spill_bytes}[/yellow]" if b.spill_bytes else "0")
+        t.add_row(b.kernel, b.dtype, consts, str(b.num_warps), str(b.num_stages), str(b.registers or ""), spill,
+                  f"{b.shared / 1024:.1f}", f"{b.seconds:.2f}", str(len(b.problems)))
+    console.print(t)
+    for label, why in report.skipped:
+        console.print(f"[dim]skipped {label}: {why}[/dim]")
+    for label, what in report.failures:
+        console.print(f"[red]FAILED {label}: {what}[/red]")
+    spilled = sum(1 for b in report.builds.values() if b.spill_bytes)
+    console.print(f"aot sm_{report.arch}: {report.problems} problems, {len(report.builds)} kernel configurations, "
+                  f"{len(report.failures)} failures, {len(report.skipped)} skipped, {spilled} configurations spill")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m opport.backends.cuda.aot", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
+    p.add_argument("--op", action="append", default=[], help="only this op (repeatable)")
+    p.add_argument("--tier", action="append", default=[], help="bench shape tiers (default: smoke, small, llm)")
+    p.add_argument("--no-cases", action="store_true", help="skip the conformance cases (bench shapes only)")
+    p.add_argument("--json", metavar="F", help="write the report as JSON")
+    args = p.parse_args(argv)
+    from rich.console import Console
+
+    report = run(args.arch, args.op, tuple(args.tier) or ("smoke", "small", "llm"), not args.no_cases, progress=True)
+    print_report(report, Console(width=None if sys.stdout.isatty() else 200))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"arch": report.arch, "problems": report.problems, "failures": report.failures,
+                       "skipped": report.skipped, "builds": [b.as_json() for b in report.builds.values()]}, f, indent=1)
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
