@@ -120,6 +120,21 @@ def _nan_under_mask(dtype: str) -> Case:
     return Case("nan-under-mask", (q, k, v), {"causal": True, "scale": None}, ("edge",))
 
 
+def _nonfinite_v_on_diagonal(dtype: str) -> Case:
+    """Causal, finite scores, NaN/inf in v at keys that later rows see and earlier rows do not.
+
+    Rows from key j on get NaN/±inf in exactly v[j]'s non-finite columns (weights are > 0); rows
+    before j must stay finite, although a kernel's tile holds both kinds of rows in one key block.
+    """
+    rng = cg.rng_for(NAME, "nonfinite-v-on-diagonal", dtype)
+    q, k, v = _qkv(rng, dtype, 1, 4, 2, 70, 70, 32)
+    v[:, 0, 21, ::3] = cg.cast(np.inf, dtype)
+    v[:, 0, 22, 1::3] = cg.cast(-np.inf, dtype)
+    v[:, 1, 45, ::4] = cg.cast(np.nan, dtype)
+    v[:, 1, 66, 2] = cg.cast(np.inf, dtype)
+    return Case("nonfinite-v-on-diagonal", (q, k, v), {"causal": True, "scale": None}, ("edge",))
+
+
 def _nonfinite_visible(dtype: str) -> Case:
     """A NaN in one query row and +inf scores in one head: those rows are NaN, every other row is untouched."""
     rng = cg.rng_for(NAME, "nonfinite-visible", dtype)
@@ -152,6 +167,7 @@ def _cases(dtype):
     yield _case("heavy-tailed-v", dtype, 1, 2, 1, 64, 64, 64, v_dist="heavy")
     yield _case("loguniform-v", dtype, 1, 2, 1, 40, 64, 64, v_dist="loguniform", causal=True)
     yield _nan_under_mask(dtype)
+    yield _nonfinite_v_on_diagonal(dtype)
     yield _nonfinite_visible(dtype)
 
 

@@ -20,6 +20,7 @@ process that already picked Triton's interpreter cannot undo. Exit 1 on any fail
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import subprocess
@@ -193,7 +194,7 @@ def _meta_like(a):
 
 
 def problems(specs, tiers, cases: bool):
-    """(label, spec, bound arguments on meta tensors) for the bench shapes and the conformance cases."""
+    """(label, spec, make) for the bench shapes and the conformance cases; make() binds meta tensors."""
     from opport.bench.workloads import get_workload
 
     for spec in specs:
@@ -203,12 +204,18 @@ def problems(specs, tiers, cases: bool):
                 continue
             for shape in wl.shapes:
                 if set(shape.tiers) & set(tiers):
-                    yield f"{spec.name} bench {shape.label} {dtype}", spec, lambda s=shape, d=dtype: spec.bind(
-                        **wl.make(s.dims, d, _MetaMaker()))
-            if cases:
-                for case in spec.get_cases(dtype):
-                    yield f"{spec.name} case {case.name} {dtype}", spec, lambda c=case: spec.bind(
-                        *map(_meta_like, c.args), **{k: _meta_like(v) for k, v in c.kwargs.items()})
+                    kw = functools.partial(wl.make, shape.dims, dtype, _MetaMaker())
+                    yield f"{spec.name} bench {shape.label} {dtype}", spec, functools.partial(_bind_kw, spec, kw)
+            for case in spec.get_cases(dtype) if cases else ():
+                yield f"{spec.name} case {case.name} {dtype}", spec, functools.partial(_bind_case, spec, case)
+
+
+def _bind_kw(spec, make_kwargs):
+    return spec.bind(**make_kwargs())
+
+
+def _bind_case(spec, case):
+    return spec.bind(*map(_meta_like, case.args), **{k: _meta_like(v) for k, v in case.kwargs.items()})
 
 
 def check(report: Report, recorder: _Recorder, label: str, spec, make):

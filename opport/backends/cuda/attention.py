@@ -19,77 +19,93 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, which holds B * Hkv
 @triton.jit
 def _attention_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, flag_ptr,
     # shapes, strides
     n_kv_heads, group, sq, sk, d, dv,
     q_sb, q_sh, q_ss, q_sd,
     k_sb, k_sh, k_ss, k_sd,
     v_sb, v_sh, v_ss, v_sd,
     o_sb, o_sh, o_ss, o_sd,
-    qk_scale,
+    qk_scale, flag_block,
     # meta-parameters
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, EXACT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """out = softmax(q k^T * scale, masked) v for BLOCK_M query rows of one (batch, KV head).
 
-    Dimensions: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], out [B, Hq, Sq, Dv]; all strided.
+    Dimensions: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], out [B, Hq, Sq, Dv]; all strided;
+    flags [B * Hkv, cdiv(group * Sq, flag_block)] int32.
     Notes: scores are scaled by scale*log2(e) and exponentiated with exp2. Keys are visited in two
     stages: blocks every row of the tile sees in full (no score masking), then the blocks that need
     the causal/tail mask (bottom-right: key j is visible to query i iff j <= i + Sk - Sq). A running max
     of -inf (nothing visible yet) is replaced by 0 inside exp2, so masked scores add exactly 0; rows
-    that end with a zero denominator (see no key, or only -inf scores) output 0. In the masked stage,
-    NaN/inf in v under the mask would turn 0 * v into NaN inside the dot: a block holding such v is
-    split into its finite part (through the dot) and its non-finite entries, which reach only the
-    rows that see them (counted with 0/1 dots); this path runs only when the block has one. P is
-    rounded to v's dtype for the second dot on 16-bit inputs (as FlashAttention does).
+    that end with a zero denominator (see no key, or only -inf scores) output 0. P is rounded to v's
+    dtype for the second dot on 16-bit inputs (as FlashAttention does).
+    NaN/inf in v under the causal mask would turn 0 * v into NaN inside the dot. The fast launch
+    (EXACT=False) zeroes such entries in its diagonal blocks and raises its tile's flag; a second
+    launch (EXACT=True, small tiles) recomputes only flagged tiles, splitting each diagonal block into
+    its finite part (through the dot) and its non-finite entries, which reach only the rows that see
+    them. Keeping that path out of the fast kernel keeps its registers and shared memory in budget.
     Pseudocode: for each key block: s = q k^T; m' = max(m, rowmax s); p = exp2(s - m'); l = l*exp2(m - m') + sum p;
                 acc = acc*exp2(m - m') + p v.  out = acc / l (0 where l == 0)
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = (bh // n_kv_heads).to(tl.int64)
-    hkv = (bh % n_kv_heads).to(tl.int64)
-    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = r < group * sq
-    i = r % sq  # query position
-    head = hkv * group + (r // sq)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q_rows = q_ptr + b * q_sb + head.to(tl.int64) * q_sh + i.to(tl.int64) * q_ss
-    q = tl.load(q_rows[:, None] + offs_d[None, :] * q_sd, mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
-    q = dot_operand(q)
-    k_base = k_ptr + b * k_sb + hkv * k_sh
-    v_base = v_ptr + b * v_sb + hkv * v_sh
-    off = sk - sq
-    i_lo = tl.min(tl.where(row_ok, i, sq), 0)
-    i_hi = tl.max(tl.where(row_ok, i, 0), 0)
-    if CAUSAL:
-        full_end = tl.minimum(tl.maximum(i_lo + off + 1, 0), sk) // BLOCK_N * BLOCK_N
-        end = tl.minimum(tl.maximum(i_hi + off + 1, 0), sk)
+    r0 = pid_m * BLOCK_M
+    flag = flag_ptr + bh.to(tl.int64) * tl.cdiv(group * sq, flag_block) + r0 // flag_block
+    if EXACT:
+        run = tl.load(flag) != 0
     else:
-        full_end = sk // BLOCK_N * BLOCK_N
-        end = sk
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_sum = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    for start in range(0, full_end, BLOCK_N):
-        acc, m, l_sum = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd, v_ss, v_sd,
-                                    qk_scale, offs_d, offs_dv, False, CAUSAL, PRECISION, BLOCK_N)
-    for start in range(full_end, end, BLOCK_N):
-        acc, m, l_sum = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd, v_ss, v_sd,
-                                    qk_scale, offs_d, offs_dv, True, CAUSAL, PRECISION, BLOCK_N)
-    out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
-    o_rows = out_ptr + b * o_sb + head.to(tl.int64) * o_sh + i.to(tl.int64) * o_ss
-    tl.store(o_rows[:, None] + offs_dv[None, :] * o_sd, narrow(out, out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dv[None, :] < dv))
+        run = True
+    if run:
+        b = (bh // n_kv_heads).to(tl.int64)
+        hkv = (bh % n_kv_heads).to(tl.int64)
+        r = r0 + tl.arange(0, BLOCK_M)
+        row_ok = r < group * sq
+        i = r % sq  # query position
+        head = hkv * group + (r // sq)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        q_rows = q_ptr + b * q_sb + head.to(tl.int64) * q_sh + i.to(tl.int64) * q_ss
+        q = tl.load(q_rows[:, None] + offs_d[None, :] * q_sd, mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
+        q = dot_operand(q)
+        k_base = k_ptr + b * k_sb + hkv * k_sh
+        v_base = v_ptr + b * v_sb + hkv * v_sh
+        off = sk - sq
+        i_lo = tl.min(tl.where(row_ok, i, sq), 0)
+        i_hi = tl.max(tl.where(row_ok, i, 0), 0)
+        if CAUSAL:
+            full_end = tl.minimum(tl.maximum(i_lo + off + 1, 0), sk) // BLOCK_N * BLOCK_N
+            end = tl.minimum(tl.maximum(i_hi + off + 1, 0), sk)
+        else:
+            full_end = sk // BLOCK_N * BLOCK_N
+            end = sk
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+        hidden = 0  # diagonal blocks with non-finite v (fast launch only)
+        for start in range(0, full_end, BLOCK_N):
+            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd,
+                                           v_ss, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION, BLOCK_N)
+        for start in range(full_end, end, BLOCK_N):
+            acc, m, l_sum, bad = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd,
+                                             v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION,
+                                             BLOCK_N)
+            hidden += bad
+        out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
+        o_rows = out_ptr + b * o_sb + head.to(tl.int64) * o_sh + i.to(tl.int64) * o_ss
+        tl.store(o_rows[:, None] + offs_dv[None, :] * o_sd, narrow(out, out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv[None, :] < dv))
+        if not EXACT and CAUSAL:
+            tl.store(flag, hidden)
 
 
 @triton.jit
 def _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale,
-                offs_d, offs_dv, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                offs_d, offs_dv, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXACT: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One key block of the online softmax; returns the updated (acc, m, l_sum)."""
+    """One key block of the online softmax; returns the updated (acc, m, l_sum) and whether v held
+    non-finite entries under the causal mask (which the fast launch zeroed; see the kernel's notes)."""
     keys = start + tl.arange(0, BLOCK_N)
     kmask = (keys[None, :] < sk) & (offs_d[:, None] < d)
     kt = tl.load(k_base + keys.to(tl.int64)[None, :] * k_ss + offs_d[:, None] * k_sd, mask=kmask, other=0.0)
@@ -107,12 +123,17 @@ def _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss
     vmask = (keys[:, None] < sk) & (offs_dv[None, :] < dv)
     v = tl.load(v_base + keys.to(tl.int64)[:, None] * v_ss + offs_dv[None, :] * v_sd, mask=vmask, other=0.0)
     acc = acc * alpha[:, None]
-    if MASKED:
-        bad = (v != v) | (tl.abs(f32(v)) == float("inf"))
-        if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:  # rare: keep masked NaN/inf out of 0 * v
-            acc += _nonfinite_part(vis, p, v)
+    hidden = 0
+    if MASKED and CAUSAL:  # beyond-the-tail keys load as 0: only the causal mask can hide NaN/inf
+        vf = f32(v)  # compares on float32: the interpreter holds bfloat16 as raw bits, where NaN == NaN
+        bad = (vf != vf) | (tl.abs(vf) == float("inf"))
+        hidden = tl.max(tl.max(bad.to(tl.int32), 1), 0)
+        if hidden > 0:  # rare
+            if EXACT:
+                acc += _nonfinite_part(vis, p, v)
             v = tl.where(bad, tl.zeros_like(v), v)
-    return tl.dot(dot_operand(narrow(p, v.dtype)), dot_operand(v), acc, input_precision=PRECISION), m_new, l_sum
+    acc = tl.dot(dot_operand(narrow(p, v.dtype)), dot_operand(v), acc, input_precision=PRECISION)
+    return acc, m_new, l_sum, hidden
 
 
 @triton.jit
@@ -146,22 +167,35 @@ def _supports(q, k, v, causal, scale):
 
 
 def _config(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> dict:
-    """Tile shape per problem. GPU numbers are design choices for Hopper, not yet tuned on hardware (docs/cuda.md)."""
+    """Tile shape per problem: the largest tiles that compile for sm_90 without register spills and
+    within shared memory (checked by `python -m opport.backends.cuda.aot`); not yet timed on hardware."""
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     fit = lambda n, cap: max(16, min(cap, next_pow2(n)))  # noqa: E731 (tl.dot needs every dim >= 16)
     if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
         return {"BLOCK_M": fit(rows, 128), "BLOCK_N": fit(sk, 128), "BLOCK_D": block_d, "BLOCK_DV": block_dv,
                 "num_warps": 4, "num_stages": 1}
     wide = max(block_d, block_dv)
+    dims = {"BLOCK_D": block_d, "BLOCK_DV": block_dv}
+    if dtype == torch.float32:  # ieee float32 dots run on the FMA units: small tiles keep them in registers
+        return {"BLOCK_M": 16, "BLOCK_N": 64 if wide <= 128 else 16, **dims, "num_warps": 8, "num_stages": 2}
     if rows <= 64:  # decode: the packed GQA group is the whole M tile
-        return {"BLOCK_M": fit(rows, 64), "BLOCK_N": 64 if wide > 128 else 128, "BLOCK_D": block_d,
-                "BLOCK_DV": block_dv, "num_warps": 4, "num_stages": 3}
-    if dtype == torch.float32 or wide > 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 32 if wide > 128 else 64, "BLOCK_D": block_d, "BLOCK_DV": block_dv,
-                "num_warps": 4 if wide <= 64 else 8, "num_stages": 2}
-    # FA2 on Hopper: 128 query rows per program; 64-key blocks keep S, P and the accumulator in registers at D = 128
-    return {"BLOCK_M": 128, "BLOCK_N": 128 if wide <= 64 else 64, "BLOCK_D": block_d, "BLOCK_DV": block_dv,
-            "num_warps": 4 if wide <= 64 else 8, "num_stages": 3}
+        m = fit(rows, 64)
+        n = (128 if wide <= 128 else 64) if m == 16 else (64 if wide <= 128 else 32)
+        return {"BLOCK_M": m, "BLOCK_N": n, **dims, "num_warps": 8 if n == 128 else 4, "num_stages": 3}
+    # FA2 on Hopper: 128 query rows per program; the key block shrinks as the head dim grows
+    if wide <= 128:
+        return {"BLOCK_M": 128, "BLOCK_N": 128 if wide <= 64 else 64, **dims, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 2}
+
+
+def _exact_config(cfg: dict) -> dict:
+    """Tiles of the launch that recomputes flagged tiles: small, so its four extra 0/1 dots fit an SM.
+
+    Its BLOCK_M divides the fast launch's, so each of its tiles lies inside one flagged tile.
+    """
+    if INTERPRET:
+        return cfg
+    return {**cfg, "BLOCK_M": min(cfg["BLOCK_M"], 32), "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 
 @spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
@@ -174,11 +208,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     if sk == 0:
         return out.zero_()
     group = hq // hkv
-    cfg = _config(group * sq, sk, d, dv, q.dtype)
+    rows = group * sq
+    cfg = _config(rows, sk, d, dv, q.dtype)
     qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
-    grid = (cdiv(group * sq, cfg["BLOCK_M"]), bsz * hkv)
-    _attention_kernel[grid](
-        q, k, v, out, hkv, group, sq, sk, d, dv, *q.stride(), *k.stride(), *v.stride(), *out.stride(), qk_scale,
-        CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg,
-    )
+    flags = torch.empty((bsz * hkv, cdiv(rows, cfg["BLOCK_M"])), dtype=torch.int32, device=q.device) if causal else out
+    args = (q, k, v, out, flags, hkv, group, sq, sk, d, dv, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            qk_scale, cfg["BLOCK_M"])
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _attention_kernel[(cdiv(rows, cfg["BLOCK_M"]), bsz * hkv)](*args, CAUSAL=causal, EXACT=False, PRECISION=precision,
+                                                               **cfg)
+    if causal:  # recompute the tiles whose diagonal blocks hid NaN/inf in v (programs of unflagged tiles exit at once)
+        fix = _exact_config(cfg)
+        _attention_kernel[(cdiv(rows, fix["BLOCK_M"]), bsz * hkv)](*args, CAUSAL=True, EXACT=True,
+                                                                   PRECISION=precision, **fix)
     return out
