@@ -20,8 +20,11 @@ process that already picked Triton's interpreter cannot undo. Exit 1 on any fail
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -51,7 +54,7 @@ class Build:
     problems: list = field(default_factory=list)
 
     def as_json(self) -> dict:
-        return {**vars(self), "problems": self.problems[:20], "n_problems": len(self.problems)}
+        return dict(vars(self))
 
 
 @dataclass
@@ -98,18 +101,20 @@ class _Recorder:
 
         def run(self, *args, grid, warmup, **kwargs):
             t0 = time.perf_counter()
-            kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
-            rec.record(self.fn.__name__, kernel, grid, time.perf_counter() - t0)
+            with contextlib.redirect_stdout(io.StringIO()) as log:  # Triton prints ptxas -v here (dump_ptxas_log)
+                kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+            rec.record(self.fn.__name__, kernel, grid, time.perf_counter() - t0, log.getvalue())
             return kernel
 
         JITFunction.run = run
 
-    def record(self, name: str, kernel, grid, seconds: float):
+    def record(self, name: str, kernel, grid, seconds: float, ptxas_log: str = ""):
         md = kernel.metadata
         build = self.report.builds.get(md.hash)
         if build is None:
             build = Build(name, *_describe(kernel.src), md.num_warps, md.num_stages, md.shared, round(seconds, 3))
-            build.registers, build.spill_bytes = _ptxas_usage(kernel.asm.get("ptx"), self.report.arch)
+            build.registers, build.spill_bytes = _usage(ptxas_log) if _USAGE.search(ptxas_log) else _ptxas_usage(
+                kernel.asm.get("ptx"), self.report.arch)  # a cache hit ran no ptxas: run it on the cached PTX
             self.report.builds[md.hash] = build
             if self.progress:
                 print(f"{len(self.report.builds):4d} {name} {build.dtype} {build.constexprs} {seconds:.1f} s "
@@ -135,8 +140,15 @@ _USAGE = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def _usage(log: str) -> tuple:
+    """(registers, spill bytes) from a `ptxas -v` log."""
+    regs = [int(m) for m in _USAGE.findall(log)]
+    spills = [int(a) + int(b) for a, b in _SPILL.findall(log)]
+    return (max(regs) if regs else None), (max(spills) if spills else None)
+
+
 def _ptxas_usage(ptx: str | None, arch: int) -> tuple:
-    """(registers, spill bytes) from `ptxas -v`, or (None, None) when ptxas cannot be run."""
+    """(registers, spill bytes) from running `ptxas -v` on `ptx`, or (None, None) when that cannot be done."""
     if not ptx:
         return None, None
     from triton.backends.nvidia.compiler import get_ptxas
@@ -150,9 +162,7 @@ def _ptxas_usage(ptx: str | None, arch: int) -> tuple:
                                  capture_output=True, text=True, timeout=300).stderr
         except (OSError, subprocess.SubprocessError):
             return None, None
-    regs = [int(m) for m in _USAGE.findall(log)]
-    spills = [int(a) + int(b) for a, b in _SPILL.findall(log)]
-    return (max(regs) if regs else None), (max(spills) if spills else None)
+    return _usage(log)
 
 
 # --------------------------------------------------------------------------- problems
@@ -252,6 +262,7 @@ def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = T
     from opport.ops import all_ops, get_op
 
     triton.runtime.driver.set_active(_CompileOnlyDriver(arch))
+    triton.knobs.nvidia.dump_ptxas_log = True  # Triton's own ptxas run reports registers and spills
     report = Report(arch)
     recorder = _Recorder(report, progress)
     recorder.install()
@@ -282,6 +293,42 @@ def print_report(report: Report, console):
                   f"{len(report.failures)} failures, {len(report.skipped)} skipped, {spilled} configurations spill")
 
 
+# ops by rough compile cost, heaviest first: attention's dot-heavy kernels take seconds each
+_COST = {"attention": 10, "matmul": 2}
+
+
+def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool) -> Report:
+    """`run` split over `jobs` fresh processes by op (balanced by _COST), their JSON reports merged."""
+    from opport.ops import all_ops
+
+    names = sorted(ops or all_ops(), key=lambda n: -_COST.get(n, 1))
+    groups, load = [[] for _ in range(jobs)], [0] * jobs
+    for n in names:
+        i = load.index(min(load))
+        groups[i].append(n)
+        load[i] += _COST.get(n, 1)
+    report = Report(arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for i, group in enumerate(g for g in groups if g):
+            cmd = [sys.executable, "-m", "opport.backends.cuda.aot", "--arch", str(arch), "--jobs", "1",
+                   "--json", f"{tmp}/{i}.json"]
+            cmd += [f"--op={n}" for n in group] + [f"--tier={t}" for t in tiers] + ([] if cases else ["--no-cases"])
+            procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL), f"{tmp}/{i}.json", group))
+        for proc, path, group in procs:
+            if proc.wait() != 0 and not os.path.exists(path):
+                report.failures.append((" ".join(group), f"the compile process exited with {proc.returncode}"))
+                continue
+            with open(path) as f:
+                part = json.load(f)
+            report.problems += part["problems"]
+            report.failures += [tuple(x) for x in part["failures"]]
+            report.skipped += [tuple(x) for x in part["skipped"]]
+            for b in part["builds"]:
+                report.builds[len(report.builds)] = Build(**b)
+    return report
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m opport.backends.cuda.aot", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
@@ -289,10 +336,15 @@ def main(argv=None) -> int:
     p.add_argument("--tier", action="append", default=[], help="bench shape tiers (default: smoke, small, llm)")
     p.add_argument("--no-cases", action="store_true", help="skip the conformance cases (bench shapes only)")
     p.add_argument("--json", metavar="F", help="write the report as JSON")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes to split the ops over (default: one per CPU)")
     args = p.parse_args(argv)
     from rich.console import Console
 
-    report = run(args.arch, args.op, tuple(args.tier) or ("smoke", "small", "llm"), not args.no_cases, progress=True)
+    tiers = tuple(args.tier) or ("smoke", "small", "llm")
+    if args.jobs > 1:
+        report = run_parallel(args.jobs, args.arch, args.op, tiers, not args.no_cases)
+    else:
+        report = run(args.arch, args.op, tiers, not args.no_cases, progress=True)
     print_report(report, Console(width=None if sys.stdout.isatty() else 200))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,77 @@
+"""The sm_90 compile check (opport/backends/cuda/aot.py): every cuda kernel configuration compiles and fits an H200."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None, reason="needs torch and triton"
+)
+
+
+@pytest.fixture(scope="module")
+def sm90(tmp_path_factory):
+    """One run of the whole check (every op, every bench tier, every conformance case) in a fresh process."""
+    out = tmp_path_factory.mktemp("aot") / "aot.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "opport.backends.cuda.aot", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_every_kernel_compiles_for_sm90_within_its_limits(sm90):
+    proc, report = sm90
+    assert report is not None, proc.stderr[-3000:]
+    assert proc.returncode == 0, "\n".join(f"{p}: {w}" for p, w in report["failures"][:20])
+    assert report["failures"] == [] and report["skipped"] == []
+    from opport.backends.cuda.aot import SHARED_LIMIT
+
+    assert all(b["shared"] <= SHARED_LIMIT[90] for b in report["builds"])
+
+
+def test_every_op_and_the_llm_shapes_were_compiled(sm90):
+    from opport.ops import all_ops
+
+    _, report = sm90
+    compiled = {p.split()[0] for b in report["builds"] for p in b["problems"]}
+    assert compiled == set(all_ops())
+    llm = [p for b in report["builds"] for p in b["problems"] if "bench" in p and "S16384x16384" in p]
+    assert llm, "the 16K-token attention shape of the llm tier was not compiled"
+
+
+def test_the_llm_tier_fast_kernels_do_not_spill(sm90):
+    """Register spills in the bench's bf16 shapes would cost bandwidth on the H200 (the exact attention re-run may)."""
+    _, report = sm90
+    spilled = [(b["kernel"], b["constexprs"], b["spill_bytes"]) for b in report["builds"]
+               if b["dtype"] == "bf16" and b["spill_bytes"] and not b["constexprs"].get("EXACT")
+               and any(" bench " in p for p in b["problems"])]
+    assert spilled == []
+
+
+def _fake_kernel(shared: int):
+    md = SimpleNamespace(hash=f"h{shared}", num_warps=4, num_stages=3, shared=shared)
+    fn = SimpleNamespace(params=[SimpleNamespace(name="BLOCK", is_constexpr=True)])
+    src = SimpleNamespace(fn=fn, constants={(0,): 64}, signature={"x": "*bf16"})
+    return SimpleNamespace(metadata=md, src=src, asm={})
+
+
+def test_the_check_fails_on_shared_memory_and_grids_past_the_limits():
+    """The recorder itself: a config over 227 KB of shared memory or a grid axis past 65535 is a failure."""
+    from opport.backends.cuda.aot import Report, _Recorder
+
+    report = Report(90)
+    rec = _Recorder(report)
+    rec.problem = "ok"
+    rec.record("k", _fake_kernel(1024), (132, 1), 0.1)
+    assert report.failures == []
+    rec.problem = "too much shared memory"
+    rec.record("k", _fake_kernel(300_000), (132,), 0.1)
+    rec.problem = "grid"
+    rec.record("k", _fake_kernel(1024), (1, 70_000), 0.1)
+    assert [p for p, _ in report.failures] == ["too much shared memory", "grid"]
+    assert report.builds["h1024"].problems == ["ok", "grid"] and report.builds["h1024"].constexprs == {"BLOCK": 64}
