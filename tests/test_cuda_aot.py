@@ -75,3 +75,18 @@ def test_the_check_fails_on_shared_memory_and_grids_past_the_limits():
     rec.record("k", _fake_kernel(1024), (1, 70_000), 0.1)
     assert [p for p, _ in report.failures] == ["too much shared memory", "grid"]
     assert report.builds["h1024"].problems == ["ok", "grid"] and report.builds["h1024"].constexprs == {"BLOCK": 64}
+
+
+def test_prefill_matmul_and_attention_use_hopper_tensor_cores(sm90):
+    """bf16 GEMM tiles of 128 rows and FA2 attention tiles must lower to wgmma, not the older mma.sync path."""
+    _, report = sm90
+
+    def mma(kernel, shape):
+        found = {b["mma"] for b in report["builds"] if b["kernel"] == kernel and b["dtype"] == "bf16"
+                 and any(f"bench {shape} bfloat16" in p for p in b["problems"]) and not b["constexprs"].get("EXACT")}
+        assert found, (kernel, shape)
+        return found
+
+    assert mma("_matmul_kernel", "4096x4096x4096") == {"wgmma"}
+    assert mma("_attention_kernel", "B4 H32/8 S4096x4096 D128 causal") == {"wgmma"}
+    assert mma("_attention_kernel", "B8 H32/32 S2048x2048 D64") == {"wgmma"}

@@ -11,7 +11,8 @@ that runs the conformance suite on CPUs checks none of what this does:
 - the kernel compiles (tl.dot tile minimums, dtype rules, constexpr misuse);
 - its shared memory fits the SM (`Required: X, Hardware limit: Y` at launch otherwise);
 - its grid fits CUDA's limits (y and z at most 65535);
-- registers and spills (ptxas -v), which the summary reports; spills are a warning, not a failure.
+- registers and spills (ptxas -v), which the summary reports; spills are a warning, not a failure;
+- which tensor-core instruction the dots became (wgmma is Hopper's; mma.sync is the older path).
 
 Must run in a fresh process: the kernels have to be defined as compiled JIT functions, which a
 process that already picked Triton's interpreter cannot undo. Exit 1 on any failure.
@@ -51,6 +52,7 @@ class Build:
     seconds: float
     registers: int | None = None
     spill_bytes: int | None = None
+    mma: str | None = None  # the tensor-core instruction the dots became: "wgmma" (Hopper), "mma.sync", or None
     problems: list = field(default_factory=list)
 
     def as_json(self) -> dict:
@@ -115,6 +117,8 @@ class _Recorder:
             build = Build(name, *_describe(kernel.src), md.num_warps, md.num_stages, md.shared, round(seconds, 3))
             build.registers, build.spill_bytes = _usage(ptxas_log) if _USAGE.search(ptxas_log) else _ptxas_usage(
                 kernel.asm.get("ptx"), self.report.arch)  # a cache hit ran no ptxas: run it on the cached PTX
+            ptx = kernel.asm.get("ptx") or ""
+            build.mma = "wgmma" if "wgmma." in ptx else "mma.sync" if "mma.sync" in ptx else None
             self.report.builds[md.hash] = build
             if self.progress:
                 print(f"{len(self.report.builds):4d} {name} {build.dtype} {build.constexprs} {seconds:.1f} s "
@@ -276,13 +280,14 @@ def print_report(report: Report, console):
     from rich.table import Table
 
     t = Table(title=f"cuda kernels compiled for sm_{report.arch} (one row per compiled configuration)")
-    for col in ("kernel", "dtype", "constexprs", "warps", "stages", "regs", "spill B", "shared KiB", "compile s", "problems"):
+    for col in ("kernel", "dtype", "constexprs", "warps", "stages", "regs", "spill B", "shared KiB", "mma", "compile s",
+                "problems"):
         t.add_column(col, justify="left" if col in ("kernel", "dtype", "constexprs") else "right")
     for b in sorted(report.builds.values(), key=lambda b: (b.kernel, b.dtype, -b.shared)):
         consts = " ".join(f"{k}={v}" for k, v in b.constexprs.items())
         spill = "" if b.spill_bytes is None else (f"[yellow]{b.spill_bytes}[/yellow]" if b.spill_bytes else "0")
         t.add_row(b.kernel, b.dtype, consts, str(b.num_warps), str(b.num_stages), str(b.registers or ""), spill,
-                  f"{b.shared / 1024:.1f}", f"{b.seconds:.2f}", str(len(b.problems)))
+                  f"{b.shared / 1024:.1f}", b.mma or "", f"{b.seconds:.2f}", str(len(b.problems)))
     console.print(t)
     for label, why in report.skipped:
         console.print(f"[dim]skipped {label}: {why}[/dim]")
