@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The prepared device check for a session lent an NVIDIA H200, sized for one `device` run (600 s limit):
+#
+#   device run:  command="bash scripts/h200.sh", timeout_s=600      then give_back
+#
+# No install: the machine's python3 already has torch, triton 3.6, numpy, ml_dtypes, rich, hypothesis and
+# matplotlib, and nothing can be fetched there, so opport runs from the checkout (PYTHONPATH=.).
+# Steps, each under its own time limit so that a hang in one still returns the others' results:
+#   1. versions, GPU and clocks; `opport doctor`                                  (~20 s)
+#   2. `opport bench --backend cuda`: stops starting new shapes after BENCH_MIN   (default 5 min, ~6 in all)
+#   3. the cuda conformance suite compiled on the GPU: fixed cases and CONF_EXAMPLES Hypothesis examples
+#      per op x dtype, until CONF_S seconds                                      (default 150 s)
+# Before spending device time, `python -m opport.backends.cuda.aot` (any machine) must pass: it compiles
+# every kernel configuration these steps launch for sm_90 and checks shared memory, grids and spills.
+# Results land in $OUT (the device tool brings that folder back) or ./h200-out:
+#   env.txt, doctor.txt, bench.log, cuda.json, cuda.png, conformance.log, conformance-cuda.json
+# Record the figures in docs/performance.md with the command cuda.json names.
+set -u
+out=${OUT:-$PWD/h200-out}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+bench_min=${BENCH_MIN:-5}
+conf_s=${CONF_S:-150}
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,power.limit --format=csv
+  "$py" -c "import sys, torch, triton, numpy; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+  timeout 60 "$py" -m opport doctor
+} >"$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+echo "== bench (no new shape after ${bench_min} min)"
+timeout $(( bench_min * 60 + 90 )) "$py" -m opport bench --backend cuda --max-minutes "$bench_min" \
+  --json "$out/cuda.json" --plot "$out/cuda.png" >"$out/bench.log" 2>&1
+echo "bench exit status $?"
+grep -v -E "^ *[0-9.]+ s  " "$out/bench.log" | tail -n 150
+
+echo "== conformance (compiled, ${conf_s} s)"
+timeout "$conf_s" "$py" -m opport conformance --backend cuda --tier fast --examples "${CONF_EXAMPLES:-10}" \
+  --json "$out/conformance-cuda.json" >"$out/conformance.log" 2>&1
+echo "conformance exit status $? (124: stopped at ${conf_s} s; the log holds the cases that ran)"
+grep -E "FAIL|ERROR|CRASH|TIMEOUT|^conformance:" "$out/conformance.log" | tail -n 40
