@@ -163,18 +163,25 @@ def test_baselines_compute_the_op(name):
 
 
 @pytest.mark.skipif(not HAS_TORCH or importlib.util.find_spec("triton") is None, reason="needs torch and triton")
-def test_torch_kernel_path_checks_against_a_torch_float64_reference():
-    """The cuda code path (torch inputs, torch float64 reference, torch baselines), run by Triton's interpreter."""
-    if not _has_module("cuda", "rmsnorm"):
-        pytest.skip("no cuda rmsnorm kernel yet")
-    spec = get_op("rmsnorm")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(all_ops()))
+def test_torch_kernel_path_checks_against_a_torch_float64_reference(name, dtype):
+    """The cuda code path (torch inputs, torch float64 reference, torch baselines), run by Triton's interpreter.
+
+    What `opport bench --backend cuda` does on a GPU for every op, except that CPU timers stand in for CUDA events.
+    """
+    if not _has_module("cuda", name):
+        pytest.skip(f"no cuda {name} kernel")
+    spec = get_op(name)
     wl = get_workload(spec)
     st = Settings("cuda", "torch", "cpu", _GraphTimer(budget_ms=2, warmup_ms=0, min_samples=2),
-                  Ceilings(20.0, {"float32": 0.2}, "float32"), rounds=1, graphs=True)
-    rows = run_shape(spec, wl, wl.shapes_for("smoke")[0], "float32", st)
+                  Ceilings(20.0, {"float32": 0.2, "bfloat16": 0.2}, "float32"), rounds=1, graphs=True)
+    rows = run_shape(spec, wl, wl.shapes_for("smoke")[0], dtype, st)
     by = {r["impl"]: r for r in rows}
-    assert by["opport"]["correct"] is True and "cuda.rmsnorm" in by["opport"]["call"]
-    assert by["torch_eager"]["correct"] is True and by["opport"]["vs"]["torch_eager"] > 0
+    assert by["opport"]["correct"] is True and f"cuda.{name}" in by["opport"]["call"], by["opport"]
+    assert by["torch_eager"]["status"] == "ok" and by["opport"]["vs"]["torch_eager"] > 0
+    if dtype == "float32":  # in bfloat16, torch's cross_entropy returns a bfloat16-rounded loss
+        assert by["torch_eager"]["correct"] is True, by["torch_eager"]
     assert by["opport"]["launch_bound"] and by["opport"]["host_us"] > 0  # a tiny shape gets the graph variant
     assert by["opport"]["vs_graph"]["torch_eager"] == pytest.approx(by["torch_eager"]["graph_ms"] / by["opport"]["graph_ms"])
 
