@@ -90,3 +90,15 @@ def test_prefill_matmul_and_attention_use_hopper_tensor_cores(sm90):
     assert mma("_matmul_kernel", "4096x4096x4096") == {"wgmma"}
     assert mma("_attention_kernel", "B4 H32/8 S4096x4096 D128 causal") == {"wgmma"}
     assert mma("_attention_kernel", "B8 H32/32 S2048x2048 D64") == {"wgmma"}
+
+
+MEMORY_BOUND = ("rmsnorm", "layernorm", "softmax", "gelu", "silu", "swiglu", "rope", "cross_entropy")
+
+
+@pytest.mark.parametrize("op", MEMORY_BOUND)
+def test_memory_bound_llm_kernels_load_16_bytes_at_a_time(sm90, op):
+    """Contiguous bf16 rows must compile to 16-byte vector loads; narrower ones leave HBM bandwidth unused."""
+    _, report = sm90
+    widths = {b["load_bytes"] for b in report["builds"] if b["dtype"] == "bf16"
+              and any(p.startswith(f"{op} bench ") and p.endswith(" bfloat16") for p in b["problems"])}
+    assert widths == {16}, widths

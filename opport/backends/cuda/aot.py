@@ -12,7 +12,8 @@ that runs the conformance suite on CPUs checks none of what this does:
 - its shared memory fits the SM (`Required: X, Hardware limit: Y` at launch otherwise);
 - its grid fits CUDA's limits (y and z at most 65535);
 - registers and spills (ptxas -v), which the summary reports; spills are a warning, not a failure;
-- which tensor-core instruction the dots became (wgmma is Hopper's; mma.sync is the older path).
+- which tensor-core instruction the dots became (wgmma is Hopper's; mma.sync is the older path), and
+  the widest global load (16 bytes: memory traffic fully vectorised).
 
 Must run in a fresh process: the kernels have to be defined as compiled JIT functions, which a
 process that already picked Triton's interpreter cannot undo. Exit 1 on any failure.
@@ -53,6 +54,7 @@ class Build:
     registers: int | None = None
     spill_bytes: int | None = None
     mma: str | None = None  # the tensor-core instruction the dots became: "wgmma" (Hopper), "mma.sync", or None
+    load_bytes: int | None = None  # the widest global load per thread (16: fully vectorised memory traffic)
     problems: list = field(default_factory=list)
 
     def as_json(self) -> dict:
@@ -119,6 +121,7 @@ class _Recorder:
                 kernel.asm.get("ptx"), self.report.arch)  # a cache hit ran no ptxas: run it on the cached PTX
             ptx = kernel.asm.get("ptx") or ""
             build.mma = "wgmma" if "wgmma." in ptx else "mma.sync" if "mma.sync" in ptx else None
+            build.load_bytes = max((_width(m) for m in _LOAD.findall(ptx)), default=None)
             self.report.builds[md.hash] = build
             if self.progress:
                 print(f"{len(self.report.builds):4d} {name} {build.dtype} {build.constexprs} {seconds:.1f} s "
@@ -141,7 +144,14 @@ def _describe(src) -> tuple:
 
 
 _USAGE = re.compile(r"Used (\d+) registers")
+_LOAD = re.compile(r"ld\.global(?:\.[\w:]+?)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _width(match: tuple) -> int:
+    """Bytes of one `ld.global[.vN].bT` from its (N, T)."""
+    vec, bits = match
+    return int(vec or 1) * int(bits) // 8
 
 
 def _usage(log: str) -> tuple:
@@ -280,14 +290,14 @@ def print_report(report: Report, console):
     from rich.table import Table
 
     t = Table(title=f"cuda kernels compiled for sm_{report.arch} (one row per compiled configuration)")
-    for col in ("kernel", "dtype", "constexprs", "warps", "stages", "regs", "spill B", "shared KiB", "mma", "compile s",
-                "problems"):
+    for col in ("kernel", "dtype", "constexprs", "warps", "stages", "regs", "spill B", "shared KiB", "mma", "load B",
+                "compile s", "problems"):
         t.add_column(col, justify="left" if col in ("kernel", "dtype", "constexprs") else "right")
     for b in sorted(report.builds.values(), key=lambda b: (b.kernel, b.dtype, -b.shared)):
         consts = " ".join(f"{k}={v}" for k, v in b.constexprs.items())
         spill = "" if b.spill_bytes is None else (f"[yellow]{b.spill_bytes}[/yellow]" if b.spill_bytes else "0")
         t.add_row(b.kernel, b.dtype, consts, str(b.num_warps), str(b.num_stages), str(b.registers or ""), spill,
-                  f"{b.shared / 1024:.1f}", b.mma or "", f"{b.seconds:.2f}", str(len(b.problems)))
+                  f"{b.shared / 1024:.1f}", b.mma or "", str(b.load_bytes or ""), f"{b.seconds:.2f}", str(len(b.problems)))
     console.print(t)
     for label, why in report.skipped:
         console.print(f"[dim]skipped {label}: {why}[/dim]")
