@@ -19,6 +19,7 @@ larger programs are faster, so tiles go up to `INTERP_TILE` elements.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -71,6 +72,23 @@ MAX_LEAD = 3
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+H200_SMS = 132  # the GPU kernels are designed for; what a device-less run (interpreter, aot.py) assumes
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a torch device; H200_SMS where there is none to ask (CPU, meta tensors)."""
+    if device.type != "cuda":
+        return H200_SMS
+    return _cuda_sm_count(device.index if device.index is not None else 0)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def warps_for(elements: int) -> int:

@@ -8,33 +8,35 @@ import math
 
 import torch
 
-from opport.backends.cuda._launch import INTERPRET, cdiv, dot_operand, f32, narrow, next_pow2, tl, triton
+from opport.backends.cuda._launch import INTERPRET, cdiv, dot_operand, f32, narrow, next_pow2, sm_count, tl, triton
 from opport.ops.attention import attention as spec
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256  # q tile [BLOCK_M, D] and accumulator [BLOCK_M, Dv] live in registers
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, which holds B * Hkv
+MIN_SPLIT_BLOCKS = 4  # key blocks per split-KV program at least: its partial write stays small against its reads
 
 
 @triton.jit
 def _attention_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, out_ptr, flag_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, flag_ptr, part_ptr, ml_ptr,
     # shapes, strides
-    n_kv_heads, group, sq, sk, d, dv,
+    n_kv_heads, group, sq, sk, d, dv, split_len,
     q_sb, q_sh, q_ss, q_sd,
     k_sb, k_sh, k_ss, k_sd,
     v_sb, v_sh, v_ss, v_sd,
     o_sb, o_sh, o_ss, o_sd,
     qk_scale, flag_block,
     # meta-parameters
-    CAUSAL: tl.constexpr, EXACT: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, EXACT: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """out = softmax(q k^T * scale, masked) v for BLOCK_M query rows of one (batch, KV head).
 
     Dimensions: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], out [B, Hq, Sq, Dv]; all strided;
-    flags [B * Hkv, cdiv(group * Sq, flag_block)] int32.
+    flags [B * Hkv, cdiv(group * Sq, flag_block)] int32; with SPLIT, part [splits, B * Hkv, group * Sq, Dv]
+    and ml [splits, B * Hkv, group * Sq, 2] float32.
     Notes: scores are scaled by scale*log2(e) and exponentiated with exp2. Keys are visited in two
     stages: blocks every row of the tile sees in full (no score masking), then the blocks that need
     the causal/tail mask (bottom-right: key j is visible to query i iff j <= i + Sk - Sq). A running max
@@ -46,6 +48,8 @@ def _attention_kernel(
     launch (EXACT=True, small tiles) recomputes only flagged tiles, splitting each diagonal block into
     its finite part (through the dot) and its non-finite entries, which reach only the rows that see
     them. Keeping that path out of the fast kernel keeps its registers and shared memory in budget.
+    SPLIT (flash-decoding, non-causal only): program (., ., s) covers keys [s * split_len, (s + 1) * split_len)
+    and writes its unnormalised accumulator, running max and denominator; `_combine_kernel` merges the splits.
     Pseudocode: for each key block: s = q k^T; m' = max(m, rowmax s); p = exp2(s - m'); l = l*exp2(m - m') + sum p;
                 acc = acc*exp2(m - m') + p v.  out = acc / l (0 where l == 0)
     """
@@ -74,30 +78,80 @@ def _attention_kernel(
         off = sk - sq
         i_lo = tl.min(tl.where(row_ok, i, sq), 0)
         i_hi = tl.max(tl.where(row_ok, i, 0), 0)
+        tl.static_assert(not (CAUSAL and SPLIT), "split-KV runs without a causal mask")
+        kv_lo = tl.program_id(2) * split_len  # 0 without SPLIT (split_len = sk)
+        kv_hi = tl.minimum(sk, kv_lo + split_len)
         if CAUSAL:
             full_end = tl.minimum(tl.maximum(i_lo + off + 1, 0), sk) // BLOCK_N * BLOCK_N
             end = tl.minimum(tl.maximum(i_hi + off + 1, 0), sk)
         else:
-            full_end = sk // BLOCK_N * BLOCK_N
-            end = sk
+            full_end = kv_lo + (kv_hi - kv_lo) // BLOCK_N * BLOCK_N
+            end = kv_hi
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
         hidden = 0  # diagonal blocks with non-finite v (fast launch only)
-        for start in range(0, full_end, BLOCK_N):
-            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd,
+        for start in range(kv_lo, full_end, BLOCK_N):
+            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, kv_hi, d, dv, k_ss, k_sd,
                                            v_ss, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION, BLOCK_N)
         for start in range(full_end, end, BLOCK_N):
-            acc, m, l_sum, bad = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd,
+            acc, m, l_sum, bad = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, kv_hi, d, dv, k_ss, k_sd,
                                              v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION,
                                              BLOCK_N)
             hidden += bad
-        out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
-        o_rows = out_ptr + b * o_sb + head.to(tl.int64) * o_sh + i.to(tl.int64) * o_ss
-        tl.store(o_rows[:, None] + offs_dv[None, :] * o_sd, narrow(out, out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dv[None, :] < dv))
+        if SPLIT:
+            at_row = (tl.program_id(2) * tl.num_programs(1) + bh).to(tl.int64) * (group * sq) + r
+            tl.store(ml_ptr + at_row * 2, m, mask=row_ok)
+            tl.store(ml_ptr + at_row * 2 + 1, l_sum, mask=row_ok)
+            tl.store(part_ptr + at_row[:, None] * dv + offs_dv[None, :], acc, mask=row_ok[:, None] & (offs_dv[None, :] < dv))
+        else:
+            out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
+            o_rows = out_ptr + b * o_sb + head.to(tl.int64) * o_sh + i.to(tl.int64) * o_ss
+            tl.store(o_rows[:, None] + offs_dv[None, :] * o_sd, narrow(out, out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & (offs_dv[None, :] < dv))
         if not EXACT and CAUSAL:
             tl.store(flag, hidden)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, ml_ptr, out_ptr,
+    n_kv_heads, group, sq, dv, n_splits,
+    o_sb, o_sh, o_ss, o_sd,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Merge split-KV partials: out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M the largest m_s.
+
+    Dimensions: part [splits, B * Hkv, rows, Dv], ml [splits, B * Hkv, rows, 2] (rows = group * Sq), out strided.
+    Notes: the same online rescaling as the main kernel, over splits instead of key blocks: a split that
+    saw no key (m = -inf, l = 0) adds exactly 0; rows with a zero total output 0; NaN propagates.
+    """
+    bh = tl.program_id(1)
+    rows = group * sq
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < rows
+    cols = tl.arange(0, BLOCK_DV)
+    mask = row_ok[:, None] & (cols[None, :] < dv)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for s in range(0, n_splits):
+        at_row = (s * tl.num_programs(1) + bh).to(tl.int64) * rows + r
+        m_s = tl.load(ml_ptr + at_row * 2, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(ml_ptr + at_row * 2 + 1, mask=row_ok, other=0.0)
+        a_s = tl.load(part_ptr + at_row[:, None] * dv + cols[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        l_sum = l_sum * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m = m_new
+    out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
+    b = (bh // n_kv_heads).to(tl.int64)
+    head = (bh % n_kv_heads).to(tl.int64) * group + (r // sq)
+    o_rows = out_ptr + b * o_sb + head.to(tl.int64) * o_sh + (r % sq).to(tl.int64) * o_ss
+    tl.store(o_rows[:, None] + cols[None, :] * o_sd, narrow(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -198,6 +252,17 @@ def _exact_config(cfg: dict) -> dict:
     return {**cfg, "BLOCK_M": min(cfg["BLOCK_M"], 32), "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 
+def _kv_splits(programs: int, sk: int, block_n: int, device) -> int:
+    """Key splits for flash-decoding: a grid of fewer programs than the GPU has SMs (decode with few KV
+    heads and a long cache) splits each program's keys so that about two programs run per SM, each
+    split keeping at least MIN_SPLIT_BLOCKS key blocks (one in the interpreter, so that CI runs the path)."""
+    sms = sm_count(device)
+    if programs >= sms:
+        return 1
+    min_keys = block_n * (1 if INTERPRET else MIN_SPLIT_BLOCKS)
+    return max(1, min(cdiv(2 * sms, programs), sk // min_keys))
+
+
 @spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale) -> torch.Tensor:
     bsz, hq, sq, d = q.shape
@@ -207,18 +272,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
         return out
     if sk == 0:
         return out.zero_()
+    causal = causal and sq > 1  # bottom-right alignment: a single query row sees every key
     group = hq // hkv
     rows = group * sq
     cfg = _config(rows, sk, d, dv, q.dtype)
+    tiles = cdiv(rows, cfg["BLOCK_M"])
+    splits = 1 if causal else _kv_splits(tiles * bsz * hkv, sk, cfg["BLOCK_N"], q.device)
+    split_len = cdiv(cdiv(sk, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"] if splits > 1 else sk
+    splits = cdiv(sk, split_len)
+    fp32 = dict(dtype=torch.float32, device=q.device)
+    part, ml = ((torch.empty((splits, bsz * hkv, rows, dv), **fp32), torch.empty((splits, bsz * hkv, rows, 2), **fp32))
+                if splits > 1 else (out, out))
+    flags = torch.empty((bsz * hkv, tiles), dtype=torch.int32, device=q.device) if causal else out
     qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
-    flags = torch.empty((bsz * hkv, cdiv(rows, cfg["BLOCK_M"])), dtype=torch.int32, device=q.device) if causal else out
-    args = (q, k, v, out, flags, hkv, group, sq, sk, d, dv, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            qk_scale, cfg["BLOCK_M"])
+    args = (q, k, v, out, flags, part, ml, hkv, group, sq, sk, d, dv, split_len, *q.stride(), *k.stride(),
+            *v.stride(), *out.stride(), qk_scale, cfg["BLOCK_M"])
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _attention_kernel[(cdiv(rows, cfg["BLOCK_M"]), bsz * hkv)](*args, CAUSAL=causal, EXACT=False, PRECISION=precision,
-                                                               **cfg)
+    _attention_kernel[(tiles, bsz * hkv, splits)](*args, CAUSAL=causal, EXACT=False, SPLIT=splits > 1,
+                                                  PRECISION=precision, **cfg)
+    if splits > 1:
+        bm = min(64, next_pow2(rows))
+        _combine_kernel[(cdiv(rows, bm), bsz * hkv)](part, ml, out, hkv, group, sq, dv, splits, *out.stride(),
+                                                     BLOCK_M=bm, BLOCK_DV=cfg["BLOCK_DV"], num_warps=4)
     if causal:  # recompute the tiles whose diagonal blocks hid NaN/inf in v (programs of unflagged tiles exit at once)
         fix = _exact_config(cfg)
-        _attention_kernel[(cdiv(rows, fix["BLOCK_M"]), bsz * hkv)](*args, CAUSAL=True, EXACT=True,
-                                                                   PRECISION=precision, **fix)
+        _attention_kernel[(cdiv(rows, fix["BLOCK_M"]), bsz * hkv, 1)](*args, CAUSAL=True, EXACT=True, SPLIT=False,
+                                                                      PRECISION=precision, **fix)
     return out

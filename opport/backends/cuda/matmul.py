@@ -4,8 +4,6 @@ Batch dims of a (and of a batched b) are read by strides, up to three after merg
 contiguous in a, b and out together; more than that copies a and b to contiguous first (the only copy).
 """
 
-import functools
-
 import torch
 
 from opport.backends.cuda._launch import (
@@ -17,12 +15,11 @@ from opport.backends.cuda._launch import (
     lead_index,
     narrow,
     next_pow2,
+    sm_count,
     tl,
     triton,
 )
 from opport.ops.matmul import matmul as spec
-
-AOT_SMS = 132
 
 
 @triton.jit
@@ -103,17 +100,6 @@ def _fit(n: int, cap: int) -> int:
     return max(16, min(cap, next_pow2(n)))
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _programs(device: torch.device) -> int:
-    """Resident programs of the persistent grid: one per SM (meta tensors, in aot.py's compile-only
-    runs: the H200's 132, the GPU those runs compile for)."""
-    return AOT_SMS if device.type == "meta" else _sm_count(device.index or 0)
-
-
 def _batch_layout(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
     """Sizes and per-tensor strides of the batch dims (b's are 0 when b is 2-d), merged to at most 3."""
     batch = tuple(a.shape[:-2])
@@ -134,7 +120,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias) -> torch.Tensor:
         lay = _batch_layout(a, b, out)
     cfg = _config(m, n, k, a.dtype)
     tiles = lay.n_rows * cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
-    grid = (tiles if INTERPRET else min(tiles, _programs(a.device)),)
+    grid = (tiles if INTERPRET else min(tiles, sm_count(a.device)),)
     bias_t, bias_s = (bias, bias.stride(0)) if bias is not None else (a, 0)
     _matmul_kernel[grid](
         a, b, bias_t, out, lay.n_rows, lay.sizes[1], lay.sizes[2], m, n, k,
