@@ -81,7 +81,9 @@ def sm_count(device) -> int:
     """Streaming multiprocessors of a torch device; H200_SMS where there is none to ask (CPU, meta tensors)."""
     if device.type != "cuda":
         return H200_SMS
-    return _cuda_sm_count(device.index if device.index is not None else 0)
+    import torch
+
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
