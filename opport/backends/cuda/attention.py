@@ -220,7 +220,7 @@ def _supports(q, k, v, causal, scale):
     return None
 
 
-def _config(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> dict:
+def _config(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype, causal: bool) -> dict:
     """Tile shape per problem: the largest tiles that compile for sm_90 without register spills and
     within shared memory (checked by `python -m opport.backends.cuda.aot`); not yet timed on hardware."""
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
@@ -235,7 +235,7 @@ def _config(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> dict:
     if rows <= 64:  # decode: the packed GQA group is the whole M tile
         m = fit(rows, 64)
         n = (128 if wide <= 128 else 64) if m == 16 else (64 if wide <= 128 else 32)
-        return {"BLOCK_M": m, "BLOCK_N": n, **dims, "num_warps": 8 if n == 128 else 4, "num_stages": 3}
+        return {"BLOCK_M": m, "BLOCK_N": n, **dims, "num_warps": 8 if n == 128 and causal else 4, "num_stages": 3}
     # FA2 on Hopper: 128 query rows per program; the key block shrinks as the head dim grows
     if wide <= 128:
         return {"BLOCK_M": 128, "BLOCK_N": 128 if wide <= 64 else 64, **dims, "num_warps": 8, "num_stages": 3}
@@ -275,7 +275,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     causal = causal and sq > 1  # bottom-right alignment: a single query row sees every key
     group = hq // hkv
     rows = group * sq
-    cfg = _config(rows, sk, d, dv, q.dtype)
+    cfg = _config(rows, sk, d, dv, q.dtype, causal)
     tiles = cdiv(rows, cfg["BLOCK_M"])
     splits = 1 if causal else _kv_splits(tiles * bsz * hkv, sk, cfg["BLOCK_N"], q.device)
     split_len = cdiv(cdiv(sk, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"] if splits > 1 else sk
