@@ -120,6 +120,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias) -> torch.Tensor:
         lay = _batch_layout(a, b, out)
     cfg = _config(m, n, k, a.dtype)
     tiles = lay.n_rows * cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
+    while not INTERPRET and m <= 64 and 2 * tiles <= sm_count(a.device) and cfg["BLOCK_N"] > 32:
+        # a GEMV-like call reads all of b once: narrower N tiles put every SM on that read
+        cfg["BLOCK_N"] //= 2
+        tiles = lay.n_rows * cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     grid = (tiles if INTERPRET else min(tiles, sm_count(a.device)),)
     bias_t, bias_s = (bias, bias.stride(0)) if bias is not None else (a, 0)
     _matmul_kernel[grid](
