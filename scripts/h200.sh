@@ -8,12 +8,13 @@
 # Steps, each under its own time limit so that a hang in one still returns the others' results:
 #   1. versions, GPU and clocks; `opport doctor`                                  (~20 s)
 #   2. `opport bench --backend cuda`: stops starting new shapes after BENCH_MIN   (default 5 min, ~6 in all)
-#   3. the cuda conformance suite compiled on the GPU: fixed cases and CONF_EXAMPLES Hypothesis examples
-#      per op x dtype, until CONF_S seconds                                      (default 150 s)
+#   3. `opport bench --overhead`: dispatch overhead for numpy, torch-cpu and torch-cuda inputs (<= 60 s)
+#   4. the cuda conformance suite compiled on the GPU: fixed cases and CONF_EXAMPLES Hypothesis examples
+#      per op x dtype, until CONF_S seconds                                      (default 120 s)
 # Before spending device time, `python -m opport.backends.cuda.aot` (any machine) must pass: it compiles
 # every kernel configuration these steps launch for sm_90 and checks shared memory, grids and spills.
 # Results land in $OUT (the device tool brings that folder back) or ./h200-out:
-#   env.txt, doctor.txt, bench.log, cuda.json, cuda.png, conformance.log, conformance-cuda.json
+#   env.txt, bench.log, cuda.json, cuda.png, overhead.log, overhead.json, conformance.log, conformance-cuda.json
 # Record the figures in docs/performance.md with the command cuda.json names.
 set -u
 out=${OUT:-$PWD/h200-out}
@@ -21,7 +22,7 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 bench_min=${BENCH_MIN:-5}
-conf_s=${CONF_S:-150}
+conf_s=${CONF_S:-120}
 
 {
   date -u
@@ -36,6 +37,11 @@ timeout $(( bench_min * 60 + 90 )) "$py" -m opport bench --backend cuda --max-mi
   --json "$out/cuda.json" --plot "$out/cuda.png" >"$out/bench.log" 2>&1
 echo "bench exit status $?"
 grep -v -E "^ *[0-9.]+ s  " "$out/bench.log" | tail -n 150
+
+echo "== dispatch overhead"
+timeout 60 "$py" -m opport bench --overhead --budget-ms 100 --json "$out/overhead.json" >"$out/overhead.log" 2>&1
+echo "overhead exit status $?"
+tail -n 45 "$out/overhead.log"
 
 echo "== conformance (compiled, ${conf_s} s)"
 timeout "$conf_s" "$py" -m opport conformance --backend cuda --tier fast --examples "${CONF_EXAMPLES:-10}" \
