@@ -22,6 +22,7 @@ process that already picked Triton's interpreter cannot undo. Exit 1 on any fail
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import functools
 import io
@@ -217,13 +218,13 @@ def _meta_like(a):
     return torch.empty(a.shape, dtype=dt, device="meta")
 
 
-def problems(specs, tiers, cases: bool):
+def problems(specs, tiers, cases: bool, dtypes=DTYPES):
     """(label, spec, make) for the bench shapes and the conformance cases; make() binds meta tensors."""
     from opport.bench.workloads import get_workload
 
     for spec in specs:
         wl = get_workload(spec)
-        for dtype in DTYPES:
+        for dtype in dtypes:
             if dtype not in spec.dtypes:
                 continue
             for shape in wl.shapes:
@@ -267,7 +268,8 @@ def check(report: Report, recorder: _Recorder, label: str, spec, make):
 # --------------------------------------------------------------------------- entry point
 
 
-def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = True, progress: bool = False) -> Report:
+def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = True, progress: bool = False,
+        dtypes=DTYPES) -> Report:
     from opport.backends import cuda
 
     cuda.compile_only()
@@ -281,7 +283,7 @@ def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = T
     recorder = _Recorder(report, progress)
     recorder.install()
     specs = [get_op(n) for n in ops] if ops else list(all_ops().values())
-    for label, spec, make in problems(specs, tiers, cases):
+    for label, spec, make in problems(specs, tiers, cases, dtypes):
         check(report, recorder, label, spec, make)
     return report
 
@@ -312,27 +314,24 @@ def print_report(report: Report, console):
 _COST = {"attention": 10, "matmul": 2}
 
 
-def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool) -> Report:
-    """`run` split over `jobs` fresh processes by op (balanced by _COST), their JSON reports merged."""
+def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES) -> Report:
+    """`run` in fresh processes, at most `jobs` at a time, one per op (per op and dtype for the ops heavy
+    in _COST, so that attention does not hold up the rest); their JSON reports merged."""
     from opport.ops import all_ops
 
-    names = sorted(ops or all_ops(), key=lambda n: -_COST.get(n, 1))
-    groups, load = [[] for _ in range(jobs)], [0] * jobs
-    for n in names:
-        i = load.index(min(load))
-        groups[i].append(n)
-        load[i] += _COST.get(n, 1)
+    units = [(n, dts) for n in sorted(ops or all_ops(), key=lambda n: -_COST.get(n, 1))
+             for dts in ([(d,) for d in dtypes] if n in _COST else [tuple(dtypes)])]
     report = Report(arch)
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        for i, group in enumerate(g for g in groups if g):
-            cmd = [sys.executable, "-m", "opport.backends.cuda.aot", "--arch", str(arch), "--jobs", "1",
-                   "--json", f"{tmp}/{i}.json"]
-            cmd += [f"--op={n}" for n in group] + [f"--tier={t}" for t in tiers] + ([] if cases else ["--no-cases"])
-            procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL), f"{tmp}/{i}.json", group))
-        for proc, path, group in procs:
-            if proc.wait() != 0 and not os.path.exists(path):
-                report.failures.append((" ".join(group), f"the compile process exited with {proc.returncode}"))
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        def one(i, op, dts):
+            cmd = [sys.executable, "-m", "opport.backends.cuda.aot", "--arch", str(arch), "--jobs", "1", f"--op={op}",
+                   "--json", f"{tmp}/{i}.json", *[f"--dtype={d}" for d in dts], *[f"--tier={t}" for t in tiers]]
+            code = subprocess.run(cmd + ([] if cases else ["--no-cases"]), stdout=subprocess.DEVNULL).returncode
+            return op, code, f"{tmp}/{i}.json"
+
+        for op, code, path in pool.map(lambda u: one(*u), [(i, op, dts) for i, (op, dts) in enumerate(units)]):
+            if not os.path.exists(path):
+                report.failures.append((op, f"the compile process exited with {code}"))
                 continue
             with open(path) as f:
                 part = json.load(f)
@@ -350,16 +349,18 @@ def main(argv=None) -> int:
     p.add_argument("--op", action="append", default=[], help="only this op (repeatable)")
     p.add_argument("--tier", action="append", default=[], help="bench shape tiers (default: smoke, small, llm)")
     p.add_argument("--no-cases", action="store_true", help="skip the conformance cases (bench shapes only)")
+    p.add_argument("--dtype", action="append", default=[], choices=DTYPES, help="only this dtype (repeatable)")
     p.add_argument("--json", metavar="F", help="write the report as JSON")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes to split the ops over (default: one per CPU)")
     args = p.parse_args(argv)
     from rich.console import Console
 
     tiers = tuple(args.tier) or ("smoke", "small", "llm")
+    dtypes = tuple(args.dtype) or DTYPES
     if args.jobs > 1:
-        report = run_parallel(args.jobs, args.arch, args.op, tiers, not args.no_cases)
+        report = run_parallel(args.jobs, args.arch, args.op, tiers, not args.no_cases, dtypes)
     else:
-        report = run(args.arch, args.op, tiers, not args.no_cases, progress=True)
+        report = run(args.arch, args.op, tiers, not args.no_cases, progress=True, dtypes=dtypes)
     print_report(report, Console(width=None if sys.stdout.isatty() else 200))
     if args.json:
         with open(args.json, "w") as f:
