@@ -102,3 +102,13 @@ def test_memory_bound_llm_kernels_load_16_bytes_at_a_time(sm90, op):
     widths = {b["load_bytes"] for b in report["builds"] if b["dtype"] == "bf16"
               and any(p.startswith(f"{op} bench ") and p.endswith(" bfloat16") for p in b["problems"])}
     assert widths == {16}, widths
+
+
+def test_large_llm_problems_fill_the_h200(sm90):
+    """A bench problem moving >= 64 MB (more than the L2) must launch at least 80% of the H200's 132 SMs' worth
+    of programs (decode attention over 16K keys and a 16-row GEMM once ran 64 programs: half the GPU idle)."""
+    _, report = sm90
+    big = {p: g for p, g in report["grids"].items() if " bench " in p and g["bytes"] >= 64 << 20}
+    assert len(big) > 20
+    thin = {p: g["programs"] for p, g in big.items() if g["programs"] < 0.8 * 132}
+    assert thin == {}

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -69,6 +70,7 @@ class Report:
     failures: list = field(default_factory=list)  # (problem, what went wrong)
     skipped: list = field(default_factory=list)  # (problem, why no cuda kernel takes it)
     problems: int = 0
+    grids: dict = field(default_factory=dict)  # problem -> {"bytes": model bytes, "programs": its largest launch}
 
 
 class _CompileOnlyDriver:
@@ -115,6 +117,9 @@ class _Recorder:
 
     def record(self, name: str, kernel, grid, seconds: float, ptxas_log: str = ""):
         md = kernel.metadata
+        if not callable(grid) and self.problem in self.report.grids:
+            g = self.report.grids[self.problem]
+            g["programs"] = max(g["programs"], math.prod(grid))
         build = self.report.builds.get(md.hash)
         if build is None:
             build = Build(name, *_describe(kernel.src), md.num_warps, md.num_stages, md.shared, round(seconds, 3))
@@ -245,12 +250,14 @@ def _bind_case(spec, case):
 
 def check(report: Report, recorder: _Recorder, label: str, spec, make):
     """Run the problem's cuda kernel host code; its launches compile through the recorder."""
+    from opport.dispatch.core import metas_of
     from opport.dispatch.registry import get_backend, kernels
 
     report.problems += 1
     recorder.problem = label
     try:
         bound = make()
+        report.grids[label] = {"bytes": spec.get_cost(*metas_of(spec, bound)).bytes, "programs": 0}
         dtype = next(bound[i].dtype for i in spec.array_pos if hasattr(bound[i], "dtype"))
         dtype = str(dtype).removeprefix("torch.")
         reasons = []
@@ -338,6 +345,7 @@ def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES) -
             report.problems += part["problems"]
             report.failures += [tuple(x) for x in part["failures"]]
             report.skipped += [tuple(x) for x in part["skipped"]]
+            report.grids.update(part["grids"])
             for b in part["builds"]:
                 report.builds[len(report.builds)] = Build(**b)
     return report
@@ -365,7 +373,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"arch": report.arch, "problems": report.problems, "failures": report.failures,
-                       "skipped": report.skipped, "builds": [b.as_json() for b in report.builds.values()]}, f, indent=1)
+                       "skipped": report.skipped, "builds": [b.as_json() for b in report.builds.values()],
+                       "grids": report.grids}, f, indent=1)
     return 1 if report.failures else 0
 
 

@@ -100,6 +100,15 @@ def _fit(n: int, cap: int) -> int:
     return max(16, min(cap, next_pow2(n)))
 
 
+def _shrink(cfg: dict) -> bool:
+    """Halve a tile dimension (N first, down to 64; then M, down to wgmma's 64; then N to 32); False at the floor."""
+    for dim, floor in (("BLOCK_N", 64), ("BLOCK_M", 64), ("BLOCK_N", 32)):
+        if cfg[dim] > floor:
+            cfg[dim] //= 2
+            return True
+    return False
+
+
 def _batch_layout(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
     """Sizes and per-tensor strides of the batch dims (b's are 0 when b is 2-d), merged to at most 3."""
     batch = tuple(a.shape[:-2])
@@ -120,9 +129,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias) -> torch.Tensor:
         lay = _batch_layout(a, b, out)
     cfg = _config(m, n, k, a.dtype)
     tiles = lay.n_rows * cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
-    while not INTERPRET and m <= 64 and 2 * tiles <= sm_count(a.device) and cfg["BLOCK_N"] > 32:
-        # a GEMV-like call reads all of b once: narrower N tiles put every SM on that read
-        cfg["BLOCK_N"] //= 2
+    while not INTERPRET and tiles < 0.8 * sm_count(a.device) and _shrink(cfg):
+        # few output tiles (small M: decode, GEMV-like; short N): smaller tiles put every SM to work
         tiles = lay.n_rows * cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     grid = (tiles if INTERPRET else min(tiles, sm_count(a.device)),)
     bias_t, bias_s = (bias, bias.stride(0)) if bias is not None else (a, 0)
