@@ -105,10 +105,8 @@ def _attention_kernel(
             tl.store(ml_ptr + at_row * 2 + 1, l_sum, mask=row_ok)
             tl.store(part_ptr + at_row[:, None] * dv + offs_dv[None, :], acc, mask=row_ok[:, None] & (offs_dv[None, :] < dv))
         else:
-            out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
-            o_rows = out_ptr + b * o_sb + head.to(tl.int64) * o_sh + i.to(tl.int64) * o_ss
-            tl.store(o_rows[:, None] + offs_dv[None, :] * o_sd, narrow(out, out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & (offs_dv[None, :] < dv))
+            _store_out(out_ptr, acc, l_sum, b, head, i, offs_dv, row_ok[:, None] & (offs_dv[None, :] < dv),
+                       o_sb, o_sh, o_ss, o_sd)
         if not EXACT and CAUSAL:
             tl.store(flag, hidden)
 
@@ -140,18 +138,29 @@ def _combine_kernel(
         m_s = tl.load(ml_ptr + at_row * 2, mask=row_ok, other=float("-inf"))
         l_s = tl.load(ml_ptr + at_row * 2 + 1, mask=row_ok, other=0.0)
         a_s = tl.load(part_ptr + at_row[:, None] * dv + cols[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
+        m_new, m_safe, alpha = _running_max(m, m_s)
         beta = tl.exp2(m_s - m_safe)
         l_sum = l_sum * alpha + l_s * beta
         acc = acc * alpha[:, None] + a_s * beta[:, None]
         m = m_new
-    out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
-    b = (bh // n_kv_heads).to(tl.int64)
     head = (bh % n_kv_heads).to(tl.int64) * group + (r // sq)
-    o_rows = out_ptr + b * o_sb + head.to(tl.int64) * o_sh + (r % sq).to(tl.int64) * o_ss
+    _store_out(out_ptr, acc, l_sum, (bh // n_kv_heads).to(tl.int64), head, r % sq, cols, mask, o_sb, o_sh, o_ss, o_sd)
+
+
+@triton.jit
+def _store_out(out_ptr, acc, l_sum, b, head, i, cols, mask, o_sb, o_sh, o_ss, o_sd):
+    """out[b, head, i, cols] = acc / l_sum in out's dtype; rows with l_sum == 0 (no visible key) get 0."""
+    out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
+    o_rows = out_ptr + b * o_sb + head.to(tl.int64) * o_sh + i.to(tl.int64) * o_ss
     tl.store(o_rows[:, None] + cols[None, :] * o_sd, narrow(out, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _running_max(m, m_block):
+    """(new running max, the max exp2 subtracts (0 while it is -inf: nothing seen yet), old-to-new scale)."""
+    m_new = tl.maximum(m, m_block)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, m_safe, tl.exp2(m - m_safe)
 
 
 @triton.jit
@@ -169,9 +178,7 @@ def _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss
         if CAUSAL:
             vis = vis & (keys[None, :] <= i[:, None] + off)
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_safe)
+    m_new, m_safe, alpha = _running_max(m, tl.max(s, 1))
     p = tl.exp2(s - m_safe[:, None])
     l_sum = l_sum * alpha + tl.sum(p, 1)
     vmask = (keys[:, None] < sk) & (offs_dv[None, :] < dv)
