@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import opport
+import opport.backends.cpu._common as cpu_common
 import opport.backends.cpu.cross_entropy as cpu_ce
 from opport.backends.cpu.cross_entropy import cross_entropy as kernel
 from opport.casegen import cast
@@ -102,7 +103,7 @@ def test_positive_ignore_index_is_a_class_id_that_is_skipped():
 def test_online_logsumexp_across_many_chunks(monkeypatch, smoothing):
     """A 7-column chunk: many merges, a first chunk that is all -inf, the max in the last chunk, V % chunk != 0."""
     monkeypatch.setattr(cpu_ce, "VOCAB_CHUNK", 7)
-    monkeypatch.setattr(cpu_ce, "BLOCK_BUDGET", 1)  # one row per block
+    monkeypatch.setattr(cpu_common, "BLOCK_ELEMS", 1)  # one row per block
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 50)) * 4
     x[:, :7] = -np.inf

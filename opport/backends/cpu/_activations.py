@@ -1,8 +1,12 @@
 """Elementwise helpers for the NumPy activation kernels (silu, swiglu, gelu).
 
-Every function takes float32 or float64 arrays (16-bit inputs are upcast by the caller), returns a
-new array of the same dtype and never writes its inputs (a float32 input may be a view of the user's
-array, because `upcast` does not copy what is already float32).
+The block functions `fn(y, *xs)` take float32 or float64 blocks (16-bit inputs are upcast by
+`elementwise`), write the result into `y` and never write their inputs (a float32 input may be a
+view of the user's array, because `upcast` does not copy what is already float32). Each computes a
+fast formula everywhere and recomputes with a careful one only the elements the fast one gets
+wrong (NaN or -inf inputs, exp overflowing in a deep negative tail). One sum of the fast formula's
+denominator tells whether a block has any (a NaN or inf sum; a sum that merely overflows only costs
+a look for them). Every element's result depends on that element alone, never on its block.
 """
 
 from __future__ import annotations
@@ -11,26 +15,41 @@ import math
 
 import numpy as np
 
-from opport.backends.cpu._common import rows_in_blocks, upcast
-
-# Per element, the activation kernels hold about eight float32/float64 temporaries at once; blocks of
-# 8 MiB of temporaries keep most passes in cache (measured ~15% faster than 64 MiB blocks).
-_TEMP_BYTES = 8 * 8
-_BLOCK_BUDGET = 8 << 20
+from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 
 
 def elementwise(fn, *arrays: np.ndarray) -> np.ndarray:
-    """`fn` over same-shape arrays in bounded blocks; the output has the first array's dtype and shape.
+    """`fn(y, *blocks)` over same-shape arrays in cache-sized blocks on the cpu threads.
 
-    `reshape(-1)` copies a non-contiguous input (never writes it); a 0-d array is one element.
+    The output has the first array's dtype and shape; float32/float64 outputs are written in place,
+    16-bit ones through a float32 block rounded once. `reshape(-1)` copies a non-contiguous input
+    (never writes it); a 0-d array is one element.
     """
     out = np.empty(arrays[0].shape, arrays[0].dtype)
     flat = [a.reshape(-1) for a in arrays]
     o = out.reshape(-1)
-    with np.errstate(all="ignore"):  # overflow to inf and inf * 0 are part of the semantics here
-        for block in rows_in_blocks(o.size, _TEMP_BYTES, _BLOCK_BUDGET):
-            o[block] = fn(*(upcast(f[block]) for f in flat))
+
+    def body(block):
+        xs = [upcast(f[block]) for f in flat]
+        dst = o[block]
+        store(dst, fn(result_block(dst, xs[0]), *xs))
+
+    parallel_rows(o.size, 1, body)
     return out
+
+
+def denominator(y: np.ndarray, x: np.ndarray):
+    """y = 1 + exp(-x), the fast formulas' denominator; returns where it is NaN or inf, or None if nowhere.
+
+    A sum, not a min/max, looks first: NumPy's min/max reductions hold the GIL, its sums do not.
+    """
+    np.negative(x, out=y)
+    np.exp(y, out=y)
+    y += 1
+    if np.isfinite(np.sum(y)):
+        return None
+    bad = ~np.isfinite(y)
+    return bad if bad.any() else None
 
 
 def select(neg: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -45,14 +64,18 @@ def select(neg: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    """1 / (1 + exp(-x)) without overflow: exp only ever sees -|x|, so it lies in [0, 1]."""
+    """1 / (1 + exp(-x)) without overflow: exp only ever sees -|x|, so it lies in [0, 1].
+
+    The numerator is e below 0 and 1 above, taken as max(e, x >= 0) (e <= 1; NaN propagates): one
+    pass where a select would take four. The same roundings as the float reference run at float32.
+    """
     e = np.exp(-np.abs(x))
-    num = select((x < 0).astype(x.dtype), e, x.dtype.type(1))  # e / (1 + e) below 0, 1 / (1 + e) above; NaN stays
+    num = np.maximum(e, x >= 0)
     return np.divide(num, np.add(e, 1, out=e), out=num)
 
 
 # Below -C, sigmoid(x) = exp(x) is subnormal or near it (float32: exp(-87.3) = FLT_MIN); exp(-C) is normal.
-_DEEP = {np.dtype(np.float32): 64.0, np.dtype(np.float64): 512.0}
+DEEP = {np.dtype(np.float32): 64.0, np.dtype(np.float64): 512.0}
 
 
 def sigmoid_times(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -62,17 +85,26 @@ def sigmoid_times(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     cannot overflow the product, and x + C is exact for x in [-2C, -C] (Sterbenz).
     """
     r = np.multiply(sigmoid(x), y)
-    c = x.dtype.type(_DEEP[x.dtype])
+    c = x.dtype.type(DEEP[x.dtype])
     deep = x < -c
     if deep.any():
         r[deep] = np.exp(x[deep] + c) * y[deep] * np.exp(-c)
     return r
 
 
-def silu(x: np.ndarray) -> np.ndarray:
+def silu_careful(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x), with silu(-inf) = -0.0 (the naive product is -inf * 0 = NaN)."""
     y = np.multiply(x, sigmoid(x))
     np.copyto(y, -0.0, where=np.isneginf(x))
+    return y
+
+
+def silu(y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x / (1 + exp(-x)) (silu(+inf) = inf / 1) where exp(-x) is finite; the careful formula elsewhere."""
+    bad = denominator(y, x)
+    np.divide(x, y, out=y)
+    if bad is not None:
+        y[bad] = silu_careful(x[bad])
     return y
 
 
@@ -109,7 +141,8 @@ def gaussian_tail(a: np.ndarray) -> np.ndarray:
     t = f(1) / (f(1) + f(0.5) * z)
     p = np.full_like(t, _ERFC_P[-1])
     for c in _ERFC_P[-2::-1]:
-        p = p * t + f(c)
+        p *= t
+        p += f(c)
     e_hi, lo = _neg_half_square_exp32(a)  # -z*z = -a*a/2
     return f(0.5) * t * e_hi * np.exp(lo + p)
 
@@ -119,22 +152,29 @@ def gaussian_tail(a: np.ndarray) -> np.ndarray:
 _ERFC64 = np.frompyfunc(math.erfc, 1, 1)
 
 
-def gelu_erf(x: np.ndarray) -> np.ndarray:
+def gelu_erf(y: np.ndarray, x: np.ndarray) -> np.ndarray:
     """x * Phi(x). Phi(x) for x < 0 comes straight from the tail (no 1 + erf cancellation)."""
     q = gaussian_tail(np.abs(x)).astype(x.dtype, copy=False)
     phi = select((x < 0).astype(x.dtype), q, 1 - q)
-    y = np.multiply(x, phi, out=phi)
+    np.multiply(x, phi, out=y)
     np.copyto(y, -0.0, where=np.isneginf(x))  # -inf * Phi(-inf) = -inf * 0
     return y
 
 
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """0.5x(1 + tanh(u)) with u = sqrt(2/pi)(x + 0.044715x^3), evaluated as x * sigmoid(2u).
+def gelu_tanh(y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """0.5x(1 + tanh(u)) with u = sqrt(2/pi)(x + 0.044715x^3), evaluated as x / (1 + exp(-2u)).
 
-    1 + tanh(u) = 2 sigmoid(2u) exactly, and the sigmoid form has no cancellation for u << 0.
+    1 + tanh(u) = 2 sigmoid(2u) exactly, and the sigmoid form has no cancellation for u << 0. As for
+    silu, elements where exp(-2u) overflows (x below about -10, -inf) or x is NaN take the careful formula.
     """
     t = x.dtype.type
-    two_u = x * (t(2 * _SQRT_2_OVER_PI) + t(2 * _SQRT_2_OVER_PI * 0.044715) * (x * x))
-    y = np.multiply(x, sigmoid(two_u))
-    np.copyto(y, -0.0, where=np.isneginf(x))
+    two_u = np.multiply(x, x)
+    two_u *= t(2 * _SQRT_2_OVER_PI * 0.044715)
+    two_u += t(2 * _SQRT_2_OVER_PI)
+    two_u *= x
+    bad = denominator(y, two_u)
+    np.divide(x, y, out=y)
+    if bad is not None:
+        xb = x[bad]
+        y[bad] = np.where(np.isneginf(xb), -0.0, xb * sigmoid(two_u[bad]))
     return y

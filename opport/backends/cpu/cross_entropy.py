@@ -2,13 +2,12 @@
 
 import numpy as np
 
-from opport.backends.cpu._common import rows_in_blocks, upcast
+from opport.backends.cpu._common import parallel_rows, upcast
 from opport.dtypes import acc_dtype
 from opport.ops.cross_entropy import cross_entropy as spec
 from opport.ops.cross_entropy import reduce_losses
 
 VOCAB_CHUNK = 8192  # columns per step: a [rows, VOCAB_CHUNK] float32 block, never [N, V]
-BLOCK_BUDGET = 8 << 20  # bytes of the float32 temporaries of one (row block, vocab chunk) step
 
 
 @spec.impl("cpu")
@@ -28,8 +27,11 @@ def cross_entropy(logits: np.ndarray, target: np.ndarray, ignore_index: int, red
     valid = (t >= 0) & (t < v)
     loss = np.empty(n, acc)
     tc = np.clip(t, 0, v - 1)
-    for rows in rows_in_blocks(n, 3 * min(v, VOCAB_CHUNK) * acc.itemsize, BLOCK_BUDGET):
+
+    def body(rows):
         loss[rows] = _row_losses(logits[rows], tc[rows], acc.type(label_smoothing))
+
+    parallel_rows(n, min(v, VOCAB_CHUNK), body)  # blocks of rows x one vocabulary chunk
     loss = np.where(ignored, acc.type(0), np.where(valid, loss, acc.type(np.nan)))
     with np.errstate(over="ignore"):  # a float64 loss beyond float32's range is inf
         return reduce_losses(loss, ignored, reduction).astype(np.float32)
@@ -43,18 +45,17 @@ def _row_losses(x: np.ndarray, t: np.ndarray, eps):
     m = np.full(rows, -np.inf, acc)
     s = np.zeros(rows, acc)
     d = np.zeros(rows, acc)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for c0 in range(0, v, VOCAB_CHUNK):
-            xc = upcast(x[:, c0:c0 + VOCAB_CHUNK])
-            m_new = np.maximum(m, xc.max(axis=1))
-            m_ref = np.where(m_new == -np.inf, acc.type(0), m_new)  # all -inf so far: exp() gives 0, not NaN
-            s = s * np.exp(m - m_ref) + np.exp(xc - m_ref[:, None]).sum(axis=1)
-            if eps:
-                d += (xc - pivot[:, None]).sum(axis=1)
-            m = m_new
-        log_s = np.log(s)
-        nll = (m - xt) + log_s
-        if not eps:
-            return nll
-        smooth = (m - pivot) + log_s - d / acc.type(v)  # logsumexp - mean(row)
-        return (1 - eps) * nll + eps * smooth
+    for c0 in range(0, v, VOCAB_CHUNK):
+        xc = upcast(x[:, c0:c0 + VOCAB_CHUNK])
+        m_new = np.maximum(m, xc.max(axis=1))
+        m_ref = np.where(m_new == -np.inf, acc.type(0), m_new)  # all -inf so far: exp() gives 0, not NaN
+        s = s * np.exp(m - m_ref) + np.exp(xc - m_ref[:, None]).sum(axis=1)
+        if eps:
+            d += (xc - pivot[:, None]).sum(axis=1)
+        m = m_new
+    log_s = np.log(s)
+    nll = (m - xt) + log_s
+    if not eps:
+        return nll
+    smooth = (m - pivot) + log_s - d / acc.type(v)  # logsumexp - mean(row)
+    return (1 - eps) * nll + eps * smooth

@@ -1,4 +1,4 @@
-"""gelu on NumPy: float32 erfc fit (exact form) or stable sigmoid (tanh form), over bounded blocks."""
+"""gelu on NumPy: float32 erfc fit (exact form) or x / (1 + exp(-2u)) (tanh form), over cache-sized blocks."""
 
 import numpy as np
 

@@ -8,16 +8,16 @@ the common rows pay nothing for that.
 
 import numpy as np
 
-from opport.backends.cpu._common import rows_in_blocks, upcast
+from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.ops.layernorm import layernorm as spec
 from opport.ops.layernorm import row_scale
 
 _SCALE_ABOVE = {np.dtype(np.float32): 2.0**40, np.dtype(np.float64): 2.0**400}  # n * max**2 stays finite
 
 
-def _normalise(xf: np.ndarray, eps: float) -> np.ndarray:
-    """(x - mean) / sqrt(var + eps) of a 2-d float32/float64 block, in new memory."""
-    y, var = _centred_scaled(xf, xf.dtype.type(eps))
+def _normalise(y: np.ndarray, xf: np.ndarray, eps: float) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) of a 2-d float32/float64 block, into `y` (never `xf`)."""
+    var = _centred_scaled(y, xf, xf.dtype.type(eps))
     overflowed = ~np.isfinite(var[:, 0])  # the mean or the sum of squares left the float range
     if overflowed.any():
         rows = np.flatnonzero(overflowed & np.isfinite(xf).all(axis=-1))
@@ -26,17 +26,20 @@ def _normalise(xf: np.ndarray, eps: float) -> np.ndarray:
             s = row_scale(xb, _SCALE_ABOVE[xf.dtype])
             # eps * s**2 may underflow, and a constant row (d == 0) must still give 0 / sqrt(tiny) = 0
             eps_s = np.maximum(eps * s * s, np.finfo(xf.dtype).tiny).astype(xf.dtype)
-            y[rows] = _centred_scaled(xb * s, eps_s)[0]
+            d = np.empty_like(xb)
+            _centred_scaled(d, xb * s, eps_s)
+            y[rows] = d
     return y
 
 
-def _centred_scaled(xf: np.ndarray, eps) -> np.ndarray:
+def _centred_scaled(d: np.ndarray, xf: np.ndarray, eps) -> np.ndarray:
+    """d = (xf - mean) / sqrt(var + eps); returns var."""
     mean = np.mean(xf, axis=-1, keepdims=True)
-    d = xf - mean
-    mean += np.mean(d, axis=-1, keepdims=True)  # the refinement: d is small, so its mean is accurate
+    mean += np.mean(np.subtract(xf, mean, out=d), axis=-1, keepdims=True)  # refined: d is small, its mean accurate
     np.subtract(xf, mean, out=d)
     var = np.mean(np.square(d), axis=-1, keepdims=True)
-    return np.multiply(d, 1 / np.sqrt(var + eps), out=d), var
+    np.multiply(d, 1 / np.sqrt(var + eps), out=d)
+    return var
 
 
 @spec.impl("cpu")
@@ -48,12 +51,15 @@ def layernorm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
     x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
     w = upcast(weight) if weight is not None else None
     b = upcast(bias) if bias is not None else None
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        for rows in rows_in_blocks(x2.shape[0], 4 * 8 * n, 8 << 20):  # 8 MiB blocks stay mostly in cache
-            y = _normalise(upcast(x2[rows]), eps)
-            if w is not None:
-                y *= w
-            if b is not None:
-                y += b
-            o2[rows] = y
+
+    def body(rows):
+        xf, dst = upcast(x2[rows]), o2[rows]
+        y = _normalise(result_block(dst, xf), xf, eps)
+        if w is not None:
+            y *= w
+        if b is not None:
+            y += b
+        store(dst, y)
+
+    parallel_rows(x2.shape[0], n, body)
     return out

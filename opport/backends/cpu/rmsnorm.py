@@ -1,8 +1,8 @@
-"""rmsnorm on NumPy: float32 statistics for 16-bit inputs, one pass over row blocks."""
+"""rmsnorm on NumPy: float32 statistics for 16-bit inputs, one pass over cache-sized row blocks."""
 
 import numpy as np
 
-from opport.backends.cpu._common import rows_in_blocks, upcast
+from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.ops.rmsnorm import rmsnorm as spec
 
 
@@ -14,16 +14,20 @@ def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
         return out
     x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
     w = upcast(weight) if weight is not None else None
-    for rows in rows_in_blocks(x2.shape[0], 4 * n):
+
+    def body(rows):
         xf = upcast(x2[rows])
         t = xf.dtype.type
-        with np.errstate(over="ignore"):
-            ms = np.mean(np.square(xf), axis=-1, keepdims=True, dtype=xf.dtype)
-        y = xf * (1 / np.sqrt(ms + t(eps)))
+        ms = np.mean(np.square(xf), axis=-1, keepdims=True, dtype=xf.dtype)
+        dst = o2[rows]
+        y = result_block(dst, xf)
+        np.multiply(xf, 1 / np.sqrt(ms + t(eps)), out=y)
         _rescale_overflowed_rows(xf, ms, t(eps), y)
         if w is not None:
             y *= w
-        o2[rows] = y
+        store(dst, y)
+
+    parallel_rows(x2.shape[0], n, body)
     return out
 
 

@@ -6,13 +6,13 @@ layout and copied back into a contiguous output of x's shape (one extra pass ove
 
 import numpy as np
 
-from opport.backends.cpu._common import rows_in_blocks, upcast
+from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.ops.softmax import softmax as spec
 
 
-def _softmax_rows(xf: np.ndarray) -> np.ndarray:
-    """Row-wise softmax of a 2-d float32/float64 block, written into new memory only."""
-    e = np.subtract(xf, np.max(xf, axis=-1, keepdims=True))  # an all -inf row: -inf - -inf = NaN
+def _softmax_rows(e: np.ndarray, xf: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of a 2-d float32/float64 block into `e` (never `xf`)."""
+    np.subtract(xf, np.max(xf, axis=-1, keepdims=True), out=e)  # an all -inf row: -inf - -inf = NaN
     np.exp(e, out=e)
     return np.divide(e, np.sum(e, axis=-1, keepdims=True), out=e)
 
@@ -25,9 +25,12 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     n = moved.shape[-1]
     if out.size:
         x2, o2 = moved.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
-        with np.errstate(invalid="ignore", over="ignore"):
-            for rows in rows_in_blocks(x2.shape[0], 3 * 8 * n):
-                o2[rows] = _softmax_rows(upcast(x2[rows]))
+
+        def body(rows):
+            xf, dst = upcast(x2[rows]), o2[rows]
+            store(dst, _softmax_rows(result_block(dst, xf), xf))
+
+        parallel_rows(x2.shape[0], n, body)
     if x.ndim == 0:
         return out.reshape(())
     return out if axis == x.ndim - 1 else np.ascontiguousarray(np.moveaxis(out, -1, axis))

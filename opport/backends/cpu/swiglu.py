@@ -1,4 +1,4 @@
-"""swiglu on NumPy: silu(gate) * up in float32 (float64 for float64 inputs), over bounded blocks."""
+"""swiglu on NumPy: silu(gate) * up in float32 (float64 for float64 inputs), over cache-sized blocks."""
 
 import numpy as np
 
@@ -6,7 +6,7 @@ from opport.backends.cpu import _activations as act
 from opport.ops.swiglu import swiglu as spec
 
 
-def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+def _careful(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     # gate * (sigmoid(gate) * up): sigmoid is in [0, 1], so the inner product cannot overflow, and
     # sigmoid_times keeps its precision where sigmoid(gate) is subnormal but up is huge
     y = act.sigmoid_times(gate, up)
@@ -15,6 +15,23 @@ def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     # sigmoid(gate) underflows float32 (gate < -103.9) and the product above gave 0 * inf = NaN
     np.multiply(gate, up, out=y, where=np.isinf(up))
     return np.multiply(up, -0.0, out=y, where=np.isneginf(gate))  # silu(-inf) = -0.0
+
+
+def _swiglu(y: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gate * (sigmoid(gate) * up), with the careful formula only where gate < -C (or -inf).
+
+    Above -C the plain product is right, NaN and infinite up included (inf * gate; NaN for gate = 0,
+    as in the reference). Below it sigmoid(gate) heads for subnormals and a huge up needs the
+    rescaled product, and silu(-inf) = -0.0 has its own rule. Elementwise, so no result depends on
+    its block. The roundings are those of the float reference run at the compute dtype: the noise
+    floor gate judges single huge elements (up near the float max) against exactly that.
+    """
+    np.multiply(act.sigmoid(gate), up, out=y)
+    np.multiply(gate, y, out=y)
+    deep = gate < -act.DEEP[gate.dtype]
+    if deep.any():
+        y[deep] = _careful(gate[deep], up[deep])
+    return y
 
 
 @spec.impl("cpu")
