@@ -21,6 +21,7 @@ from opport.dtypes import acc_dtype
 BLOCK_ELEMS = 1 << 18  # elements per block: 1 MiB per float32 temporary, a few MiB per block
 PARALLEL_MIN = 1 << 17  # below this many elements a thread hand-off (~20 us) costs more than it saves
 
+_ACC_SELF = (np.dtype(np.float32), np.dtype(np.float64))  # dtypes that compute in themselves
 _pool: tuple | None = None  # (pid, workers, executor): a forked child must not use its parent's dead threads
 _pool_lock = threading.Lock()
 
@@ -31,6 +32,8 @@ def upcast(a: np.ndarray) -> np.ndarray:
     Contiguous so that NumPy's pairwise sums run in the same order whatever the input's layout:
     a transposed or sliced input then gives bitwise the same result as its contiguous copy.
     """
+    if a.dtype in _ACC_SELF and a.flags.c_contiguous:  # the common case, without asarray's overhead
+        return a
     return np.asarray(a, dtype=acc_dtype(a.dtype.name), order="C")
 
 
@@ -70,7 +73,7 @@ def parallel_rows(n_rows: int, row_elems: int, body) -> None:
     inside: the kernels define their overflow, inf and NaN results themselves.
     """
     step = max(1, BLOCK_ELEMS // max(row_elems, 1))
-    threads = min(num_threads(), n_rows) if n_rows * row_elems >= PARALLEL_MIN else 1
+    threads = 1 if n_rows * row_elems < PARALLEL_MIN else min(num_threads(), n_rows)
 
     def run(lo: int, hi: int) -> None:
         with np.errstate(all="ignore"):  # per thread: NumPy's error state is thread-local

@@ -14,8 +14,8 @@ from opport.backends.cpu._common import upcast
 from opport.dtypes import acc_dtype
 from opport.ops.attention import attention as spec
 
-BLOCK_Q = 64  # query rows per block (per query head)
-BLOCK_K = 128  # keys per block
+BLOCK_Q = 128  # query rows per block (per query head); 128 x 256 measured 10-25% faster than 64 x 128
+BLOCK_K = 256  # keys per block
 SCORE_BUDGET = 4 << 20  # bytes of one float32 score block; bounds n, the KV heads done at once
 
 

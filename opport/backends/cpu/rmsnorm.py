@@ -18,7 +18,8 @@ def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
     def body(rows):
         xf = upcast(x2[rows])
         t = xf.dtype.type
-        ms = np.mean(np.square(xf), axis=-1, keepdims=True, dtype=xf.dtype)
+        ms = np.square(xf).sum(axis=-1, keepdims=True)
+        ms /= n  # what np.mean does, without its overhead
         dst = o2[rows]
         y = result_block(dst, xf)
         np.multiply(xf, 1 / np.sqrt(ms + t(eps)), out=y)

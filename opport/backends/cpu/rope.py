@@ -22,9 +22,9 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> 
     c, sn = cos.astype(acc, copy=False), sin.astype(acc, copy=False)
     per_batch = c.ndim == 3
 
-    def rotate(bi: int, heads: slice) -> None:
-        cb, sb = (c[bi], sn[bi]) if per_batch else (c, sn)  # [S, D/2], broadcast over heads
-        xb, dst = x[bi, heads].astype(acc, copy=False), out[bi, heads]
+    def rotate(bs: slice, hs: slice) -> None:
+        cb, sb = (c[bs, None], sn[bs, None]) if per_batch else (c, sn)  # broadcast over heads (and batches)
+        xb, dst = x[bs, hs].astype(acc, copy=False), out[bs, hs]
         y = result_block(dst, xb)
         (x1, x2), (y1, y2) = pair_views(xb, interleaved), pair_views(y, interleaved)
         np.multiply(x1, cb, out=y1)
@@ -33,9 +33,19 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> 
         y2 += x1 * sb
         store(dst, y)
 
-    def body(rows: slice) -> None:  # rows of the flattened (batch, head) index
-        for bi in range(rows.start // h, (rows.stop - 1) // h + 1):
-            rotate(bi, slice(max(rows.start - bi * h, 0), min(rows.stop - bi * h, h)))
+    def body(rows: slice) -> None:
+        """Rows of the flattened (batch, head) index, as runs of whole batches and parts of one."""
+        r, stop = rows.start, rows.stop
+        while r < stop:
+            bi, h0 = divmod(r, h)
+            if h0 == 0 and stop - r >= h:  # whole batches in one go: decode has many of one head-row each
+                nb = (stop - r) // h
+                rotate(slice(bi, bi + nb), slice(0, h))
+                r += nb * h
+            else:
+                h1 = min(h, h0 + stop - r)
+                rotate(slice(bi, bi + 1), slice(h0, h1))
+                r += h1 - h0
 
     parallel_rows(b * h, s * d, body)
     return out
