@@ -8,7 +8,7 @@ the common rows pay nothing for that.
 
 import numpy as np
 
-from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
+from opport.backends.cpu._common import parallel_rows, result_block, row_mean, store, upcast
 from opport.ops.layernorm import layernorm as spec
 from opport.ops.layernorm import row_scale
 
@@ -34,10 +34,10 @@ def _normalise(y: np.ndarray, xf: np.ndarray, eps: float) -> np.ndarray:
 
 def _centred_scaled(d: np.ndarray, xf: np.ndarray, eps) -> np.ndarray:
     """d = (xf - mean) / sqrt(var + eps); returns var."""
-    mean = np.mean(xf, axis=-1, keepdims=True)
-    mean += np.mean(np.subtract(xf, mean, out=d), axis=-1, keepdims=True)  # refined: d is small, its mean accurate
+    mean = row_mean(xf)
+    mean += row_mean(np.subtract(xf, mean, out=d))  # refined: d is small, its mean accurate
     np.subtract(xf, mean, out=d)
-    var = np.mean(np.square(d), axis=-1, keepdims=True)
+    var = row_mean(np.square(d))
     np.multiply(d, 1 / np.sqrt(var + eps), out=d)
     return var
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
+from opport.backends.cpu._common import parallel_rows, result_block, row_mean, store, upcast
 from opport.ops.rmsnorm import rmsnorm as spec
 
 
@@ -18,8 +18,7 @@ def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
     def body(rows):
         xf = upcast(x2[rows])
         t = xf.dtype.type
-        ms = np.square(xf).sum(axis=-1, keepdims=True)
-        ms /= n  # what np.mean does, without its overhead
+        ms = row_mean(np.square(xf))
         dst = o2[rows]
         y = result_block(dst, xf)
         np.multiply(xf, 1 / np.sqrt(ms + t(eps)), out=y)
@@ -47,5 +46,5 @@ def _rescale_overflowed_rows(xf, ms, eps, y):
     xb = xf[bad]
     s = np.ldexp(xf.dtype.type(1), -np.frexp(np.max(np.abs(xb), axis=-1, keepdims=True))[1])
     xs = xb * s
-    ms_s = np.mean(np.square(xs), axis=-1, keepdims=True)
+    ms_s = row_mean(np.square(xs))
     y[bad] = xs / np.sqrt(ms_s + eps * s * s)
