@@ -107,3 +107,21 @@ def test_pool_works_in_a_forked_child(monkeypatch):
     got = q.get(timeout=60)
     p.join(60)
     assert p.exitcode == 0 and got == expected
+
+
+@pytest.mark.timeout(60)
+def test_nested_parallel_rows_runs_inline(monkeypatch):
+    """A body that itself calls parallel_rows (e.g. a kernel calling another) must not wait on the pool
+    it is running on: the inner call runs in its own thread."""
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    monkeypatch.setattr(common, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(common, "BLOCK_ELEMS", 1)
+    seen = np.zeros((4, 4), int)
+
+    def outer(rows):
+        def inner(cols):
+            seen[rows, cols] += 1
+        common.parallel_rows(4, 1, inner)
+
+    common.parallel_rows(4, 1, outer)
+    assert (seen == 1).all()

@@ -25,6 +25,7 @@ PARALLEL_MIN = 1 << 18  # below this many elements the hand-off to a pool thread
 _ACC_SELF = (np.dtype(np.float32), np.dtype(np.float64))  # dtypes that compute in themselves
 _pool: tuple | None = None  # (pid, workers, executor): a forked child must not use its parent's dead threads
 _pool_lock = threading.Lock()
+_inside = threading.local()  # set while a thread runs a share: a nested call must not wait on the pool
 
 
 def upcast(a: np.ndarray) -> np.ndarray:
@@ -82,12 +83,17 @@ def parallel_rows(n_rows: int, row_elems: int, body) -> None:
     inside: the kernels define their overflow, inf and NaN results themselves.
     """
     step = max(1, BLOCK_ELEMS // max(row_elems, 1))
-    threads = 1 if n_rows * row_elems < PARALLEL_MIN else min(num_threads(), n_rows)
+    nested = getattr(_inside, "on", False)
+    threads = 1 if nested or n_rows * row_elems < PARALLEL_MIN else min(num_threads(), n_rows)
 
     def run(lo: int, hi: int) -> None:
-        with np.errstate(all="ignore"):  # per thread: NumPy's error state is thread-local
-            for start in range(lo, hi, step):
-                body(slice(start, min(start + step, hi)))
+        _inside.on = True
+        try:
+            with np.errstate(all="ignore"):  # per thread: NumPy's error state is thread-local
+                for start in range(lo, hi, step):
+                    body(slice(start, min(start + step, hi)))
+        finally:
+            _inside.on = nested
 
     if threads <= 1:
         return run(0, n_rows)
