@@ -174,6 +174,20 @@ def _cases(dtype):
     yield _nonfinite_visible(dtype)
 
 
+# The scaled scores' standard deviation the random cases stay within (the fixed case "large-scores" goes
+# to 25): their largest |s| stays near 100, where float32's rounding of s (eps * |s|, amplified by exp)
+# is below the float32 tolerance whatever the summation order. scale = 1.0 with std-3 q and k at D = 32
+# reached |s| = 223: every backend missed rtol 1e-5 there by up to 15% (hyp-182~2 of the full tier),
+# while NumPy's einsum order happened to stay inside.
+SCORE_STD_MAX = 20.0
+
+
+def _well_conditioned_qk(d: int, scale) -> float:
+    """The largest q/k standard deviation whose scaled scores have std <= SCORE_STD_MAX (std(s) = qk^2 sqrt(D) scale)."""
+    eff = 1.0 / math.sqrt(d) if scale is None else scale
+    return math.sqrt(SCORE_STD_MAX / (math.sqrt(d) * eff))
+
+
 @attention.strategy
 def _strategy(dtype):
     from hypothesis import strategies as st
@@ -187,6 +201,7 @@ def _strategy(dtype):
         causal = draw(st.booleans())
         scale = draw(st.sampled_from([None, None, 0.05, 1.0]))
         v_dist, qk_scale, seed = draw(cg.dists(specials=False)), draw(st.sampled_from([0.1, 1.0, 3.0])), draw(cg.seeds())
+        qk_scale = min(qk_scale, _well_conditioned_qk(d, scale))
         q, k, v = _qkv(np.random.default_rng(seed), dtype, b, hkv * g, hkv, sq, sk, d, dv, qk_scale, v_dist)
         return Case(f"hyp-{seed}", (q, k, v), {"causal": causal, "scale": scale}, ("hypothesis",))
 
