@@ -19,7 +19,7 @@ from opport.backends.cpu._common import parallel_rows, result_block, store, upca
 
 
 def elementwise(fn, *arrays: np.ndarray) -> np.ndarray:
-    """`fn(y, *blocks)` over same-shape arrays in cache-sized blocks on the cpu threads.
+    """`fn(y, *blocks)` over same-shape arrays in bounded blocks (about 256K elements) on the cpu threads.
 
     The output has the first array's dtype and shape; float32/float64 outputs are written in place,
     16-bit ones through a float32 block rounded once. `reshape(-1)` copies a non-contiguous input

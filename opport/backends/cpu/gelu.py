@@ -1,4 +1,4 @@
-"""gelu on NumPy: float32 erfc fit (exact form) or x / (1 + exp(-2u)) (tanh form), over cache-sized blocks."""
+"""gelu on NumPy: float32 erfc fit (exact form) or x / (1 + exp(-2u)) (tanh form), over bounded blocks."""
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""rmsnorm on NumPy: float32 statistics for 16-bit inputs, one pass over cache-sized row blocks."""
+"""rmsnorm on NumPy: float32 statistics for 16-bit inputs, one pass over bounded row blocks."""
 
 import numpy as np
 

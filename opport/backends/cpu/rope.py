@@ -14,7 +14,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> 
 
     Notes: the tables are cast once to the compute dtype (float32, or float64 for float64 x), so a
     float64 table is rounded to float32 before use, as a GPU kernel would. The B*H heads are shared
-    out over the cpu threads in cache-sized blocks; strided x is read through views, never copied whole.
+    out over the cpu threads in bounded blocks; strided x is read through views, never copied whole.
     """
     acc = acc_dtype(x.dtype.name)
     b, h, s, d = x.shape

@@ -1,4 +1,4 @@
-"""silu on NumPy: x / (1 + exp(-x)) in float32 (float64 for float64 inputs), over cache-sized blocks."""
+"""silu on NumPy: x / (1 + exp(-x)) in float32 (float64 for float64 inputs), over bounded blocks."""
 
 import numpy as np
 

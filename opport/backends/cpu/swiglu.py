@@ -1,4 +1,4 @@
-"""swiglu on NumPy: silu(gate) * up in float32 (float64 for float64 inputs), over cache-sized blocks."""
+"""swiglu on NumPy: silu(gate) * up in float32 (float64 for float64 inputs), over bounded blocks."""
 
 import numpy as np
 
