@@ -125,3 +125,12 @@ def test_nested_parallel_rows_runs_inline(monkeypatch):
 
     common.parallel_rows(4, 1, outer)
     assert (seen == 1).all()
+
+
+def test_bad_thread_count_is_a_clear_error(monkeypatch):
+    for bad in ("0", "-2", "auto"):
+        monkeypatch.setenv("OPPORT_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match="OPPORT_NUM_THREADS"):
+            common.num_threads()
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "3")
+    assert common.num_threads() == 3

@@ -27,7 +27,13 @@ def versions() -> dict:
 
 
 def cpu_device() -> dict:
-    info = {"kind": "cpu", "name": platform.processor() or platform.machine(), "logical_cpus": os.cpu_count()}
+    from opport.backends.cpu._common import num_threads
+
+    info = {"kind": "cpu", "name": platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
+            "threads": {"opport": num_threads()}}  # the cpu kernels' pool (OPPORT_NUM_THREADS)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["threads"]["torch"] = torch.get_num_threads()  # torch CPU eager's intra-op threads
     try:
         with open("/proc/cpuinfo") as f:
             lines = f.read().splitlines()

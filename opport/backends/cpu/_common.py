@@ -61,9 +61,11 @@ def store(dst: np.ndarray, y: np.ndarray) -> None:
 
 def num_threads() -> int:
     """Threads the cpu kernels use: `OPPORT_NUM_THREADS`, else the CPUs this process may run on."""
-    env = os.environ.get("OPPORT_NUM_THREADS", "")
-    if env.strip():
-        return max(1, int(env))
+    env = os.environ.get("OPPORT_NUM_THREADS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"OPPORT_NUM_THREADS={env!r}: expected a positive integer (unset it to use every CPU)")
+        return int(env)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
