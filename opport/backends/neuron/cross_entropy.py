@@ -42,7 +42,10 @@ def _cross_entropy_kernel(logits_hbm, target_hbm, ignore_index, reduction, label
         exp(-inf + inf) NaN when leading chunks are all -inf), and one ScalarE activation computes
         exp(x - m') with its row sum, added to the running sum rescaled by exp(m - m'). The target
         logit itself comes from one indirect DMA per row tile at flat offset row * V + clamp(t, 0, V-1).
-        Smoothing adds eps * (x_t - mean(x)) (the same as (1-eps) nll + eps (logsumexp - mean)).
+        Smoothing gives (1-eps) nll + eps (logsumexp - mean(x)), logsumexp = M + log(r e^(m-M) + e^(x_t-M))
+        with M = max(m, x_t) (m leaves the target column out): both terms
+        are >= 0, where the shorter nll + eps (x_t - mean(x)) is -inf - -inf = NaN for a -inf target logit
+        in a row holding -inf (the loss is inf).
         Out-of-range targets become NaN and ignored rows 0 through predicated copies. "sum"/"mean"
         reduce across partitions on TensorE: a ones column times [loss, kept] accumulates over all row
         tiles in one PSUM entry; mean = sum * (1 / count), NaN when every row is ignored (0 * inf).
@@ -52,7 +55,8 @@ def _cross_entropy_kernel(logits_hbm, target_hbm, ignore_index, reduction, label
             x_t = logits[row, clamp(t, 0, V-1)]                      (indirect DMA)
             m = -FLT_MAX; r = 0
             for chunk c: x_c[t] = -inf; m' = max(m, max(x_c)); r = r * exp(m - m') + sum(exp(x_c - m')); m = m'
-            loss = softplus(log(r) + m - x_t) + eps * (x_t - mean(x))
+            loss = softplus(log(r) + m - x_t); smoothing: M = max(m, x_t),
+                loss = (1 - eps) loss + eps (M + log(r e^(m - M) + e^(x_t - M)) - mean(x))
             loss[t outside [0, V)] = NaN; loss[t == ignore_index] = 0
             none: out[rows] = loss; else acc += [sum(loss), count(t != ignore_index)]
         sum: out = acc[0]; mean: out = acc[0] / acc[1]
@@ -129,14 +133,28 @@ def _cross_entropy_kernel(logits_hbm, target_hbm, ignore_index, reduction, label
         nisa.tensor_tensor(dst=gap_sb, data1=m_sb, data2=xt_sb, op=nl.subtract)
         loss_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=loss_sb, op=nl.softplus, data=log_r_sb, bias=gap_sb)
-        if eps > 0.0:
+        if eps > 0.0:  # (1 - eps) nll + eps (logsumexp - mean(x)): both terms >= 0, no inf - inf
             sumx_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_reduce(dst=sumx_sb, op=nl.add, data=sums_sb, axis=1, keepdims=True)
-            dev_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # x_t - mean(x)
-            nisa.scalar_tensor_tensor(dst=dev_sb, data=sumx_sb, op0=nl.multiply, operand0=-1.0 / V, op1=nl.add,
-                                      operand1=xt_sb)
-            nisa.scalar_tensor_tensor(dst=loss_sb, data=dev_sb, op0=nl.multiply, operand0=eps, op1=nl.add,
-                                      operand1=loss_sb)
+            mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # M = max(m, x_t): the whole row's max
+            nisa.tensor_tensor(dst=mt_sb, data1=m_sb, data2=xt_sb, op=nl.maximum)
+            neg_mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=neg_mt_sb, data=mt_sb, op0=nl.multiply, operand0=-1.0)
+            rall_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # r e^(m - M) + e^(x_t - M)
+            nisa.activation(dst=rall_sb, op=nl.exp, data=m_sb, bias=neg_mt_sb)
+            et_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=et_sb, op=nl.exp, data=xt_sb, bias=neg_mt_sb)
+            nisa.scalar_tensor_tensor(dst=rall_sb, data=rall_sb, op0=nl.multiply, operand0=r_sb, op1=nl.add,
+                                      operand1=et_sb)
+            smooth_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # log(r_all) + M - mean(x)
+            nisa.activation(dst=smooth_sb, op=nl.log, data=rall_sb)
+            spread_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # M - mean(x)
+            nisa.scalar_tensor_tensor(dst=spread_sb, data=sumx_sb, op0=nl.multiply, operand0=-1.0 / V, op1=nl.add,
+                                      operand1=mt_sb)
+            nisa.tensor_tensor(dst=smooth_sb, data1=smooth_sb, data2=spread_sb, op=nl.add)
+            nisa.tensor_scalar(dst=smooth_sb, data=smooth_sb, op0=nl.multiply, operand0=eps)
+            nisa.scalar_tensor_tensor(dst=loss_sb, data=loss_sb, op0=nl.multiply, operand0=1.0 - eps, op1=nl.add,
+                                      operand1=smooth_sb)
 
         # NaN for a target outside [0, V) that is not ignore_index, 0 for ignored rows (in that order)
         below_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
