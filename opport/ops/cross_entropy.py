@@ -127,6 +127,7 @@ def _cases(dtype):
     yield _case("heavy-tails", dtype, 8, 3000, dist="heavy", scale=3.0, reduction="none")
     yield _out_of_range(dtype)
     yield _neg_inf_logits(dtype)
+    yield _neg_inf_target_smoothing(dtype)
 
 
 def _out_of_range(dtype: str) -> Case:
@@ -145,6 +146,20 @@ def _neg_inf_logits(dtype: str) -> Case:
     t[3] = -100
     x[3, 10] = np.nan
     return Case("neg-inf-logits", (cg.cast(x, dtype), t), {"reduction": "none"}, ("edge",))
+
+
+def _neg_inf_target_smoothing(dtype: str) -> Case:
+    """Label smoothing where -inf logits (a masked vocabulary) include the target's: the loss is inf.
+
+    (1-eps) nll + eps (logsumexp - mean) is inf + inf; rewriting it as nll + eps (x_t - mean) gives
+    -inf - -inf = NaN (a neuron kernel did, found by the full tier). Row 1's target is finite.
+    """
+    rng = cg.rng_for(NAME, "neg-inf-target-smoothing", dtype)
+    x = rng.standard_normal((3, 200))
+    x[:, 120:] = -np.inf
+    t = np.array([130, 5, 199])
+    return Case("neg-inf-target-smoothing", (cg.cast(x, dtype), t), {"reduction": "none", "label_smoothing": 0.1},
+                ("edge",))
 
 
 @cross_entropy.strategy
