@@ -177,10 +177,22 @@ def test_known_failure_file_needs_reasons(tmp_path):
         gate.load_known(bad)
 
 
+def test_full_tier_entries_are_stale_in_full_runs_only(tmp_path):
+    path = tmp_path / "known.txt"
+    path.write_text("full: attention/cuda/float16/hyp-228 | a full-tier draw\nsoftmax/cuda/float16/gone | any tier\n")
+    entries = gate.load_known(path)
+    assert [(e.tier, e.pattern) for e in entries] == [("full", "attention/cuda/float16/hyp-228"),
+                                                      (None, "softmax/cuda/float16/gone")]
+    covered = {("attention", "cuda", "float16"), ("softmax", "cuda", "float16")}
+    assert [e["pattern"] for e in gate.stale_known(entries, covered, "fast")] == ["softmax/cuda/float16/gone"]
+    assert len(gate.stale_known(entries, covered, "full")) == 2
+
+
 def test_backend_known_failures_file_is_valid():
-    path = gate.known_failures_path(get_backend("cpu"))
-    assert path.name == "known_failures.txt"
-    gate.load_known(path)  # parses (every entry has a reason)
+    for name in ("cpu", "cuda", "neuron"):
+        path = gate.known_failures_path(get_backend(name))
+        assert path.name == "known_failures.txt"
+        gate.load_known(path)  # parses (every entry has a reason)
 
 
 def test_baseline_flags_new_failures_and_2x_metrics(tmp_path):

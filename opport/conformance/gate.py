@@ -3,7 +3,8 @@
 Known failures live next to each backend's kernels in `known_failures.txt` (format in
 docs/conformance.md): `<case id pattern> | <reason>` per line. A matching case that fails, errors,
 crashes or times out is `xfail`; one that passes is `xpass`, which fails the run so the entry gets
-removed. Entries that matched no case of a run that covered their op and dtype are reported stale.
+removed. Entries that matched no case of a run that covered their op and dtype are reported stale; an
+entry written `full: <pattern> | <reason>` names a full-tier draw and is judged stale in full runs only.
 
 The baseline is a JSON file of per-case status and metrics. Against it, a run fails on a new failure,
 or on a metric (`tol_ratio`, `floor_ratio`) more than 2x its baseline value (and worse by more than a
@@ -22,6 +23,7 @@ BAD = ("fail", "error", "crash", "timeout")
 FAILING = BAD + ("xpass",)
 STATUSES = ("pass", "fail", "error", "crash", "timeout", "skip", "xfail", "xpass")
 KNOWN_FILE = "known_failures.txt"
+TIERS = ("fast", "full")
 REGRESSION_FACTOR = 2.0
 SLACK = {"tol_ratio": 0.05, "floor_ratio": 0.1}  # absolute increase that must also be exceeded
 
@@ -32,6 +34,7 @@ class KnownFailure:
     reason: str
     where: str  # file:line
     matched: int = 0
+    tier: str | None = None  # "full": a full-tier draw, not expected in (nor stale for) other tiers
 
 
 class KnownFailureFileError(ValueError):
@@ -58,9 +61,12 @@ def load_known(path: Path) -> list[KnownFailure]:
         pattern, sep, reason = text.partition("|")
         if not sep or not reason.strip() or not pattern.strip():
             raise KnownFailureFileError(f"{path}:{n}: expected '<case id pattern> | <reason>', got {line!r}")
+        tier, colon, rest = pattern.partition(":")
+        tier = tier.strip() if colon and tier.strip() in TIERS else None
+        pattern = rest if tier else pattern
         if pattern.strip().count("/") != 3:
             raise KnownFailureFileError(f"{path}:{n}: pattern {pattern.strip()!r} is not <op>/<backend>/<dtype>/<case>")
-        out.append(KnownFailure(pattern.strip(), reason.strip(), f"{path}:{n}"))
+        out.append(KnownFailure(pattern.strip(), reason.strip(), f"{path}:{n}", tier=tier))
     return out
 
 
@@ -79,11 +85,11 @@ def apply_known(res: dict, entries: list[KnownFailure]) -> dict:
     return res
 
 
-def stale_known(entries: list[KnownFailure], covered: set) -> list[dict]:
-    """Entries that matched nothing although this run covered their (op, backend, dtype)."""
+def stale_known(entries: list[KnownFailure], covered: set, tier: str | None = None) -> list[dict]:
+    """Entries that matched nothing although this run covered their (op, backend, dtype) (and tier)."""
     out = []
     for e in entries:
-        if e.matched:
+        if e.matched or (e.tier is not None and e.tier != tier):
             continue
         op, backend, dtype, _ = e.pattern.split("/")
         if any(fnmatch.fnmatchcase(o, op) and fnmatch.fnmatchcase(b, backend) and fnmatch.fnmatchcase(d, dtype)

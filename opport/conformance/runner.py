@@ -175,7 +175,7 @@ def run(options: Options, display=None) -> Report:
     order = {name: i for i, name in enumerate(p.backends)}
     report.cases.sort(key=lambda c: (order.get(c["backend"], 99), c["op"], c["dtype"] == "n/a", c["dtype"], c.get("index", -1)))
     if not options.cases:
-        report.stale = gate.stale_known([e for es in p.known.values() for e in es], p.covered)
+        report.stale = gate.stale_known([e for es in p.known.values() for e in es], p.covered, options.tier)
     if options.baseline and os.path.exists(options.baseline):
         report.regressions = gate.regressions(report.cases, gate.load_baseline(options.baseline))
     report.duration_s = round(time.perf_counter() - t0, 2)
