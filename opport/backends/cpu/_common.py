@@ -23,6 +23,10 @@ PARALLEL_MIN = 1 << 18  # below this many elements the hand-off to a pool thread
 # about what it saves
 
 _ACC_SELF = (np.dtype(np.float32), np.dtype(np.float64))  # dtypes that compute in themselves
+_F16 = np.dtype(np.float16)
+# Every float16 as float32, exactly (NaN payloads too): a 256 KiB table that stays in L2. Looking it up
+# is 2x NumPy's own float16 -> float32 cast here (0.8 vs 1.6 ns/element; no F16C path in that cast).
+_F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 _pool: tuple | None = None  # (pid, workers, executor): a forked child must not use its parent's dead threads
 _pool_lock = threading.Lock()
 _inside = threading.local()  # set while a thread runs a share: a nested call must not wait on the pool
@@ -36,7 +40,37 @@ def upcast(a: np.ndarray) -> np.ndarray:
     """
     if a.dtype in _ACC_SELF and a.flags.c_contiguous:  # the common case, without asarray's overhead
         return a
+    if a.dtype == _F16:
+        return _F16_TO_F32.take(a.view(np.uint16), mode="clip")  # C-contiguous, shaped like a
     return np.asarray(a, dtype=acc_dtype(a.dtype.name), order="C")
+
+
+def f16_bits(y: np.ndarray) -> np.ndarray:
+    """float32 -> float16 bit patterns, rounded to nearest even exactly as NumPy's astype (NaN -> 0x7e00).
+
+    Integer arithmetic on the float32 bits, 2x NumPy's own cast here (1.2 vs 2.4 ns/element): normal
+    results rebias the exponent and round at bit 13 (ties to even: add 0xfff plus the result's lowest
+    bit); subnormal results (|y| < 2^-14) come from one float add of 0.5, which rounds them in hardware;
+    |y| >= 65536 is inf, or NaN.
+    """
+    b = y.view(np.uint32)
+    a = b & np.uint32(0x7FFFFFFF)
+    h = (a >> np.uint32(13)) & np.uint32(1)
+    h += a
+    h += np.uint32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF)  # wraps for tiny a: replaced below
+    h >>= np.uint32(13)
+    small = a < np.uint32(113 << 23)
+    if small.any():  # blended in without fancy indexing: softmax outputs can be mostly tiny
+        s = (a.view(np.float32) + np.float32(0.5)).view(np.uint32)
+        s -= np.uint32(0x3F000000)
+        s -= h  # modulo 2^32: h + small * (s - h) is s where small, h elsewhere
+        s *= small
+        h += s
+    big = a >= np.uint32(143 << 23)
+    if big.any():
+        h[big] = np.where(a[big] > np.uint32(0x7F800000), np.uint32(0x7E00), np.uint32(0x7C00))
+    h |= (b >> np.uint32(16)) & np.uint32(0x8000)
+    return h.astype(np.uint16)
 
 
 def row_mean(a: np.ndarray) -> np.ndarray:
@@ -55,7 +89,11 @@ def result_block(dst: np.ndarray, like: np.ndarray) -> np.ndarray:
 
 def store(dst: np.ndarray, y: np.ndarray) -> None:
     """Round a scratch block into the output rows (nothing to do when it was computed in place)."""
-    if y is not dst:
+    if y is dst:
+        return
+    if dst.dtype == _F16 and y.dtype == np.float32:
+        dst.view(np.uint16)[...] = f16_bits(np.ascontiguousarray(y))
+    else:
         dst[...] = y
 
 
