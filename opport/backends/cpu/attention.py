@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from opport.backends.cpu._common import upcast
+from opport.backends.cpu._common import store, upcast
 from opport.dtypes import acc_dtype
 from opport.ops.attention import attention as spec
 
@@ -50,8 +50,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) 
                 heads = slice(h0, min(h0 + step, hkv))
                 for i0 in range(0, sq, BLOCK_Q):
                     i1 = min(i0 + BLOCK_Q, sq)
-                    og[bi, heads, :, i0:i1] = _query_block(qg[bi, heads, :, i0:i1], k[bi, heads], v[bi, heads], i0, sq,
-                                                           causal, scale)
+                    store(og[bi, heads, :, i0:i1], _query_block(qg[bi, heads, :, i0:i1], k[bi, heads], v[bi, heads], i0,
+                                                                sq, causal, scale))
     return out
 
 

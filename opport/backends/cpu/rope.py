@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from opport.backends.cpu._common import parallel_rows, result_block, store
+from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.dtypes import acc_dtype
 from opport.ops.rope import pair_views
 from opport.ops.rope import rope as spec
@@ -14,7 +14,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> 
 
     Notes: the tables are cast once to the compute dtype (float32, or float64 for float64 x), so a
     float64 table is rounded to float32 before use, as a GPU kernel would. The B*H heads are shared
-    out over the cpu threads in bounded blocks; strided x is read through views, never copied whole.
+    out over the cpu threads in bounded blocks; strided x is copied a block at a time, never whole.
     """
     acc = acc_dtype(x.dtype.name)
     b, h, s, d = x.shape
@@ -24,7 +24,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> 
 
     def rotate(bs: slice, hs: slice) -> None:
         cb, sb = (c[bs, None], sn[bs, None]) if per_batch else (c, sn)  # broadcast over heads (and batches)
-        xb, dst = x[bs, hs].astype(acc, copy=False), out[bs, hs]
+        xb, dst = upcast(x[bs, hs]), out[bs, hs]  # a strided x is copied a block at a time
         y = result_block(dst, xb)
         (x1, x2), (y1, y2) = pair_views(xb, interleaved), pair_views(y, interleaved)
         np.multiply(x1, cb, out=y1)
