@@ -92,9 +92,9 @@ def sigmoid_times(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return r
 
 
-def silu_careful(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x), with silu(-inf) = -0.0 (the naive product is -inf * 0 = NaN)."""
-    y = np.multiply(x, sigmoid(x))
+def times_sigmoid(x: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """x * sigmoid(s), the careful way: -0.0 where x = -inf (the naive product is -inf * 0 = NaN)."""
+    y = np.multiply(x, sigmoid(s))
     np.copyto(y, -0.0, where=np.isneginf(x))
     return y
 
@@ -104,7 +104,7 @@ def silu(y: np.ndarray, x: np.ndarray) -> np.ndarray:
     bad = denominator(y, x)
     np.divide(x, y, out=y)
     if bad is not None:
-        y[bad] = silu_careful(x[bad])
+        y[bad] = times_sigmoid(x[bad], x[bad])
     return y
 
 
@@ -175,6 +175,5 @@ def gelu_tanh(y: np.ndarray, x: np.ndarray) -> np.ndarray:
     bad = denominator(y, two_u)
     np.divide(x, y, out=y)
     if bad is not None:
-        xb = x[bad]
-        y[bad] = np.where(np.isneginf(xb), -0.0, xb * sigmoid(two_u[bad]))
+        y[bad] = times_sigmoid(x[bad], two_u[bad])
     return y

@@ -111,6 +111,8 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool[0] != os.getpid() or _pool[1] < workers:
+            if _pool is not None and _pool[0] == os.getpid():
+                _pool[2].shutdown(wait=False)  # more threads asked for: its idle threads exit; queued work still runs
             _pool = (os.getpid(), workers, ThreadPoolExecutor(workers, thread_name_prefix="opport-cpu"))
         return _pool[2]
 
