@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+import opport
 from opport.bench import report
 from opport.bench.ceilings import Ceilings
 from opport.bench.check import compare
@@ -207,9 +208,14 @@ def test_overhead_reports_the_cached_path(tmp_path):
     numpy_row = next(r for r in rows if r["inputs"] == "numpy")
     assert numpy_row["kernel"] == "cpu.rmsnorm" and numpy_row["goal"] in ("moonshot", "gate", "over")
     assert numpy_row["public_us"] > numpy_row["direct_us"] > 0  # the public call does more work than the kernel
+    assert numpy_row["overhead_us"] > 0 and numpy_row["in_situ_rounds"] >= 15 and numpy_row["in_situ_sem_us"] > 0
     if HAS_TORCH:
         t = next(r for r in rows if r["inputs"] == "torch-cpu")
-        assert t["total_added_us"] > t["overhead_us"]  # converting torch <-> numpy costs more than nothing
+        assert t["total_added_us"] > t["overhead_us"] > 0  # converting torch <-> numpy costs more than nothing
+    # the kernel stub is gone afterwards: the cached path runs the real kernel again
+    x, w = np.full((2, 8), 3.0, np.float32), np.full(8, 2.0, np.float32)
+    np.testing.assert_allclose(opport.rmsnorm(x, w), np.full((2, 8), 2.0, np.float32), rtol=1e-6)
+    assert opport.rmsnorm.kernels["cpu"][0].fn.__name__ == "rmsnorm"
 
 
 def test_cuda_without_a_gpu_is_refused_clearly(capsys):

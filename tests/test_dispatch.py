@@ -147,3 +147,34 @@ def test_cached_valid_call_does_not_let_an_equal_but_invalid_scalar_through():
     with pytest.raises(opport.ArgumentError) as info:
         opport.attention(q, q, q, causal=1)  # 1 == True, but causal must be a bool
     assert info.value.constraint == "attention.causal"
+
+
+def test_torch_inputs_are_selected_again_for_a_new_dtype_shape_layout_or_class():
+    torch = pytest.importorskip("torch")
+    checks = []
+
+    def supports(x, w, eps):
+        checks.append((x.dtype, x.shape, x.strides))
+
+    xt, wt = torch.from_numpy(X.copy()), torch.from_numpy(W.copy())
+    with fake_backend("counted_torch"):
+        opport.rmsnorm.impl("counted_torch", supports=supports)(_tagging_kernel(1))
+        for _ in range(3):
+            opport.rmsnorm(xt, wt, backend="counted_torch")
+        opport.rmsnorm(xt.clone(), wt, backend="counted_torch")  # same signature: cached
+        assert len(checks) == 1
+        opport.rmsnorm(xt.t().contiguous().t(), wt, backend="counted_torch")  # column-major layout
+        opport.rmsnorm(xt.double(), wt.double(), backend="counted_torch")
+        opport.rmsnorm(xt[:2], wt, backend="counted_torch")
+        assert [c[1:] for c in checks[1:]] == [((3, 4), (1, 3)), ((3, 4), (4, 1)), ((2, 4), (4, 1))]
+        out = opport.rmsnorm(xt, torch.nn.Parameter(wt), backend="counted_torch")  # a tensor subclass
+        assert len(checks) == 5 and isinstance(out, torch.Tensor) and out[0, 0] == 1
+        opport.rmsnorm(X, W, backend="counted_torch")  # NumPy arrays of the same signature: their own entry
+        assert len(checks) == 6
+
+
+def test_unknown_array_type_is_a_typed_error_on_the_cached_path_too():
+    opport.rmsnorm(X, W)
+    with pytest.raises(opport.DTypeError) as info:
+        opport.rmsnorm(X, W.tolist())
+    assert (info.value.arg, info.value.constraint) == ("weight", "rmsnorm.array_type")

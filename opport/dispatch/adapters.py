@@ -74,14 +74,12 @@ class TorchAdapter:
 
     @staticmethod
     def to_numpy(t):
-        import torch
-
         if t.requires_grad:
             t = t.detach()
         if not t.is_cpu:
             t = t.cpu()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(_BF16)
+        if t.dtype is (_torch_bf16 or _bind_torch().bfloat16):
+            return t.view(_torch.int16).numpy().view(_BF16)
         return t.numpy()
 
     @staticmethod
@@ -91,13 +89,24 @@ class TorchAdapter:
 
     @staticmethod
     def from_native(out, like):
-        if isinstance(out, np.ndarray):
-            import torch
-
+        if out.__class__ is np.ndarray:
+            torch = _torch or _bind_torch()
             # kernels return fresh, writeable arrays, so torch can wrap them without a copy
             out = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16) if out.dtype == _BF16 else torch.from_numpy(out)
             return out if like.is_cpu else out.to(like.device)
         return out if out.device == like.device else out.to(like.device)
+
+
+# torch and torch.bfloat16, bound when the first tensor is converted: the conversions run on every call
+# with torch inputs on a NumPy backend, where an `import torch` statement alone costs ~0.1 us.
+_torch = _torch_bf16 = None
+
+
+def _bind_torch():
+    global _torch, _torch_bf16
+    _torch = sys.modules["torch"]
+    _torch_bf16 = _torch.bfloat16
+    return _torch
 
 
 class JaxAdapter:

@@ -10,11 +10,14 @@ cache can never skip a check that the data would change.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from opport import errors
 from opport.dispatch.adapters import NumpyAdapter, adapter_for
@@ -55,27 +58,32 @@ def strict(enabled: bool = True):
 
 
 # os.environ.get costs ~0.7 us (it encodes the key); the dispatch hot path reads the mapping that
-# os.environ keeps in sync underneath, which costs ~0.04 us.
+# os.environ keeps in sync underneath (bytes keys and values on POSIX), which costs ~0.04 us.
 _ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_GET = os.environ.get if _ENV_DATA is None else _ENV_DATA.get
+_raw_key = (lambda name: name) if _ENV_DATA is None else (lambda name: name.encode())
+_K_BACKEND, _K_STRICT = _raw_key("OPPORT_BACKEND"), _raw_key("OPPORT_STRICT")
+
+
+def _text(raw) -> str | None:
+    """An environment value as read through _ENV_GET (bytes on POSIX), as text."""
+    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 def env(name: str) -> str | None:
     """An environment variable, read on every call (so a change takes effect), cheaply."""
-    if _ENV_DATA is None:
-        return os.environ.get(name)
-    v = _ENV_DATA.get(name.encode() if name not in _ENV_KEYS else _ENV_KEYS[name])
-    return None if v is None else v.decode()
+    return _text(_ENV_GET(_raw_key(name)))
 
 
-_ENV_KEYS = {"OPPORT_BACKEND": b"OPPORT_BACKEND", "OPPORT_STRICT": b"OPPORT_STRICT"}
+def _strict_from(ctx: bool | None, raw) -> bool:
+    if ctx is not None:
+        return ctx
+    v = _text(raw)
+    return v is not None and v.lower() not in ("", "0", "false", "no")
 
 
 def is_strict() -> bool:
-    s = _strict_ctx.get()
-    if s is not None:
-        return s
-    v = env("OPPORT_STRICT")
-    return v is not None and v.lower() not in ("", "0", "false", "no")
+    return _strict_from(_strict_ctx.get(), _ENV_GET(_K_STRICT))
 
 
 def clear_cache():
@@ -128,10 +136,11 @@ class Decision:
 class Plan:
     """A cached decision plus the conversions that run it."""
 
-    __slots__ = ("fn", "convert", "back", "first", "decision", "kernel")
+    __slots__ = ("fn", "convert", "back", "direct", "first", "decision", "kernel")
 
     def __init__(self, kernel, convert, back, first, decision, lock=None):
         self.kernel, self.convert, self.back = kernel, convert, back
+        self.direct = not convert and back is None  # the kernel takes the caller's arrays and returns its kind
         self.fn = kernel.fn if lock is None else _serial(kernel.fn, lock)
         self.first, self.decision = first, decision
 
@@ -151,39 +160,85 @@ def _serial(fn, lock):
 
 
 def call(op, bound: tuple, backend: str | None):
-    key = [op]
-    for i in op.array_pos:
-        a = bound[i]
-        if a is None:
-            key.append(None)
-            continue
-        ad = adapter_for(a)
-        if ad is None:
-            _bad_array(op, op.params[i], a)
-        key.append(ad)
-        key.append(ad.key(a))
-    for i in op.scalar_pos:
-        s = bound[i]
-        key.append(s)
-        key.append(s.__class__)  # True == 1 == 1.0 hash alike, but validation tells them apart
-    name = backend or _backend_ctx.get() or env("OPPORT_BACKEND") or None
-    key.append(name)
-    strict_now = is_strict()
-    key.append(strict_now)
+    keyer = _keyers.get(op) or _new_keyer(op)
+    key = keyer(bound, backend)
     try:
-        key = tuple(key)
         plan = _cache.get(key)
     except TypeError:  # an unhashable scalar: validation will say what is wrong with it
-        key, plan = None, None
+        plan = None
     if plan is None:
-        plan = _plan(op, bound, name, strict_now, backend is not None)
-        if key is not None:
-            if len(_cache) >= _CACHE_MAX:
-                _cache.clear()
-            _cache[key] = plan
-    if plan.convert or plan.back:
-        return _run_converted(plan, bound)
-    return plan.fn(*bound)
+        plan = _miss(op, bound, backend is not None, key)
+    if plan.direct:
+        return plan.fn(*bound)
+    return _run_converted(plan, bound)
+
+
+def _miss(op, bound: tuple, by_keyword: bool, key: tuple) -> Plan:
+    """Plan a call the cache has not seen, from the settings its key was built with, and cache it."""
+    name = _text(key[-3]) or None
+    plan = _plan(op, bound, name, _strict_from(key[-2], key[-1]), by_keyword)
+    try:
+        if len(_cache) >= _CACHE_MAX:
+            _cache.clear()
+        _cache[key] = plan
+    except TypeError:
+        pass
+    return plan
+
+
+# --------------------------------------------------------------------------- the selection key
+
+_keyers: dict = {}
+
+
+class _NoClass:
+    """Stands for torch.Tensor in the key functions until a torch tensor is first seen (opport never
+    imports torch itself)."""
+
+
+_TENSOR = [_NoClass]
+
+
+def _new_keyer(op):
+    """The op's selection-key function `key(bound, backend)`, generated once per op for its argument positions.
+
+    The key holds, per array, its class and its adapter key (dtype, shape, strides, and the device for
+    torch); per scalar, its value and class (True == 1 == 1.0 hash alike, but validation tells them
+    apart); then the backend setting (keyword, else use_backend(), else OPPORT_BACKEND as read) and
+    the strict settings (strict() and OPPORT_STRICT as read). Straight-line code that reads NumPy
+    arrays' and plain torch tensors' attributes itself costs about half the generic loop over
+    adapters (1.1 vs 1.9 us for three NumPy arrays, 1.9 vs 2.8 us for three torch tensors).
+    """
+    lines, parts = [], ["op"]
+    for i in op.array_pos:
+        lines += [f"    a{i} = b[{i}]",
+                  f"    c{i} = a{i}.__class__",
+                  f"    if c{i} is NP: k{i} = (a{i}.dtype, a{i}.shape, a{i}.strides)",
+                  f"    elif c{i} is TENSOR[0]: k{i} = (a{i}.dtype, a{i}.shape, a{i}.stride(), a{i}.device)",
+                  f"    elif a{i} is None: k{i} = None",
+                  f"    else: k{i} = other(op, {i}, a{i})"]
+        parts += [f"c{i}", f"k{i}"]
+    for i in op.scalar_pos:
+        lines.append(f"    s{i} = b[{i}]")
+        parts += [f"s{i}", f"s{i}.__class__"]
+    parts += ["backend or backend_ctx() or env(K_BACKEND)", "strict_ctx()", "env(K_STRICT)"]
+    src = "def make(op):\n  def key(b, backend):\n" + "\n".join("  " + ln for ln in lines)
+    src += f"\n      return ({', '.join(parts)})\n  return key\n"
+    scope = dict(NP=np.ndarray, TENSOR=_TENSOR, other=_other_key, backend_ctx=_backend_ctx.get, strict_ctx=_strict_ctx.get,
+                 env=_ENV_GET, K_BACKEND=_K_BACKEND, K_STRICT=_K_STRICT)
+    exec(compile(src, f"<opport key {op.name}>", "exec"), scope)
+    keyer = _keyers[op] = scope["make"](op)
+    return keyer
+
+
+def _other_key(op, i: int, a):
+    """The adapter key of an array that is neither a NumPy array nor a plain torch tensor seen before."""
+    ad = adapter_for(a)
+    if ad is None:
+        _bad_array(op, op.params[i], a)
+    if ad.kind == "torch" and _TENSOR[0] is _NoClass:
+        _TENSOR[0] = sys.modules["torch"].Tensor  # from now on the key functions read plain tensors inline
+    return ad.key(a)
 
 
 def _run_converted(plan: Plan, bound: tuple):
