@@ -154,3 +154,19 @@ def test_cost_counts_visible_pairs():
     assert full.flops == 4 * 1 * 4 * 8 * 8 * 16
     assert causal.flops == full.flops * 36 // 64  # 8·9/2 of 64 pairs
     assert full.bytes == 2 * (512 + 256 + 256 + 512)
+
+
+@pytest.mark.parametrize("sq", (1, 5))
+def test_batches_merged_or_not_give_the_same_result(sq):
+    """Contiguous inputs run all batch entries as one [1, B*H] problem (decode: one large step); a KV cache
+    laid out [B, S, H, D] cannot merge without a copy and runs batch by batch. Both must agree bitwise."""
+    q, k, v = (a.astype(np.float32) for a in qkv(3, 8, 2, sq, 40, 16, seed=11))
+    assert cpu_attention._batch_heads_merge(q, k, v)
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    vt = np.ascontiguousarray(v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    assert not cpu_attention._batch_heads_merge(q, kt, vt)
+    for causal in (False, True):
+        merged = kernel(q, k, v, causal, None)
+        assert np.array_equal(merged, kernel(q, kt, vt, causal, None))
+        case = opport.spec.Case(f"batches-{sq}", (q, k, v), {"causal": causal})
+        assert_matches(case, "float32", merged)

@@ -69,3 +69,18 @@ def test_views_and_public_call():
     views_match_contiguous(spec, x, axis=0)
     y = opport.softmax(x.astype(np.float16))
     assert y.dtype == np.float16 and y.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+def test_rows_with_small_or_overflowing_sums_take_the_max_subtracted_form(dtype):
+    """exp(x) / sum(exp(x)) is used only where the sum lies in [1, max float]; rows whose exps are all
+    subnormal (sum < 1) or overflow must come out as accurate as exp(x - max) / sum(...)."""
+    rng = np.random.default_rng(7)
+    tiny = {"float32": -95.0, "float64": -740.0}[dtype]  # every exp() below the normal range
+    big = {"float32": 85.0, "float64": 705.0}[dtype]  # each exp() finite, the row sum not
+    rows = [rng.standard_normal(64) + tiny, rng.standard_normal(64) + big, rng.standard_normal(64) - 3.0,
+            rng.standard_normal(64)]
+    x = np.stack(rows).astype(dtype)
+    got = opport.softmax(x, backend="cpu").astype(np.float64)
+    want = spec.run_reference(x, -1)
+    np.testing.assert_allclose(got, want, rtol=8 * np.finfo(dtype).eps, atol=0)

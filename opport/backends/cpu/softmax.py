@@ -11,10 +11,25 @@ from opport.ops.softmax import softmax as spec
 
 
 def _softmax_rows(e: np.ndarray, xf: np.ndarray) -> np.ndarray:
-    """Row-wise softmax of a 2-d float32/float64 block into `e` (never `xf`)."""
-    np.subtract(xf, np.max(xf, axis=-1, keepdims=True), out=e)  # an all -inf row: -inf - -inf = NaN
-    np.exp(e, out=e)
-    return np.divide(e, np.sum(e, axis=-1, keepdims=True), out=e)
+    """Row-wise softmax of a 2-d float32/float64 block into `e` (never `xf`).
+
+    exp(x) / sum(exp(x)) without the max subtraction wherever a row's sum lies in [1, max float]:
+    there no exp overflowed, and an exp that underflowed below the normal range belongs to an output
+    that is itself below it (it is divided by >= 1), so the result is as accurate as the subtracted
+    form, more so far from the max (x - max rounds, exp amplifies it). Two passes fewer, one of them
+    a max, which holds the GIL. Other rows (large, tiny, -inf, +inf or NaN values) are redone as
+    exp(x - max(x)) / sum(...), the reference's own formula.
+    """
+    np.exp(xf, out=e)
+    s = np.sum(e, axis=-1, keepdims=True)
+    redo = ~((s >= 1) & (s <= np.finfo(s.dtype).max))  # NaN fails both tests
+    if redo.any():
+        r = np.flatnonzero(redo[:, 0])
+        xr = xf[r]
+        er = np.subtract(xr, np.max(xr, axis=-1, keepdims=True))  # an all -inf row: -inf - -inf = NaN
+        np.exp(er, out=er)
+        e[r], s[r] = er, np.sum(er, axis=-1, keepdims=True)
+    return np.divide(e, s, out=e)
 
 
 @spec.impl("cpu")
