@@ -178,3 +178,18 @@ def test_unknown_array_type_is_a_typed_error_on_the_cached_path_too():
     with pytest.raises(opport.DTypeError) as info:
         opport.rmsnorm(X, W.tolist())
     assert (info.value.arg, info.value.constraint) == ("weight", "rmsnorm.array_type")
+
+
+def test_generated_key_holds_the_adapters_keys():
+    """The per-op key function inlines NumpyAdapter.key and TorchAdapter.key: they must stay the same."""
+    from opport.dispatch import core
+    from opport.dispatch.adapters import NumpyAdapter, TorchAdapter
+
+    opport.rmsnorm(X, W)
+    key = core._keyers[opport.rmsnorm]((X, W, 1e-6), None)
+    assert key[1:5] == (np.ndarray, NumpyAdapter.key(X), np.ndarray, NumpyAdapter.key(W))
+    torch = pytest.importorskip("torch")
+    xt, wt = torch.from_numpy(X), torch.from_numpy(W)
+    opport.rmsnorm(xt, wt)
+    key = core._keyers[opport.rmsnorm]((xt, wt, 1e-6), None)
+    assert key[1:5] == (torch.Tensor, TorchAdapter.key(xt), torch.Tensor, TorchAdapter.key(wt))
