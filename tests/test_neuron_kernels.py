@@ -177,10 +177,18 @@ def test_dma_bytes_against_the_minimum(capsys):
     r, least_r = _traffic("rmsnorm", x, w)
     assert r.hbm_read_bytes == x.nbytes + w.nbytes and r.hbm_write_bytes == x.nbytes and r.hbm_bytes == least_r
 
-    # matmul: b (and the bias) re-read once per 128-row block of a (ceil(300/128) = 3)
+    # matmul: b (and the bias) read once per block of rows_per_block 128-row tiles of a: 300 rows are one
+    # block (3 tiles), so every byte is read once; 1000 rows at ACC_BANKS = 6 tiles per block are two blocks
+    from opport.backends.neuron.matmul import ACC_BANKS, TILE_M, rows_per_block
+
     a, b, c = (rng.standard_normal(s_).astype(np.float32) for s_ in ((300, 256), (256, 384), (384,)))
     m, least_m = _traffic("matmul", a, b, c)
-    assert m.hbm_read_bytes == a.nbytes + 3 * (b.nbytes + c.nbytes) and m.hbm_write_bytes == 300 * 384 * 4
+    assert m.hbm_read_bytes == a.nbytes + b.nbytes + c.nbytes and m.hbm_write_bytes == 300 * 384 * 4
+    assert m.hbm_bytes == least_m and m.peak_psum_bytes <= (ACC_BANKS + 1) * 2048
+    a2 = rng.standard_normal((1000, 256)).astype(np.float32)
+    assert rows_per_block(256, 4) == ACC_BANKS and -(-1000 // (ACC_BANKS * TILE_M)) == 2
+    m2, _ = _traffic("matmul", a2, b, c)
+    assert m2.hbm_read_bytes == a2.nbytes + 2 * (b.nbytes + c.nbytes)
     with capsys.disabled():
         for name, st, low in (("softmax", s, least), ("rmsnorm", r, least_r), ("matmul", m, least_m)):
             print(f"\n  {name}: DMA {st.hbm_bytes} B from/to HBM vs minimum {low} B ({st.hbm_bytes / low:.3f}x), "
