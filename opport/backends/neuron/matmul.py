@@ -51,7 +51,7 @@ def _matmul_kernel(a_hbm, b_hbm, bias_hbm):
         and multiplied into every row tile's float32 PSUM bank (the first matmul overwrites, the rest
         add), so b is read M / (128 * rows_per_block) times, not M / 128: a 512 x 512 x 512 float32
         matmul reads it once (HBM traffic 1.00x the minimum, was 2.00x), a 4096-row bf16 one at
-        K = 4096 8 times instead of 32. The eviction PSUM -> SBUF adds the bias (replicated across the
+        K = 4096 6 times instead of 32. The eviction PSUM -> SBUF adds the bias (replicated across the
         partitions by a K = 1 matmul, load_row_broadcast, once per row block and column tile) and casts
         to the output dtype in the same VectorE instruction. Each output element sums its K tiles in
         the same order as with one row tile at a time.
