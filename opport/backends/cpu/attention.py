@@ -1,8 +1,9 @@
 """attention on NumPy: flash-style blocks over queries and keys with an online softmax (float32 for 16-bit).
 
-Memory: per step the temporaries are a [n, g·BLOCK_Q, BLOCK_K] score block (n KV heads of one
-batch entry, g query heads per KV head) plus the [n, g·BLOCK_Q, Dv] accumulator, with n chosen so
-a score block stays under SCORE_BUDGET bytes; nothing grows with Sq·Sk. GQA reads each KV head once
+Memory: per step the temporaries are a [n, g·bq, bk] score block (n KV heads, of one batch entry or,
+for contiguous inputs, of several; g query heads per KV head; bq = min(Sq, BLOCK_Q) query rows and
+bk = BLOCK_K · BLOCK_Q / bq keys) plus the [n, g·bq, Dv] accumulator, with n chosen so a score block
+stays under SCORE_BUDGET bytes; nothing grows with Sq·Sk. GQA reads each KV head once
 for its g query heads through broadcasting matmuls, so K and V are never repeated in memory.
 """
 
