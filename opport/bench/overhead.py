@@ -16,6 +16,7 @@ alternating batches with the garbage collector off, twice:
 
 Goal (performance.md): <= 5 us (gate), <= 2 us (moonshot), judged on overhead_us.
 """
+
 from __future__ import annotations
 
 import gc
