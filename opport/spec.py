@@ -14,8 +14,10 @@ and then attaching the rest to the returned `OpSpec`:
     @rmsnorm.error_cases    # one bad input per declared constraint
     @rmsnorm.cost           # bytes moved and FLOPs, from metas
 
-Backends add kernels with `@rmsnorm.impl("cuda", dtypes=..., supports=...)`. Calling the spec
-(`opport.rmsnorm(x, w)`) binds the arguments and hands them to the dispatcher.
+This module is pure declaration: it imports neither the dispatcher nor any backend. Backends register
+kernels for a declared op with `@impl(rmsnorm, "cuda", dtypes=..., supports=...)` (opport.dispatch), and
+`opport.rmsnorm(x, w)` is a plain function generated from the declaration (opport/_ops.py, opport/public.py)
+that hands its arguments to the dispatcher.
 """
 
 from __future__ import annotations
@@ -129,26 +131,8 @@ class ErrorCase:
     kwargs: dict = field(default_factory=dict)
 
 
-@dataclass
-class Kernel:
-    op: OpSpec
-    backend: str
-    fn: Callable
-    name: str
-    dtypes: tuple
-    supports: Callable | None = None
-    priority: int = 0
-    deterministic: bool = True
-
-    def check(self, dtype: str, bound: tuple) -> str | None:
-        """None if this kernel takes the call, else the reason it does not."""
-        if dtype not in self.dtypes:
-            return f"dtype {dtype} not in {self.dtypes}"
-        return self.supports(*bound) if self.supports else None
-
-
 class OpSpec:
-    """One operator: signature, validation, reference, cases, tolerances, cost, kernels."""
+    """One operator: signature, validation, reference, cases, tolerances, cost (kernels live in opport.dispatch)."""
 
     def __init__(self, fn: Callable, arrays: tuple, constraints: dict, dtypes: tuple, out_dtype: str | None):
         self.name = fn.__name__
@@ -168,7 +152,7 @@ class OpSpec:
         self.fixed_out_dtype = out_dtype
         self.validate = fn
         self._bind = _make_binder(fn)
-        self.kernels: dict[str, list[Kernel]] = {}
+        self.module = self.name  # backends keep this op's kernels in `<backend package>.<module>`
         self._reference = self._cases = self._strategy = self._errors = self._cost = None
         self.tolerances: dict[str, Tolerance] = dict(BASE_TOLERANCE)
         self.invariants: list[Callable] = []
@@ -214,23 +198,6 @@ class OpSpec:
         """Override the base tolerance for some dtypes (each override says why in `reason`)."""
         self.tolerances.update(per_dtype)
 
-    def impl(self, backend: str, dtypes=FLOATS, supports=None, priority=0, name=None, deterministic=True):
-        """Register a kernel of `backend` for this op; the kernel takes the bound arguments in order."""
-
-        def register(fn):
-            kname = name or f"{backend}.{fn.__name__}"
-            k = Kernel(self, backend, fn, kname, tuple(dtypes), supports, priority, deterministic)
-            ks = [old for old in self.kernels.get(backend, []) if old.name != kname]  # reload-safe
-            ks.append(k)
-            ks.sort(key=lambda k: -k.priority)
-            self.kernels[backend] = ks
-            from opport.dispatch.core import clear_cache
-
-            clear_cache()  # a new kernel can change earlier selections
-            return fn
-
-        return register
-
     # -- using the declaration
 
     def bind(self, *args, **kwargs) -> tuple:
@@ -272,31 +239,8 @@ class OpSpec:
     def out_dtype(self, bound: tuple) -> str:
         return self.fixed_out_dtype or self.dtype_of(bound)
 
-    def __call__(self, *args, backend=None, **kwargs):
-        bound = self._bind(*args, **kwargs)
-        call = _dispatch_call or _load_dispatch()
-        if type(bound[0]) is not np.ndarray:  # NumPy goes straight to the dispatcher; others may be traced
-            out = _route(self, bound, backend)
-            if out is not NotImplemented:
-                return out
-        return call(self, bound, backend)
-
     def __repr__(self):
         return f"<opport op {self.name}{self.signature}>"
-
-
-_dispatch_call = _route = None
-
-
-def _load_dispatch():
-    """The dispatcher's entry point and the tracing router, imported on first use (opport.dispatch imports
-    this module); bound here once, since an import statement on the hot path costs ~0.3 us."""
-    global _dispatch_call, _route
-    from opport.dispatch.core import call
-    from opport.integrations import route
-
-    _dispatch_call, _route = call, route
-    return call
 
 
 def op(arrays: tuple, constraints: dict | None = None, dtypes=FLOATS, out_dtype: str | None = None):

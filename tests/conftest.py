@@ -11,26 +11,20 @@ import pytest
 # A fresh inductor cache per run: a cache left by an earlier build of a fake kernel can replay stale code.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="opport-inductor-"))
 
-from opport.dispatch import clear_cache
-from opport.dispatch.registry import Backend, register_backend, unregister_backend
+from opport.dispatch import Backend, register_backend, unregister_backend
 from opport.dtypes import FLOATS
 
 
 @contextlib.contextmanager
 def fake_backend(name: str, probe=lambda: None, device_types=("fakedev",), array_kind="numpy"):
     """A backend named `name` with no kernels of its own; kernels registered on it are removed after."""
-    from opport.ops import all_ops
-
     b = Backend(name=name, package=f"_opport_test_backends.{name}", array_kind=array_kind,
                 device_types=device_types, dtypes=FLOATS, probe=probe, mode=lambda: "test")
     register_backend(b)
     try:
         yield b
     finally:
-        for spec in all_ops().values():
-            spec.kernels.pop(name, None)
-        unregister_backend(name)
-        clear_cache()
+        unregister_backend(name)  # and its kernels
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from opport.bench.runner import Settings, run_shape
 from opport.bench.timing import CpuTimer, summarize
 from opport.bench.workloads import ArrayMaker, get_workload
 from opport.cli import main
+from opport.dispatch import get_backend, kernels
 from opport.ops import all_ops, get_op
 from opport.spec import Tolerance
 
@@ -215,7 +216,7 @@ def test_overhead_reports_the_cached_path(tmp_path):
     # the kernel stub is gone afterwards: the cached path runs the real kernel again
     x, w = np.full((2, 8), 3.0, np.float32), np.full(8, 2.0, np.float32)
     np.testing.assert_allclose(opport.rmsnorm(x, w), np.full((2, 8), 2.0, np.float32), rtol=1e-6)
-    assert opport.rmsnorm.kernels["cpu"][0].fn.__name__ == "rmsnorm"
+    assert kernels(opport.rmsnorm.spec, get_backend("cpu"))[0].fn.__name__ == "rmsnorm"
 
 
 def test_cuda_without_a_gpu_is_refused_clearly(capsys):

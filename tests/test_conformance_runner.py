@@ -10,8 +10,7 @@ from opport.cli import main
 from opport.conformance import Options, gate, run
 from opport.conformance import report as rep
 from opport.conformance.cases import Selection, items_for
-from opport.dispatch import get_backend, kernels
-from opport.dispatch.registry import Backend, register_backend, unregister_backend
+from opport.dispatch import Backend, get_backend, impl, kernels, register_backend, remove_kernel, unregister_backend
 from opport.dtypes import FLOATS
 from opport.errors import ArgumentError, ShapeError
 from opport.ops import get_op
@@ -34,12 +33,11 @@ def ctest():
                              dtypes=FLOATS, probe=lambda: None, mode=lambda: "test"))
 
     def install(fn, **kw):
-        spec.kernels.pop("ctest", None)
-        spec.impl("ctest", name="ctest.rmsnorm", **kw)(fn)
+        remove_kernel(spec, "ctest", "ctest.rmsnorm")
+        impl(spec, "ctest", name="ctest.rmsnorm", **kw)(fn)
 
     yield install, cpu
-    spec.kernels.pop("ctest", None)
-    unregister_backend("ctest")
+    unregister_backend("ctest")  # and its kernels
 
 
 def statuses(report) -> dict:
@@ -267,12 +265,10 @@ def ttest():
                              dtypes=FLOATS, probe=lambda: None, mode=lambda: "test"))
 
     def install(fn):
-        spec.kernels.pop("ttest", None)
-        spec.impl("ttest", name="ttest.rmsnorm")(fn)
+        impl(spec, "ttest", name="ttest.rmsnorm")(fn)
 
     yield install, torch
-    spec.kernels.pop("ttest", None)
-    unregister_backend("ttest")
+    unregister_backend("ttest")  # and its kernels
 
 
 def test_torch_kernels_get_strided_tensors_and_poisoned_allocations(ttest):

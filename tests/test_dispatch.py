@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import opport
+from opport.dispatch import impl
 from opport.errors import BackendUnavailableError, UnsupportedError
 from tests.conftest import fake_backend
 
@@ -27,9 +29,9 @@ def _tagging_kernel(tag, calls=None):
 
 def test_keyword_beats_context_beats_env_beats_device(monkeypatch):
     with fake_backend("ta"), fake_backend("tb"), fake_backend("tc"):
-        opport.rmsnorm.impl("ta")(_tagging_kernel(1))
-        opport.rmsnorm.impl("tb")(_tagging_kernel(2))
-        opport.rmsnorm.impl("tc")(_tagging_kernel(3))
+        impl(opport.rmsnorm.spec, "ta")(_tagging_kernel(1))
+        impl(opport.rmsnorm.spec, "tb")(_tagging_kernel(2))
+        impl(opport.rmsnorm.spec, "tc")(_tagging_kernel(3))
         assert opport.rmsnorm(X, W)[0, 0] != 3  # device cpu -> cpu backend
         monkeypatch.setenv("OPPORT_BACKEND", "tc")
         assert opport.rmsnorm(X, W)[0, 0] == 3
@@ -38,7 +40,7 @@ def test_keyword_beats_context_beats_env_beats_device(monkeypatch):
             assert opport.rmsnorm(X, W, backend="ta")[0, 0] == 1
         assert opport.rmsnorm(X, W)[0, 0] == 3
         monkeypatch.delenv("OPPORT_BACKEND")
-        np.testing.assert_allclose(opport.rmsnorm(X, W), opport.rmsnorm.run_reference(X, W), rtol=1e-6)
+        np.testing.assert_allclose(opport.rmsnorm(X, W), opport.rmsnorm.spec.run_reference(X, W), rtol=1e-6)
 
 
 def test_unknown_backend_lists_valid_names():
@@ -52,7 +54,7 @@ def test_unknown_backend_lists_valid_names():
 
 def test_unavailable_backend_named_explicitly_raises_with_reason():
     with fake_backend("gone", probe=lambda: "toolchain missing"):
-        opport.rmsnorm.impl("gone")(_tagging_kernel(1))
+        impl(opport.rmsnorm.spec, "gone")(_tagging_kernel(1))
         with pytest.raises(BackendUnavailableError, match="toolchain missing"):
             opport.rmsnorm(X, backend="gone")
 
@@ -60,10 +62,10 @@ def test_unavailable_backend_named_explicitly_raises_with_reason():
 def test_declining_kernel_falls_back_once_with_warning_and_strict_raises():
     calls = []
     with fake_backend("picky"):
-        opport.rmsnorm.impl("picky", supports=lambda x, w, eps: "rows must be a multiple of 128")(_tagging_kernel(9, calls))
+        impl(opport.rmsnorm.spec, "picky", supports=lambda x, w, eps: "rows must be a multiple of 128")(_tagging_kernel(9, calls))
         with pytest.warns(opport.FallbackWarning, match="multiple of 128"):
             out = opport.rmsnorm(X, W, backend="picky")
-        np.testing.assert_allclose(out, opport.rmsnorm.run_reference(X, W), rtol=1e-6)
+        np.testing.assert_allclose(out, opport.rmsnorm.spec.run_reference(X, W), rtol=1e-6)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             opport.rmsnorm(X, W, backend="picky")  # warned once per (op, backend, reason)
@@ -77,7 +79,7 @@ def test_declining_kernel_falls_back_once_with_warning_and_strict_raises():
 
 def test_strict_from_environment(monkeypatch):
     with fake_backend("picky2"):
-        opport.rmsnorm.impl("picky2", dtypes=("float16",))(_tagging_kernel(9))
+        impl(opport.rmsnorm.spec, "picky2", dtypes=("float16",))(_tagging_kernel(9))
         monkeypatch.setenv("OPPORT_STRICT", "1")
         with pytest.raises(UnsupportedError, match="float32"):
             opport.rmsnorm(X, W, backend="picky2")
@@ -87,8 +89,9 @@ def test_strict_from_environment(monkeypatch):
 
 def test_explain_names_kernel_and_every_rejection():
     with fake_backend("picky3"):
-        opport.rmsnorm.impl("picky3", name="picky3.fast", priority=2, supports=lambda *a: "needs D % 64 == 0")(_tagging_kernel(1))
-        opport.rmsnorm.impl("picky3", name="picky3.slow", priority=1)(_tagging_kernel(2))
+        impl(opport.rmsnorm.spec, "picky3", name="picky3.fast", priority=2,
+             supports=lambda *a: "needs D % 64 == 0")(_tagging_kernel(1))
+        impl(opport.rmsnorm.spec, "picky3", name="picky3.slow", priority=1)(_tagging_kernel(2))
         d = opport.explain("rmsnorm", X, W, backend="picky3")
         assert (d.backend, d.kernel, d.mode) == ("picky3", "picky3.slow", "test")
         assert ("picky3", "picky3.fast", "needs D % 64 == 0") in d.candidates
@@ -104,7 +107,7 @@ def test_selection_is_cached_per_signature():
         checks.append(x.shape)
 
     with fake_backend("counted"):
-        opport.rmsnorm.impl("counted", supports=supports)(_tagging_kernel(1))
+        impl(opport.rmsnorm.spec, "counted", supports=supports)(_tagging_kernel(1))
         for _ in range(5):
             opport.rmsnorm(X, W, backend="counted")
         assert checks == [(3, 4)]
@@ -158,7 +161,7 @@ def test_torch_inputs_are_selected_again_for_a_new_dtype_shape_layout_or_class()
 
     xt, wt = torch.from_numpy(X.copy()), torch.from_numpy(W.copy())
     with fake_backend("counted_torch"):
-        opport.rmsnorm.impl("counted_torch", supports=supports)(_tagging_kernel(1))
+        impl(opport.rmsnorm.spec, "counted_torch", supports=supports)(_tagging_kernel(1))
         for _ in range(3):
             opport.rmsnorm(xt, wt, backend="counted_torch")
         opport.rmsnorm(xt.clone(), wt, backend="counted_torch")  # same signature: cached
@@ -180,16 +183,48 @@ def test_unknown_array_type_is_a_typed_error_on_the_cached_path_too():
     assert (info.value.arg, info.value.constraint) == ("weight", "rmsnorm.array_type")
 
 
-def test_generated_key_holds_the_adapters_keys():
-    """The per-op key function inlines NumpyAdapter.key and TorchAdapter.key: they must stay the same."""
-    from opport.dispatch import core
-    from opport.dispatch.adapters import NumpyAdapter, TorchAdapter
+def test_selection_key_contract():
+    """Two calls share a selection key only if they would plan alike: any change in an array's class, dtype,
+    shape, strides or device, a scalar's value or type, or the backend/strict settings gives another key."""
+    from opport.dispatch.context import env_reader
+    from opport.dispatch.core import key_function
 
-    opport.rmsnorm(X, W)
-    key = core._keyers[opport.rmsnorm]((X, W, 1e-6), None)
-    assert key[1:5] == (np.ndarray, NumpyAdapter.key(X), np.ndarray, NumpyAdapter.key(W))
-    torch = pytest.importorskip("torch")
-    xt, wt = torch.from_numpy(X), torch.from_numpy(W)
-    opport.rmsnorm(xt, wt)
-    key = core._keyers[opport.rmsnorm]((xt, wt, 1e-6), None)
-    assert key[1:5] == (torch.Tensor, TorchAdapter.key(xt), torch.Tensor, TorchAdapter.key(wt))
+    spec = opport.rmsnorm.spec
+    for get, keyname in (env_reader(fast=True), env_reader(fast=False)):  # the fast reader and its fallback
+        key = key_function(spec, get, keyname)
+        base = key((X, W, 1e-6), None)
+        assert key((X.copy(), W.copy(), 1e-6), None) == base
+        others = [(X.astype(np.float64), W, 1e-6), (X[:2], W, 1e-6), (np.asfortranarray(X), W, 1e-6), (X, None, 1e-6),
+                  (X, W, 1e-5), (X, W, np.float32(1e-6))]
+        assert all(key(b, None) != base for b in others)
+        assert key((X, W, 1e-6), "cpu") != base
+        with opport.use_backend("cpu"):
+            assert key((X, W, 1e-6), None) != base
+        with opport.strict():
+            assert key((X, W, 1e-6), None) != base
+        os.environ["OPPORT_STRICT"] = "1"
+        try:
+            assert key((X, W, 1e-6), None) != base  # the environment is read on every call
+        finally:
+            del os.environ["OPPORT_STRICT"]
+        torch = pytest.importorskip("torch")
+        xt, wt = torch.from_numpy(X), torch.from_numpy(W)
+        opport.rmsnorm(xt, wt)  # from now on plain tensors are keyed inline
+        tkey = key((xt, wt, 1e-6), None)
+        assert tkey != base and key((xt.clone(), wt.clone(), 1e-6), None) == tkey
+        assert key((xt.t().contiguous().t(), wt, 1e-6), None) != tkey
+
+
+def test_env_reader_fallback_runs_the_dispatcher(monkeypatch):
+    """Where os.environ has no `_data` mapping (another Python), the portable reader is used and works."""
+    from opport.dispatch import context
+
+    monkeypatch.setattr(os, "environ", _PlainEnviron(os.environ))
+    get, keyname = context.env_reader()
+    assert get == os.environ.get and keyname("A") == "A"
+    os.environ["OPPORT_BACKEND"] = "cpu"
+    assert context.text(get(keyname("OPPORT_BACKEND"))) == "cpu"
+
+
+class _PlainEnviron(dict):
+    """A mapping like os.environ on a Python without its private `_data` attribute."""

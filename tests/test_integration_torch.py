@@ -14,7 +14,9 @@ from tests.conftest import fake_backend
 torch = pytest.importorskip("torch")
 ot = pytest.importorskip("opport.integrations.torch")
 
+from opport.dispatch import impl  # noqa: E402
 from opport.integrations import small_cases  # noqa: E402
+from opport.public import function  # noqa: E402
 
 OPS = sorted(opport.all_ops())
 
@@ -48,7 +50,7 @@ def test_every_op_is_a_custom_op_with_the_declared_signature(name):
 
 
 def test_schema_types_come_from_the_declaration():
-    assert ot.schema(opport.rmsnorm) == "(Tensor x, Tensor? weight=None, float eps=1e-06, *, str? backend=None) -> Tensor"
+    assert ot.schema(opport.rmsnorm.spec) == "(Tensor x, Tensor? weight=None, float eps=1e-06, *, str? backend=None) -> Tensor"
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -68,8 +70,8 @@ def test_compiled_call_is_one_graph_node_and_matches_eager(name):
     args = ot.to_torch(case)
     torch._dynamo.reset()  # every parametrization compiles the same lambda
     graphs = []
-    compiled = torch.compile(lambda *a: spec(*a, **case.kwargs), fullgraph=True, backend=_graph_recorder(graphs))
-    _assert_same(compiled(*args), spec(*args, **case.kwargs))
+    compiled = torch.compile(lambda *a: function(spec)(*a, **case.kwargs), fullgraph=True, backend=_graph_recorder(graphs))
+    _assert_same(compiled(*args), function(spec)(*args, **case.kwargs))
     assert _opport_nodes(graphs) == [getattr(torch.ops.opport, name).default]
 
 
@@ -161,8 +163,8 @@ def test_custom_op_kernel_is_opports_dispatcher_at_run_time():
     compiled = torch.compile(lambda x: opport.rmsnorm(x), fullgraph=True, backend="aot_eager")
     named = torch.compile(lambda x: opport.rmsnorm(x, backend="t_int_named"), fullgraph=True, backend="aot_eager")
     with fake_backend("t_int_ctx"), fake_backend("t_int_named"):
-        opport.rmsnorm.impl("t_int_ctx")(marker(7.0))
-        opport.rmsnorm.impl("t_int_named")(marker(9.0))
+        impl(opport.rmsnorm.spec, "t_int_ctx")(marker(7.0))
+        impl(opport.rmsnorm.spec, "t_int_named")(marker(9.0))
         _assert_same(compiled(x), opport.rmsnorm(x))  # cpu tensors -> cpu backend
         with opport.use_backend("t_int_ctx"):  # read when the graph runs, not when it was traced
             assert compiled(x).eq(7.0).all()

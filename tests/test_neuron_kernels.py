@@ -21,9 +21,10 @@ import opport
 from opport.backends.neuron import nki_compat
 from opport.conformance import compare as cmp
 from opport.conformance import gate
-from opport.dispatch.core import metas_of
+from opport.dispatch.adapters import metas_of
 from opport.dispatch.registry import get_backend, kernels
 from opport.ops import get_op
+from opport.public import function
 from opport.spec import Meta
 
 OPS = ("softmax", "rmsnorm", "layernorm", "gelu", "silu", "swiglu", "rope", "matmul", "attention", "cross_entropy")
@@ -51,7 +52,7 @@ def judge(spec, case, dtype: str) -> str | None:
     """None if the neuron kernel's output matches the reference for this case, else why not."""
     __tracebackhide__ = True
     with opport.strict(), capacity_checked():
-        out = spec(*case.args, backend="neuron", **case.kwargs)
+        out = function(spec)(*case.args, backend="neuron", **case.kwargs)
     ref = np.asarray(spec.run_reference(*case.args, **case.kwargs))
     out_dtype = spec.out_dtype(metas_of(spec, spec.bind(*case.args, **case.kwargs)))
     why = cmp.contract(np.asarray(out), ref, out_dtype)
@@ -111,8 +112,8 @@ def test_strided_inputs_match_contiguous_copies():
     for name, args, kwargs in cases:
         spec = get_op(name)
         with opport.strict():
-            strided = spec(*args, backend="neuron", **kwargs)
-            dense = spec(*[np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a for a in args],
+            strided = function(spec)(*args, backend="neuron", **kwargs)
+            dense = function(spec)(*[np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a for a in args],
                          backend="neuron", **kwargs)
         assert strided.tobytes() == dense.tobytes(), name
 
@@ -130,7 +131,7 @@ def test_attention_declines_what_one_tile_cannot_hold(q_d, v_d, why):
 
 def test_cross_entropy_declines_vocabularies_beyond_float32_integers():
     spec = get_op("cross_entropy")
-    (kernel,) = spec.kernels["neuron"]
+    (kernel,) = kernels(spec, get_backend("neuron"))
     logits = Meta("numpy", "float32", (2, 2**24 + 1), None, "cpu")
     target = Meta("numpy", "int64", (2,), None, "cpu")
     assert "2^24" in kernel.check("float32", (logits, target, -100, "mean", 0.0))
@@ -157,7 +158,7 @@ def test_attention_nonfinite_v_under_the_causal_mask_never_leaks():
 def _traffic(name, *args, **kwargs):
     spec = get_op(name)
     with nki_compat.collect_stats() as stats, opport.strict():
-        spec(*args, backend="neuron", **kwargs)
+        function(spec)(*args, backend="neuron", **kwargs)
     return stats, spec.get_cost(*metas_of(spec, spec.bind(*args, **kwargs))).bytes
 
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 import opport
+from opport.dispatch import impl, remove_kernel
 from opport.errors import DeviceError, DTypeError, OpError
 from opport.ops import all_ops
+from opport.public import function
 
 OPS = all_ops()
 GENERIC = ("array_type", "device")
@@ -35,18 +37,17 @@ def spy_kernels():
     """A top-priority cpu kernel on every op that records whether it was ever called."""
     calls = []
     for spec in OPS.values():
-        spec.impl("cpu", priority=1000, name="cpu.spy")(lambda *a, _n=spec.name: calls.append(_n))
+        impl(spec, "cpu", priority=1000, name="cpu.spy")(lambda *a, _n=spec.name: calls.append(_n))
     yield calls
     for spec in OPS.values():
-        spec.kernels["cpu"] = [k for k in spec.kernels["cpu"] if k.name != "cpu.spy"]
-    opport.clear_cache()
+        remove_kernel(spec, "cpu", "cpu.spy")
 
 
 @pytest.mark.parametrize("spec,case", list(_error_params()))
 def test_error_case_raises_typed_error_before_any_kernel(spec, case, spy_kernels):
     before = _digest(case.args, case.kwargs)
     with pytest.raises(case.error) as info:
-        spec(*case.args, **case.kwargs)
+        function(spec)(*case.args, **case.kwargs)
     err = info.value
     assert isinstance(err, OpError)
     assert err.constraint == case.constraint, str(err)
@@ -77,7 +78,7 @@ def test_non_array_argument_is_a_dtype_error(name):
     args, kwargs = _valid_args(spec)
     args[0] = args[0].tolist()
     with pytest.raises(DTypeError) as info:
-        spec(*args, **kwargs)
+        function(spec)(*args, **kwargs)
     assert info.value.constraint == f"{name}.array_type"
 
 
@@ -88,7 +89,7 @@ def test_arrays_on_an_unusable_or_mixed_device_are_device_errors(name):
     args, kwargs = _valid_args(spec)
     meta = torch.empty(args[0].shape, dtype=torch.float32, device="meta")
     with pytest.raises(DeviceError) as info:  # a device no backend can use
-        spec(meta, *args[1:], **kwargs)
+        function(spec)(meta, *args[1:], **kwargs)
     assert info.value.constraint == f"{name}.device"
     arrays = [i for i, a in enumerate(args) if isinstance(a, np.ndarray)]
     if len(arrays) > 1:  # numpy on cpu next to a tensor on another device
@@ -96,7 +97,7 @@ def test_arrays_on_an_unusable_or_mixed_device_are_device_errors(name):
         mixed = list(args)
         mixed[j] = torch.empty(args[j].shape, device="meta")
         with pytest.raises(DeviceError):
-            spec(*mixed, **kwargs)
+            function(spec)(*mixed, **kwargs)
 
 
 def test_errors_are_also_builtins():

@@ -23,11 +23,13 @@ import gc
 import importlib.util
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import numpy as np
 
 from opport.bench.workloads import ArrayMaker, get_workload, seed_for
 from opport.dispatch import backends, clear_cache, explain, kernels
+from opport.public import function
 
 GATE_US, MOONSHOT_US = 5.0, 2.0
 
@@ -65,7 +67,7 @@ def _one(spec, wl, shape, kind: str, budget_ms: float) -> dict:
         return {**row, "status": "error", "error": f"{type(e).__name__}: {e}"}
     native, converted, note = _direct_calls(kernel, bound, backends()[d.backend].array_kind)
     sync = _cuda_sync if kind == "torch-cuda" else None
-    public = lambda: spec(*bound)
+    public = partial(function(spec), *bound)
     public()  # fill the selection cache: the cached path is what is measured
     real_pub, real_dir = _alternate(public, converted, budget_ms, sync)
     with _stubbed(kernel, public):

@@ -13,11 +13,14 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from opport.bench.check import compare, to64
 from opport.bench.timing import summarize
 from opport.bench.workloads import ArrayMaker, seed_for
-from opport.dispatch.core import FallbackWarning, explain, metas_of
+from opport.dispatch import FallbackWarning, explain
+from opport.dispatch.adapters import metas_of
+from opport.public import function
 
 LAUNCH_BOUND_BYTES = 8 << 20  # performance.md section 4: small/latency-bound shapes (< ~8 MB working set)
 LAUNCH_BOUND_FLOOR_MS = 0.010
@@ -77,7 +80,7 @@ def _explain(spec, bound, backend: str):
 
 def _providers(spec, wl, bound, st: Settings, kernel: str) -> list:
     ps = [Provider("opport", f"opport.{spec.name}(..., backend={st.backend!r}) -> {kernel}",
-                   lambda: spec(*bound, backend=st.backend))]
+                   partial(function(spec), *bound, backend=st.backend))]
     torch_ok = wl.torch_eager is not None and importlib.util.find_spec("torch") is not None
     if torch_ok:
         tb = _torch_bound(bound, st)
@@ -242,7 +245,7 @@ def run_counts(spec, wl, shape, dtype: str) -> dict:
             return {**base, "status": "skip", "error": f"no neuron kernel takes it: {why}"}
         t0 = time.perf_counter()
         with stats_block() as stats:
-            out = spec(*bound, backend="neuron")
+            out = function(spec)(*bound, backend="neuron")
         host_s = time.perf_counter() - t0
         ok, metrics = compare(out, spec.run_reference(*bound), spec.tolerances.get(dtype, spec.tolerances["float32"]), dtype)
     except Exception as e:

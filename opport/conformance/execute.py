@@ -23,10 +23,12 @@ import numpy as np
 from opport.conformance import compare as cmp
 from opport.conformance.cases import Item, lay_out, layout_ok
 from opport.dispatch import clear_cache, explain, kernels, strict
-from opport.dispatch.core import metas_of
+from opport.dispatch.adapters import metas_of
+from opport.dispatch.registry import registered
 from opport.dtypes import acc_dtype, np_dtype
 from opport.errors import OpError
 from opport.ops import get_op
+from opport.public import function
 
 SENTINEL = 1234.5  # the second poison: finite, so it survives where a NaN check would not look
 CALLS = 3
@@ -121,7 +123,7 @@ def _chosen_kernel(spec, b, laid, res: dict):
         res["status"], res["message"] = "skip", f"declined by {b.name}: {decision.error or decision.fallback}"
         return None
     res["kernel"] = decision.kernel
-    return next(k for k in spec.kernels[b.name] if k.name == decision.kernel)
+    return next(k for k in kernels(spec, b) if k.name == decision.kernel)
 
 
 def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict) -> list:
@@ -167,7 +169,7 @@ def _torch_device(b) -> str | None:
 def _call(spec, b, laid, poison) -> tuple:
     """(output as a NumPy copy, None) or (None, why the output breaks the contract)."""
     with poisoned(poison), strict():
-        out = spec(*laid.args, backend=b.name, **laid.kwargs)
+        out = function(spec)(*laid.args, backend=b.name, **laid.kwargs)
     first = next(a for a in (*laid.args, *laid.kwargs.values()) if hasattr(a, "shape"))
     return _as_numpy(out, first, laid)
 
@@ -322,7 +324,7 @@ def _error_case(item: Item, res: dict):
     with tripwire(spec, ran):
         try:
             with strict():
-                out = spec(*ec.args, backend=b.name, **ec.kwargs)
+                out = function(spec)(*ec.args, backend=b.name, **ec.kwargs)
         except Exception as e:  # what we are here to look at
             got = e
     problems = []
@@ -362,10 +364,9 @@ def _error_problems(spec, ec, e) -> list:
 def tripwire(spec, ran: list):
     """Replace every loaded kernel of `spec` with one that records that it ran, then restore them."""
     saved = []
-    for ks in spec.kernels.values():
-        for k in ks:
-            saved.append((k, k.fn))
-            k.fn = _tripped(k, ran)
+    for k in registered(spec):
+        saved.append((k, k.fn))
+        k.fn = _tripped(k, ran)
     clear_cache()
     try:
         yield

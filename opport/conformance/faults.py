@@ -22,8 +22,7 @@ EXPECTED = {"row-127": "crash", "row-128": "timeout", "row-129": "crash", "row-1
 
 
 def install():
-    from opport.dispatch import backends, get_backend, kernels
-    from opport.dispatch.registry import Backend, register_backend
+    from opport.dispatch import Backend, backends, get_backend, impl, kernels, register_backend
     from opport.ops import get_op
 
     if "faulty" in backends():
@@ -33,7 +32,7 @@ def install():
     spec = get_op("rmsnorm")
     cpu = kernels(spec, get_backend("cpu"))[0]
 
-    @spec.impl("faulty", dtypes=("float32",), name="faulty.rmsnorm")
+    @impl(spec, "faulty", dtypes=("float32",), name="faulty.rmsnorm")
     def rmsnorm(x, weight, eps):
         fault = FAULTS.get(tuple(x.shape))
         if fault == "abort":
@@ -49,8 +48,6 @@ def install():
 
 
 def uninstall():
-    from opport.dispatch.registry import unregister_backend
-    from opport.ops import get_op
+    from opport.dispatch import unregister_backend
 
-    get_op("rmsnorm").kernels.pop("faulty", None)
-    unregister_backend("faulty")
+    unregister_backend("faulty")  # and its kernel

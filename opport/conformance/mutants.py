@@ -78,8 +78,7 @@ MAKERS = {"zeros": _zeros, "input": _input, "unwritten": _unwritten, "skip-last"
 
 def install():
     """Register the five mutant backends and their kernels for every op (idempotent)."""
-    from opport.dispatch import backends, get_backend, kernels
-    from opport.dispatch.registry import Backend, register_backend
+    from opport.dispatch import Backend, backends, get_backend, impl, kernels, register_backend
     from opport.ops import all_ops
 
     cpu = get_backend("cpu")
@@ -90,19 +89,16 @@ def install():
                                      dtypes=FLOATS, probe=lambda: None, mode=lambda: "mutant"))
         for spec in all_ops().values():
             for k in kernels(spec, cpu):
-                spec.impl(name, dtypes=k.dtypes, supports=k.supports, priority=k.priority,
-                          name=f"{name}.{k.name.split('.', 1)[-1]}")(MAKERS[kind](k.fn, spec))
+                impl(spec, name, dtypes=k.dtypes, supports=k.supports, priority=k.priority,
+                     name=f"{name}.{k.name.split('.', 1)[-1]}")(MAKERS[kind](k.fn, spec))
 
 
 def uninstall():
     """Remove the mutant backends and kernels again (so they never show up in `opport.backends()` afterwards)."""
-    from opport.dispatch.registry import unregister_backend
-    from opport.ops import all_ops
+    from opport.dispatch import unregister_backend
 
     for kind in MUTANTS:
-        for spec in all_ops().values():
-            spec.kernels.pop(f"mutant-{kind}", None)
-        unregister_backend(f"mutant-{kind}")
+        unregister_backend(f"mutant-{kind}")  # and its kernels
 
 
 def self_test(ops=None, dtypes=("float32",), examples: int = 5) -> dict:

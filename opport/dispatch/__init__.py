@@ -1,18 +1,28 @@
-"""Dispatch: backend registry, kernel selection, array adapters."""
+"""Dispatch: the backend and kernel registry, kernel selection, array adapters, the call settings.
 
-from opport.dispatch.core import (
-    Decision,
-    FallbackWarning,
-    call,
+Imports point one way: `opport.spec` (declarations) <- `opport.dispatch` <- backends (which register
+kernels with `impl`) and everything above (integrations, conformance, bench, the public functions,
+the CLI). The one upward import is backend discovery, by name (registry.py).
+"""
+
+from opport.dispatch.context import is_strict, strict, use_backend
+from opport.dispatch.core import Decision, FallbackWarning, call, decide, explain
+from opport.dispatch.registry import (
+    Backend,
+    Capabilities,
+    Kernel,
+    backends,
     clear_cache,
-    explain,
-    is_strict,
-    strict,
-    use_backend,
+    get_backend,
+    impl,
+    kernels,
+    register_backend,
+    remove_kernel,
+    unregister_backend,
 )
-from opport.dispatch.registry import Backend, backends, get_backend, kernels
 
 __all__ = [
-    "Backend", "Decision", "FallbackWarning", "backends", "call", "clear_cache", "explain",
-    "get_backend", "is_strict", "kernels", "strict", "use_backend",
+    "Backend", "Capabilities", "Decision", "FallbackWarning", "Kernel", "backends", "call", "clear_cache", "decide",
+    "explain", "get_backend", "impl", "is_strict", "kernels", "register_backend", "remove_kernel", "strict",
+    "unregister_backend", "use_backend",
 ]

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 
+from opport import errors
 from opport.dtypes import np_dtype
 from opport.spec import Meta
 
@@ -172,3 +173,26 @@ def _resolve(a):
         return JaxAdapter
     return None
 
+
+
+def array_type_error(op, arg: str, a) -> errors.DTypeError:
+    """The typed error for an argument that is not an array opport takes (raise it)."""
+    return errors.DTypeError(op=op.name, arg=arg, constraint=f"{op.name}.array_type",
+                             expected="a NumPy array, torch tensor or JAX array", got=type(a).__name__)
+
+
+def meta_of(op, arg: str, a) -> Meta:
+    """The `Meta` of array argument `arg` of op `op`, or its typed error."""
+    ad = adapter_for(a)
+    if ad is None:
+        raise array_type_error(op, arg, a)
+    return ad.meta(a)
+
+
+def metas_of(op, bound: tuple) -> list:
+    """The bound arguments with every array replaced by its `Meta`."""
+    metas = list(bound)
+    for i in op.array_pos:
+        if bound[i] is not None:
+            metas[i] = meta_of(op, op.params[i], bound[i])
+    return metas

@@ -1,26 +1,24 @@
-"""Backend and kernel selection (design.md section 4), the selection cache, and `explain`.
+"""Backend and kernel selection (docs/design.md section 4), the cached call path, and `explain`.
 
-Hot path: `call` builds a hashable key from the op, the arrays' adapter keys (dtype, shape,
-strides, device), the scalar arguments and the backend/strict settings. A hit reuses a `Plan`
+Hot path: `call` builds a hashable key from the op, the arrays' adapter keys (dtype, shape, strides,
+device), the scalar arguments and the backend/strict settings (`key_function`). A hit reuses a `Plan`
 (validation already passed for that key, kernel chosen, converters fixed); a miss validates the
-metadata, selects, and stores the plan. Validation and `supports(...)` see only metadata, so the
-cache can never skip a check that the data would change.
+metadata, selects, and stores the plan in the registry's cache. Validation and `supports(...)` see
+only metadata, so the cache can never skip a check that the data would change.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import warnings
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from opport import errors
-from opport.dispatch.adapters import NumpyAdapter, adapter_for
+from opport.dispatch import context, registry
+from opport.dispatch.adapters import NumpyAdapter, adapter_for, array_type_error, metas_of
 from opport.dispatch.registry import backend_for_device, backends, get_backend, kernels
 
 
@@ -28,66 +26,8 @@ class FallbackWarning(UserWarning):
     """A kernel could not take a call and opport ran it on the cpu backend instead."""
 
 
-_backend_ctx: ContextVar = ContextVar("opport_backend", default=None)
-_strict_ctx: ContextVar = ContextVar("opport_strict", default=None)
-_cache: dict = {}
-_CACHE_MAX = 8192
 _warned: set = set()
 _warn_lock = threading.Lock()
-
-
-@contextmanager
-def use_backend(name: str):
-    """Run the ops in this block on backend `name` (unless a call names its own)."""
-    get_backend(name)  # fail early on an unknown name
-    token = _backend_ctx.set(name)
-    try:
-        yield
-    finally:
-        _backend_ctx.reset(token)
-
-
-@contextmanager
-def strict(enabled: bool = True):
-    """In this block, raise UnsupportedError instead of falling back to cpu."""
-    token = _strict_ctx.set(enabled)
-    try:
-        yield
-    finally:
-        _strict_ctx.reset(token)
-
-
-# os.environ.get costs ~0.7 us (it encodes the key); the dispatch hot path reads the mapping that
-# os.environ keeps in sync underneath (bytes keys and values on POSIX), which costs ~0.04 us.
-_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
-_ENV_GET = os.environ.get if _ENV_DATA is None else _ENV_DATA.get
-_raw_key = (lambda name: name) if _ENV_DATA is None else (lambda name: name.encode())
-_K_BACKEND, _K_STRICT = _raw_key("OPPORT_BACKEND"), _raw_key("OPPORT_STRICT")
-
-
-def _text(raw) -> str | None:
-    """An environment value as read through _ENV_GET (bytes on POSIX), as text."""
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
-def env(name: str) -> str | None:
-    """An environment variable, read on every call (so a change takes effect), cheaply."""
-    return _text(_ENV_GET(_raw_key(name)))
-
-
-def _strict_from(ctx: bool | None, raw) -> bool:
-    if ctx is not None:
-        return ctx
-    v = _text(raw)
-    return v is not None and v.lower() not in ("", "0", "false", "no")
-
-
-def is_strict() -> bool:
-    return _strict_from(_strict_ctx.get(), _ENV_GET(_K_STRICT))
-
-
-def clear_cache():
-    _cache.clear()
 
 
 # --------------------------------------------------------------------------- decisions
@@ -121,15 +61,17 @@ class Decision:
     __repr__ = __str__
 
     def __rich__(self):
+        from rich.markup import escape
         from rich.table import Table
 
-        t = Table(title=f"{self.op} -> {self.backend} ({self.mode}) : {self.kernel or '-'}", caption=self.requested)
+        t = Table(title=escape(f"{self.op} -> {self.backend} ({self.mode}) : {self.kernel or '-'}"),
+                  caption=escape(self.requested))
         for col in ("backend", "kernel", "taken", "reason"):
             t.add_column(col)
         for b, k, reason in self.candidates:
-            t.add_row(b, k, "yes" if reason is None else "no", reason or "")
+            t.add_row(escape(b), escape(k), "yes" if reason is None else "no", escape(reason or ""))
         if self.fallback:
-            t.add_row("", "", "", f"fell back from {self.fallback_from} to cpu: {self.fallback}")
+            t.add_row("", "", "", escape(f"fell back from {self.fallback_from} to cpu: {self.fallback}"))
         return t
 
 
@@ -158,29 +100,33 @@ def _serial(fn, lock):
 
 # --------------------------------------------------------------------------- the call path
 
+_SELECTIONS = registry.SELECTIONS  # the registry owns and invalidates it; the hot path only reads and fills it
+
 
 def call(op, bound: tuple, backend: str | None):
-    keyer = _keyers.get(op) or _new_keyer(op)
-    key = keyer(bound, backend)
+    """Run op `op` on its bound arguments (signature order) on the selected kernel."""
+    key_fn = _key_functions.get(op) or key_function(op)
+    key = key_fn(bound, backend)
     try:
-        plan = _cache.get(key)
+        plan = _SELECTIONS.get(key)
     except TypeError:  # an unhashable scalar: validation will say what is wrong with it
         plan = None
     if plan is None:
-        plan = _miss(op, bound, backend is not None, key)
+        plan = _miss(op, bound, backend, key, key_fn)
     if plan.direct:
         return plan.fn(*bound)
     return _run_converted(plan, bound)
 
 
-def _miss(op, bound: tuple, by_keyword: bool, key: tuple) -> Plan:
-    """Plan a call the cache has not seen, from the settings its key was built with, and cache it."""
-    name = _text(key[-3]) or None
-    plan = _plan(op, bound, name, _strict_from(key[-2], key[-1]), by_keyword)
+def _miss(op, bound: tuple, backend: str | None, key: tuple, key_fn) -> Plan:
+    """Plan a call the cache has not seen, and cache the plan if the settings did not change meanwhile."""
+    name = context.requested_backend(backend)
+    plan = _plan(op, bound, name, context.is_strict(), backend is not None)
     try:
-        if len(_cache) >= _CACHE_MAX:
-            _cache.clear()
-        _cache[key] = plan
+        if key_fn(bound, backend) == key:  # the settings read for the key are the ones just planned with
+            if len(_SELECTIONS) >= registry.SELECTIONS_MAX:
+                registry.clear_cache()
+            _SELECTIONS[key] = plan
     except TypeError:  # an unhashable scalar that validation accepted: the plan runs, uncached
         pass
     return plan
@@ -188,7 +134,7 @@ def _miss(op, bound: tuple, by_keyword: bool, key: tuple) -> Plan:
 
 # --------------------------------------------------------------------------- the selection key
 
-_keyers: dict = {}
+_key_functions: dict = {}
 
 
 class _NoClass:
@@ -199,15 +145,17 @@ class _NoClass:
 _TENSOR = [_NoClass]
 
 
-def _new_keyer(op):
+def key_function(op, env_get=None, env_key=None):
     """The op's selection-key function `key(bound, backend)`, generated once per op for its argument positions.
 
-    The key holds, per array, its class and its adapter key (dtype, shape, strides, and the device for
-    torch); per scalar, its value and class (True == 1 == 1.0 hash alike, but validation tells them
-    apart); then the backend setting (keyword, else use_backend(), else OPPORT_BACKEND as read) and
-    the strict settings (strict() and OPPORT_STRICT as read). Straight-line code that reads NumPy
-    arrays' and plain torch tensors' attributes itself costs about half the generic loop over
-    adapters (1.1 vs 1.9 us for three NumPy arrays, 1.9 vs 2.8 us for three torch tensors).
+    Contract (tested): two calls get the same key only if they would plan the same way. The key holds,
+    per array, its class and its adapter key (`NumpyAdapter.key` / `TorchAdapter.key`, inlined for NumPy
+    arrays and plain torch tensors; other arrays go through `adapter_for`); per scalar, its value and
+    class (True == 1 == 1.0 hash alike, but validation tells them apart); then the backend setting
+    (keyword, else use_backend(), else OPPORT_BACKEND as read) and the strict settings (strict() and
+    OPPORT_STRICT as read). Nothing reads the key back by position: a miss re-reads the settings itself
+    (opport.dispatch.context). Straight-line code costs about half a generic loop over adapters.
+    `env_get`/`env_key` replace the environment reader (tests run both readers).
     """
     lines, parts = [], ["op"]
     for i in op.array_pos:  # the NP and TENSOR branches are NumpyAdapter.key and TorchAdapter.key, inlined
@@ -221,21 +169,24 @@ def _new_keyer(op):
     for i in op.scalar_pos:
         lines.append(f"s{i} = b[{i}]")
         parts += [f"s{i}", f"s{i}.__class__"]
-    parts += ["backend or backend_ctx() or env(K_BACKEND)", "strict_ctx()", "env(K_STRICT)"]
+    parts += ["backend if backend is not None else (backend_ctx() or env(K_BACKEND))", "strict_ctx()", "env(K_STRICT)"]
     lines.append(f"return ({', '.join(parts)})")
     src = "def key(b, backend):\n" + "".join(f"    {ln}\n" for ln in lines)
-    scope = dict(op=op, NP=np.ndarray, TENSOR=_TENSOR, other=_other_key, backend_ctx=_backend_ctx.get,
-                 strict_ctx=_strict_ctx.get, env=_ENV_GET, K_BACKEND=_K_BACKEND, K_STRICT=_K_STRICT)
+    get, keyname = (context.ENV_GET, context.ENV_KEY) if env_get is None else (env_get, env_key)
+    scope = dict(op=op, NP=np.ndarray, TENSOR=_TENSOR, other=_other_key, backend_ctx=context.context_backend,
+                 strict_ctx=context.context_strict, env=get, K_BACKEND=keyname(context.BACKEND_VAR),
+                 K_STRICT=keyname(context.STRICT_VAR))
     exec(compile(src, f"<opport key {op.name}>", "exec"), scope)
-    keyer = _keyers[op] = scope["key"]
-    return keyer
+    if env_get is None:
+        _key_functions[op] = scope["key"]
+    return scope["key"]
 
 
 def _other_key(op, i: int, a):
     """The adapter key of an array that is neither a NumPy array nor a plain torch tensor seen before."""
     ad = adapter_for(a)
     if ad is None:
-        _bad_array(op, op.params[i], a)
+        raise array_type_error(op, op.params[i], a)
     if ad.kind == "torch" and _TENSOR[0] is _NoClass:
         _TENSOR[0] = sys.modules["torch"].Tensor  # from now on the key functions read plain tensors inline
     return ad.key(a)
@@ -250,24 +201,6 @@ def _run_converted(plan: Plan, bound: tuple):
                 bound[i] = f(bound[i])
     out = plan.fn(*bound)
     return plan.back(out, like) if plan.back else out
-
-
-def _bad_array(op, arg, a):
-    raise errors.DTypeError(op=op.name, arg=arg, constraint=f"{op.name}.array_type",
-                            expected="a NumPy array, torch tensor or JAX array", got=type(a).__name__)
-
-
-def metas_of(op, bound: tuple) -> list:
-    """The bound arguments with every array replaced by its `Meta`."""
-    metas = list(bound)
-    for i in op.array_pos:
-        a = bound[i]
-        if a is not None:
-            ad = adapter_for(a)
-            if ad is None:
-                _bad_array(op, op.params[i], a)
-            metas[i] = ad.meta(a)
-    return metas
 
 
 def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool) -> Plan:
@@ -295,9 +228,8 @@ def decide(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool
                                  expected="arrays on a device some backend can use", got=arrays[0][1].device)
     op.validate(*metas)
 
-    if name:
-        requested = "backend= keyword" if by_keyword else (
-            "opport.use_backend()" if _backend_ctx.get() else "OPPORT_BACKEND")
+    if name is not None:
+        requested = "backend= keyword" if by_keyword else context.how_requested(None)
         b = get_backend(name, op.name)
         b.require(op.name)
         if b.name != "cpu" and device_type != "cpu" and device_type not in b.device_types:
@@ -333,12 +265,13 @@ def decide(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool
 
 
 def _first_taker(op, b, dtype, metas, candidates):
-    for k in kernels(op, b):
+    ks = kernels(op, b)
+    for k in ks:
         reason = k.check(dtype, metas) if dtype in b.dtypes else f"backend {b.name} has no {dtype}"
         candidates.append((b.name, k.name, reason))
         if reason is None:
             return k
-    if not op.kernels.get(b.name):
+    if not ks:
         candidates.append((b.name, "-", f"no {b.name} kernel for {op.name}"))
     return None
 
@@ -382,11 +315,8 @@ def _on(t, device: str) -> bool:
 
 
 def explain(op, *args, backend: str | None = None, **kwargs) -> Decision:
-    """The dispatch decision for this call: backend, kernel, mode and every candidate's reason."""
-    from opport.ops import get_op
-
-    spec = get_op(op) if isinstance(op, str) else op
-    bound = spec.bind(*args, **kwargs)
-    name = backend or _backend_ctx.get() or env("OPPORT_BACKEND") or None
-    decision, _ = decide(spec, metas_of(spec, bound), name, is_strict(), backend is not None)
+    """The dispatch decision for calling op `op` (an OpSpec) so: backend, kernel, mode, every candidate's reason."""
+    bound = op.bind(*args, **kwargs)
+    name = context.requested_backend(backend)
+    decision, _ = decide(op, metas_of(op, bound), name, context.is_strict(), backend is not None)
     return decision

@@ -1,8 +1,14 @@
-"""Backends and their kernels, found from the file tree (no central list).
+"""The dispatcher's state, in one place: backends, their kernels, and the selection cache.
 
 A backend is a package whose `__init__.py` defines `BACKEND = Backend(...)`: every folder under
 `opport/backends/`, plus any module named by an `opport.backends` entry point. Its kernels live in
-`<package>.<op name>` modules, imported the first time that op is dispatched to that backend.
+`<package>.<op module>` modules, imported the first time that op is dispatched to that backend (backend
+discovery is the one place the dispatcher imports upward, by name). Kernels register themselves with
+`@impl(spec, "<backend>", ...)`.
+
+Everything that can change a selection goes through this module (registering or removing a backend or
+a kernel), and each such change empties the selection cache here, in `_changed()`: no other module
+clears it.
 """
 
 from __future__ import annotations
@@ -15,13 +21,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
+from opport.dtypes import FLOATS
 from opport.errors import BackendUnavailableError
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the conformance and performance suites need to know about a backend, declared by the backend.
+
+    emulated: its current mode runs a device's kernels on this CPU (Triton's interpreter, the NKI emulator):
+        conformance then uses the tier's smaller caps, and timings mean nothing.
+    bench: the module (found by name, like kernel modules) that tells `opport bench` how to measure this
+        backend: its timer, ceilings, default tier and dtypes, device-side counters (opport.bench.profile).
+    """
+
+    emulated: Callable[[], bool] = field(default=lambda: False)
+    bench: str | None = None
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    package: str  # module whose submodules `<package>.<op>` hold kernels
+    package: str  # module whose submodules `<package>.<op module>` hold kernels
     array_kind: str  # what kernels receive: "numpy" or "torch"
     device_types: tuple  # array devices that select this backend automatically
     dtypes: tuple
@@ -33,6 +54,7 @@ class Backend:
     # True when two of its kernels must never run at once (Triton's interpreter patches triton.language
     # while a kernel runs): the dispatcher then runs them under one lock per backend
     serialized: Callable[[], bool] = field(default=lambda: False)
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run here (None if it can); probed once, lazily."""
@@ -47,10 +69,41 @@ class Backend:
             )
 
 
+@dataclass
+class Kernel:
+    op: object  # the OpSpec
+    backend: str
+    fn: Callable
+    name: str
+    dtypes: tuple
+    supports: Callable | None = None
+    priority: int = 0
+    deterministic: bool = True
+
+    def check(self, dtype: str, bound: tuple) -> str | None:
+        """None if this kernel takes the call, else the reason it does not."""
+        if dtype not in self.dtypes:
+            return f"dtype {dtype} not in {self.dtypes}"
+        return self.supports(*bound) if self.supports else None
+
+
 _lock = threading.RLock()
 _backends: dict[str, Backend] | None = None
 _probes: dict[str, str | None] = {}
-_loaded: set = set()
+_kernels: dict[tuple, list[Kernel]] = {}  # (spec, backend name) -> kernels, best first
+_loaded: set = set()  # (op module, backend name) whose kernel module has been imported
+SELECTIONS: dict = {}  # the dispatcher's cache: selection key -> plan (opport.dispatch.core)
+SELECTIONS_MAX = 8192
+
+
+def _changed():
+    """A backend or kernel came or went: every cached selection may be stale."""
+    SELECTIONS.clear()
+
+
+def clear_cache():
+    """Forget every cached selection (the next call of each op plans afresh)."""
+    _changed()
 
 
 def backends() -> dict[str, Backend]:
@@ -59,20 +112,24 @@ def backends() -> dict[str, Backend]:
     if _backends is None:
         with _lock:
             if _backends is None:
-                found = {}
-                import opport.backends as pkg
-
-                for m in pkgutil.iter_modules(pkg.__path__):
-                    if m.ispkg:
-                        b = getattr(importlib.import_module(f"opport.backends.{m.name}"), "BACKEND", None)
-                        if b is not None:
-                            found[b.name] = b
-                for ep in entry_points(group="opport.backends"):
-                    b = getattr(importlib.import_module(ep.value), "BACKEND", None)
-                    if b is not None:
-                        found.setdefault(b.name, b)
-                _backends = dict(sorted(found.items(), key=lambda kv: kv[0] != "cpu"))
+                _backends = _discover()
     return _backends
+
+
+def _discover() -> dict[str, Backend]:
+    found = {}
+    import opport.backends as pkg
+
+    for m in pkgutil.iter_modules(pkg.__path__):
+        if m.ispkg:
+            b = getattr(importlib.import_module(f"opport.backends.{m.name}"), "BACKEND", None)
+            if b is not None:
+                found[b.name] = b
+    for ep in entry_points(group="opport.backends"):
+        b = getattr(importlib.import_module(ep.value), "BACKEND", None)
+        if b is not None:
+            found.setdefault(b.name, b)
+    return dict(sorted(found.items(), key=lambda kv: kv[0] != "cpu"))
 
 
 def register_backend(b: Backend):
@@ -80,24 +137,23 @@ def register_backend(b: Backend):
     with _lock:
         backends()[b.name] = b
         _probes.pop(b.name, None)
-    from opport.dispatch.core import clear_cache
-
-    clear_cache()
+        _changed()
 
 
 def unregister_backend(name: str):
+    """Remove a backend and every kernel registered for it."""
     with _lock:
         backends().pop(name, None)
         _probes.pop(name, None)
+        for key in [k for k in _kernels if k[1] == name]:
+            del _kernels[key]
         for key in [k for k in _loaded if k[1] == name]:
             _loaded.discard(key)
-    from opport.dispatch.core import clear_cache
-
-    clear_cache()
+        _changed()
 
 
 def get_backend(name: str, op: str = "opport") -> Backend:
-    b = backends().get(name)
+    b = backends().get(name) if isinstance(name, str) else None
     if b is None:
         raise BackendUnavailableError(
             op=op, arg="backend", constraint="backend.name", expected=f"one of {tuple(backends())}",
@@ -113,13 +169,45 @@ def backend_for_device(device_type: str) -> Backend:
     return backends()["cpu"]
 
 
-def kernels(op, backend: Backend) -> list:
-    """The op's kernels on this backend, best first (imports the backend's op module once)."""
-    key = (op.name, backend.name)
+def impl(spec, backend: str, dtypes=FLOATS, supports=None, priority=0, name=None, deterministic=True):
+    """Register the decorated function as a kernel of `backend` for the op `spec`.
+
+    The kernel takes the op's bound arguments in signature order (arrays of the backend's kind) and returns
+    its output. `supports(*metas)` returns None when it takes a call, else the reason it does not.
+    """
+
+    def register(fn):
+        kname = name or f"{backend}.{fn.__name__}"
+        k = Kernel(spec, backend, fn, kname, tuple(dtypes), supports, priority, deterministic)
+        with _lock:
+            ks = [old for old in _kernels.get((spec, backend), []) if old.name != kname]  # reload-safe
+            ks.append(k)
+            ks.sort(key=lambda k: -k.priority)
+            _kernels[(spec, backend)] = ks
+            _changed()
+        return fn
+
+    return register
+
+
+def remove_kernel(spec, backend: str, name: str):
+    """Unregister one kernel (tests and the gate's self-test install temporary ones)."""
+    with _lock:
+        ks = [k for k in _kernels.get((spec, backend), []) if k.name != name]
+        if ks:
+            _kernels[(spec, backend)] = ks
+        else:
+            _kernels.pop((spec, backend), None)
+        _changed()
+
+
+def kernels(spec, backend: Backend) -> list:
+    """The op's kernels on this backend, best first (imports the backend's module for the op once)."""
+    key = (spec.module, backend.name)
     if key not in _loaded:
         with _lock:
             if key not in _loaded:
-                mod = f"{backend.package}.{op.name}"
+                mod = f"{backend.package}.{spec.module}"
                 try:
                     found = importlib.util.find_spec(mod) is not None
                 except ModuleNotFoundError:  # a backend package registered at run time with no module tree
@@ -127,7 +215,17 @@ def kernels(op, backend: Backend) -> list:
                 if found:
                     importlib.import_module(mod)
                 _loaded.add(key)
-    return op.kernels.get(backend.name, [])
+    return _kernels.get((spec, backend.name), [])
+
+
+def registered(spec) -> list:
+    """Every kernel registered for `spec` so far, on any backend (nothing is imported)."""
+    return [k for (s, _), ks in list(_kernels.items()) if s is spec for k in ks]
+
+
+def has_kernels(spec, backend_name: str) -> bool:
+    """Whether `backend_name` has registered kernels for `spec` (without importing anything)."""
+    return bool(_kernels.get((spec, backend_name)))
 
 
 def _probe(b: Backend) -> str | None:

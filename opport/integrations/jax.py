@@ -18,8 +18,8 @@ import contextlib
 import jax
 import numpy as np
 
-from opport.dispatch import core
-from opport.dispatch.adapters import adapter_for
+from opport.dispatch import call, context, strict
+from opport.dispatch.adapters import meta_of
 from opport.dtypes import np_dtype
 from opport.spec import Meta
 
@@ -37,17 +37,15 @@ def traced_call(spec, bound: tuple, backend: str | None):
     spec.validate(*metas)
     result = jax.ShapeDtypeStruct(spec.out_shape(metas), np_dtype(spec.out_dtype(metas)))
     template = tuple(None if i in slots else v for i, v in enumerate(bound))  # scalars only: no tracer kept
-    host = _host_fn(spec, template, tuple(slots), backend or core._backend_ctx.get(), core._strict_ctx.get())
+    chosen = backend if backend is not None else context.context_backend()
+    host = _host_fn(spec, template, tuple(slots), chosen, context.context_strict())
     return jax.pure_callback(host, result, *operands, vmap_method="sequential")
 
 
 def _meta(spec, arg: str, a) -> Meta:
     if isinstance(a, jax.core.Tracer):
         return Meta("jax", np.dtype(a.dtype).name, a.shape, None, "cpu")
-    ad = adapter_for(a)
-    if ad is None:
-        core._bad_array(spec, arg, a)
-    return ad.meta(a)
+    return meta_of(spec, arg, a)
 
 
 def _host_fn(spec, template: tuple, slots: tuple, backend: str | None, strict_now: bool | None):
@@ -57,8 +55,8 @@ def _host_fn(spec, template: tuple, slots: tuple, backend: str | None, strict_no
         args = list(template)
         for i, a in zip(slots, arrays):
             args[i] = a
-        ctx = core.strict(strict_now) if strict_now is not None else contextlib.nullcontext()
+        ctx = strict(strict_now) if strict_now is not None else contextlib.nullcontext()
         with ctx:
-            return np.asarray(core.call(spec, tuple(args), backend))
+            return np.asarray(call(spec, tuple(args), backend))
 
     return host

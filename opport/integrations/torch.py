@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from opport import errors
-from opport.dispatch.adapters import NumpyAdapter
-from opport.dispatch.core import call, metas_of
+from opport.dispatch import call
+from opport.dispatch.adapters import NumpyAdapter, metas_of
 from opport.integrations import small_cases
 from opport.ops import all_ops
 

@@ -14,21 +14,33 @@ from opport.errors import ArgumentError
 from opport.spec import OpSpec
 
 _ops: dict[str, OpSpec] | None = None
+_builtin: dict[str, OpSpec] | None = None
+
+
+def _load(paths) -> dict[str, OpSpec]:
+    found = {}
+    for path in paths:
+        mod = importlib.import_module(path)
+        spec = getattr(mod, path.rsplit(".", 1)[-1], None)
+        if isinstance(spec, OpSpec):
+            found[spec.name] = spec
+    return found
+
+
+def builtin_ops() -> dict[str, OpSpec]:
+    """The ops declared in this package, in alphabetical order."""
+    global _builtin
+    if _builtin is None:
+        _builtin = dict(sorted(_load(f"{__name__}.{m.name}" for m in pkgutil.iter_modules(__path__)).items()))
+    return _builtin
 
 
 def all_ops() -> dict[str, OpSpec]:
-    """Every declared op by name, in alphabetical order."""
+    """Every declared op by name (this package's and the `opport.ops` entry points'), in alphabetical order."""
     global _ops
     if _ops is None:
-        found = {}
-        modules = [f"{__name__}.{m.name}" for m in pkgutil.iter_modules(__path__)]
-        modules += [ep.value for ep in entry_points(group="opport.ops")]
-        for path in modules:
-            mod = importlib.import_module(path)
-            spec = getattr(mod, path.rsplit(".", 1)[-1], None)
-            if isinstance(spec, OpSpec):
-                found[spec.name] = spec
-        _ops = dict(sorted(found.items()))
+        extra = _load(ep.value for ep in entry_points(group="opport.ops"))
+        _ops = dict(sorted({**extra, **builtin_ops()}.items()))
     return _ops
 
 

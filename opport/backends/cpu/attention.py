@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from opport.backends.cpu._common import store, upcast
+from opport.dispatch import impl
 from opport.dtypes import acc_dtype
 from opport.ops.attention import attention as spec
 
@@ -37,7 +38,7 @@ def _batch_heads_merge(*arrays) -> bool:
     return all(a.shape[0] == 1 or a.shape[1] == 1 or a.strides[0] == a.shape[1] * a.strides[1] for a in arrays)
 
 
-@spec.impl("cpu")
+@impl(spec, "cpu")
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) -> np.ndarray:
     """softmax(q k^T · scale, bottom-right causal mask) v, out [B, Hq, Sq, Dv] in q's dtype.
 

@@ -3,6 +3,7 @@
 import numpy as np
 
 from opport.backends.cpu._common import parallel_rows, upcast
+from opport.dispatch import impl
 from opport.dtypes import acc_dtype
 from opport.ops.cross_entropy import cross_entropy as spec
 from opport.ops.cross_entropy import reduce_losses
@@ -11,7 +12,7 @@ VOCAB_CHUNK = 32768  # columns per step: a [rows, VOCAB_CHUNK] float32 block, ne
 # GIL-holding max reductions than 8192 (1.5 ms vs 3.0 ms for 16 x 128256 on 2 threads)
 
 
-@spec.impl("cpu")
+@impl(spec, "cpu")
 def cross_entropy(logits: np.ndarray, target: np.ndarray, ignore_index: int, reduction: str, label_smoothing: float):
     """Per-row loss (m - x_t) + log(sum exp(x - m)), smoothed and reduced; float32 out.
 

@@ -3,9 +3,10 @@
 import numpy as np
 
 from opport.backends.cpu import _activations as act
+from opport.dispatch import impl
 from opport.ops.gelu import gelu as spec
 
 
-@spec.impl("cpu")
+@impl(spec, "cpu")
 def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
     return act.elementwise(act.gelu_tanh if approximate == "tanh" else act.gelu_erf, x)

@@ -9,6 +9,7 @@ the common rows pay nothing for that.
 import numpy as np
 
 from opport.backends.cpu._common import parallel_rows, result_block, row_mean, store, upcast
+from opport.dispatch import impl
 from opport.ops.layernorm import layernorm as spec
 from opport.ops.layernorm import row_scale
 
@@ -42,7 +43,7 @@ def _centred_scaled(d: np.ndarray, xf: np.ndarray, eps) -> np.ndarray:
     return var
 
 
-@spec.impl("cpu")
+@impl(spec, "cpu")
 def layernorm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
     out = np.empty(x.shape, x.dtype)
     n = x.shape[-1]

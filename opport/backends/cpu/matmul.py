@@ -3,10 +3,11 @@
 import numpy as np
 
 from opport.backends.cpu._common import upcast
+from opport.dispatch import impl
 from opport.ops.matmul import matmul as spec
 
 
-@spec.impl("cpu")
+@impl(spec, "cpu")
 def matmul(a: np.ndarray, b: np.ndarray, bias) -> np.ndarray:
     """a [..., M, K] @ b ([K, N] or [..., K, N]) (+ bias [N]), returned in a's dtype.
 

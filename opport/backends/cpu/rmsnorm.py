@@ -3,10 +3,11 @@
 import numpy as np
 
 from opport.backends.cpu._common import parallel_rows, result_block, row_mean, store, upcast
+from opport.dispatch import impl
 from opport.ops.rmsnorm import rmsnorm as spec
 
 
-@spec.impl("cpu")
+@impl(spec, "cpu")
 def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
     out = np.empty(x.shape, x.dtype)
     n = x.shape[-1]

@@ -3,12 +3,13 @@
 import numpy as np
 
 from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
+from opport.dispatch import impl
 from opport.dtypes import acc_dtype
 from opport.ops.rope import pair_views
 from opport.ops.rope import rope as spec
 
 
-@spec.impl("cpu")
+@impl(spec, "cpu")
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
     """Rotate feature pairs of x [B, H, S, D] by the angles whose cos/sin are [S, D/2] or [B, S, D/2].
 

@@ -3,9 +3,10 @@
 import numpy as np
 
 from opport.backends.cpu import _activations as act
+from opport.dispatch import impl
 from opport.ops.silu import silu as spec
 
 
-@spec.impl("cpu")
+@impl(spec, "cpu")
 def silu(x: np.ndarray) -> np.ndarray:
     return act.elementwise(act.silu, x)

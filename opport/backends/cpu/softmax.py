@@ -7,6 +7,7 @@ layout and copied back into a contiguous output of x's shape (one extra pass ove
 import numpy as np
 
 from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
+from opport.dispatch import impl
 from opport.ops.softmax import softmax as spec
 
 
@@ -32,7 +33,7 @@ def _softmax_rows(e: np.ndarray, xf: np.ndarray) -> np.ndarray:
     return np.divide(e, s, out=e)
 
 
-@spec.impl("cpu")
+@impl(spec, "cpu")
 def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     axis = axis % max(x.ndim, 1)
     moved = np.moveaxis(x, axis, -1) if x.ndim else x.reshape(1)

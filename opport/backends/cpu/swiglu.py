@@ -3,6 +3,7 @@
 import numpy as np
 
 from opport.backends.cpu import _activations as act
+from opport.dispatch import impl
 from opport.ops.swiglu import swiglu as spec
 
 
@@ -34,6 +35,6 @@ def _swiglu(y: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return y
 
 
-@spec.impl("cpu")
+@impl(spec, "cpu")
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return act.elementwise(_swiglu, gate, up)

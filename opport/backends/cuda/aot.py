@@ -250,7 +250,7 @@ def _bind_case(spec, case):
 
 def check(report: Report, recorder: _Recorder, label: str, spec, make):
     """Run the problem's cuda kernel host code; its launches compile through the recorder."""
-    from opport.dispatch.core import metas_of
+    from opport.dispatch.adapters import metas_of
     from opport.dispatch.registry import get_backend, kernels
 
     report.problems += 1

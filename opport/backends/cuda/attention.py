@@ -9,6 +9,7 @@ import math
 import torch
 
 from opport.backends.cuda._launch import INTERPRET, cdiv, dot_operand, f32, narrow, next_pow2, sm_count, tl, triton
+from opport.dispatch import impl
 from opport.ops.attention import attention as spec
 
 LOG2E = 1.4426950408889634
@@ -270,7 +271,7 @@ def _kv_splits(programs: int, sk: int, block_n: int, device) -> int:
     return max(1, min(cdiv(2 * sms, programs), sk // min_keys))
 
 
-@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale) -> torch.Tensor:
     bsz, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]

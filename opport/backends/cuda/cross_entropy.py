@@ -8,6 +8,7 @@ The "sum"/"mean" reductions of those N losses run in torch (a deterministic O(N)
 import torch
 
 from opport.backends.cuda._launch import cdiv, f32, log_f32, row_config, tl, triton
+from opport.dispatch import impl
 from opport.ops.cross_entropy import cross_entropy as spec
 
 
@@ -62,7 +63,7 @@ def _cross_entropy_kernel(
     tl.store(loss_ptr + rows, loss, mask=row_ok)
 
 
-@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
                   label_smoothing: float) -> torch.Tensor:
     n, v = logits.shape

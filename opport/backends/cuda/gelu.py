@@ -13,6 +13,7 @@ from opport.backends.cuda._launch import (
     tl,
     triton,
 )
+from opport.dispatch import impl
 from opport.ops.gelu import gelu as spec
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)
@@ -44,7 +45,7 @@ def _gelu_kernel(
     tl.store(out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc), narrow(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
 def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return elementwise(_gelu_kernel, [x], out, TANH=approximate == "tanh")

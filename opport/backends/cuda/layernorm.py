@@ -3,6 +3,7 @@
 import torch
 
 from opport.backends.cuda._launch import at, cdiv, f32, lead_index, narrow, pow2_scale, row_config, rows_layout, tl, triton
+from opport.dispatch import impl
 from opport.ops.layernorm import layernorm as spec
 
 FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # floor for eps / s**2, so a constant row stays 0 / sqrt(eps') = 0, never 0 / 0
@@ -81,7 +82,7 @@ def _affine_store(y, w_ptr, w_s, b_ptr, b_s, cols, mask, out_ptrs, HAS_WEIGHT: t
     tl.store(out_ptrs, narrow(y, out_ptrs.dtype.element_ty), mask=mask)
 
 
-@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
 def layernorm(x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:

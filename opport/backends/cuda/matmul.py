@@ -19,6 +19,7 @@ from opport.backends.cuda._launch import (
     tl,
     triton,
 )
+from opport.dispatch import impl
 from opport.ops.matmul import matmul as spec
 
 
@@ -117,7 +118,7 @@ def _batch_layout(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
     return lay
 
 
-@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
 def matmul(a: torch.Tensor, b: torch.Tensor, bias) -> torch.Tensor:
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     out = torch.empty((*a.shape[:-2], m, n), dtype=a.dtype, device=a.device)

@@ -3,6 +3,7 @@
 import torch
 
 from opport.backends.cuda._launch import at, cdiv, f32, lead_index, narrow, pow2_scale, row_config, rows_layout, tl, triton
+from opport.dispatch import impl
 from opport.ops.rmsnorm import rmsnorm as spec
 
 
@@ -68,7 +69,7 @@ def _scale_store(xs, r, w_ptr, w_s, cols, mask, out_ptrs, HAS_WEIGHT: tl.constex
     tl.store(out_ptrs, narrow(y, out_ptrs.dtype.element_ty), mask=mask)
 
 
-@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
 def rmsnorm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:

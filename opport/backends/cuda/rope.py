@@ -3,6 +3,7 @@
 import torch
 
 from opport.backends.cuda._launch import at, cdiv, f32, lead_index, narrow, next_pow2, tile_elements, tl, triton, warps_for
+from opport.dispatch import impl
 from opport.ops.rope import rope as spec
 
 
@@ -61,7 +62,7 @@ def _table_strides(t: torch.Tensor) -> tuple:
     return (0, *t.stride()) if t.dim() == 2 else tuple(t.stride())
 
 
-@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:

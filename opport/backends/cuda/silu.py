@@ -3,6 +3,7 @@
 import torch
 
 from opport.backends.cuda._launch import at, elementwise, elementwise_tile, f32, narrow, silu_f32, tl, triton
+from opport.dispatch import impl
 from opport.ops.silu import silu as spec
 
 
@@ -22,6 +23,6 @@ def _silu_kernel(
     tl.store(out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc), y, mask=mask)
 
 
-@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
 def silu(x: torch.Tensor) -> torch.Tensor:
     return elementwise(_silu_kernel, [x], torch.empty(x.shape, dtype=x.dtype, device=x.device))

@@ -3,6 +3,7 @@
 import torch
 
 from opport.backends.cuda._launch import at, cdiv, exp_f32, f32, lead_index, narrow, row_config, rows_layout, tl, triton
+from opport.dispatch import impl
 from opport.ops.softmax import softmax as spec
 
 
@@ -57,7 +58,7 @@ def _softmax_kernel(
             tl.store(out_ptr + at(i0, i1, i2, c, o_s0, o_s1, o_s2, o_sc), narrow(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
 def softmax(x: torch.Tensor, axis: int) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:

@@ -14,6 +14,7 @@ from opport.backends.cuda._launch import (
     tl,
     triton,
 )
+from opport.dispatch import impl
 from opport.ops.swiglu import swiglu as spec
 
 DEEP = tl.constexpr(64.0)  # below -DEEP, sigmoid(gate) heads for float32 subnormals (few significant bits)
@@ -43,6 +44,6 @@ def _swiglu_kernel(
     tl.store(out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc), narrow(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-@spec.impl("cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return elementwise(_swiglu_kernel, [gate, up], torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))

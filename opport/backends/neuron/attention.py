@@ -8,6 +8,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.dispatch import impl
 from opport.dtypes import np_dtype
 from opport.ops.attention import attention as spec
 
@@ -203,7 +204,7 @@ def _supports(q, k, v, causal, scale):
     return None
 
 
-@spec.impl("neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) -> np.ndarray:
     """Host side: contiguous inputs, the default scale, and exact row cuts when v is not all finite under a causal mask."""
     b, hq, sq, d = q.shape

@@ -8,6 +8,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.dispatch import impl
 from opport.ops.cross_entropy import cross_entropy as spec
 
 FMAX = 8192  # vocabulary chunk: logits chunk, column iota, fp32 exp scratch and predicate <= 104 KiB per partition
@@ -197,7 +198,7 @@ def _supports(logits, target, ignore_index, reduction, label_smoothing):
     return None
 
 
-@spec.impl("neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
 def cross_entropy(logits: np.ndarray, target: np.ndarray, ignore_index: int, reduction: str,
                   label_smoothing: float) -> np.ndarray:
     """Host side: targets to int32 (clipped so out-of-range stays out of range), launch, float32 out."""

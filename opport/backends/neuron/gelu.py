@@ -6,6 +6,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.dispatch import impl
 from opport.ops.gelu import gelu as spec
 
 FMAX = 4096  # free-dim chunk: in, clamped and out tiles <= 48 KiB per partition (fp32), room to double-buffer
@@ -58,7 +59,7 @@ def _gelu_kernel(x_hbm, approximate):
     return out_hbm
 
 
-@spec.impl("neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
 def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
     """Host side: lay the flat input onto the partitions ([128, n/128] plus a [tail, 1] tail) and launch."""
     return _host.run_elementwise(_gelu_kernel, (x,), x.dtype.name, approximate)

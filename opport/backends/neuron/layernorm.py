@@ -7,6 +7,7 @@ import numpy as np
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.backends.neuron.rmsnorm import load_row_broadcast, scaled_rows
+from opport.dispatch import impl
 from opport.ops.layernorm import layernorm as spec
 
 FMAX = 4096  # free-dim chunk: input chunk + fp32 scratch <= 32 KiB per partition
@@ -147,7 +148,7 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
     return out_hbm
 
 
-@spec.impl("neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
 def layernorm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
     """Host side: flatten leading dims to rows and launch; empty inputs have nothing to compute."""
     if x.size == 0:

@@ -9,6 +9,7 @@ import numpy as np
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.backends.neuron.rmsnorm import load_row_broadcast
+from opport.dispatch import impl
 from opport.dtypes import np_dtype
 from opport.ops.matmul import matmul as spec
 
@@ -137,7 +138,7 @@ def _transposed_row_tile(a_hbm, g, m0, mt, n_k):
     return tiles
 
 
-@spec.impl("neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
 def matmul(a: np.ndarray, b: np.ndarray, bias) -> np.ndarray:
     """Host side: a shared b folds a's batch dims into M (one [1, B*M, K] call); a batched b loops in-kernel."""
     batch = a.shape[:-2]

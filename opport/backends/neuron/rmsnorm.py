@@ -6,6 +6,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.dispatch import impl
 from opport.ops.rmsnorm import rmsnorm as spec
 
 FMAX = 4096  # free-dim chunk: input chunk + fp32 scratch <= 32 KiB per partition
@@ -176,7 +177,7 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
     return out_hbm
 
 
-@spec.impl("neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
 def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
     """Host side: flatten leading dims to rows and launch; empty inputs have nothing to compute."""
     if x.size == 0:

@@ -6,6 +6,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.dispatch import impl
 from opport.ops.rope import rope as spec
 
 HD_MAX = 4096  # heads x head_dim per tile: x, out and four fp32 products stay <= 64 KiB per partition
@@ -87,7 +88,7 @@ def _rope_kernel(x_hbm, cos_hbm, sin_hbm, interleaved):
     return out_hbm
 
 
-@spec.impl("neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
     """Host side: contiguous x, tables in a dtype NKI has (float64 tables rounded to float32), launch."""
     if x.size == 0:

@@ -6,6 +6,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.dispatch import impl
 from opport.ops.silu import silu as spec
 
 FMAX = 8192  # free-dim chunk: in + out tiles <= 48 KiB per partition (fp32)
@@ -51,7 +52,7 @@ def _silu_kernel(x_hbm):
     return out_hbm
 
 
-@spec.impl("neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
 def silu(x: np.ndarray) -> np.ndarray:
     """Host side: lay the flat input onto the partitions ([128, n/128] plus a [tail, 1] tail) and launch."""
     return _host.run_elementwise(_silu_kernel, (x,), x.dtype.name)

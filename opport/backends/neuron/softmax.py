@@ -6,6 +6,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.dispatch import impl
 from opport.ops.softmax import softmax as spec
 
 FMAX = 4096  # free-dim chunk: a 4096-wide input chunk plus its fp32 exp is <= 32 KiB per partition
@@ -114,7 +115,7 @@ def _softmax_kernel(x_hbm):
     return out_hbm
 
 
-@spec.impl("neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
 def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     """Host side: move `axis` last (a copy when it is not already last), flatten to rows, launch."""
     if x.ndim == 0:

@@ -8,6 +8,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.dispatch import impl
 from opport.ops.swiglu import swiglu as spec
 
 FMAX = 4096  # free-dim chunk: gate, up, two fp32 temporaries and out <= 80 KiB per partition (fp32)
@@ -94,7 +95,7 @@ def _swiglu_kernel(gate_hbm, up_hbm, inf_up, deep_gate):
     return out_hbm
 
 
-@spec.impl("neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """Host side: lay both flat inputs onto the partitions ([128, n/128] plus a [tail, 1] tail) and launch.
 
