@@ -1,4 +1,4 @@
-"""Backend and kernel selection (design.md section 4), the selection cache, and `explain`.
+"""Backend and kernel selection (docs/design.md section 4), the selection cache, and `explain`.
 
 Hot path: `call` builds a hashable key from the op, the arrays' adapter keys (dtype, shape,
 strides, device), the scalar arguments and the backend/strict settings. A hit reuses a `Plan`
