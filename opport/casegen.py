@@ -48,7 +48,7 @@ def cast(a, dtype: str) -> np.ndarray:
 
 
 def edge_values(dtype: str, finite: bool = False) -> np.ndarray:
-    """numerics.md section 4: zeros, ones, subnormals, the FTZ boundary, max finite, inf, NaN."""
+    """docs/numerics.md section 4: zeros, ones, subnormals, the FTZ boundary, max finite, inf, NaN."""
     fi = finfo(dtype)
     tiny = float(fi.tiny)
     vals = [0.0, -0.0, 1.0, -1.0, 0.5, -2.0, 1e-3, -1e-3, tiny, -tiny, float(fi.smallest_subnormal),

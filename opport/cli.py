@@ -1,4 +1,4 @@
-"""The `opport` command: list, doctor, explain, conformance, bench (design.md section 6).
+"""The `opport` command: list, doctor, explain, conformance, bench (docs/design.md section 6).
 
 `conformance` and `bench` live in their own packages; each provides `add_arguments(parser)` and
 `run(args) -> int` in its `cli` module.

@@ -1,4 +1,4 @@
-"""User-facing errors (design.md section 2).
+"""User-facing errors (docs/design.md section 2).
 
 Every error derives from `OpError` and from the builtin a caller would catch, and carries
 `op`, `arg`, `constraint` (a stable id such as "rmsnorm.weight_shape"), `expected` and `got`.

@@ -77,7 +77,7 @@ def contiguous_strides(shape: tuple) -> tuple:
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How an output is compared with the float64 reference (numerics.md section 3).
+    """How an output is compared with the float64 reference (docs/numerics.md section 3).
 
     metric: "elementwise" |a-r| <= atol + rtol*|r|; "normwise" |a-r| <= atol + rtol*max|r|
     (K-accumulating ops); "ulp_or_abs" passes where the error is <= `ulp` units in the last
@@ -93,7 +93,7 @@ class Tolerance:
     signed_zero: bool = False  # the reference defines the sign of its zeros (elementwise ops): check it exactly
 
 
-# numerics.md section 3.2
+# docs/numerics.md section 3.2
 BASE_TOLERANCE = {
     "float64": Tolerance(1e-7, 1e-7),
     "float32": Tolerance(1.3e-6, 1e-5),
@@ -272,7 +272,7 @@ def _make_binder(fn: Callable) -> Callable:
 
 
 # --------------------------------------------------------------------------- validation helpers
-# Each raises the typed error of design.md section 2 with the op, argument and constraint id.
+# Each raises the typed error of docs/design.md section 2 with the op, argument and constraint id.
 
 
 def fail(error: type, op: str, arg: str | None, constraint: str, expected, got):

@@ -1,5 +1,5 @@
 """Every backend that can run here gives, from 8 threads with a cold selection cache, what it gives serially
-(numerics.md G9). Triton's interpreter is not thread-safe on its own: the cuda backend declares itself
+(docs/numerics.md G9). Triton's interpreter is not thread-safe on its own: the cuda backend declares itself
 `serialized` in interpreter mode and the dispatcher runs its kernels under a lock."""
 
 from __future__ import annotations

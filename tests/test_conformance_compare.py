@@ -1,4 +1,4 @@
-"""The comparison rules of numerics.md section 3, on hand-made outputs."""
+"""The comparison rules of docs/numerics.md section 3, on hand-made outputs."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Crash isolation (numerics.md G5): abort, segfault, hang and a poisoned device each fail exactly one case."""
+"""Crash isolation (docs/numerics.md G5): abort, segfault, hang and a poisoned device each fail exactly one case."""
 
 import json
 

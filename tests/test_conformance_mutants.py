@@ -1,4 +1,4 @@
-"""Gate sensitivity (numerics.md G4): five broken versions of every cpu kernel are each caught."""
+"""Gate sensitivity (docs/numerics.md G4): five broken versions of every cpu kernel are each caught."""
 
 import numpy as np
 

@@ -61,7 +61,7 @@ def out_dtype(spec, dtype):
 
 
 def assert_close(spec, dtype, out, ref, tol, label):
-    """numerics.md 3.1: dtype and shape first, special values exact, then the op's declared metric."""
+    """docs/numerics.md 3.1: dtype and shape first, special values exact, then the op's declared metric."""
     __tracebackhide__ = True
     assert str(out.dtype).removeprefix("torch.") == out_dtype(spec, dtype), f"{label}: dtype {out.dtype}"
     o = out.detach().cpu().double().numpy()
@@ -249,7 +249,7 @@ def test_bfloat16_conversions_are_exact():
     wide, y = torch.empty(bits.shape, device=dev), torch.empty_like(bits)
     _roundtrip_kernel[(1,)](bits, wide, y, bits.numel(), BLOCK=1 << 16)
     expect = bits.float()
-    # compiled kernels may flush subnormals (numerics.md 3.1 rule 9): judged on normal values there
+    # compiled kernels may flush subnormals (docs/numerics.md 3.1 rule 9): judged on normal values there
     judged = torch.ones_like(expect, dtype=torch.bool) if CUDA.mode() == "interpreter" else expect.abs() >= 2.0**-126
     same = (wide == expect) | (wide.isnan() & expect.isnan()) | ~judged
     assert bool(same.all()), f"{int((~same).sum())} bfloat16 values widened wrongly"

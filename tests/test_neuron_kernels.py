@@ -201,7 +201,7 @@ def test_dma_bytes_against_the_minimum(capsys):
 
 @pytest.mark.parametrize("name", OPS)
 def test_kernel_file_layout(name):
-    """style.md 7/8: a private @nki.jit `_<op>_kernel` with the template docstring, a public wrapper named like
+    """docs/style.md 7/8: a private @nki.jit `_<op>_kernel` with the template docstring, a public wrapper named like
     the op, and imports only through nki_compat (no emulator internals, so the same source runs on the SDK)."""
     path = KERNEL_DIR / f"{name}.py"
     tree = ast.parse(path.read_text())
@@ -221,7 +221,7 @@ def test_kernel_file_layout(name):
 
 
 def test_buffers_are_named_by_memory_space():
-    """style.md 8: every on-chip allocation is bound to a name ending in _sb or _psum, HBM tensors in _hbm."""
+    """docs/style.md 8: every on-chip allocation is bound to a name ending in _sb or _psum, HBM tensors in _hbm."""
     bad = []
     for name in OPS:
         tree = ast.parse((KERNEL_DIR / f"{name}.py").read_text())
@@ -236,7 +236,7 @@ def test_buffers_are_named_by_memory_space():
 
 
 def test_constants_say_why():
-    """Every module-level constant of a kernel file carries a one-line reason (style.md 8)."""
+    """Every module-level constant of a kernel file carries a one-line reason (docs/style.md 8)."""
     missing = []
     for name in ("_host", *OPS):
         lines = (KERNEL_DIR / f"{name}.py").read_text().splitlines()

@@ -1,6 +1,6 @@
 """opport's NKI emulator: every enforced constraint rejects a small illegal kernel; legal ops match NumPy.
 
-Kernels here are written against the documented NKI >= 0.3 API only (nki.md section 3).
+Kernels here are written against the documented NKI >= 0.3 API only (docs/nki.md section 3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The roofs every row is measured against, measured in the same run (performance.md sections 1 and 5).
+"""The roofs every row is measured against, measured in the same run (docs/performance.md sections 1 and 5).
 
 Copy bandwidth: one large copy, bytes read + bytes written. Compute: a large matrix product through
 the vendor library (cuBLAS via torch.matmul; NumPy's BLAS on CPUs), per dtype on random data (zeros

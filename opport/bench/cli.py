@@ -28,7 +28,7 @@ def add_arguments(p):
     p.add_argument("--dtype", action="append", default=[], help="dtype to run (repeat); default float32 on cpu, bfloat16 on cuda")
     p.add_argument("--tier", choices=TIERS, help="shape set: smoke (CI), small (cpu default), llm (cuda default)")
     p.add_argument("--smoke", action="store_true", help="same as --tier smoke with short timing: seconds, for CI")
-    p.add_argument("--json", metavar="F", help="write the report as JSON (design.md section 6)")
+    p.add_argument("--json", metavar="F", help="write the report as JSON (docs/design.md section 6)")
     p.add_argument("--plot", metavar="F", help="write a PNG: roofline chart and per-op speedup bars")
     p.add_argument("--baseline", metavar="F", help="fail if an opport row is slower than in this earlier --json report")
     p.add_argument("--margin", type=float, default=0.10, help="--baseline: allowed slowdown, a fraction (default 0.10)")

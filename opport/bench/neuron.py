@@ -3,7 +3,7 @@
 In opport's NKI emulator there is no time: it reports, per call, the DMA bytes the kernel moved
 (against the op's minimum bytes from its cost model) and the instructions it issued per engine.
 These are counts, not speed. On hardware (`mode == "hardware"`) device-side timing belongs to the
-Neuron SDK's profiler (performance.md 5.10), which this suite does not drive yet.
+Neuron SDK's profiler (docs/performance.md 5.10), which this suite does not drive yet.
 """
 
 from __future__ import annotations

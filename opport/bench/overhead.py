@@ -14,7 +14,7 @@ alternating batches with the garbage collector off, twice:
   larger than overhead_us: the kernel's work evicts the dispatcher's code and data from the caches,
   which then cost misses on every call, as they do between the ops of a real model.
 
-Goal (performance.md): <= 5 us (gate), <= 2 us (moonshot), judged on overhead_us.
+Goal (docs/performance.md): <= 5 us (gate), <= 2 us (moonshot), judged on overhead_us.
 """
 
 from __future__ import annotations

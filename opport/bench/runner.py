@@ -22,7 +22,7 @@ from opport.dispatch import FallbackWarning, explain
 from opport.dispatch.adapters import metas_of
 from opport.public import function
 
-LAUNCH_BOUND_BYTES = 8 << 20  # performance.md section 4: small/latency-bound shapes (< ~8 MB working set)
+LAUNCH_BOUND_BYTES = 8 << 20  # docs/performance.md section 4: small/latency-bound shapes (< ~8 MB working set)
 LAUNCH_BOUND_FLOOR_MS = 0.010
 
 
@@ -194,7 +194,7 @@ def _graph_and_host(p: Provider, row: dict, st: Settings):
 
 @contextlib.contextmanager
 def _no_recompile(p: Provider):
-    """torch.compile providers may not recompile while timed (performance.md 5.4)."""
+    """torch.compile providers may not recompile while timed (docs/performance.md 5.4)."""
     if not p.compiled:
         yield
         return
@@ -210,7 +210,7 @@ def _sync(st: Settings):
 
 
 def _add_ratios(rows: list):
-    """vs = baseline time / opport time (> 1: opport faster); performance.md 5.8 sanity notes."""
+    """vs = baseline time / opport time (> 1: opport faster); docs/performance.md 5.8 sanity notes."""
     mine = next((r for r in rows if r["impl"] == "opport" and "ms" in r), None)
     if mine is None:
         return
@@ -226,7 +226,7 @@ def _add_ratios(rows: list):
         mine["vs_graph"] = vs_graph
     fast = [k for k, v in vs.items() if v > 2.0]
     if fast:
-        mine["note"] = f"speedup > 2x over {', '.join(fast)}: re-check (performance.md 5.8)"
+        mine["note"] = f"speedup > 2x over {', '.join(fast)}: re-check (docs/performance.md 5.8)"
 
 
 def run_counts(spec, wl, shape, dtype: str) -> dict:

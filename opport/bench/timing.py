@@ -1,4 +1,4 @@
-"""Timers (performance.md section 5): CUDA events with a cold L2, CUDA-graph replay, host timing on CPUs.
+"""Timers (docs/performance.md section 5): CUDA events with a cold L2, CUDA-graph replay, host timing on CPUs.
 
 Every timer returns raw samples in milliseconds; `summarize` turns pooled samples (from interleaved
 rounds over the providers) into median and p20/p80. Warm-up, compilation and autotuning happen in

@@ -21,7 +21,7 @@ def add_arguments(p):
                    help="fast: CI (capped examples, no 'large' cases); full: thousands of examples, every layout")
     p.add_argument("--examples", type=int, default=None, metavar="N", help="Hypothesis examples per op x dtype")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="Hypothesis seed (0 = the derandomized CI profile)")
-    p.add_argument("--json", metavar="F", help="write the JSON report (design.md section 6)")
+    p.add_argument("--json", metavar="F", help="write the JSON report (docs/design.md section 6)")
     p.add_argument("--junit", metavar="F", help="write JUnit XML (one testcase per case, metrics as properties)")
     p.add_argument("--markdown", metavar="F", help="write a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)")
     p.add_argument("--baseline", metavar="F", help="fail on new failures or metrics > 2x this baseline")

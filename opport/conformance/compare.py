@@ -1,4 +1,4 @@
-"""How an output is judged against the float64 reference (numerics.md section 3).
+"""How an output is judged against the float64 reference (docs/numerics.md section 3).
 
 Order of checks: output dtype and shape (`contract`), then special values exactly (NaN positions,
 signed infinities), then the finite values under the case's `Tolerance` metric, then the RMSE
@@ -14,7 +14,7 @@ import numpy as np
 
 from opport.dtypes import finfo, np_dtype
 
-# numerics.md 3.1 rule 3: RMSE multiplier over the baseline's RMSE
+# docs/numerics.md 3.1 rule 3: RMSE multiplier over the baseline's RMSE
 FLOOR_MULT = {"float32": 2.0, "float64": 2.0}
 FLOOR_MULT_LOW = 3.0  # 16-bit dtypes, and any case with fewer than 1000 elements
 FLOOR_SMALL = 1000
@@ -30,7 +30,7 @@ class Verdict:
 
 
 def contract(out: np.ndarray, ref: np.ndarray, out_dtype: str) -> str | None:
-    """Output dtype and shape before any value (numerics.md 3.1 rule 8)."""
+    """Output dtype and shape before any value (docs/numerics.md 3.1 rule 8)."""
     if out.dtype != np_dtype(out_dtype):
         return f"output dtype {out.dtype.name}, expected {out_dtype}"
     if out.shape != ref.shape:
@@ -93,7 +93,7 @@ def _special_mismatch(a, r, rr, dtype) -> np.ndarray:
 
 
 def _rule6_atol(tol, maxr: float, override: bool) -> float:
-    """numerics.md 3.1 rule 6: atol stays below 1% of max|r|, so all-zeros cannot pass a case of tiny outputs.
+    """docs/numerics.md 3.1 rule 6: atol stays below 1% of max|r|, so all-zeros cannot pass a case of tiny outputs.
 
     Not applied to a case's own (reasoned) tolerance override, nor where max|r| <= atol/1000: such a
     reference is zero at the tolerance's scale (often the float64 reference's own rounding noise
@@ -145,7 +145,7 @@ def _worst_index(bad, bad_special, ratio) -> tuple:
 
 
 def noise_floor(out: np.ndarray, ref: np.ndarray, base: np.ndarray, tol, out_dtype: str) -> Verdict:
-    """RMSE(kernel - r64) <= m * RMSE(baseline - r64) + tol/10 (numerics.md 3.1 rule 3).
+    """RMSE(kernel - r64) <= m * RMSE(baseline - r64) + tol/10 (docs/numerics.md 3.1 rule 3).
 
     `base` is the reference evaluated in the accumulation dtype on the same rounded inputs and rounded
     to the output dtype: what a plain NumPy implementation at this dtype achieves. Only elements

@@ -1,4 +1,4 @@
-"""A deliberately faulty backend for the isolation self-test (numerics.md G5).
+"""A deliberately faulty backend for the isolation self-test (docs/numerics.md G5).
 
 `faulty` runs the cpu rmsnorm kernel, except on a few fixed cases, recognised by x's shape:
 

@@ -140,7 +140,7 @@ def regressions(cases: list, baseline: dict) -> list[dict]:
 
 
 def exit_code(summary: dict, regressions_found: list) -> int:
-    """design.md section 6: 0 only if nothing failed, errored, crashed, timed out or xpassed, and a case ran."""
+    """docs/design.md section 6: 0 only if nothing failed, errored, crashed, timed out or xpassed, and a case ran."""
     ran = sum(summary.get(s, 0) for s in STATUSES if s != "skip")
     if ran == 0:
         return 1

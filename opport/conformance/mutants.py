@@ -1,4 +1,4 @@
-"""Self-test of the gate (numerics.md G4): five broken versions of every cpu kernel must each fail a case.
+"""Self-test of the gate (docs/numerics.md G4): five broken versions of every cpu kernel must each fail a case.
 
 Each mutant is a backend (`mutant-zeros`, ...) whose kernels wrap the cpu kernels, so it sees the same
 cases through the same dispatcher, poisoning and comparisons as a real backend. `self_test` runs

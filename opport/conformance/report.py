@@ -175,7 +175,7 @@ def print_summary(report, console: Console | None = None):
 
 
 def to_json(report) -> dict:
-    """design.md section 6, plus run details (seed, tier, stale entries, baseline regressions)."""
+    """docs/design.md section 6, plus run details (seed, tier, stale entries, baseline regressions)."""
     names = list(report.backends)
     single = len(names) == 1
     o = report.options

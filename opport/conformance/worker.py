@@ -1,4 +1,4 @@
-"""Crash isolation: cases run in worker processes; the parent owns the report (numerics.md section 6).
+"""Crash isolation: cases run in worker processes; the parent owns the report (docs/numerics.md section 6).
 
 The parent hands each worker a batch (one op x backend x dtype, or one op's bad inputs). The worker
 rebuilds the batch's items itself (they are deterministic), announces each case before running it

@@ -85,7 +85,7 @@ def _reference(q, k, v, causal, scale):
     return out
 
 
-_WHY = "numerics.md 3.3: K-accumulating (over D and Sk), norm-wise against max|r|"
+_WHY = "docs/numerics.md 3.3: K-accumulating (over D and Sk), norm-wise against max|r|"
 attention.tolerance(
     float64=Tolerance(1e-7, 1e-7, "normwise", reason=_WHY),
     float32=Tolerance(1e-5, 1e-5, "normwise", reason=_WHY),

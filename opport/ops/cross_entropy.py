@@ -80,13 +80,13 @@ def _reference(logits, target, ignore_index, reduction, label_smoothing):
     return reduce_losses(loss, ignored, reduction)
 
 
-# numerics.md 3.3: the loss is judged relative to itself; atol covers losses that are ~0 (peaked rows), whose
+# docs/numerics.md 3.3: the loss is judged relative to itself; atol covers losses that are ~0 (peaked rows), whose
 # float32 result carries an absolute error of a few eps·log(V), not a relative one.
 cross_entropy.tolerance(
-    float64=Tolerance(1e-7, 1e-9, reason="numerics.md 3.2 (float64 computes in float64)"),
-    float32=Tolerance(1e-5, 1e-6, reason="numerics.md 3.3: loss relative, fp32 inputs"),
-    float16=Tolerance(1e-4, 1e-6, reason="numerics.md 3.3: loss returned in fp32 with fp32 accumulation"),
-    bfloat16=Tolerance(1e-4, 1e-6, reason="numerics.md 3.3: loss returned in fp32 with fp32 accumulation"),
+    float64=Tolerance(1e-7, 1e-9, reason="docs/numerics.md 3.2 (float64 computes in float64)"),
+    float32=Tolerance(1e-5, 1e-6, reason="docs/numerics.md 3.3: loss relative, fp32 inputs"),
+    float16=Tolerance(1e-4, 1e-6, reason="docs/numerics.md 3.3: loss returned in fp32 with fp32 accumulation"),
+    bfloat16=Tolerance(1e-4, 1e-6, reason="docs/numerics.md 3.3: loss returned in fp32 with fp32 accumulation"),
 )
 
 

@@ -58,7 +58,7 @@ def _cases(dtype):
             if approximate == "tanh" and "llm" not in tags and "edge" not in tags:
                 continue  # the tanh form shares the activation code path; its edges and LLM shapes suffice
             yield Case(f"{approximate}/{name}", (x,), {"approximate": approximate}, tags)
-    for approximate in APPROXIMATIONS:  # the value that tells the two forms apart (numerics.md section 2)
+    for approximate in APPROXIMATIONS:  # the value that tells the two forms apart (docs/numerics.md section 2)
         yield Case(f"{approximate}/minus-3", (cg.cast([-3.0, 3.0, -1.0, 1.0], dtype),), {"approximate": approximate}, ("edge",))
 
 

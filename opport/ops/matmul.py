@@ -50,12 +50,12 @@ def _reference(a, b, bias):
         return out if bias is None else out + bias
 
 
-# numerics.md section 3.3: K-accumulating ops are judged norm-wise against max|r|.
+# docs/numerics.md section 3.3: K-accumulating ops are judged norm-wise against max|r|.
 matmul.tolerance(
-    float64=Tolerance(1e-7, 1e-7, "normwise", reason="numerics.md 3.3: K-accumulating, norm-wise"),
-    float32=Tolerance(1e-5, 1e-5, "normwise", reason="numerics.md 3.3: K-accumulating, norm-wise"),
-    float16=Tolerance(2e-3, 1e-5, "normwise", reason="numerics.md 3.3: fp32 accumulation, norm-wise"),
-    bfloat16=Tolerance(1.6e-2, 1e-5, "normwise", reason="numerics.md 3.3: fp32 accumulation, norm-wise"),
+    float64=Tolerance(1e-7, 1e-7, "normwise", reason="docs/numerics.md 3.3: K-accumulating, norm-wise"),
+    float32=Tolerance(1e-5, 1e-5, "normwise", reason="docs/numerics.md 3.3: K-accumulating, norm-wise"),
+    float16=Tolerance(2e-3, 1e-5, "normwise", reason="docs/numerics.md 3.3: fp32 accumulation, norm-wise"),
+    bfloat16=Tolerance(1.6e-2, 1e-5, "normwise", reason="docs/numerics.md 3.3: fp32 accumulation, norm-wise"),
 )
 
 
@@ -88,7 +88,7 @@ def _cases(dtype):
     yield _case("batched-b", dtype, (2, 3, 17, 64), (2, 3, 64, 17), bias=True)
     yield _case("batched-a-shared-b", dtype, (4, 64, 17), (17, 300))
     yield _case("heads-qk", dtype, (1, 8, 64, 64), (1, 8, 64, 64), tags=("llm",))
-    # large magnitudes per numerics.md 4, chosen so the exact product stays representable in the dtype
+    # large magnitudes per docs/numerics.md 4, chosen so the exact product stays representable in the dtype
     big = (501.0, 1e-2) if dtype == "float16" else (4988429.2, 1e-3)
     yield _case("large", dtype, (17, 64), (64, 17), scale=big, tags=("edge",))
     yield _case("tiny", dtype, (17, 64), (64, 17), scale=(1e-2, 1e-1), tags=("edge",))

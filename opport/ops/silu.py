@@ -12,14 +12,14 @@ from opport.spec import Case, Cost, ErrorCase, Tolerance, check_float, op
 
 NAME = "silu"
 
-# numerics.md section 3.3, composite activations: pass if within `ulp` ULPs of the dtype or within atol.
+# docs/numerics.md section 3.3, composite activations: pass if within `ulp` ULPs of the dtype or within atol.
 ACTIVATION_TOLERANCE = {
     "float32": Tolerance(0.0, 1e-5, "ulp_or_abs", ulp=8, signed_zero=True,
-                         reason="composite activation (numerics.md 3.3): measured abs <= 4.9e-7 where ULPs blow up"),
+                         reason="composite activation (docs/numerics.md 3.3): measured abs <= 4.9e-7 where ULPs blow up"),
     "float16": Tolerance(1e-3, 1e-5, "ulp_or_abs", ulp=2, signed_zero=True,
-                         reason="composite activation (numerics.md 3.3): 2 ULP or base"),
+                         reason="composite activation (docs/numerics.md 3.3): 2 ULP or base"),
     "bfloat16": Tolerance(1.6e-2, 1e-5, "ulp_or_abs", ulp=2, signed_zero=True,
-                          reason="composite activation (numerics.md 3.3): 2 ULP or base"),
+                          reason="composite activation (docs/numerics.md 3.3): 2 ULP or base"),
     "float64": Tolerance(1e-7, 1e-7, signed_zero=True, reason="base table; the reference defines signed zeros"),
 }
 
@@ -57,7 +57,7 @@ silu.tolerance(**ACTIVATION_TOLERANCE)
 
 
 def _bits(dtype: str, rng: np.random.Generator) -> np.ndarray:
-    """Every bit pattern of a 16-bit dtype (numerics.md 3.1 rule 4); 65,536 random patterns for wider ones."""
+    """Every bit pattern of a 16-bit dtype (docs/numerics.md 3.1 rule 4); 65,536 random patterns for wider ones."""
     np_dt = cg.np_dtype(dtype)
     if np_dt.itemsize == 2:
         return np.arange(1 << 16, dtype=np.uint16).view(np_dt)
@@ -84,7 +84,7 @@ def _subnormals(dtype: str, rng: np.random.Generator) -> np.ndarray:
 
 
 def activation_inputs(op_name: str, dtype: str):
-    """(name, x, tags) for the fixed cases of an elementwise activation in `dtype` (numerics.md section 4)."""
+    """(name, x, tags) for the fixed cases of an elementwise activation in `dtype` (docs/numerics.md section 4)."""
 
     def rand(name, shape, dist="normal", scale=1.0):
         return cg.array(shape, dtype, cg.rng_for(op_name, name, dtype), dist, scale)

@@ -36,7 +36,7 @@ def _reference(x, axis):
         return e / np.sum(e, axis=axis, keepdims=True)
 
 
-# numerics.md section 3.3: |sum(row) - 1| <= about log2(K) * u * 10 in float32; each 16-bit output
+# docs/numerics.md section 3.3: |sum(row) - 1| <= about log2(K) * u * 10 in float32; each 16-bit output
 # errs by <= eps/2 relative, so a 16-bit row sum is off by at most eps/2 (checked against eps).
 ROW_SUM_TOLERANCE = {"float64": 1e-13, "float32": 1e-5, "float16": 9.8e-4, "bfloat16": 7.8e-3}
 

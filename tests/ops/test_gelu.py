@@ -21,7 +21,7 @@ def test_cases_cover_both_forms(dtype):
 test_hypothesis_examples_match_reference = hypothesis_test(spec)
 
 
-# gelu(-3) to 12 digits, from math.erfc / math.tanh in float64. numerics.md quotes TF's docs
+# gelu(-3) to 12 digits, from math.erfc / math.tanh in float64. docs/numerics.md quotes TF's docs
 # (-0.00404951, -0.00363752), which are TF's float32 outputs and off by ~1.8e-7 / 1.3e-7.
 GELU_MINUS_3 = {"none": -0.004049694094890, "tanh": -0.003637392081773}
 

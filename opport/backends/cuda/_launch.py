@@ -280,7 +280,7 @@ def dot_operand(x):
 
 @triton.jit
 def exp_f32(x, PRECISE: tl.constexpr):
-    """float32 exp. tl.exp is the fast ex2.approx path (15 ULP at |x| ~ 16, 64 overall, numerics.md 3.4):
+    """float32 exp. tl.exp is the fast ex2.approx path (15 ULP at |x| ~ 16, 64 overall, docs/numerics.md 3.4):
     fine under a 16-bit output, an activation's abs/ULP bound or a logsumexp, too coarse for an
     elementwise float32 rtol of 1.3e-6 (softmax), where PRECISE takes libdevice's expf (~2 ULP)."""
     if PRECISE and not INTERPRETED:

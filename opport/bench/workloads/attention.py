@@ -15,7 +15,7 @@ SHAPES = [
     _s("gqa-256-hd64-causal", 1, 8, 2, 256, 256, 64, True, ("small",)),
     _s("mha-128", 1, 8, 8, 128, 128, 128, False, ("small",)),
     _s("gqa-decode-512", 4, 8, 2, 1, 512, 128, False, ("small",)),
-    _s("mha-4k", 4, 32, 32, 4096, 4096, 128, False, ("llm",)),  # performance.md 2e rows
+    _s("mha-4k", 4, 32, 32, 4096, 4096, 128, False, ("llm",)),  # docs/performance.md 2e rows
     _s("mha-4k-causal", 4, 32, 32, 4096, 4096, 128, True, ("llm",)),
     _s("llama8b-4k-causal", 4, 32, 8, 4096, 4096, 128, True, ("llm",)),
     _s("llama8b-16k-causal", 1, 32, 8, 16384, 16384, 128, True, ("llm",)),
@@ -51,7 +51,7 @@ def torch_eager(q, k, v, causal, scale):
 
 
 def torch_detail(q, k, v, causal, scale) -> str:
-    """The SDPA backend torch picks for these inputs (performance.md 5.9: name the baseline exactly)."""
+    """The SDPA backend torch picks for these inputs (docs/performance.md 5.9: name the baseline exactly)."""
     import torch
     from torch.nn.attention import SDPBackend
 

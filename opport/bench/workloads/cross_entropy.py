@@ -10,7 +10,7 @@ SHAPES = [
     Shape("llama3-16", f"16x{VOCAB}", dict(n=16, v=VOCAB), ("small",)),
     Shape("llama3-1k", f"1024x{VOCAB}", dict(n=1024, v=VOCAB), ("llm",)),
     Shape("llama3-4k", f"4096x{VOCAB}", dict(n=4096, v=VOCAB), ("llm",)),
-    Shape("anchor-8k", f"8192x{VOCAB}", dict(n=8192, v=VOCAB), ("llm",)),  # performance.md 2e row
+    Shape("anchor-8k", f"8192x{VOCAB}", dict(n=8192, v=VOCAB), ("llm",)),  # docs/performance.md 2e row
     Shape("vocab32k-8k", "8192x32000", dict(n=8192, v=32000), ("llm",)),
 ]
 

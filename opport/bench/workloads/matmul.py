@@ -16,7 +16,7 @@ SHAPES = [
     _s("llama8b-decode-qkv", 1, H8, H8 + 2 * 1024, ("small",)),
     _s("llama8b-prefill-128-up", 128, H8, F8, ("small",), bias=True),
     _s("square-4096", 4096, 4096, 4096, ("llm",)),
-    _s("square-8192", 8192, 8192, 8192, ("llm",)),  # performance.md 2e rows
+    _s("square-8192", 8192, 8192, 8192, ("llm",)),  # docs/performance.md 2e rows
     _s("llama70b-decode-16", 16, H70, H70, ("llm",)),
     _s("llama70b-decode-128-up", 128, H70, F70, ("llm",)),
     _s("llama8b-prefill-up", 4096, H8, F8, ("llm",)),

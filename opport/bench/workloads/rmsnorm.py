@@ -14,7 +14,7 @@ SHAPES = [
     Shape("llama70b-decode-128", f"128x{H70}", dict(rows=128, n=H70), ("llm",)),
     Shape("llama8b-prefill", f"4096x{H8}", dict(rows=4096, n=H8), ("llm",)),
     Shape("llama70b-prefill", f"16384x{H70}", dict(rows=16384, n=H70), ("llm",)),
-    Shape("anchor-32k", f"32768x{H70}", dict(rows=32768, n=H70), ("llm",)),  # performance.md 2e row
+    Shape("anchor-32k", f"32768x{H70}", dict(rows=32768, n=H70), ("llm",)),  # docs/performance.md 2e row
 ]
 
 

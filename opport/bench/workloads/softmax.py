@@ -9,7 +9,7 @@ SHAPES = [
     Shape("scores-1k", "256x1024", dict(rows=256, n=1024), ("small",)),
     Shape("vocab-decode", f"1x{VOCAB}", dict(rows=1, n=VOCAB), ("small", "llm")),
     Shape("scores-1k-large", "65536x1024", dict(rows=65536, n=1024), ("llm",)),
-    Shape("anchor-8k", "32768x8192", dict(rows=32768, n=8192), ("llm",)),  # performance.md 2e row
+    Shape("anchor-8k", "32768x8192", dict(rows=32768, n=8192), ("llm",)),  # docs/performance.md 2e row
     Shape("scores-32k", "8192x32768", dict(rows=8192, n=32768), ("llm",)),
     Shape("vocab-prefill", f"4096x{VOCAB}", dict(rows=4096, n=VOCAB), ("llm",)),
 ]

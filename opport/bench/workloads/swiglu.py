@@ -13,7 +13,7 @@ SHAPES = [
     Shape("llama70b-decode-128", f"128x{F70}", dict(rows=128, n=F70), ("llm",)),
     Shape("llama8b-prefill", f"4096x{F8}", dict(rows=4096, n=F8), ("llm",)),
     Shape("llama70b-prefill", f"8192x{F70}", dict(rows=8192, n=F70), ("llm",)),
-    Shape("anchor-32k", "32768x8192", dict(rows=32768, n=8192), ("llm",)),  # performance.md 2e row
+    Shape("anchor-32k", "32768x8192", dict(rows=32768, n=8192), ("llm",)),  # docs/performance.md 2e row
 ]
 
 

@@ -1,7 +1,7 @@
-"""opport's NumPy emulator of the NKI >= 0.3 API subset in nki.md section 3 (`nki`, `nki.language`, `nki.isa`).
+"""opport's NumPy emulator of the NKI >= 0.3 API subset in docs/nki.md section 3 (`nki`, `nki.language`, `nki.isa`).
 
 It runs kernels written against the real API unchanged on CPUs, enforces the hardware constraints of
-nki.md section 2 (raising NkiValidationError, an AssertionError), fills new allocations with NaN,
+docs/nki.md section 2 (raising NkiValidationError, an AssertionError), fills new allocations with NaN,
 computes in float32 with casts to the destination dtype, and counts DMA bytes and instructions per
 engine for every kernel call. See docs/neuron.md.
 

@@ -1,4 +1,4 @@
-"""nki.isa: the instructions, `dst` first, validated against nki.md section 2 before they run.
+"""nki.isa: the instructions, `dst` first, validated against docs/nki.md section 2 before they run.
 
 Every instruction counts itself on its engine in the current run's statistics (runtime.py).
 """
@@ -98,7 +98,7 @@ def _tile(t, op, role, eng=None) -> NkiTensor:
 
 
 def _check_start_partition(t: NkiTensor, op, role):
-    """Hardware start-partition rule (nki.md 2.4): >64 partitions start at 0, 33-64 at 0/64, <=32 at 0/32/64/96."""
+    """Hardware start-partition rule (docs/nki.md 2.4): >64 partitions start at 0, 33-64 at 0/64, <=32 at 0/32/64/96."""
     n, start = t.shape[0], t.partition_start
     legal = start == 0 or (n <= 64 and start == 64) or (n <= 32 and start in (32, 96))
     if not legal:

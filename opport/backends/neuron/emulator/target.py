@@ -1,4 +1,4 @@
-"""NeuronCore generations the emulator can model (nki.md 2.2/2.3), selected per thread.
+"""NeuronCore generations the emulator can model (docs/nki.md 2.2/2.3), selected per thread.
 
 The default is trn2 (NeuronCore-v3); `NEURON_PLATFORM_TARGET_OVERRIDE` (the SDK's own variable) or
 `use_target()` / `set_target()` pick another.
