@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from opport import casegen as cg
+from opport.arraymath import reduce_losses
 from opport.dtypes import INTS
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_choice, check_float, op
@@ -51,18 +52,6 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
     ls = label_smoothing
     ok = isinstance(ls, (int, float, np.floating)) and not isinstance(ls, bool) and math.isfinite(ls) and 0 <= ls <= 1
     check(ok, ArgumentError, NAME, "label_smoothing", "cross_entropy.label_smoothing", "a number in [0, 1]", repr(ls))
-
-
-def reduce_losses(loss: np.ndarray, ignored: np.ndarray, reduction: str):
-    """Apply the reduction to per-row losses (ignored rows already 0); the mean divides by the kept rows."""
-    if reduction == "none":
-        return loss
-    total = loss.sum()
-    if reduction == "sum":
-        return np.asarray(total)
-    kept = int(ignored.size - np.count_nonzero(ignored))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.asarray(total / loss.dtype.type(kept))
 
 
 @cross_entropy.reference

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from opport import casegen as cg
+from opport.arraymath import row_scale
 from opport.errors import ShapeError
 from opport.spec import Case, Cost, ErrorCase, check, check_eps, check_float, check_ndim, check_same_dtype, op
 
@@ -37,17 +38,6 @@ def layernorm(x, weight=None, bias=None, eps=1e-5):
         if m is not None:
             check(m.shape == (n,), ShapeError, NAME, arg, f"layernorm.{arg}_shape", f"({n},) = x.shape[-1:]", m.shape)
     check_eps(NAME, eps)
-
-
-def row_scale(x: np.ndarray, limit: float) -> np.ndarray:
-    """Per-row power of two that brings max|x| of rows above `limit` into [0.5, 1); 1 for the other rows.
-
-    Scaling by a power of two is exact (short of underflow far below the row's largest value), and
-    layernorm is scale invariant once eps is scaled along: eps * s**2.
-    """
-    amax = np.max(np.abs(x), axis=-1, keepdims=True)
-    big = np.isfinite(amax) & (amax > limit)
-    return np.where(big, np.ldexp(x.dtype.type(1), -np.frexp(amax)[1]), x.dtype.type(1))
 
 
 @layernorm.reference

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from opport import casegen as cg
+from opport.arraymath import pair_views
 from opport.dtypes import FLOATS
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.spec import Case, Cost, ErrorCase, check, check_bool, check_float, check_ndim, op
@@ -43,12 +44,6 @@ def rope(x, cos, sin, interleaved=False):
     for arg, t in (("cos", cos), ("sin", sin)):
         check(t.shape in shapes, ShapeError, NAME, arg, "rope.table_shape", f"{shapes[0]} or {shapes[1]}", t.shape)
     check_bool(NAME, "interleaved", interleaved)
-
-
-def pair_views(a: np.ndarray, interleaved: bool):
-    """Views of the two members of each rotated pair: (a[..., 0::2], a[..., 1::2]) or the two halves."""
-    h = a.shape[-1] // 2
-    return (a[..., 0::2], a[..., 1::2]) if interleaved else (a[..., :h], a[..., h:])
 
 
 def _tables(t: np.ndarray) -> np.ndarray:

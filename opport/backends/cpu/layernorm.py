@@ -8,10 +8,10 @@ the common rows pay nothing for that.
 
 import numpy as np
 
+from opport.arraymath import row_scale
 from opport.backends.cpu._common import parallel_rows, result_block, row_mean, store, upcast
 from opport.dispatch import impl
 from opport.ops.layernorm import layernorm as spec
-from opport.ops.layernorm import row_scale
 
 _SCALE_ABOVE = {np.dtype(np.float32): 2.0**40, np.dtype(np.float64): 2.0**400}  # n * max**2 stays finite
 

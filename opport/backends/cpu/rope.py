@@ -2,10 +2,10 @@
 
 import numpy as np
 
+from opport.arraymath import pair_views
 from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
-from opport.ops.rope import pair_views
 from opport.ops.rope import rope as spec
 
 
