@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from opport import errors
+from opport import casegen, errors
 from opport.dtypes import FLOATS
 
 # --------------------------------------------------------------------------- metadata
@@ -134,8 +134,11 @@ class ErrorCase:
 class OpSpec:
     """One operator: signature, validation, reference, cases, tolerances, cost (kernels live in opport.dispatch)."""
 
-    def __init__(self, fn: Callable, arrays: tuple, constraints: dict, dtypes: tuple, out_dtype: str | None):
-        self.name = fn.__name__
+    direction = "forward"  # "forward", "forward_train" (forward that also returns saved statistics), "backward"
+
+    def __init__(self, fn: Callable, arrays: tuple, constraints: dict, dtypes: tuple, out_dtype: str | None,
+                 name: str | None = None):
+        self.name = name or fn.__name__
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
         self.signature = inspect.signature(fn)
@@ -157,6 +160,9 @@ class OpSpec:
         self.tolerances: dict[str, Tolerance] = dict(BASE_TOLERANCE)
         self.invariants: list[Callable] = []
         self._shape: Callable | None = None
+        self.parent: OpSpec | None = None  # the forward op of a derived (training forward or backward) spec
+        self.backward_op: BackwardSpec | None = None  # set by @<op>.backward
+        self.train_forward: TrainForwardSpec | None = None  # set by @<op>.saves: the forward that returns stats too
 
     # -- attaching the parts of the declaration
 
@@ -198,6 +204,41 @@ class OpSpec:
         """Override the base tolerance for some dtypes (each override says why in `reason`)."""
         self.tolerances.update(per_dtype)
 
+    def backward(self, wrt: tuple, constraints: dict | None = None, constants: dict | None = None,
+                 reduces: tuple = ()):
+        """Declare the op's backward (vector-Jacobian product) from its validation function.
+
+        The function's signature is the backward kernels' signature: `grad` (the cotangent of the output),
+        then what the forward saves for the backward, named as in the forward (its arrays, `out`, the
+        statistics named by `@<op>.saves`), then the forward's scalars. Its docstring says what is saved
+        and why. The backward returns one gradient per name in `wrt`, in order (None where that optional
+        input was None). `constants`: the forward's array arguments that have no gradient, each with the
+        reason (a gradient request for one is refused). `reduces`: the inputs whose gradient sums over
+        rows (weights, biases, shared K/V): judged norm-wise, like other K-accumulating outputs
+        (docs/numerics.md 3.1 rule 5).
+        """
+
+        def declare(fn):
+            spec = BackwardSpec(fn, self, tuple(wrt), constraints or {}, dict(constants or {}), tuple(reduces))
+            self.backward_op = spec
+            return spec
+
+        return declare
+
+    def saves(self, names: tuple, shapes: Callable):
+        """Declare statistics the forward saves for the backward, from their float64 reference `fn(*bound)`.
+
+        `names` name them (as the backward's parameters do); `shapes(*bound)` gives their shapes. They are
+        float32 whatever the input dtype. The op then has a training forward, `<op>_forward`, returning
+        (out, *stats): backends register kernels for it like any op (`@impl(<op>.train_forward, ...)`).
+        """
+
+        def declare(fn):
+            self.train_forward = TrainForwardSpec(self, tuple(names), shapes, fn)
+            return fn
+
+        return declare
+
     # -- using the declaration
 
     def bind(self, *args, **kwargs) -> tuple:
@@ -230,6 +271,15 @@ class OpSpec:
         """The dtype that names a call (first array argument's dtype)."""
         return bound[self.array_pos[0]].dtype
 
+    @property
+    def n_outputs(self) -> int:
+        """1 for an op returning one array; the tuple's length for derived specs that return several."""
+        return 1
+
+    def out_metas(self, bound: tuple) -> list:
+        """[(shape, dtype)] per output (None for an output that is None for these arguments)."""
+        return [(self.out_shape(bound), self.out_dtype(bound))]
+
     def out_shape(self, bound: tuple) -> tuple:
         """The output's shape for bound arguments (arrays or Metas)."""
         if self._shape is None:
@@ -241,6 +291,139 @@ class OpSpec:
 
     def __repr__(self):
         return f"<opport op {self.name}{self.signature}>"
+
+
+class BackwardSpec(OpSpec):
+    """An op's backward, declared with `@<op>.backward(...)`: an op in its own right (validation, float64
+    reference, cases, tolerances, kernels, dispatch), named `<op>_backward`, whose kernels live in the
+    same backend modules as the forward's."""
+
+    direction = "backward"
+
+    def __init__(self, fn, forward: OpSpec, wrt: tuple, constraints: dict, constants: dict, reduces: tuple):
+        params = tuple(inspect.signature(fn).parameters)
+        stats = forward.train_forward.stats if forward.train_forward else ()
+        strange = [p for p in params if p not in ("grad", "out", *forward.params, *stats)]
+        if params[0] != "grad" or strange:
+            raise TypeError(f"{fn.__name__}: a backward takes `grad`, then the forward's parameters, `out` and "
+                            f"saved statistics (declare @saves first) by name; got {params}")
+        arrays = tuple(p for p in params if p in ("grad", "out", *forward.arrays, *stats))
+        super().__init__(fn, arrays, constraints, forward.dtypes, None, name=f"{forward.name}_backward")
+        unknown = [n for n in (*wrt, *constants) if n not in forward.arrays]
+        if unknown or set(wrt) & set(constants) or set(wrt) | set(constants) != set(forward.arrays):
+            raise TypeError(f"{self.name}: wrt {wrt} and constants {tuple(constants)} must split {forward.arrays}")
+        self.parent, self.module = forward, forward.module
+        self.wrt, self.constants, self.reduces = wrt, constants, reduces
+        self.tolerances = dict(forward.tolerances)
+        self._extra_cases = None
+        self._case_tolerances: dict = {}  # case name -> {dtype: Tolerance}
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.wrt)
+
+    def dtype_of(self, bound: tuple) -> str:
+        """The dtype of the first differentiable input the backward receives, else of `grad`."""
+        for name in self.wrt:
+            if name in self.params and bound[self.params.index(name)] is not None:
+                return bound[self.params.index(name)].dtype
+        return bound[0].dtype
+
+    def out_metas(self, bound: tuple) -> list:
+        """Per input in `wrt`: its shape and dtype where the backward receives it, else grad's (an input the
+        forward does not save is shaped like the output, e.g. softmax's x, rope's x); None if it was None."""
+        metas = []
+        for name in self.wrt:
+            a = bound[self.params.index(name)] if name in self.params else bound[0]
+            metas.append(None if a is None else (tuple(a.shape), a.dtype if name in self.params else self.dtype_of(bound)))
+        return metas
+
+    def out_shape(self, bound: tuple) -> tuple:
+        return self.out_metas(bound)[0][0]
+
+    def out_dtype(self, bound: tuple) -> str:
+        return self.dtype_of(bound)
+
+    def cases(self, fn):
+        """Backward-only cases (edge upstream gradients) beside those derived from the forward's cases."""
+        self._extra_cases = fn
+        return fn
+
+    def case_tolerance(self, case: str, **per_dtype: Tolerance):
+        """A reasoned tolerance for one derived case (by the forward case's name), per dtype."""
+        if not all(t.reason for t in per_dtype.values()):
+            raise ValueError(f"{self.name}: a case tolerance override needs a reason")
+        self._case_tolerances.setdefault(case, {}).update(per_dtype)
+
+    def get_cases(self, dtype: str) -> Iterable[Case]:
+        for case in self.parent.get_cases(dtype):
+            yield self.from_forward(case, dtype)
+        if self._extra_cases:
+            yield from self._extra_cases(dtype)
+
+    def get_strategy(self, dtype: str):
+        fwd = self.parent.get_strategy(dtype)
+        return None if fwd is None else fwd.map(lambda case: self.from_forward(case, dtype))
+
+    def from_forward(self, case: Case, dtype: str, grad=None) -> Case:
+        """The backward case of a forward case: a seeded random `grad` of the output's shape and dtype (or the
+        one given), and what the forward saves (its output and statistics from the float64 reference,
+        rounded to the output dtype and float32 as kernels would save them)."""
+        fwd = self.parent
+        bound = fwd.bind(*case.args, **case.kwargs)
+        by_name = dict(zip(fwd.params, bound))
+        (shape, out_dtype), = fwd.out_metas(bound)
+        out_dtype = getattr(out_dtype, "name", out_dtype)  # np.dtype of an array, or a Meta's name
+        if grad is None:
+            grad = casegen.array(shape, out_dtype, casegen.rng_for(self.name, case.name, dtype))
+        by_name["grad"] = grad
+        if "out" in self.params:
+            by_name["out"] = casegen.cast(fwd.run_reference(*bound), out_dtype)
+        if fwd.train_forward is not None:
+            stats = fwd.train_forward.run_stats(*bound)
+            by_name.update({n: casegen.cast(v, "float32") for n, v in zip(fwd.train_forward.stats, stats)})
+        tol = self._case_tolerances.get(case.name, {}).get(dtype)
+        return Case(case.name, tuple(by_name[p] for p in self.params), {}, case.tags, tol)
+
+    def tolerance_for(self, dtype: str, index: int, case: Case | None = None) -> Tolerance:
+        """The tolerance of gradient `index` (of `wrt`) for `case` (its override, if any, else the op's):
+        norm-wise for gradients that sum over rows."""
+        t = case.tolerance if case is not None and case.tolerance is not None else self.tolerances[dtype]
+        if self.wrt[index] in self.reduces and t.metric != "normwise":
+            reason = "sums over rows: judged norm-wise, as K-accumulating outputs (docs/numerics.md 3.1 rule 5)"
+            return Tolerance(t.rtol, t.atol, "normwise", None, t.reason or reason)
+        return t
+
+
+class TrainForwardSpec(OpSpec):
+    """The forward an op runs when a backward will follow: `(out, *stats)`, named `<op>_forward`. Declared by
+    `@<op>.saves(...)`; validation, cases and error cases are the forward's."""
+
+    direction = "forward_train"
+
+    def __init__(self, forward: OpSpec, stats: tuple, shapes: Callable, reference: Callable):
+        super().__init__(forward.validate, forward.arrays, {}, forward.dtypes, forward.fixed_out_dtype,
+                         name=f"{forward.name}_forward")
+        self.constraints = forward.constraints  # its validation is the forward's: errors name the op the user called
+        self.parent, self.module, self.stats = forward, forward.module, stats
+        self._stat_shapes, self._stats_ref = shapes, reference
+        self.tolerances = dict(forward.tolerances)
+        self._shape = forward._shape
+        self._reference = lambda *bound: (forward._reference(*bound), *reference(*bound))
+        self._cases, self._strategy, self._cost = forward._cases, forward._strategy, forward._cost
+        self.invariants = []  # the forward's invariants look at its single output
+
+    @property
+    def n_outputs(self) -> int:
+        return 1 + len(self.stats)
+
+    def out_metas(self, bound: tuple) -> list:
+        return [(self.out_shape(bound), self.out_dtype(bound))] + \
+            [(tuple(s), "float32") for s in self._stat_shapes(*bound)]
+
+    def run_stats(self, *args, **kwargs) -> tuple:
+        """The float64 reference of the saved statistics."""
+        return tuple(self.run_reference(*args, **kwargs)[1:])
 
 
 def op(arrays: tuple, constraints: dict | None = None, dtypes=FLOATS, out_dtype: str | None = None):
@@ -319,3 +502,20 @@ def check_axis(op: str, arg: str, axis, ndim: int) -> int:
     check(ok, errors.ArgumentError, op, arg, f"{op}.{arg}", f"an int in [-{max(ndim, 1)}, {max(ndim, 1)})", repr(axis))
     return axis % max(ndim, 1)
 
+
+
+def check_grad(op: str, grad: Meta, shape: tuple, dtype: str):
+    """A backward's upstream gradient has the forward output's shape and dtype."""
+    check(grad is not None, errors.ArgumentError, op, "grad", f"{op}.grad_shape", "an array", None)
+    check(grad.dtype == dtype, errors.DTypeError, op, "grad", f"{op}.grad_dtype", f"{dtype} (the output's dtype)",
+          grad.dtype)
+    check(tuple(grad.shape) == tuple(shape), errors.ShapeError, op, "grad", f"{op}.grad_shape",
+          f"{tuple(shape)} (the output's shape)", tuple(grad.shape))
+
+
+GRAD_CONSTRAINTS = {"grad_dtype": "grad has the forward output's dtype", "grad_shape": "grad has the forward output's shape"}
+
+
+def grad_constraints(op: str) -> dict:
+    """The constraint ids `check_grad` raises, for a backward's declaration."""
+    return {f"{op}_backward.{k}": v for k, v in GRAD_CONSTRAINTS.items()}

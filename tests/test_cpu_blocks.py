@@ -156,3 +156,24 @@ def test_float16_conversions_are_numpys_bit_for_bit():
     nan = np.isnan(x)
     assert np.array_equal(got[~nan], want[~nan])
     assert np.isnan(got[nan].view(np.float16)).all()
+
+
+@pytest.mark.parametrize("op", [n for n in ROW_OPS + ELEMENTWISE if get_op(n).backward_op is not None])
+def test_backward_thread_count_does_not_change_a_bit(monkeypatch, op):
+    """Backward kernels: the same bits for 1, 2 or 3 threads (row-summed gradients add one partial per block,
+    on a grid that does not move with the thread count)."""
+    from opport.dispatch import get_backend, kernels
+
+    spec = get_op(op)
+    args, _ = _large_inputs(op, np.random.default_rng(1))
+    bound = spec.bind(*args)
+    case = spec.backward_op.from_forward(opport.spec.Case("large", bound), "float32")
+    kernel = kernels(spec.backward_op, get_backend("cpu"))[0].fn
+    runs = []
+    for threads in (1, 2, 3):
+        monkeypatch.setenv("OPPORT_NUM_THREADS", str(threads))
+        runs.append(kernel(*case.args))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            if a is not None:
+                np.testing.assert_array_equal(a, b, err_msg=f"{op} backward: thread count changed the result")

@@ -117,14 +117,22 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return _pool[2]
 
 
+def block_rows(row_elems: int) -> int:
+    """Rows per block of `parallel_rows`."""
+    return max(1, BLOCK_ELEMS // max(row_elems, 1))
+
+
 def parallel_rows(n_rows: int, row_elems: int, body) -> None:
-    """Call `body(rows)` for row slices covering [0, n_rows), in blocks of about BLOCK_ELEMS elements.
+    """Call `body(rows)` for row slices covering [0, n_rows), in blocks of `block_rows(row_elems)` rows.
 
     Large inputs are split into one contiguous range of rows per thread (the caller's thread takes the
-    first); `body` must only write the output rows it is given. NumPy floating-point warnings are off
-    inside: the kernels define their overflow, inf and NaN results themselves.
+    first); `body` must only write the output rows it is given. The blocks lie on a fixed grid (block i
+    is rows [i * step, (i + 1) * step)) whatever the thread count, so a kernel that reduces over rows can
+    keep one partial result per block (index rows.start // step) and sum them in order: bitwise the same
+    for any thread count. NumPy floating-point warnings are off inside: the kernels define their
+    overflow, inf and NaN results themselves.
     """
-    step = max(1, BLOCK_ELEMS // max(row_elems, 1))
+    step = block_rows(row_elems)
     nested = getattr(_inside, "on", False)
     threads = 1 if nested or n_rows * row_elems < PARALLEL_MIN else min(num_threads(), n_rows)
 
@@ -139,7 +147,7 @@ def parallel_rows(n_rows: int, row_elems: int, body) -> None:
 
     if threads <= 1:
         return run(0, n_rows)
-    bounds = [n_rows * i // threads for i in range(threads + 1)]
+    bounds = [min(n_rows, -(-(n_rows * i // threads) // step) * step) for i in range(threads + 1)]  # on the grid
     pool = _executor(threads - 1)
     futures = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
     try:

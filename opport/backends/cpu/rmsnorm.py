@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from opport.backends.cpu._common import parallel_rows, result_block, row_mean, store, upcast
+from opport.backends.cpu._common import block_rows, parallel_rows, result_block, row_mean, store, upcast
 from opport.dispatch import impl
 from opport.ops.rmsnorm import rmsnorm as spec
 
@@ -49,3 +49,48 @@ def _rescale_overflowed_rows(xf, ms, eps, y):
     xs = xb * s
     ms_s = row_mean(np.square(xs))
     y[bad] = xs / np.sqrt(ms_s + eps * s * s)
+
+
+@impl(spec.backward_op, "cpu")
+def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
+    """dx and dweight per bounded row block; 1/rms recomputed from the rows read anyway. dweight is summed
+    per block (float32 for 16-bit inputs) and the block partials in order: the same bits for any thread count."""
+    n = x.shape[-1]
+    dx = np.empty(x.shape, x.dtype)
+    rows = dx.size // n if n else 0
+    x2, g2, d2 = x.reshape(rows, n), grad.reshape(rows, n), dx.reshape(rows, n)
+    w = upcast(weight) if weight is not None else None
+    step = block_rows(n)
+    partial = None if w is None else np.zeros((max(-(-rows // step), 1), n), w.dtype)
+
+    def body(block):
+        xf, gf = upcast(x2[block]), upcast(g2[block])
+        t = xf.dtype.type
+        s = _row_scales(xf)  # 1, or a power of two for finite rows whose squares overflow
+        xs = xf if s is None else xf * s
+        r = 1 / np.sqrt(row_mean(np.square(xs)) + (t(eps) if s is None else t(eps) * s * s))
+        xhat = xs * r
+        if w is not None:
+            partial[block.start // step] = np.add.reduce(gf * xhat, axis=0)
+            gf = gf * w
+        dst = d2[block]
+        y = result_block(dst, xf)
+        np.multiply(gf - xhat * row_mean(gf * xhat), r if s is None else r * s, out=y)
+        store(dst, y)
+
+    if dx.size:
+        parallel_rows(rows, n, body)
+    dw = None if w is None else np.add.reduce(partial, axis=0).astype(weight.dtype)
+    return dx, dw
+
+
+def _row_scales(xf: np.ndarray):
+    """None when no row's sum of squares overflows; else per-row powers of two (1 for the other rows)
+    that bring finite overflowing rows' max|x| into [0.5, 1): the exact scaled form of the forward."""
+    ms = np.add.reduce(np.square(xf), axis=-1, keepdims=True)
+    bad = np.isinf(ms[:, 0]) & np.isfinite(xf).all(axis=-1)
+    if not bad.any():
+        return None
+    s = np.ones_like(ms)
+    s[bad] = np.ldexp(xf.dtype.type(1), -np.frexp(np.max(np.abs(xf[bad]), axis=-1, keepdims=True))[1])
+    return s
