@@ -23,14 +23,14 @@ from opport.errors import (
     UnsupportedError,
 )
 from opport.ops import all_ops, get_op
-from opport.public import explain
+from opport.public import explain, vjp
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError", "BackendUnavailableError", "Decision", "DeviceError", "DTypeError", "FallbackWarning",
     "OpError", "ShapeError", "UnsupportedError", "all_ops", "clear_cache", "explain", "get_op",
-    "strict", "use_backend", *_op_names,
+    "strict", "use_backend", "vjp", *_op_names,
 ]
 
 

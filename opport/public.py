@@ -125,6 +125,19 @@ def explain(op, *args, backend: str | None = None, **kwargs):
     return decide_for(resolve(op), *args, backend=backend, **kwargs)
 
 
+def vjp(op, *args, backend: str | None = None, **kwargs):
+    """(out, pullback) for `opport.<op>(*args, **kwargs)`: `pullback(grad)` returns one gradient per
+    differentiable input of the op, in its declared order (None where an optional input was None).
+
+    Works on NumPy, torch and JAX arrays alike (torch and JAX users usually want their own autograd,
+    which opport ops support: `loss.backward()`, `jax.grad`). `op` is an op name, function or spec.
+    """
+    from opport.autodiff import vjp as pull
+
+    spec = resolve(op)
+    return pull(spec, spec.bind(*args, **kwargs), backend)
+
+
 def resolve(op):
     """The OpSpec named or wrapped by `op` (a name, a public function, or the spec itself)."""
     if isinstance(op, str):

@@ -200,7 +200,11 @@ def _run_converted(plan: Plan, bound: tuple):
             if bound[i] is not None:
                 bound[i] = f(bound[i])
     out = plan.fn(*bound)
-    return plan.back(out, like) if plan.back else out
+    if plan.back is None:
+        return out
+    if out.__class__ is tuple:  # a derived op's several outputs (gradients, forward + statistics); None stays None
+        return tuple(None if o is None else plan.back(o, like) for o in out)
+    return plan.back(out, like)
 
 
 def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool) -> Plan:
