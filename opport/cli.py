@@ -2,6 +2,11 @@
 
 `conformance` and `bench` live in their own packages; each provides `add_arguments(parser)` and
 `run(args) -> int` in its `cli` module.
+
+Every command runs inside one error boundary (`main`): a bad argument, an `OpError`, a `ValueError`
+from user input or an `OSError` on a user-given path is one line on stderr and exit status 2; Ctrl-C
+is 130; anything else is a bug: exit 1 and a line that says to re-run with `--debug`, which prints the
+traceback in every case.
 """
 
 from __future__ import annotations
@@ -9,56 +14,131 @@ from __future__ import annotations
 import argparse
 import importlib
 import platform
+import re
 import sys
+import traceback
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from opport.errors import OpError
 
 SUBPACKAGES = {
     "conformance": ("opport.conformance.cli", "run the conformance suite against the float64 references"),
     "bench": ("opport.bench.cli", "run the performance suite"),
 }
+EXIT_BUG, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class UsageError(Exception):
+    """A bad command line; `prog` is the (sub)command whose arguments are wrong."""
+
+    def __init__(self, message: str, prog: str | None = None):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors reach the boundary as one line (instead of usage text and sys.exit)."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see `{self.prog} --help`)", self.prog)
+
+
+# What a user can cause: one line, exit 2. OpError covers DTypeError (a TypeError) too.
+USER_ERRORS = (OpError, UsageError, ValueError, OSError)
+
+
+# --------------------------------------------------------------------------- the boundary
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="opport", description=__doc__.splitlines()[0])
+    """Run one `opport` command and return its exit status (--help and --version raise SystemExit(0))."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog, debug = "opport", "--debug" in argv  # known before parsing, for errors while building the parser
+    try:
+        args = build_parser().parse_args(argv)
+        prog, debug = f"opport {args.command}", args.debug
+        return run(args)
+    except KeyboardInterrupt:
+        return _fail(prog, "interrupted", EXIT_INTERRUPTED, debug)
+    except USER_ERRORS as e:
+        return _fail(getattr(e, "prog", None) or prog, f"error: {e}", EXIT_USAGE, debug)
+    except Exception as e:
+        why = f"internal error: {type(e).__name__}: {e} (a bug in opport; re-run with --debug for the traceback)"
+        return _fail(prog, why, EXIT_BUG, debug)
+
+
+def _fail(prog: str, message: str, status: int, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    print(f"{prog}: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the message holds
+    return status
+
+
+def run(args) -> int:
+    if args.command in SUBPACKAGES:
+        return importlib.import_module(SUBPACKAGES[args.command][0]).run(args)
+    return COMMANDS[args.command](args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from opport import __version__
+    from opport.dtypes import FLOATS, INTS
+
+    parser = _Parser(prog="opport", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"opport {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="op x backend matrix of kernels, dtypes and status")
     sub.add_parser("doctor", help="which backends can run here, their mode, library versions")
     ex = sub.add_parser("explain", help="the dispatch decision for one call")
     ex.add_argument("op")
-    ex.add_argument("--shape", action="append", required=True, metavar="D0,D1,...",
-                    help="shape of each array argument in order (repeat; 'none' for an omitted optional array)")
-    ex.add_argument("--dtype", default="float32", help="dtype of the floating arrays")
+    ex.add_argument("--shape", action="append", required=True, type=_shape, metavar="D0,D1,...",
+                    help="shape of each array argument in order (repeat; '()' for 0-d, 'none' for an omitted optional array)")
+    ex.add_argument("--dtype", default="float32", choices=FLOATS + INTS,
+                    help="dtype of the floating arrays (integer arrays are int64)")
     ex.add_argument("--backend", default=None)
-    ex.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a scalar argument")
+    ex.add_argument("--arg", action="append", default=[], type=_arg_pair, metavar="NAME=VALUE", help="a scalar argument")
     for name, (module, help_) in SUBPACKAGES.items():
-        mod = importlib.import_module(module)
-        mod.add_arguments(sub.add_parser(name, help=help_))
-    args = parser.parse_args(argv)
-    if args.command in SUBPACKAGES:
-        return importlib.import_module(SUBPACKAGES[args.command][0]).run(args)
-    return {"list": cmd_list, "doctor": cmd_doctor, "explain": cmd_explain}[args.command](args)
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_))
+    return parser
+
+
+# --------------------------------------------------------------------------- list and doctor
 
 
 def cmd_list(args) -> int:
-    from opport.dispatch import backends, kernels
+    from opport.dispatch import backends
     from opport.ops import all_ops
 
-    bs = backends()
+    bs = list(backends().values())
     table = Table(title="opport kernels (op x backend)")
     table.add_column("op")
-    for b in bs.values():
-        status = b.unavailable()
-        table.add_column(f"{b.name}\n[dim]{'unavailable' if status else b.mode()}[/dim]")
+    for b in bs:
+        table.add_column(f"{escape(b.name)}\n[dim]{'unavailable' if b.unavailable() else escape(b.mode())}[/dim]")
+    unlisted = {}  # backend -> why its kernels could not be loaded here
     for name, spec in all_ops().items():
-        row = [name]
-        for b in bs.values():
-            ks = kernels(spec, b)
-            row.append("\n".join(f"{k.name} [dim]{','.join(_short(d) for d in k.dtypes)}[/dim]" for k in ks) or "-")
-        table.add_row(*row)
-    Console().print(table)
+        table.add_row(escape(name), *[_kernel_cell(spec, b, unlisted) for b in bs])
+    console = Console()
+    console.print(table)
+    for b, why in unlisted.items():
+        console.print(escape(f"{b.name}: unavailable ({b.unavailable()}); kernels not listed: {why}. {b.hint}".strip()))
     return 0
+
+
+def _kernel_cell(spec, b, unlisted: dict) -> str:
+    from opport.dispatch import kernels
+
+    try:
+        ks = kernels(spec, b)
+    except Exception as e:
+        if not b.unavailable():
+            raise  # a backend that can run here must load its kernels: a bug
+        unlisted.setdefault(b, f"{type(e).__name__}: {e}")  # a base install: its kernel modules need what is missing
+        return "?"
+    return "\n".join(f"{escape(k.name)} [dim]{escape(','.join(_short(d) for d in k.dtypes))}[/dim]" for k in ks) or "-"
 
 
 def _short(dtype: str) -> str:
@@ -75,48 +155,117 @@ def cmd_doctor(args) -> int:
     for b in backends().values():
         reason = b.unavailable()
         if reason:
-            table.add_row(b.name, "[red]unavailable[/red]", "-", f"{reason}\n{b.hint}")
+            table.add_row(escape(b.name), "[red]unavailable[/red]", "-", escape(f"{reason}\n{b.hint}".strip()))
         else:
             versions = ", ".join(f"{k} {v}" for k, v in b.versions().items())
-            table.add_row(b.name, "[green]ok[/green]", b.mode(), versions)
+            table.add_row(escape(b.name), "[green]ok[/green]", escape(b.mode()), escape(versions))
     console.print(table)
-    console.print(f"python {platform.python_version()} on {platform.machine()} ({sys.platform})")
+    console.print(escape(f"python {platform.python_version()} on {platform.machine()} ({sys.platform})"))
     return 0
 
 
-def cmd_explain(args) -> int:
-    import numpy as np
+# --------------------------------------------------------------------------- explain
 
+
+def cmd_explain(args) -> int:
     from opport.dispatch import explain
-    from opport.dtypes import np_dtype
     from opport.ops import get_op
 
     spec = get_op(args.op)
-    kwargs = {}
-    for pair in args.arg:
-        key, _, value = pair.partition("=")
-        kwargs[key] = _literal(value)
-    arrays = list(spec.arrays)
-    if len(args.shape) > len(arrays):
-        raise SystemExit(f"{spec.name} takes {len(arrays)} array arguments: {', '.join(arrays)}")
-    for name, shape in zip(arrays, args.shape):
-        if shape.lower() == "none":
-            kwargs[name] = None
-            continue
-        dims = tuple(int(d) for d in shape.split(",") if d.strip())
-        is_int = name == "target"  # cross_entropy's integer targets
-        kwargs[name] = np.zeros(dims, np.int64 if is_int else np_dtype(args.dtype))
+    kwargs = {**_scalars(spec, args.arg), **_arrays(spec, args.shape, args.dtype)}
     Console().print(explain(spec, backend=args.backend, **kwargs))
     return 0
 
 
+def _shape(text: str):
+    """A `--shape` value: a tuple of dims, () for '()', None for 'none' (argparse reports what it raises)."""
+    t = text.strip()
+    if t.lower() == "none":
+        return None
+    if t == "()":
+        return ()
+    dims = [d.strip() for d in t.split(",")]
+    if not all(re.fullmatch(r"[0-9]+", d) for d in dims):  # ASCII digits only: int() would also take '+3', '1_0'
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a shape: give D0,D1,... (non-negative integers), '()' for a 0-d array or 'none'")
+    if any(len(d) > 19 for d in dims):  # beyond int64 (and int()'s digit limit): no array has such a dim
+        raise argparse.ArgumentTypeError(f"{text!r}: a dimension is too large for an array")
+    return tuple(int(d) for d in dims)
+
+
+def _arg_pair(text: str) -> tuple:
+    name, eq, value = text.partition("=")
+    if not eq or not name.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE (e.g. eps=1e-5)")
+    return name.strip(), value
+
+
+def _scalars(spec, pairs) -> dict:
+    """The `--arg` values, each checked to name one of the op's scalar arguments (validation judges the value)."""
+    names = [spec.params[i] for i in spec.scalar_pos]
+    out = {}
+    for name, text in pairs:
+        if name not in names:
+            raise UsageError(f"--arg {name}: {spec.name} has no scalar argument {name!r} "
+                             f"(it has: {', '.join(names) or 'none'}; arrays take --shape)")
+        if name in out:
+            raise UsageError(f"--arg {name} is given twice")
+        out[name] = _literal(text)
+    return out
+
+
 def _literal(text: str):
+    """A Python literal (1e-5, True, None, 'mean'); anything else is taken as the string itself."""
     import ast
 
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # what literal_eval raises
         return text
+
+
+def _arrays(spec, shapes: list, dtype: str) -> dict:
+    """Metadata-only arrays of the given shapes, in the op's array order (integer arrays get int64)."""
+    names = spec.arrays
+    required = [n for n in names if spec.signature.parameters[n].default is spec.signature.empty]
+    if len(shapes) > len(names):
+        raise UsageError(f"{spec.name} takes {len(names)} array argument(s) ({', '.join(names)}), got {len(shapes)} --shape")
+    missing = [n for n in names[len(shapes):] if n in required]
+    if missing:
+        raise UsageError(f"{spec.name} needs a --shape for each of {', '.join(required)} "
+                         f"(in order; missing: {', '.join(missing)})")
+    ints = int_arrays(spec)
+    out = {}
+    for name, dims in zip(names, shapes):
+        if dims is None and name in required:
+            raise UsageError(f"--shape none: {spec.name}'s {name} is required")
+        out[name] = None if dims is None else _placeholder(name, dims, "int64" if name in ints else dtype)
+    return out
+
+
+def _placeholder(name: str, dims: tuple, dtype: str):
+    """An array with this shape and dtype and nothing allocated (zero strides): explain reads metadata only."""
+    import numpy as np
+
+    from opport.dtypes import np_dtype
+
+    try:
+        return np.broadcast_to(np.zeros((), np_dtype(dtype)), dims)
+    except ValueError as e:  # more than 64 dims, or more elements than NumPy can index
+        raise UsageError(f"--shape {','.join(map(str, dims)) or '()'} for {name}: too large for an array ({e})") from e
+
+
+def int_arrays(spec) -> set:
+    """The op's array arguments that hold integers (cross_entropy's target), from its declaration."""
+    declared = getattr(spec, "int_arrays", None)  # proposed OpSpec field (op(..., int_arrays=...)); not there yet
+    if declared is not None:
+        return set(declared)
+    # Fallback until the declaration has that field: the array whose dtype constraint, `<op>.<arg>_dtype`,
+    # says it is an integer array (cross_entropy.target_dtype: "target is an integer array (...)").
+    return {a for a in spec.arrays if "integer" in spec.constraints.get(f"{spec.name}.{a}_dtype", "")}
+
+
+COMMANDS = {"list": cmd_list, "doctor": cmd_doctor, "explain": cmd_explain}
 
 
 if __name__ == "__main__":
