@@ -1,9 +1,10 @@
 """Framework integration: opport ops inside `torch.compile` and `jax.jit`, and model patching.
 
 `OpSpec.__call__` sends every call whose first argument is not a NumPy array through `route` before
-the dispatcher. Outside tracing `route` declines (returns NotImplemented) and the call is dispatched
-as usual; while torch.compile traces, the call becomes the custom op `torch.ops.opport.<name>`
-(opport.integrations.torch); when an argument is a JAX tracer, it becomes a `jax.pure_callback` into
+the dispatcher. Outside tracing and autograd `route` declines (returns NotImplemented) and the call is
+dispatched as usual; while torch.compile traces, or when a torch input requires grad, the call becomes
+the custom op `torch.ops.opport.<name>` (opport.integrations.torch: its autograd formula runs opport's
+backward); when an argument is a JAX tracer, it becomes a `jax.pure_callback` with a custom VJP into
 the dispatcher (opport.integrations.jax). Neither framework is imported here unless the caller
 already imported it, and nothing is imported at all on the NumPy path.
 """
@@ -18,10 +19,15 @@ import numpy as np
 def route(spec, bound: tuple, backend: str | None):
     """The traced form of a call, or NotImplemented when the call is not being traced."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.compiler.is_compiling():
-        from opport.integrations.torch import compiled_call
+    if torch is not None:
+        if torch.compiler.is_compiling():
+            from opport.integrations.torch import compiled_call
 
-        return compiled_call(spec, bound, backend)
+            return compiled_call(spec, bound, backend)
+        if torch.is_grad_enabled() and _requires_grad(spec, bound):
+            from opport.integrations.torch import autograd_call
+
+            return autograd_call(spec, bound, backend)
     jax = sys.modules.get("jax")
     if jax is not None:
         tracer = jax.core.Tracer
@@ -31,6 +37,13 @@ def route(spec, bound: tuple, backend: str | None):
 
                 return traced_call(spec, bound, backend)
     return NotImplemented
+
+
+def _requires_grad(spec, bound: tuple) -> bool:
+    for i in spec.array_pos:
+        if getattr(bound[i], "requires_grad", False):
+            return True
+    return False
 
 
 def small_cases(spec, dtype: str = "float32", limit: int = 2, max_elements: int = 4096) -> list:

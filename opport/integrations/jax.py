@@ -1,10 +1,14 @@
-"""opport ops inside `jax.jit` (and `vmap`, `grad`-free transforms): a host callback into the dispatcher.
+"""opport ops inside `jax.jit`, `vmap`, `jax.grad` and `jax.vjp`: host callbacks into the dispatcher.
 
 Eager JAX arrays need nothing from here (the dispatcher's JAX adapter takes them). When an argument is
 a tracer, the call is validated at trace time on its metadata (typed opport errors, as eagerly), the
 output's shape and dtype come from the op's declaration, and the computation becomes a
 `jax.pure_callback` that hands NumPy arrays to opport's dispatcher when the compiled function runs:
 the cpu backend, or the backend named by `backend=` / `opport.use_backend` / `OPPORT_BACKEND`.
+Differentiable ops are a `jax.custom_vjp`: the forward rule runs the op's training forward and keeps
+what its backward needs, the backward rule runs `<op>_backward` through the dispatcher. Forward-mode
+`jax.jvp` is not available (JAX's own error for custom_vjp functions); a second derivative, or a
+gradient with respect to a constant input (rope's tables), raises UnsupportedError at trace time.
 
 The backend name and strict mode in force when the function is traced are fixed into the callback
 (a jitted function does not re-read Python state on later calls). On a GPU the callback still goes
@@ -16,8 +20,12 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
+from opport import errors
+from opport.autodiff import saved_values
 from opport.dispatch import call, context, strict
 from opport.dispatch.adapters import meta_of
 from opport.dtypes import np_dtype
@@ -25,38 +33,108 @@ from opport.spec import Meta
 
 
 def traced_call(spec, bound: tuple, backend: str | None):
-    """`opport.<op>(...)` with JAX tracers among the arrays: a pure callback with the declared output."""
-    metas, slots, operands = list(bound), [], []
+    """`opport.<op>(...)` with JAX tracers among the arrays: a pure callback with the declared output, and a
+    custom VJP into opport's backward for differentiable ops."""
+    metas, slots = list(bound), []
     for i in spec.array_pos:
-        a = bound[i]
-        if a is None:
-            continue
-        metas[i] = _meta(spec, spec.params[i], a)
-        slots.append(i)
-        operands.append(a)
+        if bound[i] is not None:
+            metas[i] = _meta(spec, spec.params[i], bound[i])
+            slots.append(i)
     spec.validate(*metas)
-    result = jax.ShapeDtypeStruct(spec.out_shape(metas), np_dtype(spec.out_dtype(metas)))
     template = tuple(None if i in slots else v for i, v in enumerate(bound))  # scalars only: no tracer kept
     chosen = backend if backend is not None else context.context_backend()
-    host = _host_fn(spec, template, tuple(slots), chosen, context.context_strict())
-    return jax.pure_callback(host, result, *operands, vmap_method="sequential")
+    run = _Runner(template, tuple(slots), chosen, context.context_strict())
+    operands = [bound[i] for i in slots]
+    if spec.backward_op is None:
+        return run.callback(spec, metas, operands)[0]
+    return _differentiable(spec, metas, run)(*operands)
+
+
+class _Runner:
+    """Runs an op's dispatcher on the host under the trace-time backend and strict mode."""
+
+    def __init__(self, template: tuple, slots: tuple, backend: str | None, strict_now: bool | None):
+        self.template, self.slots, self.backend, self.strict = template, slots, backend, strict_now
+
+    def bound(self, operands) -> tuple:
+        args = list(self.template)
+        for i, a in zip(self.slots, operands):
+            args[i] = a
+        return tuple(args)
+
+    def callback(self, spec, metas, operands, bound_of=None) -> list:
+        """`spec` on `operands` through jax.pure_callback; its outputs (those not None) as a list."""
+        shapes = [jax.ShapeDtypeStruct(m[0], np_dtype(m[1])) for m in spec.out_metas(metas) if m is not None]
+        bound_of = bound_of or self.bound
+
+        def host(*arrays):
+            ctx = strict(self.strict) if self.strict is not None else contextlib.nullcontext()
+            with ctx:
+                out = call(spec, bound_of(arrays), self.backend)
+            outs = out if isinstance(out, tuple) else (out,)
+            return [np.asarray(o) for o in outs if o is not None]
+
+        return list(jax.pure_callback(host, shapes, *operands, vmap_method="sequential"))
+
+
+def _differentiable(spec, metas: list, run: _Runner):
+    """The op as a jax.custom_vjp: the training forward saves what the backward needs (arrays as residuals,
+    scalars fixed at trace time); the backward runs `<op>_backward`. Differentiating with respect to a
+    constant (rope's tables) or differentiating the backward again raises UnsupportedError at trace time."""
+    bwd = spec.backward_op
+    trained = spec.train_forward or spec
+    names = [spec.params[i] for i in run.slots]  # the operands, in order
+    carried = [p for p in bwd.params[1:] if p not in spec.params or p in names]  # out, stats, given arrays
+    fixed = {p: run.template[spec.params.index(p)] for p in bwd.params[1:] if p not in carried}
+
+    def backward_bound(grad, arrays) -> tuple:
+        by_name = {**fixed, **dict(zip(carried, arrays)), "grad": grad}
+        return tuple(by_name[p] for p in bwd.params)
+
+    def forward(*operands):
+        return run.callback(spec, metas, operands)[0]
+
+    def fwd(*primals):
+        for name, p in zip(names, primals):
+            if p.perturbed and name in bwd.constants:
+                raise errors.UnsupportedError(
+                    op=spec.name, arg=name, constraint=f"{spec.name}.no_gradient", expected=f"no gradient for {name}",
+                    got="a gradient request", message=f"{spec.name}: no gradient for {name!r}: {bwd.constants[name]}")
+        values = [p.value for p in primals]
+        out, *stats = _once_differentiable(spec, lambda *ops: run.callback(trained, metas, ops))(*values)
+        saved = dict(zip(bwd.params[1:], saved_values(spec, run.bound(values), out, tuple(stats))))
+        return out, tuple(saved[p] for p in carried)
+
+    def bwd_rule(residuals, g):
+        if isinstance(g, SymbolicZero):
+            g = jnp.zeros(g.aval.shape, g.aval.dtype)
+        bmetas = backward_bound(_meta(bwd, "grad", g), [_meta(bwd, p, r) for p, r in zip(carried, residuals)])
+        run_backward = _once_differentiable(
+            spec, lambda *ops: run.callback(bwd, bmetas, ops, lambda a: backward_bound(a[0], a[1:])))
+        grads = iter(run_backward(g, *residuals))
+        by_name = {n: next(grads) for n in bwd.wrt if n in names}
+        return tuple(by_name.get(n) for n in names)
+
+    f = jax.custom_vjp(forward)
+    f.defvjp(fwd, bwd_rule, symbolic_zeros=True)
+    return f
+
+
+def _once_differentiable(spec, fn):
+    """`fn` (the backward's callback), refusing to be differentiated itself: double backward."""
+    f = jax.custom_jvp(lambda *ops: tuple(fn(*ops)))
+
+    @f.defjvp
+    def _jvp(primals, tangents):
+        raise errors.UnsupportedError(op=spec.name, arg=None, constraint=f"{spec.name}.double_backward",
+                                      expected="first derivatives only", got="a second derivative",
+                                      message=f"{spec.name}: double backward (gradients of gradients) is not "
+                                              "supported by opport's backward kernels")
+
+    return f
 
 
 def _meta(spec, arg: str, a) -> Meta:
     if isinstance(a, jax.core.Tracer):
         return Meta("jax", np.dtype(a.dtype).name, a.shape, None, "cpu")
     return meta_of(spec, arg, a)
-
-
-def _host_fn(spec, template: tuple, slots: tuple, backend: str | None, strict_now: bool | None):
-    """What runs on the host: the dispatcher on NumPy arrays, under the trace-time backend and strict mode."""
-
-    def host(*arrays):
-        args = list(template)
-        for i, a in zip(slots, arrays):
-            args[i] = a
-        ctx = strict(strict_now) if strict_now is not None else contextlib.nullcontext()
-        with ctx:
-            return np.asarray(call(spec, tuple(args), backend))
-
-    return host

@@ -9,10 +9,16 @@ keyword-only `str? backend=None` is appended (opport's `backend=`). The output i
 - The fake kernel validates the metadata exactly as an eager call does (typed opport errors at trace
   time) and returns an empty tensor of the declared output shape and dtype on the input's device.
 
+Training: every differentiable op also gets `torch.ops.opport.<op>_backward` (returns the present
+gradients as `Tensor[]`) and, where the op keeps statistics, `torch.ops.opport.<op>_forward` (returns
+`(out, *stats)`); the autograd formula is registered on the op a training call runs (`<op>_forward`
+where it exists, else `<op>`), so `loss.backward()` runs opport's backward kernels, eagerly and under
+torch.compile (AOTAutograd traces the custom ops). A second backward through a backward op raises
+UnsupportedError, and so does a forward whose constant input (rope's tables) requires grad.
+
 Importing this module registers the ops; `opport.<op>(...)` on torch tensors imports it by itself the
-first time torch.compile traces such a call. Eager calls do not use the custom op: they go straight to
-the dispatcher, which is cheaper. The ops have no autograd formula: they are for inference (wrap
-training code in torch.no_grad(), or keep opport out of the differentiated path).
+first time torch.compile traces such a call or an input requires grad. Other eager calls do not use the
+custom op: they go straight to the dispatcher, which is cheaper.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import numpy as np
 import torch
 
 from opport import errors
+from opport.autodiff import saved_values
 from opport.dispatch import call
 from opport.dispatch.adapters import NumpyAdapter, metas_of
 from opport.integrations import small_cases
@@ -37,7 +44,10 @@ NOT_REGISTERED: dict[str, str] = {}  # op name -> why it has no custom op
 
 
 def schema(spec) -> str:
-    """The torch schema of `spec`, e.g. `(Tensor x, Tensor? weight=None, float eps=1e-06, *, str? backend=None) -> Tensor`."""
+    """The torch schema of `spec`, e.g. `(Tensor x, Tensor? weight=None, float eps=1e-06, *, str? backend=None) -> Tensor`.
+
+    A training forward returns `(Tensor, Tensor, ...)` (output and statistics), a backward `Tensor[]`
+    (the gradients of the inputs that were given, in its `wrt` order)."""
     params = []
     for name, p in spec.signature.parameters.items():
         if name in spec.arrays:
@@ -46,7 +56,13 @@ def schema(spec) -> str:
             kind = _scalar_type(spec, p)
         default = "" if p.default is p.empty else f"={_literal(p.default)}"
         params.append(f"{kind} {name}{default}")
-    return f"({', '.join(params)}, *, str? backend=None) -> Tensor"
+    return f"({', '.join(params)}, *, str? backend=None) -> {_returns(spec)}"
+
+
+def _returns(spec) -> str:
+    if spec.direction == "backward":
+        return "Tensor[]"
+    return "Tensor" if spec.n_outputs == 1 else f"({', '.join(['Tensor'] * spec.n_outputs)})"
 
 
 def _scalar_type(spec, p: inspect.Parameter) -> str:
@@ -97,7 +113,8 @@ def register(spec):
 
 def _real_kernel(spec):
     def kernel(*args, backend=None, **kwargs):  # torch passes the arguments as its caller gave them
-        return call(spec, spec.bind(*args, **kwargs), backend)
+        out = call(spec, spec.bind(*args, **kwargs), backend)
+        return [g for g in out if g is not None] if spec.direction == "backward" else out
 
     kernel.__name__ = spec.name
     return kernel
@@ -109,8 +126,11 @@ def _fake_kernel(spec):
         metas = metas_of(spec, bound)
         _check_one_device(spec, metas)
         spec.validate(*metas)
-        like = bound[spec.array_pos[0]]
-        return like.new_empty(spec.out_shape(metas), dtype=getattr(torch, spec.out_dtype(metas)))
+        like = next(a for a in (bound[i] for i in spec.array_pos) if a is not None)
+        outs = [like.new_empty(m[0], dtype=getattr(torch, m[1])) for m in spec.out_metas(metas) if m is not None]
+        if spec.direction == "backward":
+            return outs
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     return fake
 
@@ -126,27 +146,98 @@ def _check_one_device(spec, metas):
 
 def compiled_call(spec, bound: tuple, backend: str | None):
     """`opport.<op>(...)` while torch.compile traces: the custom op, which the graph keeps as one node."""
+    if needs_grad(spec, bound):
+        return autograd_call(spec, bound, backend)
     op = OPS.get(spec.name)
     if op is None:
         raise errors.UnsupportedError(
             op=spec.name, arg=None, constraint=f"{spec.name}.torch_custom_op", expected="a torch custom op",
             got=NOT_REGISTERED.get(spec.name, "not registered"),
             message=f"{spec.name}: no torch.ops.opport.{spec.name}: {NOT_REGISTERED.get(spec.name, 'not registered')}")
-    args = list(bound)
-    for i in spec.array_pos:  # as in eager calls, gradients do not flow through opport ops
-        if args[i] is not None:
-            args[i] = args[i].detach()
-    return op(*args, backend=backend)
+    return op(*bound, backend=backend)
+
+
+def needs_grad(spec, bound: tuple) -> bool:
+    """True when autograd must record this call: grad mode on and an array input requires grad."""
+    return torch.is_grad_enabled() and any(bound[i] is not None and bound[i].requires_grad for i in spec.array_pos)
+
+
+def autograd_call(spec, bound: tuple, backend: str | None):
+    """`opport.<op>(...)` on tensors that require grad: the custom op that carries the op's autograd formula."""
+    bwd = spec.backward_op
+    if bwd is None:
+        raise errors.UnsupportedError(op=spec.name, arg=None, constraint=f"{spec.name}.differentiable",
+                                      expected="inputs that do not require grad", got="an input that requires grad",
+                                      message=f"{spec.name}: not differentiable; call it under torch.no_grad()")
+    _refuse_constant_grads(spec, bound)
+    trained = spec.train_forward or spec
+    out = OPS[trained.name](*bound, backend=backend)
+    return out[0] if trained is not spec else out
+
+
+def _refuse_constant_grads(spec, bound: tuple):
+    for name, why in spec.backward_op.constants.items():
+        a = bound[spec.params.index(name)]
+        if a is not None and getattr(a, "is_floating_point", lambda: False)() and a.requires_grad:
+            raise errors.UnsupportedError(
+                op=spec.name, arg=name, constraint=f"{spec.name}.no_gradient",
+                expected=f"{name} that does not require grad", got="requires_grad=True",
+                message=f"{spec.name}: no gradient for {name!r}: {why}; detach it (e.g. {name}.detach())")
+
+
+def register_autograd(spec):
+    """The autograd formula of a differentiable op, on the op a training call runs, and a refusal of double
+    backward on its backward op."""
+    bwd, trained = spec.backward_op, spec.train_forward or spec
+    stats = trained.stats if trained is not spec else ()
+
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        bound = spec.bind(*inputs)
+        _refuse_constant_grads(spec, bound)
+        out, rest = (output[0], tuple(output[1:])) if stats else (output, ())
+        if stats:
+            ctx.mark_non_differentiable(*rest)
+        saved = saved_values(spec, bound, out, rest)
+        ctx.tensor_slots = [i for i, v in enumerate(saved) if isinstance(v, torch.Tensor)]
+        ctx.save_for_backward(*(saved[i] for i in ctx.tensor_slots))
+        ctx.others = tuple(None if i in ctx.tensor_slots else v for i, v in enumerate(saved))
+        ctx.present = tuple(bound[spec.params.index(n)] is not None for n in bwd.wrt)
+        ctx.backend = keyword_only_inputs.get("backend")
+
+    def backward(ctx, grad, *_stat_grads):
+        saved = list(ctx.others)
+        for i, t in zip(ctx.tensor_slots, ctx.saved_tensors):
+            saved[i] = t
+        grads = iter(OPS[bwd.name](grad, *saved, backend=ctx.backend))
+        by_name = {n: next(grads) for n, here in zip(bwd.wrt, ctx.present) if here}
+        return tuple(by_name.get(p) for p in spec.params)
+
+    torch.library.register_autograd(f"{NAMESPACE}::{trained.name}", backward, setup_context=setup_context, lib=_LIB)
+    torch.library.register_autograd(f"{NAMESPACE}::{bwd.name}", _no_double_backward(spec), lib=_LIB)
+
+
+def _no_double_backward(spec):
+    def backward(ctx, *grads):
+        raise errors.UnsupportedError(op=spec.name, arg=None, constraint=f"{spec.name}.double_backward",
+                                      expected="first derivatives only", got="a second backward",
+                                      message=f"{spec.name}: double backward (gradients of gradients) is not "
+                                              "supported by opport's backward kernels")
+
+    return backward
 
 
 def _register_all():
-    for name, spec in all_ops().items():
-        if name in OPS:
+    for spec in all_ops().values():
+        if spec.name in OPS or spec.name in NOT_REGISTERED:
             continue
         try:
-            OPS[name] = register(spec)
+            for s in (spec, spec.train_forward, spec.backward_op):
+                if s is not None:
+                    OPS[s.name] = register(s)
+            if spec.backward_op is not None:
+                register_autograd(spec)
         except (TypeError, RuntimeError, ValueError) as e:  # one undeclarable op must not hide the others
-            NOT_REGISTERED[name] = f"{type(e).__name__}: {e}"
+            NOT_REGISTERED[spec.name] = f"{type(e).__name__}: {e}"
 
 
 def to_torch(case) -> tuple:
