@@ -1,33 +1,85 @@
-"""Generate the op reference (docs/ops.md) from the op declarations.
+"""The files generated from the op declarations: the op reference (docs/ops.md) and the public op
+functions (opport/_ops.py). After adding or changing an op, regenerate both:
 
-    python -m opport.opdoc > docs/ops.md      # a test checks the committed file is current
+    python -m opport.opdoc          # writes docs/ops.md and opport/_ops.py; a test checks both are current
 """
 
 from __future__ import annotations
 
 import inspect
+import re
+import sys
+from pathlib import Path
 
-from opport.ops import all_ops
+from opport.ops import builtin_ops
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATED = {"docs/ops.md": lambda: render(), "opport/_ops.py": lambda: _public_functions()}
 
 
 def render() -> str:
     out = ["# Op reference", "",
-           "Generated from the declarations in `opport/ops/` by `python -m opport.opdoc > docs/ops.md`; do not edit.", ""]
-    for name, spec in all_ops().items():
+           "Generated from the declarations in `opport/ops/` by `python -m opport.opdoc`; do not edit.", ""]
+    for name, spec in builtin_ops().items():
         out += [f"## {name}", "", f"`{name}{spec.signature}`", ""]
         out += [inspect.cleandoc(spec.__doc__ or ""), ""]
         arrays = ", ".join(f"`{a}`" for a in spec.arrays)
         out += [f"Array arguments: {arrays}. Dtypes: {', '.join(spec.dtypes)}."
                 + (f" Output dtype: always {spec.fixed_out_dtype}." if spec.fixed_out_dtype else ""), ""]
-        out += ["| constraint | rule |", "|---|---|"]
-        out += [f"| `{cid}` | {rule} |" for cid, rule in spec.constraints.items()]
-        out += ["", "| dtype | metric | rtol | atol | ulp | why |", "|---|---|---|---|---|---|"]
-        for dtype, t in spec.tolerances.items():
-            ulp = "" if t.ulp is None else f"{t.ulp:g}"
-            out.append(f"| {dtype} | {t.metric} | {t.rtol:g} | {t.atol:g} | {ulp} | {t.reason} |")
-        out.append("")
-    return "\n".join(out)
+        out += _constraints(spec) + _tolerances(spec) + _backward(spec)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(out))  # one blank line between blocks
+
+
+def _constraints(spec) -> list:
+    return ["| constraint | rule |", "|---|---|", *(f"| `{cid}` | {rule} |" for cid, rule in spec.constraints.items()), ""]
+
+
+def _tolerances(spec) -> list:
+    out = ["| dtype | metric | rtol | atol | ulp | why |", "|---|---|---|---|---|---|"]
+    for dtype, t in spec.tolerances.items():
+        ulp = "" if t.ulp is None else f"{t.ulp:g}"
+        out.append(f"| {dtype} | {t.metric} | {t.rtol:g} | {t.atol:g} | {ulp} | {t.reason} |")
+    return out + [""]
+
+
+def _backward(spec) -> list:
+    bwd = spec.backward_op
+    if bwd is None:
+        return ["Not differentiable.", ""]
+    saved = [p for p in bwd.params[1:] if p in bwd.arrays]
+    out = [f"### {bwd.name}", "", f"`{bwd.name}{bwd.signature}`", "",
+           f"Differentiable inputs: {', '.join(f'`{n}`' for n in bwd.wrt)}."
+           + (f" Summed over rows (judged norm-wise): {', '.join(f'`{n}`' for n in bwd.reduces)}." if bwd.reduces else ""),
+           f"Saved for the backward: {', '.join(f'`{n}`' for n in saved)}.", ""]
+    for name, why in bwd.constants.items():
+        out.append(f"No gradient for `{name}`: {why}.")
+    if spec.train_forward is not None:
+        stats = ", ".join(f"`{n}`" for n in spec.train_forward.stats)
+        out.append(f"Training forward `{spec.train_forward.name}` returns the output and {stats} (float32).")
+    out += ["", inspect.cleandoc(bwd.__doc__ or ""), ""]
+    out += _constraints(bwd)
+    return out
+
+
+def _public_functions() -> str:
+    from opport.public import module_source
+
+    return module_source(builtin_ops().values())
+
+
+def stale() -> list:
+    """The generated files that differ from what the declarations give now."""
+    return [path for path, make in GENERATED.items() if (ROOT / path).read_text() != make()]
+
+
+def main(argv=None) -> int:
+    for path, make in GENERATED.items():
+        text = make()
+        if (ROOT / path).read_text() != text:
+            (ROOT / path).write_text(text)
+            print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    print(render(), end="")
+    sys.exit(main())

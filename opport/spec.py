@@ -156,6 +156,8 @@ class OpSpec:
         self.validate = fn
         self._bind = _make_binder(fn)
         self.module = self.name  # backends keep this op's kernels in `<backend package>.<module>`
+        # the distribution that declares the op: "opport", or a plugin package (kernels in <package>.backends.<b>)
+        self.package = (fn.__module__ or "opport").split(".")[0]
         self._reference = self._cases = self._strategy = self._errors = self._cost = None
         self.tolerances: dict[str, Tolerance] = dict(BASE_TOLERANCE)
         self.invariants: list[Callable] = []
@@ -312,7 +314,7 @@ class BackwardSpec(OpSpec):
         unknown = [n for n in (*wrt, *constants) if n not in forward.arrays]
         if unknown or set(wrt) & set(constants) or set(wrt) | set(constants) != set(forward.arrays):
             raise TypeError(f"{self.name}: wrt {wrt} and constants {tuple(constants)} must split {forward.arrays}")
-        self.parent, self.module = forward, forward.module
+        self.parent, self.module, self.package = forward, forward.module, forward.package
         self.wrt, self.constants, self.reduces = wrt, constants, reduces
         self.tolerances = dict(forward.tolerances)
         self._extra_cases = None
@@ -405,7 +407,7 @@ class TrainForwardSpec(OpSpec):
         super().__init__(forward.validate, forward.arrays, {}, forward.dtypes, forward.fixed_out_dtype,
                          name=f"{forward.name}_forward")
         self.constraints = forward.constraints  # its validation is the forward's: errors name the op the user called
-        self.parent, self.module, self.stats = forward, forward.module, stats
+        self.parent, self.module, self.package, self.stats = forward, forward.module, forward.package, stats
         self._stat_shapes, self._stats_ref = shapes, reference
         self.tolerances = dict(forward.tolerances)
         self._shape = forward._shape

@@ -91,7 +91,7 @@ _lock = threading.RLock()
 _backends: dict[str, Backend] | None = None
 _probes: dict[str, str | None] = {}
 _kernels: dict[tuple, list[Kernel]] = {}  # (spec, backend name) -> kernels, best first
-_loaded: set = set()  # (op module, backend name) whose kernel module has been imported
+_loaded: set = set()  # (op package, op module, backend name) whose kernel modules have been imported
 SELECTIONS: dict = {}  # the dispatcher's cache: selection key -> plan (opport.dispatch.core)
 SELECTIONS_MAX = 8192
 
@@ -147,7 +147,7 @@ def unregister_backend(name: str):
         _probes.pop(name, None)
         for key in [k for k in _kernels if k[1] == name]:
             del _kernels[key]
-        for key in [k for k in _loaded if k[1] == name]:
+        for key in [k for k in _loaded if k[-1] == name]:
             _loaded.discard(key)
         _changed()
 
@@ -201,21 +201,33 @@ def remove_kernel(spec, backend: str, name: str):
         _changed()
 
 
+def kernel_modules(spec, backend: Backend) -> tuple:
+    """Where `spec`'s kernels for `backend` live: the backend's module named like the op, and, for an op a
+    plugin package declares, that package's own `<package>.backends.<backend>.<op>` (opport's layout)."""
+    mods = (f"{backend.package}.{spec.module}",)
+    if spec.package != "opport":
+        mods += (f"{spec.package}.backends.{backend.name}.{spec.module}",)
+    return mods
+
+
 def kernels(spec, backend: Backend) -> list:
-    """The op's kernels on this backend, best first (imports the backend's module for the op once)."""
-    key = (spec.module, backend.name)
+    """The op's kernels on this backend, best first (imports the backend's modules for the op once)."""
+    key = (spec.package, spec.module, backend.name)
     if key not in _loaded:
         with _lock:
             if key not in _loaded:
-                mod = f"{backend.package}.{spec.module}"
-                try:
-                    found = importlib.util.find_spec(mod) is not None
-                except ModuleNotFoundError:  # a backend package registered at run time with no module tree
-                    found = False
-                if found:
-                    importlib.import_module(mod)
+                for mod in kernel_modules(spec, backend):
+                    if _exists(mod):
+                        importlib.import_module(mod)
                 _loaded.add(key)
     return _kernels.get((spec, backend.name), [])
+
+
+def _exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package that does not exist (a backend registered with no module tree)
+        return False
 
 
 def registered(spec) -> list:
