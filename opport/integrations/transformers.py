@@ -15,8 +15,9 @@ code for that call:
   whose key length differs from its query length without a mask (static-cache prefill);
 - rotary tables narrower than the head (partial rotary).
 
-Written against transformers 5.x (`pip install 'opport[transformers]'`); the ops are inference-only
-(no autograd), as everywhere in opport.
+Written against transformers 5.x (`pip install 'opport[transformers]'`). Training works: gradients
+flow through every opport op the patched forwards call (opport.integrations.torch registers their
+backward), and attention with dropout while training runs the model's own code.
 """
 
 from __future__ import annotations
