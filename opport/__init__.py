@@ -12,6 +12,7 @@ This module is the composition root: it puts the declarations (opport.ops), the 
 
 from opport._ops import *  # noqa: F403 - opport.softmax, opport.rmsnorm, ...: one function per declared op
 from opport._ops import __all__ as _op_names
+from opport._version import __version__  # noqa: F401 - opport.__version__
 from opport.dispatch import Decision, FallbackWarning, clear_cache, strict, use_backend
 from opport.errors import (
     ArgumentError,
@@ -24,8 +25,6 @@ from opport.errors import (
 )
 from opport.ops import all_ops, get_op
 from opport.public import explain, vjp
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError", "BackendUnavailableError", "Decision", "DeviceError", "DTypeError", "FallbackWarning",

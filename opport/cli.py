@@ -84,7 +84,7 @@ def run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from opport import __version__
+    from opport._version import __version__
     from opport.dtypes import FLOATS, INTS
 
     parser = _Parser(prog="opport", description=__doc__.splitlines()[0])

@@ -52,7 +52,7 @@ def calls(monkeypatch):
             counts[_name] += 1
             return _spec(*args, **kwargs)
 
-        monkeypatch.setattr(opport, name, spy)
+        monkeypatch.setattr(opport._ops, name, spy)  # the patched forwards call opport._ops.<op>
     return counts
 
 

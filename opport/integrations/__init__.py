@@ -1,6 +1,6 @@
 """Framework integration: opport ops inside `torch.compile` and `jax.jit`, and model patching.
 
-`OpSpec.__call__` sends every call whose first argument is not a NumPy array through `route` before
+The public op functions (opport/_ops.py) send every call whose first array is not a NumPy array through `route` before
 the dispatcher. Outside tracing and autograd `route` declines (returns NotImplemented) and the call is
 dispatched as usual; while torch.compile traces, or when a torch input requires grad, the call becomes
 the custom op `torch.ops.opport.<name>` (opport.integrations.torch: its autograd formula runs opport's
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
+from opport.integrations.samples import small_cases  # noqa: F401 - re-exported for tests and users
 
 
 def route(spec, bound: tuple, backend: str | None):
@@ -44,17 +44,3 @@ def _requires_grad(spec, bound: tuple) -> bool:
         if getattr(bound[i], "requires_grad", False):
             return True
     return False
-
-
-def small_cases(spec, dtype: str = "float32", limit: int = 2, max_elements: int = 4096) -> list:
-    """A few of the op's own conformance cases, small and free of special values, to check an integration.
-
-    Falls back to the smallest case when none is under `max_elements` elements in all.
-    """
-
-    def size(case):
-        return sum(a.size for a in case.args if isinstance(a, np.ndarray))
-
-    cases = [c for c in spec.get_cases(dtype) if "edge" not in c.tags]
-    small = [c for c in cases if 0 < size(c) <= max_elements][:limit]
-    return small or sorted(cases, key=size)[:1]

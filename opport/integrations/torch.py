@@ -32,7 +32,7 @@ from opport import errors
 from opport.autodiff import saved_values
 from opport.dispatch import call
 from opport.dispatch.adapters import NumpyAdapter, metas_of
-from opport.integrations import small_cases
+from opport.integrations.samples import small_cases
 from opport.ops import all_ops
 
 NAMESPACE = "opport"

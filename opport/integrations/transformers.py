@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 
-import opport
+import opport._ops as ops
 from opport.errors import UnsupportedError
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # config.model_type -> class prefix
@@ -99,14 +99,14 @@ def _rmsnorm_forward(module, original):
     def forward(hidden_states):
         if hidden_states.dtype != module.weight.dtype:
             return original(hidden_states)
-        return opport.rmsnorm(hidden_states, module.weight, module.variance_epsilon)
+        return ops.rmsnorm(hidden_states, module.weight, module.variance_epsilon)
 
     return forward
 
 
 def _mlp_forward(module, original):
     def forward(x):
-        return module.down_proj(opport.swiglu(module.gate_proj(x), module.up_proj(x)))
+        return module.down_proj(ops.swiglu(module.gate_proj(x), module.up_proj(x)))
 
     return forward
 
@@ -128,7 +128,7 @@ def _attention_forward(module, original):
         if cache is not None:
             k, v = cache.update(k, v, module.layer_idx)
         if _opport_attends(module, q, k, attention_mask):
-            out = opport.attention(q, k, v, causal=q.shape[2] > 1, scale=module.scaling).transpose(1, 2)
+            out = ops.attention(q, k, v, causal=q.shape[2] > 1, scale=module.scaling).transpose(1, 2)
         else:
             fallback = attention_functions.get_interface(module.config._attn_implementation, eager)
             out, _ = fallback(module, q, k, v, attention_mask, scaling=module.scaling, sliding_window=_window(module),
@@ -147,7 +147,7 @@ def _rotate(q, k, cos, sin, hf_rope):
     cos, sin = cos[..., : d // 2], sin[..., : d // 2]
     if cos.shape[0] == 1 and q.shape[0] != 1:
         cos, sin = cos[0], sin[0]  # one table for the whole batch: [S, D/2]
-    return opport.rope(q, cos, sin), opport.rope(k, cos, sin)
+    return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
 
 
 def _opport_attends(module, q, k, attention_mask) -> bool:
