@@ -146,9 +146,13 @@ class OpSpec:
         self.arrays = tuple(arrays)
         self.array_pos = tuple(self.params.index(a) for a in arrays)
         self.scalar_pos = tuple(i for i in range(len(self.params)) if i not in self.array_pos)
+        defaults = [p.default for p in self.signature.parameters.values()]
+        self.optional_pos = tuple(i for i in self.array_pos if defaults[i] is None)  # arrays that may be None
         self.constraints = {
             f"{self.name}.array_type": "array arguments are NumPy arrays, torch tensors or JAX arrays",
             f"{self.name}.device": "all arrays on one device the backend can use",
+            f"{self.name}.backend": "the backend asked for (keyword, use_backend, OPPORT_BACKEND) exists and can run here",
+            f"{self.name}.supported": "a kernel of the chosen backend takes the call (else cpu, or an error in strict mode)",
             **constraints,
         }
         self.dtypes = tuple(dtypes)

@@ -46,7 +46,7 @@ def test_keyword_beats_context_beats_env_beats_device(monkeypatch):
 def test_unknown_backend_lists_valid_names():
     with pytest.raises(BackendUnavailableError) as info:
         opport.rmsnorm(X, backend="tpu")
-    assert "cpu" in str(info.value) and info.value.constraint == "backend.name"
+    assert "cpu" in str(info.value) and info.value.constraint == "rmsnorm.backend" and info.value.arg == "backend"
     with pytest.raises(BackendUnavailableError):
         with opport.use_backend("tpu"):
             pass

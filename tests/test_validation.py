@@ -14,7 +14,7 @@ from opport.ops import all_ops
 from opport.public import function
 
 OPS = all_ops()
-GENERIC = ("array_type", "device")
+GENERIC = ("array_type", "device", "backend", "supported")
 
 
 def _error_params():

@@ -29,8 +29,20 @@ class NumpyAdapter:
     @staticmethod
     def meta(a) -> Meta:
         item = a.itemsize
-        strides = tuple(s // item for s in a.strides) if item else None
+        strides = tuple(s // item for s in a.strides) if item and NumpyAdapter.plain(a) else None
         return Meta("numpy", a.dtype.name, a.shape, strides, "cpu")
+
+    @staticmethod
+    def plain(a) -> bool:
+        """Native byte order and strides in whole elements: what every kernel can take as is. Other arrays
+        (big-endian data, views into records) are copied to a contiguous native array first (`normalized`),
+        on every backend alike; their Meta says contiguous, as the kernel will see them."""
+        item = a.itemsize
+        return a.dtype.isnative and (item == 0 or all(s % item == 0 for s in a.strides))
+
+    @staticmethod
+    def normalized(a):
+        return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
 
     @staticmethod
     def to_numpy(a):
@@ -52,6 +64,23 @@ class NumpyAdapter:
         return TorchAdapter.to_numpy(out)
 
 
+class SubclassAdapter(NumpyAdapter):
+    """ndarray subclasses (np.matrix, np.memmap, ...): computed on as the plain ndarray they view, on every
+    backend; the output is a plain ndarray. (Masked arrays are refused instead: see `array_type_error`.)"""
+
+    @staticmethod
+    def key(a):
+        return (a.dtype, a.shape, a.strides)
+
+    @staticmethod
+    def to_numpy(a):
+        return np.asarray(a)
+
+    @staticmethod
+    def to_torch(a, device: str):
+        return NumpyAdapter.to_torch(np.asarray(a), device)
+
+
 class TorchAdapter:
     kind = "torch"
     _names: dict = {}
@@ -65,10 +94,12 @@ class TorchAdapter:
 
     @staticmethod
     def key(t):
-        return (t.dtype, t.shape, t.stride(), t.device)
+        return (t.dtype, t.shape, t.stride(), t.device, t.is_neg())
 
     @classmethod
     def meta(cls, t) -> Meta:
+        if t.layout is not (_torch or _bind_torch()).strided:
+            raise ValueError(f"a {t.layout} tensor")  # turned into the op's typed error by meta_of
         dev = t.device
         device = dev.type if dev.index is None else f"{dev.type}:{dev.index}"
         return Meta("torch", cls.dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), device)
@@ -77,6 +108,8 @@ class TorchAdapter:
     def to_numpy(t):
         if t.requires_grad:
             t = t.detach()
+        if t.is_neg():  # a negative-bit view (e.g. torch.complex(a, b).conj().imag): its values, materialised
+            t = t.resolve_neg()
         if not t.is_cpu:
             t = t.cpu()
         if t.dtype is (_torch_bf16 or _bind_torch().bfloat16):
@@ -86,6 +119,8 @@ class TorchAdapter:
     @staticmethod
     def to_torch(t, device: str):
         t = t.detach()
+        if t.is_neg():  # kernels read memory: a negative-bit view must be materialised first
+            t = t.resolve_neg()
         return t if t.device.type == device.split(":")[0] else t.to(device)
 
     @staticmethod
@@ -164,7 +199,9 @@ def adapter_for(a):
 
 def _resolve(a):
     if isinstance(a, np.ndarray):
-        return NumpyAdapter
+        if isinstance(a, np.ma.MaskedArray):
+            return None  # refused: kernels would silently compute on (or drop) the masked data
+        return NumpyAdapter if type(a) is np.ndarray else SubclassAdapter
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(a, torch.Tensor):
         return TorchAdapter
@@ -175,10 +212,15 @@ def _resolve(a):
 
 
 
-def array_type_error(op, arg: str, a) -> errors.DTypeError:
+def array_type_error(op, arg: str, a, why: str | None = None) -> errors.DTypeError:
     """The typed error for an argument that is not an array opport takes (raise it)."""
-    return errors.DTypeError(op=op.name, arg=arg, constraint=f"{op.name}.array_type",
-                             expected="a NumPy array, torch tensor or JAX array", got=type(a).__name__)
+    expected = "a NumPy array, torch tensor or JAX array"
+    if isinstance(a, np.ma.MaskedArray):
+        expected = "an array without a mask (NumPy masked arrays are refused: pass a.filled(value) or a.data)"
+    elif why is not None:
+        expected = f"a dense (strided) array, not {why}"
+    got = type(a).__name__ if why is None else f"{type(a).__name__} ({why})"
+    return errors.DTypeError(op=op.name, arg=arg, constraint=f"{op.name}.array_type", expected=expected, got=got)
 
 
 def meta_of(op, arg: str, a) -> Meta:
@@ -186,13 +228,30 @@ def meta_of(op, arg: str, a) -> Meta:
     ad = adapter_for(a)
     if ad is None:
         raise array_type_error(op, arg, a)
-    return ad.meta(a)
+    try:
+        return ad.meta(a)
+    except ValueError as e:  # an array of a kind kernels cannot read (sparse tensors)
+        raise array_type_error(op, arg, a, str(e)) from None
 
 
 def metas_of(op, bound: tuple) -> list:
-    """The bound arguments with every array replaced by its `Meta`."""
+    """The bound arguments with every array replaced by its `Meta` (None for an absent optional array;
+    the array_type error for an absent required one)."""
     metas = list(bound)
     for i in op.array_pos:
         if bound[i] is not None:
             metas[i] = meta_of(op, op.params[i], bound[i])
+        elif i not in op.optional_pos:
+            raise array_type_error(op, op.params[i], None)
     return metas
+
+
+def python_scalars(op, bound: tuple) -> tuple:
+    """The bound arguments with NumPy scalars (np.float32(1e-6), np.bool_(True), np.int64(0)) and 0-d
+    NumPy arrays in scalar positions as the Python scalars validation and kernels expect."""
+    out = list(bound)
+    for i in op.scalar_pos:
+        v = bound[i]
+        if isinstance(v, np.generic) or (isinstance(v, np.ndarray) and v.ndim == 0):
+            out[i] = v.item()
+    return tuple(out)

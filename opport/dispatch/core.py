@@ -18,7 +18,7 @@ import numpy as np
 
 from opport import errors
 from opport.dispatch import context, registry
-from opport.dispatch.adapters import NumpyAdapter, adapter_for, array_type_error, metas_of
+from opport.dispatch.adapters import NumpyAdapter, adapter_for, array_type_error, metas_of, python_scalars
 from opport.dispatch.registry import backend_for_device, backends, get_backend, kernels
 
 
@@ -78,10 +78,10 @@ class Decision:
 class Plan:
     """A cached decision plus the conversions that run it."""
 
-    __slots__ = ("fn", "convert", "back", "direct", "first", "decision", "kernel")
+    __slots__ = ("fn", "convert", "back", "direct", "first", "decision", "kernel", "lock")
 
     def __init__(self, kernel, convert, back, first, decision, lock=None):
-        self.kernel, self.convert, self.back = kernel, convert, back
+        self.kernel, self.convert, self.back, self.lock = kernel, convert, back, lock
         self.direct = not convert and back is None  # the kernel takes the caller's arrays and returns its kind
         self.fn = kernel.fn if lock is None else _serial(kernel.fn, lock)
         self.first, self.decision = first, decision
@@ -106,7 +106,11 @@ _SELECTIONS = registry.SELECTIONS  # the registry owns and invalidates it; the h
 def call(op, bound: tuple, backend: str | None):
     """Run op `op` on its bound arguments (signature order) on the selected kernel."""
     key_fn = _key_functions.get(op) or key_function(op)
-    key = key_fn(bound, backend)
+    try:
+        key = key_fn(bound, backend)
+    except Exception:  # an array the inline reads cannot describe (a sparse tensor has no strides)
+        metas_of(op, bound)  # raises the op's typed error for it
+        raise
     try:
         plan = _SELECTIONS.get(key)
     except TypeError:  # an unhashable scalar: validation will say what is wrong with it
@@ -162,7 +166,7 @@ def key_function(op, env_get=None, env_key=None):
         lines += [f"a{i} = b[{i}]",
                   f"c{i} = a{i}.__class__",
                   f"if c{i} is NP: k{i} = (a{i}.dtype, a{i}.shape, a{i}.strides)",
-                  f"elif c{i} is TENSOR[0]: k{i} = (a{i}.dtype, a{i}.shape, a{i}.stride(), a{i}.device)",
+                  f"elif c{i} is TENSOR[0]: k{i} = (a{i}.dtype, a{i}.shape, a{i}.stride(), a{i}.device, a{i}.is_neg())",
                   f"elif a{i} is None: k{i} = None",
                   f"else: k{i} = other(op, {i}, a{i})"]
         parts += [f"c{i}", f"k{i}"]
@@ -208,34 +212,46 @@ def _run_converted(plan: Plan, bound: tuple):
 
 
 def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool) -> Plan:
-    metas = metas_of(op, bound)
+    scalars = python_scalars(op, bound)  # NumPy scalars and 0-d arrays in scalar positions as Python scalars
+    metas = metas_of(op, scalars)
     decision, kernel = decide(op, metas, name, strict_now, by_keyword)
     if kernel is None:
-        raise errors.UnsupportedError(op=op.name, arg=None, constraint=f"{op.name}.supported",
+        raise errors.UnsupportedError(op=op.name, arg="backend", constraint=f"{op.name}.supported",
                                       expected=f"a {decision.backend} kernel that takes this call",
                                       got=decision.error, message=f"{op.name}: {decision.error}")
     if decision.fallback:
         _warn_once(op.name, decision.fallback_from, decision.fallback)
-    return _make_plan(op, bound, kernel, decision)
+    plan = _make_plan(op, bound, kernel, decision)
+    changed = tuple((i, _as_python) for i in op.scalar_pos if scalars[i] is not bound[i])
+    if changed:
+        plan = Plan(kernel, plan.convert + changed, plan.back, plan.first, decision, plan.lock)
+    return plan
+
+
+def _as_python(v):
+    return v.item()
 
 
 def decide(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool = False):
     """Validate the metadata, then pick backend and kernel. Returns (Decision, Kernel or None)."""
     arrays = [(op.params[i], metas[i]) for i in op.array_pos if metas[i] is not None]
-    devices = {m.device for _, m in arrays}
-    if len(devices) > 1:
-        raise errors.DeviceError(op=op.name, arg=arrays[-1][0], constraint=f"{op.name}.device",
-                                 expected="all arrays on one device", got=", ".join(sorted(devices)))
+    usable = {t for b in backends().values() for t in b.device_types} | {"cpu"}
+    for arg, m in arrays:  # name the first array on a device no backend can use
+        if m.device_type not in usable:
+            raise errors.DeviceError(op=op.name, arg=arg, constraint=f"{op.name}.device",
+                                     expected="arrays on a device some backend can use", got=m.device)
+    odd = next((arg for arg, m in arrays if m.device != arrays[0][1].device), None)
+    if odd is not None:  # name the first array not on the first array's device
+        raise errors.DeviceError(op=op.name, arg=odd, constraint=f"{op.name}.device",
+                                 expected=f"all arrays on one device ({arrays[0][1].device}, as {arrays[0][0]})",
+                                 got=", ".join(sorted({m.device for _, m in arrays})))
     device_type = arrays[0][1].device_type if arrays else "cpu"
-    if device_type != "cpu" and not any(device_type in b.device_types for b in backends().values()):
-        raise errors.DeviceError(op=op.name, arg=arrays[0][0], constraint=f"{op.name}.device",
-                                 expected="arrays on a device some backend can use", got=arrays[0][1].device)
     op.validate(*metas)
 
     if name is not None:
         requested = "backend= keyword" if by_keyword else context.how_requested(None)
         b = get_backend(name, op.name)
-        b.require(op.name)
+        b.require(op.name)  # both raise BackendUnavailableError with the constraint id <op>.backend
         if b.name != "cpu" and device_type != "cpu" and device_type not in b.device_types:
             raise errors.DeviceError(op=op.name, arg=arrays[0][0], constraint=f"{op.name}.device",
                                      expected=f"arrays on cpu or {'/'.join(b.device_types)} for backend {b.name}",
@@ -301,17 +317,27 @@ def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
         ad = adapter_for(a)
         if first is None:
             first, src = i, ad
-        if b.array_kind == "numpy":
+        if ad is NumpyAdapter and not NumpyAdapter.plain(a):  # big-endian data, record views: native copies
+            convert.append((i, _normalizer(b)))
+        elif b.array_kind == "numpy":
             if ad is not NumpyAdapter:
                 convert.append((i, ad.to_numpy))
         else:
             device = b.torch_device()
-            if ad.kind != "torch" or not _on(a, device):
+            if ad.kind != "torch" or not _on(a, device) or a.is_neg():
                 convert.append((i, lambda x, ad=ad, device=device: ad.to_torch(x, device)))
     same_kind = (src is None or src.kind == b.array_kind) and not convert
     back = None if same_kind else src.from_native
     lock = _backend_locks.setdefault(b.name, threading.Lock()) if b.serialized() else None
     return Plan(kernel, tuple(convert), back, first if first is not None else 0, decision, lock)
+
+
+def _normalizer(b):
+    """A converter to a native, contiguous copy in backend `b`'s array kind."""
+    if b.array_kind == "numpy":
+        return NumpyAdapter.normalized
+    device = b.torch_device()
+    return lambda x: NumpyAdapter.to_torch(NumpyAdapter.normalized(x), device)
 
 
 def _on(t, device: str) -> bool:
@@ -320,7 +346,7 @@ def _on(t, device: str) -> bool:
 
 def explain(op, *args, backend: str | None = None, **kwargs) -> Decision:
     """The dispatch decision for calling op `op` (an OpSpec) so: backend, kernel, mode, every candidate's reason."""
-    bound = op.bind(*args, **kwargs)
+    bound = python_scalars(op, op.bind(*args, **kwargs))
     name = context.requested_backend(backend)
     decision, _ = decide(op, metas_of(op, bound), name, context.is_strict(), backend is not None)
     return decision

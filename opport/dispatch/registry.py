@@ -64,7 +64,7 @@ class Backend:
         reason = self.unavailable()
         if reason:
             raise BackendUnavailableError(
-                op=op, arg="backend", constraint="backend.available", expected=f"a usable {self.name} backend",
+                op=op, arg="backend", constraint=_backend_constraint(op, "available"), expected=f"a usable {self.name} backend",
                 got=reason, message=f"{op}: backend {self.name!r} cannot run here: {reason}. {self.hint}".strip(),
             )
 
@@ -156,10 +156,15 @@ def get_backend(name: str, op: str = "opport") -> Backend:
     b = backends().get(name) if isinstance(name, str) else None
     if b is None:
         raise BackendUnavailableError(
-            op=op, arg="backend", constraint="backend.name", expected=f"one of {tuple(backends())}",
+            op=op, arg="backend", constraint=_backend_constraint(op, "name"), expected=f"one of {tuple(backends())}",
             got=repr(name), message=f"{op}: unknown backend {name!r}; valid names: {', '.join(backends())}",
         )
     return b
+
+
+def _backend_constraint(op: str, what: str) -> str:
+    """`<op>.backend` for an op's call (declared by every op); `backend.<what>` outside one."""
+    return f"{op}.backend" if op != "opport" else f"backend.{what}"
 
 
 def backend_for_device(device_type: str) -> Backend:

@@ -18,6 +18,7 @@ through host memory; reaching the Triton kernels directly (DLPack, no host copy)
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,23 +27,28 @@ from jax.custom_derivatives import SymbolicZero
 
 from opport import errors
 from opport.autodiff import saved_values
-from opport.dispatch import call, context, strict
-from opport.dispatch.adapters import meta_of
+from opport.dispatch import FallbackWarning, call, context, decide, strict
+from opport.dispatch.adapters import meta_of, python_scalars
 from opport.dtypes import np_dtype
 from opport.spec import Meta
 
 
 def traced_call(spec, bound: tuple, backend: str | None):
     """`opport.<op>(...)` with JAX tracers among the arrays: a pure callback with the declared output, and a
-    custom VJP into opport's backward for differentiable ops."""
+    custom VJP into opport's backward for differentiable ops. Everything a call is checked on eagerly
+    (validation, the backend's name and availability, strict mode's kernel choice) is checked now, at
+    trace time, so the typed error surfaces from `jax.jit(...)(...)` itself, not from the callback."""
+    bound = python_scalars(spec, bound)
     metas, slots = list(bound), []
     for i in spec.array_pos:
         if bound[i] is not None:
             metas[i] = _meta(spec, spec.params[i], bound[i])
             slots.append(i)
-    spec.validate(*metas)
-    template = tuple(None if i in slots else v for i, v in enumerate(bound))  # scalars only: no tracer kept
     chosen = backend if backend is not None else context.context_backend()
+    with warnings.catch_warnings():  # the call itself warns about a fallback when it runs
+        warnings.simplefilter("ignore", FallbackWarning)
+        decide(spec, metas, context.requested_backend(chosen), context.is_strict(), chosen is not None)
+    template = tuple(None if i in slots else v for i, v in enumerate(bound))  # scalars only: no tracer kept
     run = _Runner(template, tuple(slots), chosen, context.context_strict())
     operands = [bound[i] for i in slots]
     if spec.backward_op is None:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from opport.dtypes import acc_dtype
+from opport.errors import ArgumentError
 
 BLOCK_ELEMS = 1 << 18  # elements per block: 1 MiB per float32 temporary, a few MiB per block
 PARALLEL_MIN = 1 << 18  # below this many elements the hand-off to a pool thread (~60 us measured) costs
@@ -98,11 +99,16 @@ def store(dst: np.ndarray, y: np.ndarray) -> None:
 
 
 def num_threads() -> int:
-    """Threads the cpu kernels use: `OPPORT_NUM_THREADS`, else the CPUs this process may run on."""
+    """Threads the cpu kernels use: `OPPORT_NUM_THREADS`, else the CPUs this process may run on.
+
+    Read on every kernel call, whatever its size (a bad value must not pass for small inputs and fail for
+    large ones); a value other than a positive integer is an ArgumentError naming the variable.
+    """
     env = os.environ.get("OPPORT_NUM_THREADS", "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"OPPORT_NUM_THREADS={env!r}: expected a positive integer (unset it to use every CPU)")
+            raise ArgumentError(op="cpu", arg="OPPORT_NUM_THREADS", constraint="cpu.num_threads",
+                                expected="a positive integer (unset it to use every CPU)", got=repr(env))
         return int(env)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -134,7 +140,8 @@ def parallel_rows(n_rows: int, row_elems: int, body) -> None:
     """
     step = block_rows(row_elems)
     nested = getattr(_inside, "on", False)
-    threads = 1 if nested or n_rows * row_elems < PARALLEL_MIN else min(num_threads(), n_rows)
+    wanted = num_threads()  # validated on every call, small ones too
+    threads = 1 if nested or n_rows * row_elems < PARALLEL_MIN else min(wanted, n_rows)
 
     def run(lo: int, hi: int) -> None:
         _inside.on = True
