@@ -323,6 +323,7 @@ class BackwardSpec(OpSpec):
         self.tolerances = dict(forward.tolerances)
         self._extra_cases = None
         self._case_tolerances: dict = {}  # case name -> {dtype: Tolerance}
+        self.mutants: dict = {}  # name -> float64 function of the backward's arguments (plausible bugs)
 
     @property
     def n_outputs(self) -> int:
@@ -354,6 +355,17 @@ class BackwardSpec(OpSpec):
         """Backward-only cases (edge upstream gradients) beside those derived from the forward's cases."""
         self._extra_cases = fn
         return fn
+
+    def mutant(self, name: str):
+        """Declare a plausible wrong backward (a dropped term, a gradient not summed over rows, a wrong scale)
+        as a float64 function of the backward's arguments: the gate's self-test runs it as a kernel and the
+        conformance cases must catch it (opport.conformance.mutants)."""
+
+        def declare(fn):
+            self.mutants[name] = fn
+            return fn
+
+        return declare
 
     def case_tolerance(self, case: str, **per_dtype: Tolerance):
         """A reasoned tolerance for one derived case (by the forward case's name), per dtype."""

@@ -181,3 +181,21 @@ _ONE_ELEMENT_ROWS = ("a one-element row's dx is r g (1 - xhat^2) = eps r^3 g: pu
                      "arithmetic resolves to about 6e-8 x^2 / eps relative; judged without the rule-6 atol cap")
 rmsnorm_backward.case_tolerance(
     "row-1", **{d: Tolerance(t.rtol, t.atol, t.metric, reason=_ONE_ELEMENT_ROWS) for d, t in BASE_TOLERANCE.items()})
+
+
+@rmsnorm_backward.mutant("dropped-projection")
+def _mutant_dropped_projection(grad, x, weight, eps):
+    """dx without the term through 1/rms (as if the statistic were a constant)."""
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    dx, dw = _backward_reference(grad, x, weight, eps)
+    return r * (grad if weight is None else grad * weight), dw
+
+
+@rmsnorm_backward.mutant("weight-grad-of-last-row")
+def _mutant_weight_not_summed(grad, x, weight, eps):
+    """dweight from the last row only, not summed over rows."""
+    dx, dw = _backward_reference(grad, x, weight, eps)
+    if dw is None or x.size == 0:
+        return dx, dw
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return dx, (grad * x * r).reshape(-1, x.shape[-1])[-1]
