@@ -45,7 +45,16 @@ def all_ops() -> dict[str, OpSpec]:
 
 
 def get_op(name: str) -> OpSpec:
+    """The op named `name`, or one of its derived ops (`<op>_backward`, `<op>_forward`)."""
     ops = all_ops()
-    if name not in ops:
+    if name in ops:
+        return ops[name]
+    derived = {d.name: d for spec in ops.values() for d in (spec.backward_op, spec.train_forward) if d is not None}
+    if name not in derived:
         raise ArgumentError(op="opport", arg="op", constraint="op.name", expected=f"one of {tuple(ops)}", got=repr(name))
-    return ops[name]
+    return derived[name]
+
+
+def with_derived(specs) -> list:
+    """Each op followed by its training forward and backward, where it declares them."""
+    return [d for spec in specs for d in (spec, spec.train_forward, spec.backward_op) if d is not None]
