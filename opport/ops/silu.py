@@ -213,7 +213,7 @@ def grad_cases(bwd, dtype: str, sweep: Case, edges: Case, prefix: str = ""):
     e = cg.edge_values(dtype)
     args = tuple(np.repeat(a, e.size) if isinstance(a, np.ndarray) else a for a in edges.args)
     args = (np.repeat(e, e.size),) + args[1:]
-    yield bwd.from_forward(Case(prefix + "edge-grid", args, edges.kwargs, ("edge",)), dtype, np.tile(e, e.size))
+    yield bwd.from_forward(Case(prefix + "grad-edge-grid", args, edges.kwargs, ("edge",)), dtype, np.tile(e, e.size))
 
 
 def _sprinkled(g: np.ndarray, dtype: str, rng) -> np.ndarray:
