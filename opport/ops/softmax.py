@@ -163,8 +163,10 @@ def softmax_backward(grad, out, axis=-1):
     """Gradient of softmax for x.
 
     Saves only its output y (as torch does): the Jacobian of softmax is expressed in y alone, so x is not
-    needed. dx = y (grad - sum(grad y, axis)) per row. Rows that were NaN in the forward (all -inf, +inf or
-    NaN in x) give NaN; masked positions (y = 0) get exactly 0 wherever the row's sum(grad y) is finite.
+    needed. dx = y (grad - sum(grad y, axis)) per row, evaluated as grad y - y sum(grad y) (no intermediate
+    overflow for grads near the float maximum). Rows that were NaN in the forward (all -inf, +inf or NaN in
+    x) give NaN; masked positions (y = 0) get exactly 0 wherever grad there and the row's sum(grad y) are
+    finite.
     """
     softmax.validate(out, axis)
     check_grad(f"{NAME}_backward", grad, out.shape, out.dtype)
@@ -175,7 +177,6 @@ def _backward_reference(grad, out, axis):
     if out.size == 0:
         return (np.zeros(out.shape),)
     with np.errstate(invalid="ignore", over="ignore"):
-        # y g - y s rather than y (g - s): no intermediate overflow for finite grads near the float maximum
         return (out * grad - out * np.sum(grad * out, axis=axis, keepdims=True),)
 
 
