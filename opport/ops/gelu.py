@@ -7,8 +7,18 @@ import math
 import numpy as np
 
 from opport import casegen as cg
-from opport.ops.silu import ACTIVATION_TOLERANCE, activation_inputs, activation_strategy, elementwise_cost, sigmoid64
-from opport.spec import Case, ErrorCase, check_choice, check_float, op
+from opport.ops.silu import (
+    ACTIVATION_GRAD_TOLERANCE,
+    ACTIVATION_TOLERANCE,
+    activation_inputs,
+    activation_strategy,
+    elementwise_cost,
+    elementwise_grad_cost,
+    grad_cases,
+    loss_scaled_tolerance,
+    sigmoid64,
+)
+from opport.spec import Case, ErrorCase, check_choice, check_float, check_grad, grad_constraints, op
 
 NAME = "gelu"
 APPROXIMATIONS = ("none", "tanh")
@@ -83,3 +93,73 @@ def _error_cases():
 
 # the erf fit or the tanh polynomial plus exp, divide, multiply: about 12 FLOPs per element
 gelu.cost(elementwise_cost(1, 12))
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@gelu.backward(wrt=("x",), constraints=grad_constraints(NAME))
+def gelu_backward(grad, x, approximate="none"):
+    """Gradient of gelu for x, both forms.
+
+    Saves x (the input). dx = grad * gelu'(x):
+    "none": gelu'(x) = Phi(x) + x phi(x), phi(x) = exp(-x^2/2) / sqrt(2 pi);
+    "tanh": with 2u = sqrt(8/pi) (x + 0.044715 x^3), gelu(x) = x sigmoid(2u) and
+    gelu'(x) = sigmoid(2u) + x sigmoid(2u) sigmoid(-2u) sqrt(8/pi) (1 + 3 * 0.044715 x^2).
+    Their limits define the infinities: gelu'(-inf) = 0, gelu'(+inf) = 1. NaN in x or grad gives NaN; an
+    infinite grad gives inf * gelu'(x), NaN where that is 0 (x = -inf, or x so negative that gelu'
+    underflows float64).
+    """
+    gelu.validate(x, approximate)
+    check_grad(f"{NAME}_backward", grad, x.shape, x.dtype)
+
+
+_INV_SQRT_2PI = 1.0 / math.sqrt(2 * math.pi)
+
+
+def gelu_grad64(x: np.ndarray, approximate: str) -> np.ndarray:
+    """gelu'(x) in float64; the x-times-density term is 0 where the density is (|x| large, ±inf)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        if approximate == "tanh":
+            c = math.sqrt(8 / math.pi)
+            x2 = x * x
+            two_u, slope = c * (x + 0.044715 * x2 * x), c * (1 + 3 * 0.044715 * x2)
+            e = np.exp(-np.abs(two_u))
+            q = 1.0 / (1.0 + e)
+            t = np.where(e == 0, 0.0, x * slope * e)
+            return q * (np.where(two_u >= 0, 1.0, e) + t * q)  # sigmoid(2u) + t sigmoid(2u) sigmoid(-2u)
+        phi = np.exp(-0.5 * x * x) * _INV_SQRT_2PI
+        cdf = 0.5 * np.asarray(_ERFC(-x / math.sqrt(2)), np.float64)
+        return cdf + np.where(phi == 0, 0.0, x * phi)
+
+
+@gelu_backward.reference
+def _backward_reference(grad, x, approximate):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (grad * gelu_grad64(x, approximate),)
+
+
+gelu_backward.tolerance(**ACTIVATION_GRAD_TOLERANCE)
+for _form in APPROXIMATIONS:
+    loss_scaled_tolerance(gelu_backward, f"{_form}/grad-loss-scaled")
+
+
+@gelu_backward.cases
+def _backward_cases(dtype):
+    by_name = {c.name: c for c in _cases(dtype)}
+    for form in APPROXIMATIONS:
+        yield from grad_cases(gelu_backward, dtype, by_name[f"{form}/sweep"], by_name[f"{form}/edge-values"], f"{form}/")
+
+
+@gelu_backward.error_cases
+def _backward_error_cases():
+    from opport.errors import DTypeError, ShapeError
+
+    x = np.ones((2, 8), np.float32)
+    yield ErrorCase("gelu_backward.grad_shape", ShapeError, (np.ones((2, 7), np.float32), x))
+    yield ErrorCase("gelu_backward.grad_shape", ShapeError, (np.ones(16, np.float32), x))
+    yield ErrorCase("gelu_backward.grad_dtype", DTypeError, (np.ones((2, 8), np.float16), x), {"approximate": "tanh"})
+
+
+# the forward's erf fit (or the tanh polynomial and exp) plus the density, the combination and grad: about 16
+gelu_backward.cost(elementwise_grad_cost(1, 1, 16))

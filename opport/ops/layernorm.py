@@ -7,7 +7,21 @@ import numpy as np
 from opport import casegen as cg
 from opport.arraymath import row_scale
 from opport.errors import ShapeError
-from opport.spec import Case, Cost, ErrorCase, check, check_eps, check_float, check_ndim, check_same_dtype, op
+from opport.spec import (
+    BASE_TOLERANCE,
+    Case,
+    Cost,
+    ErrorCase,
+    Tolerance,
+    check,
+    check_eps,
+    check_float,
+    check_grad,
+    check_ndim,
+    check_same_dtype,
+    grad_constraints,
+    op,
+)
 
 NAME = "layernorm"
 
@@ -40,10 +54,9 @@ def layernorm(x, weight=None, bias=None, eps=1e-5):
     check_eps(NAME, eps)
 
 
-@layernorm.reference
-def _reference(x, weight, bias, eps):
-    if x.size == 0:
-        return x.copy()
+def _normalised(x, eps):
+    """(xhat, std, s): the normalised rows, sqrt(var + eps s^2) per row and the exact power-of-two row scale s,
+    so that xhat = (x s - mean(x s)) / std. The forward and its VJP share this definition."""
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         s = row_scale(x, 2.0**400)  # float64 squares overflow near 1.3e154
         xs = x * s
@@ -53,7 +66,15 @@ def _reference(x, weight, bias, eps):
         var = np.mean(d * d, axis=-1, keepdims=True)
         # a scaled constant row has var == 0 and eps * s**2 may underflow: keep the 0 / sqrt(tiny) = 0 finite
         eps_s = np.where(s < 1, np.maximum(eps * s * s, np.finfo(np.float64).tiny), eps)
-        y = d / np.sqrt(var + eps_s)
+        std = np.sqrt(var + eps_s)
+        return d / std, std, s
+
+
+@layernorm.reference
+def _reference(x, weight, bias, eps):
+    if x.size == 0:
+        return x.copy()
+    y = _normalised(x, eps)[0]
     if weight is not None:
         y = y * weight
     return y if bias is None else y + bias
@@ -145,3 +166,93 @@ def _cost(x, weight, bias, eps):
     params = sum(p.size for p in (weight, bias) if p is not None) * item
     # mean, centre, square, mean, normalise, scale, shift: about 7 FLOPs per element
     return Cost(bytes=2 * n * item + params, flops=7 * n)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@layernorm.backward(wrt=("x", "weight", "bias"), reduces=("weight", "bias"), constraints=grad_constraints(NAME))
+def layernorm_backward(grad, x, weight=None, bias=None, eps=1e-5):
+    """Gradients of layernorm for x, weight and bias.
+
+    Saves x, weight and bias (the inputs; bias only for its shape), nothing else: the backward reads each
+    row of x anyway and recomputes its mean and 1/std there, which costs no extra memory traffic. With
+    xhat = (x - mean) / std, std = sqrt(var + eps) and g = grad * weight:
+    dx = (g - mean(g) - xhat mean(g xhat)) / std per row; dweight = sum over rows of grad * xhat;
+    dbias = sum over rows of grad. Rows the forward rescales by a power of two s (huge values) follow the
+    forward's exact scaled definition: dx = s (g - mean(g) - xhat mean(g xhat)) / std(x s).
+    A row with NaN or inf in x gives NaN in its dx and in all of dweight (NaN * anything); dbias only
+    sees grad.
+    """
+    layernorm.validate(x, weight, bias, eps)
+    check_grad(f"{NAME}_backward", grad, x.shape, x.dtype)
+
+
+@layernorm_backward.reference
+def _backward_reference(grad, x, weight, bias, eps):
+    rows = tuple(range(x.ndim - 1))
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if x.size == 0:
+            xhat, std, s = x, np.ones(x.shape[:-1] + (1,)), 1.0
+        else:
+            xhat, std, s = _normalised(x, eps)
+        g = grad if weight is None else grad * weight
+        mean_g = np.mean(g, axis=-1, keepdims=True) if x.size else 0.0
+        mean_gx = np.mean(g * xhat, axis=-1, keepdims=True) if x.size else 0.0
+        dx = s * (g - mean_g - xhat * mean_gx) / std
+        dw = None if weight is None else np.sum(grad * xhat, axis=rows)
+        db = None if bias is None else np.sum(grad, axis=rows)
+    return dx, dw, db
+
+
+LOSS_SCALE = 2.0**10  # as fp16 training scales its loss: every gradient is exactly this times a unit-scale one
+
+
+def _with_grad(name, fwd: Case, dtype, grad, tags=("edge",)):
+    return layernorm_backward.from_forward(Case(name, fwd.args, fwd.kwargs, tags), dtype, grad)
+
+
+@layernorm_backward.cases
+def _backward_cases(dtype):
+    """Edge upstream gradients and weights (zero rows, constant rows, huge rows come from the forward's cases)."""
+    fwd = _case("grad-edges", dtype, (8, 300))
+    rng = cg.rng_for(NAME, "grad-edges", dtype)
+    yield _with_grad("grad-zeros", fwd, dtype, cg.cast(np.zeros((8, 300)), dtype))
+    yield _with_grad("grad-constant-rows", fwd, dtype, cg.cast(np.full((8, 300), 3.0), dtype))  # dx = 0 exactly
+    unit = cg.array((8, 300), dtype, rng)
+    yield _with_grad("grad-loss-scaled", fwd, dtype, cg.cast(unit.astype(np.float64) * LOSS_SCALE, dtype))
+    yield _with_grad("grad-specials", fwd, dtype, cg.array((8, 300), dtype, rng, "specials"))
+    x, w, b = fwd.args
+    zero_w = Case("zero-weight", (x, np.zeros_like(w), b), fwd.kwargs)  # dx = 0; dweight, dbias still flow
+    yield _with_grad("zero-weight", zero_w, dtype, cg.array((8, 300), dtype, rng))
+
+
+@layernorm_backward.error_cases
+def _backward_error_cases():
+    from opport.errors import DTypeError
+
+    x, w = np.ones((2, 8), np.float32), np.ones(8, np.float32)
+    yield ErrorCase("layernorm_backward.grad_shape", ShapeError, (np.ones((2, 7), np.float32), x, w, w))
+    yield ErrorCase("layernorm_backward.grad_shape", ShapeError, (np.ones((8,), np.float32), x, w, w))
+    yield ErrorCase("layernorm_backward.grad_dtype", DTypeError, (np.ones((2, 8), np.float16), x, w, w))
+
+
+@layernorm_backward.cost
+def _backward_cost(grad, x, weight, bias, eps):
+    item = np.dtype(cg.np_dtype(x.dtype)).itemsize
+    params = (2 * weight.size if weight is not None else 0) + (bias.size if bias is not None else 0)
+    # grad and x read, dx written; weight read, dweight and dbias written. Mean, centre, square, mean,
+    # normalise; g w, its mean, g xhat and its mean, the combination (4), grad xhat and the two row sums: ~16
+    return Cost(bytes=3 * x.size * item + params * item, flops=16 * x.size)
+
+
+# dx is linear in grad and a power-of-two scale is exact in every operation, so the kernel's result on
+# "grad-loss-scaled" is exactly LOSS_SCALE times its result on the unit-scale grad: only the absolute part of
+# the tolerance, set for unit-scale outputs, scales with it. Measured (float32, before choosing this case):
+# upstream gradients of 1e4 give errors up to 1.1e-4 at |dx| = 0.6, where (g - mean g) ~ 1e4 and xhat mean(g
+# xhat) cancel: one float32 rounding of a 1e4-sized term, 2.7e-9 of max|grad|.
+_LOSS_SCALED = ("grad is 2^10 x a unit-scale gradient and dx is exactly 2^10 x the unit-scale result (power-of-two "
+                "scaling is exact): atol scales with it; float32's error is one rounding of the O(|grad|) terms "
+                "(g - mean g) and xhat mean(g xhat), which cancel")
+layernorm_backward.case_tolerance("grad-loss-scaled", **{
+    d: Tolerance(t.rtol, t.atol * LOSS_SCALE, t.metric, reason=_LOSS_SCALED) for d, t in BASE_TOLERANCE.items()})

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from opport import casegen as cg
-from opport.spec import Case, Cost, ErrorCase, Tolerance, check_float, op
+from opport.spec import Case, Cost, ErrorCase, Tolerance, check_float, check_grad, grad_constraints, op
 
 NAME = "silu"
 
@@ -38,6 +38,18 @@ def sigmoid64(x: np.ndarray) -> np.ndarray:
     """float64 sigmoid with exp only of -|x| (never overflows)."""
     e = np.exp(-np.abs(x))
     return np.where(x >= 0, 1.0, e) / (1.0 + e)
+
+
+def silu_grad64(x: np.ndarray) -> np.ndarray:
+    """silu'(x) = sigmoid(x) (1 + x sigmoid(-x)) in float64, written q (num + x e q) with e = exp(-|x|),
+    q = 1 / (1 + e), num = 1 for x >= 0 else e: exp never overflows and no 1 - sigmoid(x) cancels for x >> 0.
+    The x e term is 0 where e is (|x| > 745, ±inf), so silu'(-inf) = 0 and silu'(+inf) = 1 (their limits,
+    where the formula would give inf * 0). NaN propagates."""
+    with np.errstate(invalid="ignore"):
+        e = np.exp(-np.abs(x))
+        q = 1.0 / (1.0 + e)
+        xe = np.where(e == 0, 0.0, x * e)
+        return q * (np.where(x >= 0, 1.0, e) + xe * q)
 
 
 def silu64(x: np.ndarray) -> np.ndarray:
@@ -169,3 +181,106 @@ def _error_cases():
 
 # exp, add, divide, multiply (+ abs and the select): about 5 FLOPs per element
 silu.cost(elementwise_cost(1, 5))
+
+
+# --------------------------------------------------------------------------- backward, shared by the activations
+
+# dx = grad * f'(x): one rounding more than the forward's f(x), and the same cancellation where f' crosses 0
+# (silu' at x = -1.2785, gelu' at -0.7518): the composite-activation rule, without the signed-zero check: the
+# sign of a zero gradient is that of grad times a derivative whose sign near its root is rounding noise.
+ACTIVATION_GRAD_TOLERANCE = {
+    d: Tolerance(t.rtol, t.atol, t.metric, t.ulp, "dx = grad * f'(x): the composite-activation rule of the forward "
+                 "(docs/numerics.md 3.3), signs of zero gradients not compared") for d, t in ACTIVATION_TOLERANCE.items()}
+LOSS_SCALE = 2.0**10  # as fp16 training scales its loss: every gradient exactly this times a unit-scale one
+LOSS_SCALED = ("grad is 2^10 x a unit-scale gradient and dx = grad * f'(x) is exactly 2^10 x the unit-scale result "
+               "(power-of-two scaling is exact): the absolute part of the tolerance, set for unit-scale outputs, "
+               "scales with it; float32 f' near its root cancels to about 1e-8 absolute")
+
+
+def grad_cases(bwd, dtype: str, sweep: Case, edges: Case, prefix: str = ""):
+    """Backward-only cases of an elementwise activation: edge upstream gradients (signed zeros, specials,
+    loss-scaled) on the forward's sweep case, and every edge value of x against every edge value of grad
+    (from the forward's edge-values case; its other arrays repeated along)."""
+    rng = cg.rng_for(bwd.name, prefix, "grad-edges", dtype)
+    shape = sweep.args[0].shape
+    grads = {
+        "grad-zeros": cg.cast(np.where(rng.random(shape) < 0.5, 0.0, -0.0), dtype),
+        "grad-specials": _sprinkled(cg.array(shape, dtype, rng), dtype, rng),
+        "grad-loss-scaled": cg.cast(cg.array(shape, dtype, rng).astype(np.float64) * LOSS_SCALE, dtype),
+    }
+    for name, g in grads.items():
+        yield bwd.from_forward(Case(prefix + name, sweep.args, sweep.kwargs, ("edge",)), dtype, g)
+    e = cg.edge_values(dtype)
+    args = tuple(np.repeat(a, e.size) if isinstance(a, np.ndarray) else a for a in edges.args)
+    args = (np.repeat(e, e.size),) + args[1:]
+    yield bwd.from_forward(Case(prefix + "grad-edge-grid", args, edges.kwargs, ("edge",)), dtype, np.tile(e, e.size))
+
+
+def _sprinkled(g: np.ndarray, dtype: str, rng) -> np.ndarray:
+    """Unit-scale `g` with an eighth of its elements replaced by ±0, ±inf, NaN, tiny and subnormal values.
+    Large finite grads meet the edge values of x in "edge-grid" instead: f' near its root errs by up to 2.4e-7
+    absolute in float32 (cancellation), which the composite rule's atol bounds for unit-scale grads only."""
+    fi = cg.finfo(dtype)
+    specials = cg.cast([0.0, -0.0, np.inf, -np.inf, np.nan, float(fi.tiny), -float(fi.smallest_subnormal)], dtype)
+    idx = rng.choice(g.size, size=max(1, g.size // 8), replace=g.size < 8)
+    g = g.copy()
+    g.reshape(-1)[idx] = rng.choice(specials, size=idx.size)
+    return g
+
+
+def loss_scaled_tolerance(bwd, case: str) -> None:
+    """The reasoned tolerance of a "grad-loss-scaled" case: the activation-gradient rule with atol x LOSS_SCALE."""
+    bwd.case_tolerance(case, **{d: Tolerance(t.rtol, t.atol * LOSS_SCALE, t.metric, t.ulp, LOSS_SCALED)
+                                for d, t in ACTIVATION_GRAD_TOLERANCE.items()})
+
+
+@silu.backward(wrt=("x",), constraints=grad_constraints(NAME))
+def silu_backward(grad, x):
+    """Gradient of silu for x.
+
+    Saves x (the input). dx = grad * silu'(x), silu'(x) = sigmoid(x) (1 + x sigmoid(-x)), with its limits at
+    the infinities: silu'(-inf) = 0, silu'(+inf) = 1. NaN in x or grad gives NaN; an infinite grad gives
+    inf * silu'(x), NaN where that is 0 (x = -inf, or x < -745 where silu' underflows float64).
+    """
+    silu.validate(x)
+    check_grad(f"{NAME}_backward", grad, x.shape, x.dtype)
+
+
+@silu_backward.reference
+def _backward_reference(grad, x):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (grad * silu_grad64(x),)
+
+
+silu_backward.tolerance(**ACTIVATION_GRAD_TOLERANCE)
+loss_scaled_tolerance(silu_backward, "grad-loss-scaled")
+
+
+@silu_backward.cases
+def _backward_cases(dtype):
+    by_name = {c.name: c for c in _cases(dtype)}
+    yield from grad_cases(silu_backward, dtype, by_name["sweep"], by_name["edge-values"])
+
+
+@silu_backward.error_cases
+def _backward_error_cases():
+    from opport.errors import DTypeError, ShapeError
+
+    x = np.ones((2, 8), np.float32)
+    yield ErrorCase("silu_backward.grad_shape", ShapeError, (np.ones((2, 7), np.float32), x))
+    yield ErrorCase("silu_backward.grad_shape", ShapeError, (np.ones((1, 8), np.float32), x))  # no broadcasting
+    yield ErrorCase("silu_backward.grad_dtype", DTypeError, (np.ones((2, 8), np.float64), x))
+
+
+def elementwise_grad_cost(n_saved: int, n_grads: int, flops_per_element: int):
+    """Cost of an elementwise backward: grad and `n_saved` same-shape inputs read, `n_grads` gradients written."""
+
+    def cost(grad, *_):
+        item = np.dtype(cg.np_dtype(grad.dtype)).itemsize
+        return Cost(bytes=(1 + n_saved + n_grads) * grad.size * item, flops=flops_per_element * grad.size)
+
+    return cost
+
+
+# exp, add, divide, the select, x e q, + num, times q, times grad: about 9 FLOPs per element
+silu_backward.cost(elementwise_grad_cost(1, 1, 9))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from opport import casegen as cg
-from opport.spec import Case, Cost, ErrorCase, check_axis, check_float, op
+from opport.spec import Case, Cost, ErrorCase, check_axis, check_float, check_grad, grad_constraints, op
 
 NAME = "softmax"
 
@@ -153,3 +153,60 @@ def _cost(x, axis):
     item = np.dtype(cg.np_dtype(x.dtype)).itemsize
     # max, subtract, exp, sum, divide: 5 FLOPs per element; one read and one write
     return Cost(bytes=2 * x.size * item, flops=5 * x.size)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@softmax.backward(wrt=("x",), constraints=grad_constraints(NAME))
+def softmax_backward(grad, out, axis=-1):
+    """Gradient of softmax for x.
+
+    Saves only its output y (as torch does): the Jacobian of softmax is expressed in y alone, so x is not
+    needed. dx = y (grad - sum(grad y, axis)) per row, evaluated as grad y - y sum(grad y) (no intermediate
+    overflow for grads near the float maximum). Rows that were NaN in the forward (all -inf, +inf or NaN in
+    x) give NaN; masked positions (y = 0) get exactly 0 wherever grad there and the row's sum(grad y) are
+    finite.
+    """
+    softmax.validate(out, axis)
+    check_grad(f"{NAME}_backward", grad, out.shape, out.dtype)
+
+
+@softmax_backward.reference
+def _backward_reference(grad, out, axis):
+    if out.size == 0:
+        return (np.zeros(out.shape),)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (out * grad - out * np.sum(grad * out, axis=axis, keepdims=True),)
+
+
+@softmax_backward.cases
+def _backward_cases(dtype):
+    """Edge upstream gradients on one forward case (rows of -inf, one-hot rows etc. come from the forward's)."""
+    fwd = _case("grad-edges", dtype, (8, 300), scale=3.0)
+    rng = cg.rng_for(NAME, "grad-edges", dtype)
+    grads = {
+        "grad-zeros": cg.cast(np.zeros((8, 300)), dtype),
+        "grad-constant-rows": cg.cast(np.full((8, 300), -7.0), dtype),  # dx = y c (1 - sum y): pure cancellation
+        "grad-large": cg.array((8, 300), dtype, rng, "normal", 1e4),
+        "grad-specials": cg.array((8, 300), dtype, rng, "specials"),
+    }
+    for name, g in grads.items():
+        yield softmax_backward.from_forward(Case(name, fwd.args, fwd.kwargs, ("edge",)), dtype, g)
+
+
+@softmax_backward.error_cases
+def _backward_error_cases():
+    from opport.errors import DTypeError, ShapeError
+
+    y = np.full((2, 8), 0.125, np.float32)
+    yield ErrorCase("softmax_backward.grad_shape", ShapeError, (np.ones((2, 7), np.float32), y))
+    yield ErrorCase("softmax_backward.grad_shape", ShapeError, (np.ones((8, 2), np.float32), y))
+    yield ErrorCase("softmax_backward.grad_dtype", DTypeError, (np.ones((2, 8), np.float64), y))
+
+
+@softmax_backward.cost
+def _backward_cost(grad, out, axis):
+    item = np.dtype(cg.np_dtype(out.dtype)).itemsize
+    # grad and y read, dx written; g y, its row sum, g - s, times y: 4 FLOPs per element
+    return Cost(bytes=3 * out.size * item, flops=4 * out.size)

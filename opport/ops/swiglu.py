@@ -6,8 +6,19 @@ import numpy as np
 
 from opport import casegen as cg
 from opport.errors import ShapeError
-from opport.ops.silu import ACTIVATION_TOLERANCE, activation_inputs, activation_strategy, elementwise_cost, sigmoid64
-from opport.spec import Case, ErrorCase, check, check_float, check_same_dtype, op
+from opport.ops.silu import (
+    ACTIVATION_GRAD_TOLERANCE,
+    ACTIVATION_TOLERANCE,
+    activation_inputs,
+    activation_strategy,
+    elementwise_cost,
+    elementwise_grad_cost,
+    grad_cases,
+    loss_scaled_tolerance,
+    sigmoid64,
+    silu_grad64,
+)
+from opport.spec import Case, ErrorCase, check, check_float, check_grad, check_same_dtype, grad_constraints, op
 
 NAME = "swiglu"
 
@@ -85,3 +96,57 @@ def _error_cases():
 
 # silu's 5 FLOPs plus the product
 swiglu.cost(elementwise_cost(2, 6))
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@swiglu.backward(wrt=("gate", "up"), constraints=grad_constraints(NAME))
+def swiglu_backward(grad, gate, up):
+    """Gradients of swiglu for gate and up.
+
+    Saves gate and up (the inputs). dgate = grad * up * silu'(gate), evaluated as (grad * silu'(gate)) * up,
+    with silu'(gate) = sigmoid(gate) (1 + gate sigmoid(-gate)) and its limits silu'(-inf) = 0,
+    silu'(+inf) = 1; dup = grad * silu(gate), which is swiglu(gate, grad) itself, with swiglu's rules for
+    its special values. NaN anywhere gives NaN; inf * 0 is NaN (e.g. an infinite grad or up where gate is
+    -inf, or below -745 where silu' underflows float64).
+    """
+    swiglu.validate(gate, up)
+    check_grad(f"{NAME}_backward", grad, gate.shape, gate.dtype)
+
+
+@swiglu_backward.reference
+def _backward_reference(grad, gate, up):
+    with np.errstate(invalid="ignore", over="ignore"):
+        dgate = (grad * silu_grad64(gate)) * up
+    return dgate, _reference(gate, grad)
+
+
+swiglu_backward.tolerance(**ACTIVATION_GRAD_TOLERANCE)
+loss_scaled_tolerance(swiglu_backward, "grad-loss-scaled")
+
+
+@swiglu_backward.cases
+def _backward_cases(dtype):
+    by_name = {c.name: c for c in _cases(dtype)}
+    yield from grad_cases(swiglu_backward, dtype, by_name["sweep"], by_name["edge-values"])
+    # silu'(gate) subnormal or nearly (float32: gate < -87) against up near the float maximum: dgate stays O(1)
+    rng = cg.rng_for(NAME, "deep-gate-huge-up", dtype)
+    lo, hi = (-745.0, -512.0) if dtype == "float64" else (-110.0, -60.0)
+    gate = cg.cast(rng.uniform(lo, hi, 512), dtype)
+    up = cg.cast(rng.choice([-1.0, 1.0], 512) * float(cg.finfo(dtype).max) * rng.uniform(0.5, 1.0, 512), dtype)
+    yield swiglu_backward.from_forward(Case("deep-gate-huge-up", (gate, up), {}, ("edge",)), dtype)
+
+
+@swiglu_backward.error_cases
+def _backward_error_cases():
+    from opport.errors import DTypeError
+
+    g = np.ones((2, 8), np.float32)
+    yield ErrorCase("swiglu_backward.grad_shape", ShapeError, (np.ones((2, 7), np.float32), g, g))
+    yield ErrorCase("swiglu_backward.grad_shape", ShapeError, (np.ones((1, 8), np.float32), g, g))  # no broadcasting
+    yield ErrorCase("swiglu_backward.grad_dtype", DTypeError, (np.ones((2, 8), np.float64), g, g))
+
+
+# silu' (about 9 FLOPs), silu (5) and the three products
+swiglu_backward.cost(elementwise_grad_cost(2, 2, 17))

@@ -18,24 +18,26 @@ import numpy as np
 from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 
 
-def elementwise(fn, *arrays: np.ndarray) -> np.ndarray:
-    """`fn(y, *blocks)` over same-shape arrays in bounded blocks (about 256K elements) on the cpu threads.
+def elementwise(fn, *arrays: np.ndarray, outputs: int = 1):
+    """`fn(*ys, *blocks)` over same-shape arrays in bounded blocks (about 256K elements) on the cpu threads.
 
-    The output has the first array's dtype and shape; float32/float64 outputs are written in place,
-    16-bit ones through a float32 block rounded once. `reshape(-1)` copies a non-contiguous input
-    (never writes it); a 0-d array is one element.
+    The `outputs` results have the first array's dtype and shape (returned as a tuple when more than one);
+    float32/float64 outputs are written in place, 16-bit ones through a float32 block rounded once.
+    `reshape(-1)` copies a non-contiguous input (never writes it); a 0-d array is one element.
     """
-    out = np.empty(arrays[0].shape, arrays[0].dtype)
+    outs = [np.empty(arrays[0].shape, arrays[0].dtype) for _ in range(outputs)]
     flat = [a.reshape(-1) for a in arrays]
-    o = out.reshape(-1)
+    o = [out.reshape(-1) for out in outs]
 
     def body(block):
         xs = [upcast(f[block]) for f in flat]
-        dst = o[block]
-        store(dst, fn(result_block(dst, xs[0]), *xs))
+        dsts = [d[block] for d in o]
+        ys = fn(*[result_block(d, xs[0]) for d in dsts], *xs)
+        for d, y in zip(dsts, ys if outputs > 1 else (ys,)):
+            store(d, y)
 
-    parallel_rows(o.size, 1, body)
-    return out
+    parallel_rows(o[0].size, 1, body)
+    return tuple(outs) if outputs > 1 else outs[0]
 
 
 def denominator(y: np.ndarray, x: np.ndarray):
@@ -136,7 +138,13 @@ def gaussian_tail(a: np.ndarray) -> np.ndarray:
     if a.dtype == np.float64:
         return np.asarray(_ERFC64(a * _INV_SQRT2), np.float64) * 0.5
     f = np.float32
-    a = np.minimum(a, f(16))  # Phi(-16) = 6e-58 underflows float32 anyway; keeps inf out of the formula
+    t, p, e_hi, lo = _erfc_fit32(np.minimum(a, f(16)))  # Phi(-16) = 6e-58 underflows float32 anyway; keeps inf out
+    return f(0.5) * t * e_hi * np.exp(lo + p)
+
+
+def _erfc_fit32(a: np.ndarray) -> tuple:
+    """(t, P(t), exp(hi*hi*-0.5), lo) of the erfc fit at z = a/sqrt(2): erfc(z) = t exp(hi*hi*-0.5) exp(lo + P(t))."""
+    f = np.float32
     z = a * f(_INV_SQRT2)
     t = f(1) / (f(1) + f(0.5) * z)
     p = np.full_like(t, _ERFC_P[-1])
@@ -144,7 +152,7 @@ def gaussian_tail(a: np.ndarray) -> np.ndarray:
         p *= t
         p += f(c)
     e_hi, lo = _neg_half_square_exp32(a)  # -z*z = -a*a/2
-    return f(0.5) * t * e_hi * np.exp(lo + p)
+    return t, p, e_hi, lo
 
 
 # The float32 fit's 1.2e-7 relative error is too coarse for float64 work, which takes libm's erfc
@@ -177,3 +185,100 @@ def gelu_tanh(y: np.ndarray, x: np.ndarray) -> np.ndarray:
     if bad is not None:
         y[bad] = times_sigmoid(x[bad], two_u[bad])
     return y
+
+
+# --------------------------------------------------------------------------- derivatives (backward kernels)
+# Each writes f'(x) into `y` from float32/float64 blocks. Arguments that feed a product with exp(-|.|) are
+# clipped first, far beyond where that exp is 0 in both dtypes: x * exp(-|x|) is then 0 there instead of
+# inf * 0 = NaN at the infinities, which gives the limits (0 or 1) without a second pass. NaN propagates.
+
+_CLIP = 1024.0  # exp(-1024) is 0 in float32 and float64
+
+
+def _sigmoid_terms(y: np.ndarray, t: np.ndarray, z: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """y = sigmoid(z) + t sigmoid(z) sigmoid(-z), as q (num + t e q) with e = exp(-|z|), q = 1 / (1 + e) and
+    num = max(e, z >= 0): no cancellation, no overflow. `t` and `e` are scratch blocks (overwritten); `y`
+    may be `z` itself. Few live temporaries: more of them made glibc return and re-fault heap pages
+    every block (measured 3-6x slower)."""
+    np.abs(z, out=e)
+    np.negative(e, out=e)
+    np.exp(e, out=e)
+    num = np.maximum(e, z >= 0)
+    t *= e
+    np.add(e, 1, out=e)
+    np.reciprocal(e, out=e)  # q
+    t *= e
+    t += num
+    return np.multiply(t, e, out=y)
+
+
+def silu_grad(y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """silu'(x) = sigmoid(x) + x sigmoid(x) sigmoid(-x)."""
+    return _sigmoid_terms(y, np.clip(x, -_CLIP, _CLIP), x, np.empty_like(x))
+
+
+def times_grad(deriv):
+    """The block function grad * f'(x) of a derivative block function `deriv(y, x)`.
+
+    Where that is NaN but neither x nor grad is, an infinite grad met an f'(x) that float32 rounds to 0
+    (silu'(-110), gelu'(-20)): those elements take f'(x) in float64, where it is 0 only where the float64
+    reference's is, so inf * f'(x) is the reference's signed inf (or its NaN)."""
+
+    def fn(y: np.ndarray, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        deriv(y, x)
+        y *= g
+        if y.dtype != np.float64 and math.isnan(y.sum()):
+            bad = np.isnan(y) & ~np.isnan(x) & ~np.isnan(g)
+            if bad.any():
+                x64 = x[bad].astype(np.float64)
+                y[bad] = g[bad] * deriv(np.empty_like(x64), x64)
+        return y
+
+    return fn
+
+
+def gelu_tanh_grad(y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """d/dx x sigmoid(2u) = sigmoid(2u) + x 2u' sigmoid(2u) sigmoid(-2u), with 2u = sqrt(8/pi) (x + 0.044715
+    x^3) as in the forward and 2u' = sqrt(8/pi) (1 + 3 0.044715 x^2)."""
+    t = x.dtype.type
+    xc = np.clip(x, -64, 64)  # exp(-|2u|) is 0 beyond |x| = 11 in float32, 31 in float64
+    x2 = np.multiply(xc, xc)
+    np.multiply(x2, t(2 * _SQRT_2_OVER_PI * 0.044715), out=y)
+    y += t(2 * _SQRT_2_OVER_PI)
+    y *= xc  # 2u
+    x2 *= t(6 * _SQRT_2_OVER_PI * 0.044715)
+    x2 += t(2 * _SQRT_2_OVER_PI)
+    x2 *= xc  # x 2u'
+    return _sigmoid_terms(y, x2, y, xc)
+
+
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_TAIL_CLIP = {np.dtype(np.float32): 16.0, np.dtype(np.float64): 40.0}  # Phi(-a) and a phi(a) are 0 beyond
+
+
+def gelu_erf_grad(y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """d/dx x Phi(x) = Phi(x) + x phi(x) = H + s (|x| phi(x) - Phi(-|x|)) with s = copysign(1, x) and H = 1 for
+    s > 0, else 0: Phi(-|x|) from the tail (no cancellation in 1 + erf), phi with a*a kept exact in float32."""
+    a = np.minimum(np.abs(x), x.dtype.type(_TAIL_CLIP[x.dtype]))
+    tail, dens = _tail_and_density(a)
+    dens *= a
+    dens -= tail
+    s = np.copysign(x.dtype.type(1), x)
+    dens *= s
+    np.maximum(s, 0, out=s)
+    return np.add(s, dens, out=y)
+
+
+def _tail_and_density(a: np.ndarray) -> tuple:
+    """(Phi(-a), phi(a)) for a in [0, clip] or NaN."""
+    if a.dtype == np.float64:
+        return gaussian_tail(a), np.exp(a * a * -0.5) * _INV_SQRT_2PI
+    t, p, e_hi, lo = _erfc_fit32(a)
+    d = np.exp(lo)
+    d *= e_hi
+    tail = np.exp(lo + p)
+    tail *= t
+    tail *= e_hi
+    tail *= np.float32(0.5)
+    d *= np.float32(_INV_SQRT_2PI)
+    return tail, d

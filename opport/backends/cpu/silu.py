@@ -1,4 +1,5 @@
-"""silu on NumPy: x / (1 + exp(-x)) in float32 (float64 for float64 inputs), over bounded blocks."""
+"""silu on NumPy: x / (1 + exp(-x)) in float32 (float64 for float64 inputs), over bounded blocks; its backward
+grad * silu'(x) likewise."""
 
 import numpy as np
 
@@ -10,3 +11,8 @@ from opport.ops.silu import silu as spec
 @impl(spec, "cpu")
 def silu(x: np.ndarray) -> np.ndarray:
     return act.elementwise(act.silu, x)
+
+
+@impl(spec.backward_op, "cpu")
+def silu_backward(grad: np.ndarray, x: np.ndarray):
+    return (act.elementwise(act.times_grad(act.silu_grad), x, grad),)

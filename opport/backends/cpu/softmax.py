@@ -50,3 +50,49 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     if x.ndim == 0:
         return out.reshape(())
     return out if axis == x.ndim - 1 else np.ascontiguousarray(np.moveaxis(out, -1, axis))
+
+
+def _softmax_grad_rows(dst: np.ndarray, gf: np.ndarray, yf: np.ndarray) -> np.ndarray:
+    """y (g - s), s = sum(g y), of 2-d float32/float64 blocks into `dst` (never `gf` or `yf`).
+
+    For float32 blocks s is summed in float64 from exact products and applied as (g - s_hi) - s_lo: where
+    g_i is close to s (dx_i cancels) g_i - s_hi is exact, so dx_i keeps its relative accuracy instead of
+    an error of y_i |s| 2^-24 (a constant upstream gradient, whose exact dx is only the rounding of the
+    saved y, would otherwise come out as noise). Rows whose result is not finite are redone as g y - y s,
+    the reference's form: g - s can overflow where dx is finite, and 0 * inf = NaN at masked positions;
+    rows with a real NaN or inf give it again.
+    """
+    t = np.multiply(gf, yf, dtype=np.float64)
+    s = np.add.reduce(t, axis=-1, keepdims=True)
+    if gf.dtype == np.float64:
+        np.subtract(gf, s, out=dst)
+    else:
+        hi = s.astype(gf.dtype)
+        np.subtract(gf, hi, out=dst)
+        dst -= (s - hi).astype(gf.dtype)
+    dst *= yf
+    if not np.isfinite(np.add.reduce(dst, axis=None)):
+        r = np.flatnonzero(~np.isfinite(dst).all(axis=-1))
+        dst[r] = t[r] - yf[r] * s[r]
+    return dst
+
+
+@impl(spec.backward_op, "cpu")
+def softmax_backward(grad: np.ndarray, out: np.ndarray, axis: int):
+    """dx per bounded row block, the softmax axis moved last (as the forward): float32 for 16-bit inputs."""
+    axis = axis % max(out.ndim, 1)
+    g = np.moveaxis(grad, axis, -1) if out.ndim else grad.reshape(1)
+    y = np.moveaxis(out, axis, -1) if out.ndim else out.reshape(1)
+    dx = np.empty(y.shape, out.dtype)
+    n = y.shape[-1]
+    if dx.size:
+        g2, y2, d2 = g.reshape(-1, n), y.reshape(-1, n), dx.reshape(-1, n)  # reshape copies views, never writes
+
+        def body(rows):
+            gf, yf, dst = upcast(g2[rows]), upcast(y2[rows]), d2[rows]
+            store(dst, _softmax_grad_rows(result_block(dst, gf), gf, yf))
+
+        parallel_rows(g2.shape[0], n, body)
+    if out.ndim == 0:
+        return (dx.reshape(()),)
+    return (dx if axis == out.ndim - 1 else np.ascontiguousarray(np.moveaxis(dx, -1, axis)),)

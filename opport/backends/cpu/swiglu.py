@@ -38,3 +38,32 @@ def _swiglu(y: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 @impl(spec, "cpu")
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return act.elementwise(_swiglu, gate, up)
+
+
+def _swiglu_backward(dg: np.ndarray, du: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray) -> tuple:
+    """dgate = (grad * silu'(gate)) * up, and dup = swiglu(gate, grad) by the forward's block function.
+
+    float32 blocks redo two kinds of elements in float64, the reference's own arithmetic: gate < -C, where
+    exp(-|gate|) and with it silu'(gate) head for subnormals (few significant bits) while up may be near the
+    float maximum; and non-finite results, where grad * silu' overflowed though dgate does not (grad near
+    the maximum, silu' up to 1.1) or an infinite grad or up met a silu' that float32 rounds to 0.
+    """
+    _swiglu(du, gate, g)
+    act.silu_grad(dg, gate)
+    dg *= g
+    dg *= up
+    if dg.dtype == np.float64:  # already the reference's formula
+        return dg, du
+    redo = gate < -act.DEEP[gate.dtype]
+    if not np.isfinite(dg.sum()):
+        redo |= ~np.isfinite(dg)
+    if redo.any():
+        r = np.flatnonzero(redo)
+        g64 = gate[r].astype(np.float64)
+        dg[r] = (g[r] * act.silu_grad(np.empty_like(g64), g64)) * up[r]
+    return dg, du
+
+
+@impl(spec.backward_op, "cpu")
+def swiglu_backward(grad: np.ndarray, gate: np.ndarray, up: np.ndarray):
+    return act.elementwise(_swiglu_backward, gate, up, grad, outputs=2)
