@@ -10,10 +10,10 @@ import pytest
 import opport
 from opport.dispatch import impl, remove_kernel
 from opport.errors import DeviceError, DTypeError, OpError
-from opport.ops import all_ops
+from opport.ops import all_ops, with_derived
 from opport.public import function
 
-OPS = all_ops()
+OPS = {s.name: s for s in with_derived(all_ops().values())}  # forward ops, training forwards, backwards
 GENERIC = ("array_type", "device", "backend", "supported")
 
 
