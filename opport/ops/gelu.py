@@ -163,3 +163,10 @@ def _backward_error_cases():
 
 # the forward's erf fit (or the tanh polynomial and exp) plus the density, the combination and grad: about 16
 gelu_backward.cost(elementwise_grad_cost(1, 1, 16))
+
+
+@gelu_backward.mutant("dropped-x-phi")
+def _mutant_dropped_x_phi(grad, x, approximate):
+    """dx = grad * Phi(x): the x phi(x) term of the product rule dropped (erf form's Phi in both forms)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (grad * 0.5 * np.asarray(_ERFC(-x / math.sqrt(2)), np.float64),)

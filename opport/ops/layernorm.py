@@ -256,3 +256,22 @@ _LOSS_SCALED = ("grad is 2^10 x a unit-scale gradient and dx is exactly 2^10 x t
                 "(g - mean g) and xhat mean(g xhat), which cancel")
 layernorm_backward.case_tolerance("grad-loss-scaled", **{
     d: Tolerance(t.rtol, t.atol * LOSS_SCALE, t.metric, reason=_LOSS_SCALED) for d, t in BASE_TOLERANCE.items()})
+
+
+@layernorm_backward.mutant("dropped-mean-term")
+def _mutant_dropped_mean_term(grad, x, weight, bias, eps):
+    """dx without the -mean(g) term of the centring (as if the mean were a constant)."""
+    dx, dw, db = _backward_reference(grad, x, weight, bias, eps)
+    g = grad if weight is None else grad * weight
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        r = 1.0 / np.sqrt(np.var(x, axis=-1, keepdims=True) + eps)
+        return dx + r * np.mean(g, axis=-1, keepdims=True), dw, db
+
+
+@layernorm_backward.mutant("bias-grad-of-last-row")
+def _mutant_bias_not_summed(grad, x, weight, bias, eps):
+    """dbias from the last row only, not summed over rows."""
+    dx, dw, db = _backward_reference(grad, x, weight, bias, eps)
+    if db is None or grad.size == 0:
+        return dx, dw, db
+    return dx, dw, grad.reshape(-1, grad.shape[-1])[-1].copy()

@@ -284,3 +284,10 @@ def elementwise_grad_cost(n_saved: int, n_grads: int, flops_per_element: int):
 
 # exp, add, divide, the select, x e q, + num, times q, times grad: about 9 FLOPs per element
 silu_backward.cost(elementwise_grad_cost(1, 1, 9))
+
+
+@silu_backward.mutant("dropped-x-term")
+def _mutant_dropped_x_term(grad, x):
+    """dx = grad * sigmoid(x): the x sigmoid'(x) term of the product rule dropped."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (grad * sigmoid64(x),)

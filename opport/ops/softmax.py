@@ -210,3 +210,9 @@ def _backward_cost(grad, out, axis):
     item = np.dtype(cg.np_dtype(out.dtype)).itemsize
     # grad and y read, dx written; g y, its row sum, g - s, times y: 4 FLOPs per element
     return Cost(bytes=3 * out.size * item, flops=4 * out.size)
+
+
+@softmax_backward.mutant("dropped-row-sum")
+def _mutant_dropped_row_sum(grad, out, axis):
+    """dx = y g: the term through the row's normaliser dropped."""
+    return (out * grad,)

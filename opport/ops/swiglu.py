@@ -150,3 +150,10 @@ def _backward_error_cases():
 
 # silu' (about 9 FLOPs), silu (5) and the three products
 swiglu_backward.cost(elementwise_grad_cost(2, 2, 17))
+
+
+@swiglu_backward.mutant("gate-grad-without-derivative")
+def _mutant_gate_without_derivative(grad, gate, up):
+    """dgate = grad * up * sigmoid(gate): silu's derivative taken as sigmoid."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return grad * up * sigmoid64(gate), _reference(gate, grad)
