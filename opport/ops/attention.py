@@ -53,8 +53,8 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
     1/sqrt(D); |scale| <= 1e4 (scores are computed in float32). The causal mask is bottom-right
     aligned (FlashAttention): query i sees key j iff j <= i + Sk - Sq. A query row that sees no key
     (Sk = 0, or i < Sq - Sk when causal) outputs 0, as does a row whose visible scores are all -inf
-    (SDPA's safe softmax). Masked keys get exactly
-    zero weight: NaN or inf in masked k or v never reaches the output.
+    (SDPA's safe softmax). Masked keys get exactly zero weight: NaN or inf in masked k or v never
+    reaches the output.
     """
     check_float(NAME, "q", q)
     check_same_dtype(NAME, "q", q, k=k, v=v)
