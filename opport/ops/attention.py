@@ -416,6 +416,10 @@ def _backward_cases(dtype):
     q[0, 1, 2, 0] = cg.cast(np.inf, dtype)
     k[0, 1, :, 0] = -np.abs(k[0, 1, :, 0]) - cg.cast(0.5, dtype)
     yield _grad_case("neg-inf-scores-row", dtype, _with(neg, "neg-inf-scores", q=q, k=k))
+    # one visible key: P = 1, so dq = dk = 0 exactly; dP - D cancels eps·|dO||v| in float32 (Hypothesis found it)
+    one = _case("one-key", dtype, 1, 2, 1, 5, 1, 16)
+    big_v = cg.cast(one.args[2].astype(np.float64) * (300.0 if dtype == "float16" else 1e4), dtype)
+    yield _grad_case("one-key-large-v", dtype, _with(one, "one-key", v=big_v))
     yield _grad_case("zero-grad", dtype, _case("zero-grad", dtype, 1, 4, 2, 17, 23, 32, causal=True),
                      np.zeros((1, 4, 17, 32)))
     big = 501.0 if dtype == "float16" else 4988429.2

@@ -165,6 +165,10 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale) -> tuple:
     float32 for 16-bit inputs. Rows with lse = -inf (no visible key, or only -inf scores) take no part:
     their q and dO are zeroed, their dq written 0. Masked P and dS are 0; where a partly masked block holds
     non-finite q, k or dO, each row multiplies only its visible prefix (0·NaN would leak).
+    dP - D is formed in float64 whatever the dtype: where attention concentrates on one key (O ≈ v_j;
+    a row with one visible key has dq = 0 exactly), float32 leaves eps·|dO|·|v| of cancellation in it,
+    far beyond the norm-wise tolerance of a dq near 0 (heavy-tailed v, Sk = 1: 4e-5 against 1e-5); the
+    float64 dP matmul costs the backward about 1.5x.
     Pseudocode: D = rowsum(dO·O); per block: P = exp(s - lse); dV += P^T dO; dS = P (dO V^T - D);
     dQ += dS K; dK += dS^T Q; finally dQ and dK times scale.
     """
@@ -207,11 +211,13 @@ def _backward_block(qb, gb, ob, lb, k, v, i0: int, sq: int, causal: bool, scale,
     sk, dv = k.shape[1], v.shape[2]
     off = sk - sq  # bottom-right alignment: row i sees keys j <= i + off
     q2, do2 = upcast(qb).reshape(n, g * bq, d), upcast(gb).reshape(n, g * bq, dv)
-    big_d = np.add.reduce(do2 * upcast(ob).reshape(n, g * bq, dv), axis=-1, keepdims=True)  # D = rowsum(dO·O)
+    do64 = do2.astype(np.float64, copy=False)  # dP - D is formed in float64: see attention_backward
+    big_d = np.add.reduce(do64 * ob.reshape(n, g * bq, dv), axis=-1, keepdims=True)  # D = rowsum(dO·O)
     lse = lb.reshape(n, g * bq, 1).astype(q2.dtype)
     dead = lse == -np.inf  # rows with output 0: no gradient, and their q and dO must not reach dK, dV
     if dead.any():
         q2, do2, big_d = np.where(dead, 0, q2), np.where(dead, 0, do2), np.where(dead, 0, big_d)
+        do64 = np.where(dead, 0, do64)
         lse = np.where(dead, np.inf, lse)  # exp(s - inf) = 0
     dq = np.zeros((n, g * bq, d), q2.dtype)
     rows = np.arange(i0, i0 + bq)
@@ -223,8 +229,9 @@ def _backward_block(qb, gb, ob, lb, k, v, i0: int, sq: int, causal: bool, scale,
         p *= scale
         p -= lse
         np.exp(p, out=p)
-        ds = np.matmul(do2, vb.swapaxes(-1, -2))  # dP, then in place: dS = P (dP - D)
-        ds -= big_d
+        dp = np.matmul(do64, vb.astype(np.float64, copy=False).swapaxes(-1, -2))  # dP, then dP - D
+        dp -= big_d
+        ds = dp.astype(q2.dtype, copy=False)
         ds *= p
         nvis = None
         if causal and j1 - 1 > i0 + off:  # some row of this block cannot see some key of it
