@@ -316,12 +316,11 @@ def attention_backward(grad, q, k, v, out, lse, causal=False, scale=None):
     attention.validate(q, k, v, causal, scale)
     shape = (*q.shape[:3], v.shape[3])
     check_grad(BWD, grad, shape, q.dtype)
-    ok = out is not None and tuple(out.shape) == shape and out.dtype == q.dtype
-    check(ok, ShapeError, BWD, "out", f"{BWD}.saved", f"{q.dtype} {shape} (the forward's output)",
-          None if out is None else f"{out.dtype} {tuple(out.shape)}")
-    ok = lse is not None and tuple(lse.shape) == tuple(q.shape[:3]) and lse.dtype == "float32"
-    check(ok, ShapeError, BWD, "lse", f"{BWD}.saved", f"float32 {tuple(q.shape[:3])} (the training forward's lse)",
-          None if lse is None else f"{lse.dtype} {tuple(lse.shape)}")
+    for arg, m, want, dtype in (("out", out, shape, q.dtype), ("lse", lse, tuple(q.shape[:3]), "float32")):
+        check(m is not None, ArgumentError, BWD, arg, f"{BWD}.saved", "the training forward's " + arg, None)
+        check(m.dtype == dtype, DTypeError, BWD, arg, f"{BWD}.saved", dtype, m.dtype)
+        check(tuple(m.shape) == want, ShapeError, BWD, arg, f"{BWD}.saved", f"{want} (the training forward's)",
+              tuple(m.shape))
 
 
 @attention_backward.reference
@@ -362,9 +361,9 @@ def _backward_error_cases():
     yield ErrorCase(f"{BWD}.grad_shape", ShapeError, (np.ones((1, 4, 8, 8), np.float32), q, k, v, o, lse))
     yield ErrorCase(f"{BWD}.grad_dtype", DTypeError, (o.astype(np.float16), q, k, v, o, lse))
     yield ErrorCase(f"{BWD}.saved", ShapeError, (o, q, k, v, np.ones((1, 4, 7, 16), np.float32), lse))
-    yield ErrorCase(f"{BWD}.saved", ShapeError, (o, q, k, v, o.astype(np.float16), lse))
+    yield ErrorCase(f"{BWD}.saved", DTypeError, (o, q, k, v, o.astype(np.float16), lse))
     yield ErrorCase(f"{BWD}.saved", ShapeError, (o, q, k, v, o, np.zeros((1, 2, 8), np.float32)))
-    yield ErrorCase(f"{BWD}.saved", ShapeError, (o, q, k, v, o, lse.astype(np.float64)))
+    yield ErrorCase(f"{BWD}.saved", DTypeError, (o, q, k, v, o, lse.astype(np.float64)))
 
 
 @attention_backward.cost

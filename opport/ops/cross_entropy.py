@@ -236,7 +236,7 @@ def _saved(logits, target, ignore_index, reduction, label_smoothing):
     constants={"target": "integer class indices: a discrete label, not a differentiable quantity"},
     constraints={
         **grad_constraints(NAME),
-        f"{BWD}.lse": "lse is float32 [N] (the training forward's per-row logsumexp)",
+        f"{BWD}.saved": "lse is float32 [N] (the training forward's per-row logsumexp)",
     },
 )
 def cross_entropy_backward(grad, logits, target, lse, ignore_index=-100, reduction="mean", label_smoothing=0.0):
@@ -254,9 +254,9 @@ def cross_entropy_backward(grad, logits, target, lse, ignore_index=-100, reducti
     """
     cross_entropy.validate(logits, target, ignore_index, reduction, label_smoothing)
     check_grad(BWD, grad, (logits.shape[0],) if reduction == "none" else (), "float32")
-    check(lse is not None, ArgumentError, BWD, "lse", f"{BWD}.lse", "the training forward's lse", None)
-    check(lse.dtype == "float32", DTypeError, BWD, "lse", f"{BWD}.lse", "float32", lse.dtype)
-    check(tuple(lse.shape) == (logits.shape[0],), ShapeError, BWD, "lse", f"{BWD}.lse", f"({logits.shape[0]},) = (N,)",
+    check(lse is not None, ArgumentError, BWD, "lse", f"{BWD}.saved", "the training forward's lse", None)
+    check(lse.dtype == "float32", DTypeError, BWD, "lse", f"{BWD}.saved", "float32", lse.dtype)
+    check(tuple(lse.shape) == (logits.shape[0],), ShapeError, BWD, "lse", f"{BWD}.saved", f"({logits.shape[0]},) = (N,)",
           tuple(lse.shape))
 
 
@@ -300,8 +300,8 @@ def _backward_error_cases():
     yield ErrorCase(f"{BWD}.grad_shape", ShapeError, (gn, x, t, lse))  # "mean" has a 0-d loss
     yield ErrorCase(f"{BWD}.grad_shape", ShapeError, (g0, x, t, lse), {"reduction": "none"})
     yield ErrorCase(f"{BWD}.grad_dtype", DTypeError, (np.ones((), np.float16), x, t, lse))
-    yield ErrorCase(f"{BWD}.lse", ShapeError, (g0, x, t, np.zeros(5, np.float32)))
-    yield ErrorCase(f"{BWD}.lse", DTypeError, (g0, x, t, lse.astype(np.float64)))
+    yield ErrorCase(f"{BWD}.saved", ShapeError, (g0, x, t, np.zeros(5, np.float32)))
+    yield ErrorCase(f"{BWD}.saved", DTypeError, (g0, x, t, lse.astype(np.float64)))
 
 
 @cross_entropy_backward.cost
