@@ -43,7 +43,7 @@ SCALE_MAX = 1e4
         "attention.head_dim": "k.shape[-1] == q.shape[-1] = D >= 1",
         "attention.kv_seq": "k and v have the same key length Sk",
         "attention.causal": "causal is True or False",
-        "attention.scale": "scale is None or a finite number with |scale| <= 1e4",
+        "attention.scale": "scale is None or a finite number, abs(scale) <= 1e4",
     },
 )
 def attention(q, k, v, causal: bool = False, scale: float | None = None):
@@ -71,7 +71,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
     check_bool(NAME, "causal", causal)
     ok = scale is None or (isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool) and math.isfinite(scale)
                            and abs(scale) <= SCALE_MAX)
-    check(ok, ArgumentError, NAME, "scale", "attention.scale", f"None or a finite number with |scale| <= {SCALE_MAX:g}",
+    check(ok, ArgumentError, NAME, "scale", "attention.scale", f"None or a finite number, abs(scale) <= {SCALE_MAX:g}",
           repr(scale))
 
 
