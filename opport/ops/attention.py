@@ -8,9 +8,28 @@ import numpy as np
 
 from opport import casegen as cg
 from opport.errors import ArgumentError, DTypeError, ShapeError
-from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_bool, check_float, check_ndim, check_same_dtype, op
+from opport.spec import (
+    Case,
+    Cost,
+    ErrorCase,
+    Tolerance,
+    check,
+    check_bool,
+    check_float,
+    check_grad,
+    check_ndim,
+    check_same_dtype,
+    grad_constraints,
+    op,
+)
 
 NAME = "attention"
+# Every backend computes the scaled scores in float32 (for 16- and 32-bit inputs): with |scale| <= 1e4 they
+# overflow only where q·k itself nearly does (as any float32 product would), and scores of 1e4 already carry
+# float32 rounding of 1e-3, which softmax turns into weights off by 0.1%. scale = 1e300 was accepted and
+# rounded to inf: every output NaN where the float64 reference is finite (issue 15 item 3). No model uses
+# scales near the bound (1/sqrt(D), 1, 1/D; a temperature of 0.01 gives 100·(1/sqrt(D))).
+SCALE_MAX = 1e4
 
 
 @op(
@@ -24,17 +43,18 @@ NAME = "attention"
         "attention.head_dim": "k.shape[-1] == q.shape[-1] = D >= 1",
         "attention.kv_seq": "k and v have the same key length Sk",
         "attention.causal": "causal is True or False",
-        "attention.scale": "scale is None or a finite number",
+        "attention.scale": "scale is None or a finite number, abs(scale) <= 1e4",
     },
 )
 def attention(q, k, v, causal: bool = False, scale: float | None = None):
     """Scaled dot-product attention, out [B, Hq, Sq, Dv].
 
     Query head h reads KV head h // (Hq / Hkv) (grouped-query attention). scale defaults to
-    1/sqrt(D). The causal mask is bottom-right aligned (FlashAttention): query i sees key j iff
-    j <= i + Sk - Sq. A query row that sees no key (Sk = 0, or i < Sq - Sk when causal) outputs 0,
-    as does a row whose visible scores are all -inf (SDPA's safe softmax). Masked keys get exactly
-    zero weight: NaN or inf in masked k or v never reaches the output.
+    1/sqrt(D); |scale| <= 1e4 (scores are computed in float32). The causal mask is bottom-right
+    aligned (FlashAttention): query i sees key j iff j <= i + Sk - Sq. A query row that sees no key
+    (Sk = 0, or i < Sq - Sk when causal) outputs 0, as does a row whose visible scores are all -inf
+    (SDPA's safe softmax). Masked keys get exactly zero weight: NaN or inf in masked k or v never
+    reaches the output.
     """
     check_float(NAME, "q", q)
     check_same_dtype(NAME, "q", q, k=k, v=v)
@@ -49,8 +69,10 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
           f"head dim D = {q.shape[3]} (as q), >= 1", k.shape)
     check(v.shape[2] == k.shape[2], ShapeError, NAME, "v", "attention.kv_seq", f"Sk = {k.shape[2]} (as k)", v.shape)
     check_bool(NAME, "causal", causal)
-    ok = scale is None or (isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool) and math.isfinite(scale))
-    check(ok, ArgumentError, NAME, "scale", "attention.scale", "None or a finite number", repr(scale))
+    ok = scale is None or (isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool) and math.isfinite(scale)
+                           and abs(scale) <= SCALE_MAX)
+    check(ok, ArgumentError, NAME, "scale", "attention.scale", f"None or a finite number, abs(scale) <= {SCALE_MAX:g}",
+          repr(scale))
 
 
 def visible_keys(sq: int, sk: int, causal: bool) -> np.ndarray:
@@ -229,6 +251,8 @@ def _error_cases():
     yield ErrorCase("attention.causal", ArgumentError, (q, k, v), {"causal": 1})
     yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": float("inf")})
     yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": "0.1"})
+    yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": 1e300})  # issue 15 item 3
+    yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": -2e4})
 
 
 @attention.shape
@@ -244,3 +268,162 @@ def _cost(q, k, v, causal, scale):
     pairs = int(visible_keys(sq, sk, causal).sum())  # (query, key) pairs that are computed: ~half when causal
     out = b * hq * sq * dv
     return Cost(bytes=(q.size + k.size + v.size + out) * item, flops=2 * b * hq * pairs * (d + dv))
+
+
+# --------------------------------------------------------------------------- backward
+
+BWD = f"{NAME}_backward"
+
+
+@attention.saves(("lse",), shapes=lambda q, k, v, causal, scale: [tuple(q.shape[:3])])
+def _saved(q, k, v, causal, scale):
+    """Per query row, the log-sum-exp of its visible scaled scores [B, Hq, Sq] (float32): -inf for a row that
+    sees no key or only -inf scores (its output is 0), NaN where a visible score is NaN or +inf."""
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    lse = np.full((b, hq, sq), -np.inf)
+    if sk == 0 or sq == 0:
+        return (lse,)
+    k = np.repeat(k, hq // k.shape[1], axis=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for i, n in enumerate(visible_keys(sq, sk, causal)):
+            if n:
+                s = np.einsum("bhd,bhkd->bhk", q[:, :, i], k[:, :, :n]) * scale
+                m = s.max(axis=-1)
+                m_ref = np.where(m == -np.inf, 0.0, m)
+                lse[:, :, i] = m + np.log(np.exp(s - m_ref[..., None]).sum(axis=-1))
+    return (lse,)
+
+
+@attention.backward(
+    wrt=("q", "k", "v"),
+    reduces=("k", "v"),
+    constraints={**grad_constraints(NAME), f"{BWD}.saved": "out has the forward output's shape and q's dtype; lse is "
+                 "float32 [B, Hq, Sq] (the training forward's)"},
+)
+def attention_backward(grad, q, k, v, out, lse, causal=False, scale=None):
+    """Gradients of attention for q, k and v (FlashAttention-2's backward).
+
+    Saves q, k, v, the output and the per-row log-sum-exp lse [B, Hq, Sq] (float32), so the probabilities are
+    recomputed block by block, P = exp(s·scale − lse), never held as Sq x Sk. With D = rowsum(dO·O),
+    dP = dO V^T and dS = P (dP − D): dV = P^T dO, dQ = scale·dS K, dK = scale·dS^T Q; GQA sums dK and dV over
+    each KV head's query heads. Only visible (query, key) pairs enter, so NaN or inf under the causal mask
+    never leaks. A row that sees no key, or only -inf scores (lse = -inf), has output 0 and zero gradient,
+    and its q and dO reach no dK or dV. dq accumulates over keys, dk and dv over queries and heads: all
+    three are judged norm-wise, as the forward.
+    """
+    attention.validate(q, k, v, causal, scale)
+    shape = (*q.shape[:3], v.shape[3])
+    check_grad(BWD, grad, shape, q.dtype)
+    for arg, m, want, dtype in (("out", out, shape, q.dtype), ("lse", lse, tuple(q.shape[:3]), "float32")):
+        check(m is not None, ArgumentError, BWD, arg, f"{BWD}.saved", "the training forward's " + arg, None)
+        check(m.dtype == dtype, DTypeError, BWD, arg, f"{BWD}.saved", dtype, m.dtype)
+        check(tuple(m.shape) == want, ShapeError, BWD, arg, f"{BWD}.saved", f"{want} (the training forward's)",
+              tuple(m.shape))
+
+
+@attention_backward.reference
+def _backward_reference(grad, q, k, v, out, lse, causal, scale):
+    b, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = hq // hkv
+    dq, dk, dvv = np.zeros(q.shape), np.zeros((b, hq, sk, d)), np.zeros((b, hq, sk, dv))
+    kr, vr = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    with np.errstate(invalid="ignore", over="ignore"):
+        big_d = np.sum(grad * out, axis=-1)  # D = rowsum(dO·O)
+        for i, n in enumerate(visible_keys(sq, sk, causal)):
+            if n:  # each row over its visible prefix only: masked k and v never enter
+                _row_grads(i, n, grad, q, kr, vr, lse, big_d, scale, dq, dk, dvv)
+    return dq, dk.reshape(b, hkv, g, sk, d).sum(axis=2), dvv.reshape(b, hkv, g, sk, dv).sum(axis=2)
+
+
+def _row_grads(i, n, grad, q, kr, vr, lse, big_d, scale, dq, dk, dv):
+    """Query row i's share of the gradients, over its n visible keys (float64, in place)."""
+    live = (lse[:, :, i] != -np.inf)[..., None]  # -inf: no visible finite score, output 0, no gradient
+    s = np.einsum("bhd,bhkd->bhk", q[:, :, i], kr[:, :, :n]) * scale
+    p = np.where(live, np.exp(s - np.where(live, lse[:, :, i, None], 0.0)), 0.0)
+    dp = np.einsum("bhd,bhkd->bhk", grad[:, :, i], vr[:, :, :n])
+    ds = np.where(live, p * (dp - big_d[:, :, i, None]), 0.0)
+    dq[:, :, i] = np.where(live, np.einsum("bhk,bhkd->bhd", ds, kr[:, :, :n]) * scale, 0.0)
+    live4 = live[..., None]
+    dk[:, :, :n] += np.where(live4, ds[..., None] * q[:, :, i, None, :] * scale, 0.0)
+    dv[:, :, :n] += np.where(live4, p[..., None] * grad[:, :, i, None, :], 0.0)
+
+
+@attention_backward.error_cases
+def _backward_error_cases():
+    from opport.errors import DTypeError
+
+    q, k, v = np.ones((1, 4, 8, 16), np.float32), np.ones((1, 2, 8, 16), np.float32), np.ones((1, 2, 8, 16), np.float32)
+    o, lse = np.ones((1, 4, 8, 16), np.float32), np.zeros((1, 4, 8), np.float32)
+    yield ErrorCase(f"{BWD}.grad_shape", ShapeError, (np.ones((1, 4, 8, 8), np.float32), q, k, v, o, lse))
+    yield ErrorCase(f"{BWD}.grad_dtype", DTypeError, (o.astype(np.float16), q, k, v, o, lse))
+    yield ErrorCase(f"{BWD}.saved", ShapeError, (o, q, k, v, np.ones((1, 4, 7, 16), np.float32), lse))
+    yield ErrorCase(f"{BWD}.saved", DTypeError, (o, q, k, v, o.astype(np.float16), lse))
+    yield ErrorCase(f"{BWD}.saved", ShapeError, (o, q, k, v, o, np.zeros((1, 2, 8), np.float32)))
+    yield ErrorCase(f"{BWD}.saved", DTypeError, (o, q, k, v, o, lse.astype(np.float64)))
+
+
+@attention_backward.cost
+def _backward_cost(grad, q, k, v, out, lse, causal, scale):
+    fwd = _cost(q, k, v, causal, scale)
+    item = np.dtype(cg.np_dtype(q.dtype)).itemsize
+    # read q, k, v, out, dO and lse; write dq, dk, dv. FLOPs: five matmuls over the visible pairs (s, dP, dV, dQ,
+    # dK) against the forward's two: 2.5x, as FlashAttention-2 counts
+    return Cost(bytes=(2 * (q.size + k.size + v.size) + 2 * out.size) * item + 4 * lse.size, flops=int(2.5 * fwd.flops))
+
+
+def _grad_case(name: str, dtype: str, forward: Case, grad=None, tags=("edge",)) -> Case:
+    """The backward case of `forward` (its output and lse from the float64 reference) with `grad` (float64 values)."""
+    (shape, _), = attention.out_metas(attention.bind(*forward.args, **forward.kwargs))
+    g = cg.array(shape, "float64", cg.rng_for(BWD, name, dtype)) if grad is None else grad
+    case = attention_backward.from_forward(forward, dtype, grad=cg.cast(g, dtype))
+    return Case(name, case.args, case.kwargs, tags)
+
+
+def _with(case: Case, name: str, **arrays) -> Case:
+    """`case` with some of q, k, v replaced."""
+    q, k, v = (arrays.get(n, a) for n, a in zip("qkv", case.args))
+    return Case(name, (q, k, v), case.kwargs, case.tags)
+
+
+@attention_backward.cases
+def _backward_cases(dtype):
+    """Edge cases for the gradients beside those derived from the forward's (random upstream gradients)."""
+    nan = cg.cast(np.nan, dtype)
+    # causal, Sq > Sk: rows 0..9 see no key; NaN in their q and dO must not reach dk or dv, which stay finite
+    dead = _case("dead-rows", dtype, 1, 4, 2, 30, 20, 32, causal=True)
+    q = dead.args[0].copy()
+    q[:, :, :10] = nan
+    g = cg.array((1, 4, 30, 32), "float64", cg.rng_for(BWD, "dead-rows", dtype))
+    g[:, :, :10:3] = np.nan
+    yield _grad_case("dead-rows-nonfinite", dtype, _with(dead, "dead-rows", q=q), g)
+    # a live row's NaN (in dO; in q) reaches dk and dv of the keys it sees, not of the keys masked from it
+    live = _case("live-nan", dtype, 1, 4, 2, 40, 40, 32, causal=True)
+    g = cg.array((1, 4, 40, 32), "float64", cg.rng_for(BWD, "live-nan", dtype))
+    g[0, 1, 17, 3] = np.nan
+    yield _grad_case("nan-grad-row-causal", dtype, live, g)
+    q = live.args[0].copy()
+    q[0, 2, 25, 0] = nan
+    yield _grad_case("nan-q-row-causal", dtype, _with(live, "live-nan", q=q))
+    # a row whose visible scores are all -inf (q = +inf·e0, every k[..., 0] < 0): output 0, zero gradient
+    neg = _case("neg-inf-scores", dtype, 1, 2, 2, 6, 9, 16)
+    q, k = neg.args[0].copy(), neg.args[1].copy()
+    q[0, 1, 2] = 0
+    q[0, 1, 2, 0] = cg.cast(np.inf, dtype)
+    k[0, 1, :, 0] = -np.abs(k[0, 1, :, 0]) - cg.cast(0.5, dtype)
+    yield _grad_case("neg-inf-scores-row", dtype, _with(neg, "neg-inf-scores", q=q, k=k))
+    # one visible key: P = 1, so dq = dk = 0 exactly; dP - D cancels eps·|dO||v| in float32 (Hypothesis found it)
+    one = _case("one-key", dtype, 1, 2, 1, 5, 1, 16)
+    big_v = cg.cast(one.args[2].astype(np.float64) * (300.0 if dtype == "float16" else 1e4), dtype)
+    yield _grad_case("one-key-large-v", dtype, _with(one, "one-key", v=big_v))
+    yield _grad_case("zero-grad", dtype, _case("zero-grad", dtype, 1, 4, 2, 17, 23, 32, causal=True),
+                     np.zeros((1, 4, 17, 32)))
+    big = 501.0 if dtype == "float16" else 4988429.2
+    yield _grad_case("large-grad", dtype, _case("large-grad", dtype, 1, 2, 1, 33, 33, 32, causal=True),
+                     cg.rng_for(BWD, "large-grad", dtype).standard_normal((1, 2, 33, 32)) * big)
+    gqa = _grad_case("strided-grad", dtype, _case("strided-grad", dtype, 2, 4, 2, 19, 19, 16, causal=True), tags=())
+    gt = np.ascontiguousarray(gqa.args[0].transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # [B, S, H, D] memory
+    yield Case("strided-grad", (gt, *gqa.args[1:]), gqa.kwargs, ())

@@ -10,7 +10,19 @@ from opport import casegen as cg
 from opport.arraymath import reduce_losses
 from opport.dtypes import INTS
 from opport.errors import ArgumentError, DTypeError, ShapeError
-from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_choice, check_float, op
+from opport.spec import (
+    BASE_TOLERANCE,
+    Case,
+    Cost,
+    ErrorCase,
+    Tolerance,
+    check,
+    check_choice,
+    check_float,
+    check_grad,
+    grad_constraints,
+    op,
+)
 
 NAME = "cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
@@ -107,6 +119,7 @@ def _cases(dtype):
     yield _case("empty-batch-mean", dtype, 0, 100, tags=("edge",))
     yield _case("empty-batch-none", dtype, 0, 100, reduction="none", tags=("edge",))
     yield _case("smoothing-1", dtype, 4, 300, smoothing=1.0, reduction="none")
+    yield _case("smoothing-ignore-mean", dtype, 8, 50, ignore=(3,), smoothing=0.3)
     # peaked rows: losses ~0.05, still resolvable in float32 (log(1 + t) rounds to 0 below t ~ 1e-7, as in torch)
     yield _case("peaked", dtype, 4, 32000, peaked=10.0, reduction="none", tags=("edge",))
     yield _case("peaked-negative", dtype, 4, 50257, peaked=6.0, shift=-30.0, reduction="none", tags=("edge",))
@@ -202,3 +215,126 @@ def _cost(logits, target, ignore_index, reduction, label_smoothing):
     n = logits.shape[0]
     out = n if reduction == "none" else 1
     return Cost(bytes=logits.size * item + n * titem + 4 * out, flops=4 * logits.size)
+
+
+# --------------------------------------------------------------------------- backward
+
+BWD = f"{NAME}_backward"
+
+
+@cross_entropy.saves(("lse",), shapes=lambda logits, *_: [(logits.shape[0],)])
+def _saved(logits, target, ignore_index, reduction, label_smoothing):
+    """Per-row logsumexp [N] (float32): -inf for a row of -inf logits, NaN for a row holding NaN or +inf."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = logits.max(axis=1, initial=-np.inf)
+        m_ref = np.where(m == -np.inf, 0.0, m)
+        return (m + np.log(np.exp(logits - m_ref[:, None]).sum(axis=1)),)
+
+
+@cross_entropy.backward(
+    wrt=("logits",),
+    constants={"target": "integer class indices: a discrete label, not a differentiable quantity"},
+    constraints={
+        **grad_constraints(NAME),
+        f"{BWD}.saved": "lse is float32 [N] (the training forward's per-row logsumexp)",
+    },
+)
+def cross_entropy_backward(grad, logits, target, lse, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """The gradient of cross_entropy for logits; target is a constant.
+
+    Saves logits, target and the per-row logsumexp lse [N] (float32), so the backward computes the
+    softmax p = exp(logits - lse) in one pass without a second reduction over the vocabulary. With
+    eps = label_smoothing and c the row's share of the upstream gradient (grad[i] for "none", grad for
+    "sum", grad / (non-ignored rows) for "mean"): dlogits = c (p - eps/V - (1 - eps) onehot(target)).
+    Rows whose target is ignore_index get exactly 0 (whatever their logits hold); a target outside
+    [0, V) gives a NaN row, as its loss is NaN. A -inf logit has p = 0, so its gradient is c (-eps/V)
+    (minus (1 - eps) c if it is the target): finite, although the loss is +inf when smoothing meets a
+    -inf logit (its mean term is -inf) or the target's logit is -inf; this is the formula's value and
+    what torch's log_softmax backward gives.
+    """
+    cross_entropy.validate(logits, target, ignore_index, reduction, label_smoothing)
+    check_grad(BWD, grad, (logits.shape[0],) if reduction == "none" else (), "float32")
+    check(lse is not None, ArgumentError, BWD, "lse", f"{BWD}.saved", "the training forward's lse", None)
+    check(lse.dtype == "float32", DTypeError, BWD, "lse", f"{BWD}.saved", "float32", lse.dtype)
+    check(tuple(lse.shape) == (logits.shape[0],), ShapeError, BWD, "lse", f"{BWD}.saved", f"({logits.shape[0]},) = (N,)",
+          tuple(lse.shape))
+
+
+def _row_coefficients(grad: np.ndarray, ignored: np.ndarray, reduction: str) -> np.ndarray:
+    """Each row's share of the upstream gradient [N] (0 for ignored rows): the derivative of the reduction."""
+    n = ignored.size
+    if reduction == "none":
+        return np.where(ignored, 0.0, grad)
+    kept = n - int(np.count_nonzero(ignored))
+    share = grad if reduction == "sum" else grad / max(kept, 1)  # kept = 0: every row is ignored anyway
+    return np.where(ignored, 0.0, np.full(n, share))
+
+
+@cross_entropy_backward.reference
+def _backward_reference(grad, logits, target, lse, ignore_index, reduction, label_smoothing):
+    n, v = logits.shape
+    t = target.astype(np.int64)
+    ignored, valid = t == ignore_index, (t >= 0) & (t < v)
+    eps = label_smoothing
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.exp(logits - lse[:, None])
+        d -= eps / v
+        rows = np.flatnonzero(valid)
+        d[rows, t[rows]] -= 1 - eps
+        d *= _row_coefficients(np.asarray(grad, np.float64), ignored, reduction)[:, None]
+    d[~valid] = np.nan
+    d[ignored] = 0.0
+    return (d,)
+
+
+# docs/numerics.md 3.3: the loss is judged against its own relative tolerances, the gradient against the base table
+cross_entropy_backward.tolerance(**{
+    d: Tolerance(t.rtol, t.atol, reason="docs/numerics.md 3.3: cross_entropy's gradient, in logits' dtype: the base table")
+    for d, t in BASE_TOLERANCE.items()})
+
+
+@cross_entropy_backward.error_cases
+def _backward_error_cases():
+    x, t, lse = np.zeros((4, 10), np.float32), np.zeros(4, np.int64), np.zeros(4, np.float32)
+    g0, gn = np.ones((), np.float32), np.ones(4, np.float32)
+    yield ErrorCase(f"{BWD}.grad_shape", ShapeError, (gn, x, t, lse))  # "mean" has a 0-d loss
+    yield ErrorCase(f"{BWD}.grad_shape", ShapeError, (g0, x, t, lse), {"reduction": "none"})
+    yield ErrorCase(f"{BWD}.grad_dtype", DTypeError, (np.ones((), np.float16), x, t, lse))
+    yield ErrorCase(f"{BWD}.saved", ShapeError, (g0, x, t, np.zeros(5, np.float32)))
+    yield ErrorCase(f"{BWD}.saved", DTypeError, (g0, x, t, lse.astype(np.float64)))
+
+
+@cross_entropy_backward.cost
+def _backward_cost(grad, logits, target, lse, ignore_index, reduction, label_smoothing):
+    item = np.dtype(cg.np_dtype(logits.dtype)).itemsize
+    titem = np.dtype(cg.np_dtype(target.dtype)).itemsize
+    n = logits.shape[0]
+    return Cost(bytes=2 * logits.size * item + n * (titem + 4) + 4 * grad.size, flops=4 * logits.size)
+
+
+def _grad_case(name: str, dtype: str, forward: Case, grad=None, tags=("edge",)) -> Case:
+    case = cross_entropy_backward.from_forward(forward, dtype, grad=None if grad is None else np.asarray(grad, np.float32))
+    return Case(name, case.args, case.kwargs, tags)
+
+
+@cross_entropy_backward.cases
+def _backward_cases(dtype):
+    """Edge cases for the gradient beside those derived from the forward's (random upstream gradients)."""
+    ignored = _case("ignored-rows", dtype, 6, 500, ignore=(0, 2, 5), reduction="none")
+    nan = ignored.args[0].copy()
+    nan[2, ::7] = cg.cast(np.nan, dtype)  # NaN in an ignored row: its gradient is still exactly 0
+    nan[5, 3] = cg.cast(np.inf, dtype)
+    yield _grad_case("ignored-rows-nonfinite", dtype, Case("ignored-rows", (nan, *ignored.args[1:]), ignored.kwargs))
+    yield _grad_case("ignored-rows-mean", dtype, _case("ignored-mean", dtype, 6, 500, ignore=(1, 4), smoothing=0.1))
+    yield _grad_case("all-ignored-mean-grad", dtype, _case("all-ignored", dtype, 3, 50, ignore=range(3)), 1.0)
+    yield _grad_case("zero-grad", dtype, _case("zero-grad", dtype, 4, 300, reduction="none"), np.zeros(4))
+    yield _grad_case("neg-inf-smoothing-sum", dtype, _neg_inf_smoothing_sum(dtype))
+    yield _grad_case("large-logits-smoothing", dtype, _case("large-s", dtype, 4, 4099, scale=1e4, smoothing=0.1, reduction="sum"))
+    yield _grad_case("large-grad", dtype, _case("large-g", dtype, 5, 1000, reduction="none"), [1e30, -3e20, 1.0, 0.0, -1e-30])
+
+
+def _neg_inf_smoothing_sum(dtype: str) -> Case:
+    """-inf logits (a masked vocabulary), the target's own among them in row 0, with smoothing and "sum":
+    the loss is +inf, the gradient the formula's finite value (see cross_entropy_backward)."""
+    c = _neg_inf_target_smoothing(dtype)
+    return Case(c.name, c.args, {**c.kwargs, "reduction": "sum"}, c.tags)

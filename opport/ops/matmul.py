@@ -8,7 +8,19 @@ import numpy as np
 
 from opport import casegen as cg
 from opport.errors import ShapeError
-from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_float, check_ndim, check_same_dtype, op
+from opport.spec import (
+    Case,
+    Cost,
+    ErrorCase,
+    Tolerance,
+    check,
+    check_float,
+    check_grad,
+    check_ndim,
+    check_same_dtype,
+    grad_constraints,
+    op,
+)
 
 NAME = "matmul"
 
@@ -146,3 +158,70 @@ def _cost(a, b, bias):
     out = math.prod(a.shape[:-2]) * m * n
     extra = bias.size if bias is not None else 0
     return Cost(bytes=(a.size + b.size + extra + out) * item, flops=2 * out * k + (out if bias is not None else 0))
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@matmul.backward(wrt=("a", "b", "bias"), reduces=("b", "bias"), constraints=grad_constraints(NAME))
+def matmul_backward(grad, a, b, bias=None):
+    """Gradients of matmul for a, b and bias.
+
+    Saves a and b (each is the other's gradient's factor); bias only for its presence (its values play no
+    part). With grad [..., M, N]: da = grad b^T [..., M, K]; db = a^T grad, summed over the batch when b
+    is a shared [K, N]; dbias = grad summed over every row. All three accumulate (over N, or over the
+    batch and M): judged norm-wise, like the forward.
+    """
+    matmul.validate(a, b, bias)
+    check_grad(f"{NAME}_backward", grad, (*a.shape[:-1], b.shape[-1]), a.dtype)
+
+
+@matmul_backward.reference
+def _backward_reference(grad, a, b, bias):
+    k, n = b.shape[-2:]
+    rows = math.prod(a.shape[:-1])  # (-1 cannot be inferred when K or N is 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        da = np.matmul(grad, b.swapaxes(-1, -2))
+        if b.ndim == 2:  # shared by the batch: one product over all rows of all batch entries
+            db = np.matmul(a.reshape(rows, k).T, grad.reshape(rows, n))
+        else:
+            db = np.matmul(a.swapaxes(-1, -2), grad)
+        dbias = None if bias is None else grad.reshape(rows, n).sum(axis=0)
+    return da, db, dbias
+
+
+@matmul_backward.error_cases
+def _backward_error_cases():
+    from opport.errors import DTypeError
+
+    a, b = np.ones((4, 8), np.float32), np.ones((8, 5), np.float32)
+    yield ErrorCase("matmul_backward.grad_shape", ShapeError, (np.ones((4, 8), np.float32), a, b))
+    yield ErrorCase("matmul_backward.grad_shape", ShapeError, (np.ones((2, 4, 5), np.float32), a, b))
+    yield ErrorCase("matmul_backward.grad_dtype", DTypeError, (np.ones((4, 5), np.float16), a, b))
+
+
+@matmul_backward.cost
+def _backward_cost(grad, a, b, bias):
+    item = np.dtype(cg.np_dtype(a.dtype)).itemsize
+    k = a.shape[-1]
+    extra = bias.size if bias is not None else 0  # dbias written; bias itself is not read
+    flops = 4 * grad.size * k + (grad.size if bias is not None else 0)  # two GEMMs, one sum over rows
+    return Cost(bytes=(grad.size + 2 * a.size + 2 * b.size + extra) * item, flops=flops)
+
+
+def _grad_case(name: str, dtype: str, forward: Case, grad: np.ndarray, tags=("edge",)) -> Case:
+    case = matmul_backward.from_forward(forward, dtype, grad=cg.cast(grad, dtype))
+    return Case(name, case.args, case.kwargs, tags)
+
+
+@matmul_backward.cases
+def _backward_cases(dtype):
+    """Upstream gradients the derived cases (random normal grads) do not cover."""
+    rng = cg.rng_for(f"{NAME}_backward", "edge", dtype)
+    fwd = _case("grad-edge", dtype, (3, 17, 64), (64, 33), bias=True)
+    yield _grad_case("zero-grad", dtype, fwd, np.zeros((3, 17, 33)))
+    big = 501.0 if dtype == "float16" else 4988429.2  # da's and db's exact values stay representable
+    yield _grad_case("large-grad", dtype, _case("grad-large", dtype, (17, 64), (64, 17), bias=True, scale=(1e-3, 1e-3)),
+                     rng.standard_normal((17, 17)) * big)
+    g = rng.standard_normal((3, 33, 17))  # [..., N, M] memory: a transposed (non-contiguous) upstream gradient
+    yield Case("strided-grad", (cg.cast(g, dtype).swapaxes(-1, -2), *fwd.args), {}, ())

@@ -114,3 +114,13 @@ def test_cost():
     metas = [NumpyAdapter.meta(a) for a in (np.ones((1, 2, 4, 8), np.float16), *angle_tables(np.arange(4), 8))]
     c = spec.get_cost(*metas)
     assert c.bytes == 2 * 64 * 2 + 2 * 16 * 4 and c.flops == 3 * 64
+
+
+def test_batch_one_tables_broadcast_over_the_batch():
+    """[1, S, D/2] tables (Hugging Face's, for position ids [1, S]) are the [S, D/2] table for every batch entry."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 2, 7, 16)).astype(np.float32)
+    cos, sin = angle_tables(np.arange(40, 47), 16)
+    for inter in (False, True):
+        assert np.array_equal(kernel(x, cos[None], sin[None], inter), kernel(x, cos, sin, inter))
+        assert np.array_equal(opport.rope(x, cos[None], sin[None], interleaved=inter, backend="cpu"), kernel(x, cos, sin, inter))

@@ -50,6 +50,19 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) 
     Pseudocode, per (query block, key block): s = q k^T·scale; m' = max(m, rowmax s);
     p = exp(s - m'); l = l·exp(m - m') + rowsum p; acc = acc·exp(m - m') + p v; out = acc / l.
     """
+    return _attention(q, k, v, causal, scale, None)
+
+
+@impl(spec.train_forward, "cpu")
+def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) -> tuple:
+    """The forward plus each row's log-sum-exp m + log(l) [B, Hq, Sq] (float32), from the online softmax's
+    running max and sum: -inf for rows that see no key or only -inf scores."""
+    lse = np.empty(q.shape[:3], np.float32)
+    return _attention(q, k, v, causal, scale, lse), lse
+
+
+def _attention(q, k, v, causal: bool, scale, lse):
+    """The forward over (batch, KV-head chunk, query block); `lse` (if not None) receives the row statistics."""
     b, hq, sq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
     g = hq // hkv
@@ -61,6 +74,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) 
         b, hkv, q, k, v = 1, b * hkv, q.reshape(1, b * hq, sq, d), k.reshape(1, b * hkv, sk, d), v.reshape(1, b * hkv, sk, dv)
     # [B, Hq, ...] viewed as [B, Hkv, g, ...] (splitting an axis never copies): query head kv·g + j reads KV head kv
     qg, og = q.reshape(b, hkv, g, sq, d), out.reshape(b, hkv, g, sq, dv)
+    lg = None if lse is None else lse.reshape(b, hkv, g, sq)  # lse is ours, contiguous: a view
     bk, step = _blocks(sq, k.shape[2], g, acc_t.itemsize)
     with np.errstate(over="ignore"):
         for bi in range(b):
@@ -68,13 +82,16 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) 
                 heads = slice(h0, min(h0 + step, hkv))
                 for i0 in range(0, sq, BLOCK_Q):
                     i1 = min(i0 + BLOCK_Q, sq)
-                    store(og[bi, heads, :, i0:i1], _query_block(qg[bi, heads, :, i0:i1], k[bi, heads], v[bi, heads], i0,
-                                                                sq, causal, scale, bk))
+                    o, l_rows = _query_block(qg[bi, heads, :, i0:i1], k[bi, heads], v[bi, heads], i0, sq, causal, scale, bk)
+                    store(og[bi, heads, :, i0:i1], o)
+                    if lg is not None:
+                        lg[bi, heads, :, i0:i1] = l_rows
     return out
 
 
 def _query_block(qb, k, v, i0: int, sq: int, causal: bool, scale, bk: int):
-    """Online softmax of one block of query rows [n, g, bq, D] over the keys it can see, bk keys at a time."""
+    """Online softmax of one block of query rows [n, g, bq, D] over the keys it can see, bk keys at a time:
+    (output rows [n, g, bq, Dv], their log-sum-exp [n, g, bq])."""
     n, g, bq, _ = qb.shape
     sk, dv = k.shape[1], v.shape[2]
     off = sk - sq  # bottom-right alignment: row i sees keys j <= i + off
@@ -108,7 +125,9 @@ def _query_block(qb, k, v, i0: int, sq: int, causal: bool, scale, bk: int):
                 acc += _pv(p, vb, nvis, g)
             m = m_new
         if acc is None:  # no row of the block sees a key
-            return np.zeros((n, g, bq, dv), acc_t)
+            return np.zeros((n, g, bq, dv), acc_t), np.full((n, g, bq), -np.inf, acc_t)
+        with np.errstate(divide="ignore"):  # log(0) = -inf: the rows that saw no finite score
+            lse = np.where(m == -np.inf, 0, m) + np.log(den)
         empty = den == 0  # rows that saw no key, or only -inf scores: output 0
         if empty.any():
             den[empty] = 1
@@ -116,7 +135,7 @@ def _query_block(qb, k, v, i0: int, sq: int, causal: bool, scale, bk: int):
             np.copyto(acc, 0, where=empty)
         else:
             acc /= den
-        return acc.reshape(n, g, bq, dv)
+        return acc.reshape(n, g, bq, dv), lse.reshape(n, g, bq)
 
 
 def _pv(p, vb, nvis, g: int):
@@ -130,3 +149,116 @@ def _pv(p, vb, nvis, g: int):
     for r, c in enumerate(nvis):  # rare path: per row, only its visible prefix
         out[:, :, r] = np.matmul(p4[:, :, r, None, :c], vb[:, None, :c])[:, :, 0]
     return out.reshape(n, g * bq, dv)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@impl(spec.backward_op, "cpu")
+def attention_backward(grad, q, k, v, out, lse, causal: bool, scale) -> tuple:
+    """dq, dk, dv from the saved output and log-sum-exp: FlashAttention-2's backward in NumPy blocks.
+
+    Dimensions: grad, out [B, Hq, Sq, Dv]; lse [B, Hq, Sq] float32; q, k, v as in the forward.
+    Notes: per (query block, key block) of the forward's sizes, P = exp(s·scale - lse) is recomputed, so
+    nothing grows with Sq·Sk; dk and dv accumulate over the query blocks (and over each KV head's g query
+    heads, stacked as in the forward) in accumulators of k's and v's size, dq over the key blocks, all in
+    float32 for 16-bit inputs. Rows with lse = -inf (no visible key, or only -inf scores) take no part:
+    their q and dO are zeroed, their dq written 0. Masked P and dS are 0; where a partly masked block holds
+    non-finite q, k or dO, each row multiplies only its visible prefix (0·NaN would leak).
+    dP - D is formed in float64 whatever the dtype: where attention concentrates on one key (O ≈ v_j;
+    a row with one visible key has dq = 0 exactly), float32 leaves eps·|dO|·|v| of cancellation in it,
+    far beyond the norm-wise tolerance of a dq near 0 (heavy-tailed v, Sk = 1: 4e-5 against 1e-5); the
+    float64 dP matmul costs the backward about 1.5x.
+    Pseudocode: D = rowsum(dO·O); per block: P = exp(s - lse); dV += P^T dO; dS = P (dO V^T - D);
+    dQ += dS K; dK += dS^T Q; finally dQ and dK times scale.
+    """
+    hkv, g = k.shape[1], q.shape[1] // k.shape[1]
+    acc_t = acc_dtype(q.dtype.name)
+    scale = acc_t.type(1.0 / math.sqrt(q.shape[3]) if scale is None else scale)
+    result = np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
+    arrays = (q, k, v, grad, out, lse, *result)
+    if q.shape[0] > 1 and _batch_heads_merge(q, k, v, grad, out):  # as the forward: one [1, B*H] problem, as views
+        arrays, hkv = [_merged(a) for a in arrays], hkv * q.shape[0]
+    q, k, v, grad, out, lse, dq, dk, dv = arrays
+    b, sq = q.shape[0], q.shape[2]
+    qg, gg, og, lg, dqg = (a.reshape(b, hkv, g, *a.shape[2:]) for a in (q, grad, out, lse, dq))
+    bk, step = _blocks(sq, k.shape[2], g, acc_t.itemsize)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for bi in range(b):
+            for h0 in range(0, hkv, step):
+                hs = slice(h0, min(h0 + step, hkv))
+                dk_acc, dv_acc = np.zeros(k[bi, hs].shape, acc_t), np.zeros(v[bi, hs].shape, acc_t)
+                for i0 in range(0, sq, BLOCK_Q):
+                    r = slice(i0, min(i0 + BLOCK_Q, sq))
+                    rows = (qg[bi, hs, :, r], gg[bi, hs, :, r], og[bi, hs, :, r], lg[bi, hs, :, r])
+                    dq_rows = _backward_block(*rows, k[bi, hs], v[bi, hs], i0, sq, causal, scale, bk, dk_acc, dv_acc)
+                    store(dqg[bi, hs, :, r], dq_rows)
+                dk_acc *= scale
+                store(dk[bi, hs], dk_acc)
+                store(dv[bi, hs], dv_acc)
+    return result
+
+
+def _merged(a: np.ndarray) -> np.ndarray:
+    """[B, H, ...] as [1, B*H, ...]: a view for the arrays _batch_heads_merge accepts and for fresh outputs."""
+    return a.reshape(1, a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def _backward_block(qb, gb, ob, lb, k, v, i0: int, sq: int, causal: bool, scale, bk: int, dk_acc, dv_acc):
+    """One block of query rows [n, g, bq, ...] against the keys it can see: adds its dK (unscaled) and dV into
+    the accumulators [n, Sk, ...] and returns its dQ [n, g, bq, D]."""
+    n, g, bq, d = qb.shape
+    sk, dv = k.shape[1], v.shape[2]
+    off = sk - sq  # bottom-right alignment: row i sees keys j <= i + off
+    q2, do2 = upcast(qb).reshape(n, g * bq, d), upcast(gb).reshape(n, g * bq, dv)
+    do64 = do2.astype(np.float64, copy=False)  # dP - D is formed in float64: see attention_backward
+    big_d = np.add.reduce(do64 * ob.reshape(n, g * bq, dv), axis=-1, keepdims=True)  # D = rowsum(dO·O)
+    lse = lb.reshape(n, g * bq, 1).astype(q2.dtype)
+    dead = lse == -np.inf  # rows with output 0: no gradient, and their q and dO must not reach dK, dV
+    if dead.any():
+        q2, do2, big_d = np.where(dead, 0, q2), np.where(dead, 0, do2), np.where(dead, 0, big_d)
+        do64 = np.where(dead, 0, do64)
+        lse = np.where(dead, np.inf, lse)  # exp(s - inf) = 0
+    dq = np.zeros((n, g * bq, d), q2.dtype)
+    rows = np.arange(i0, i0 + bq)
+    kend = min(sk, i0 + bq + off) if causal else sk  # the block's last row sees keys < kend
+    for j0 in range(0, max(kend, 0), bk):
+        j1 = min(j0 + bk, kend)
+        kb, vb = upcast(k[:, j0:j1]), upcast(v[:, j0:j1])
+        p = np.matmul(q2, kb.swapaxes(-1, -2))  # [n, g·bq, bk], then in place: s, s - lse, P
+        p *= scale
+        p -= lse
+        np.exp(p, out=p)
+        dp = np.matmul(do64, vb.astype(np.float64, copy=False).swapaxes(-1, -2))  # dP, then dP - D
+        dp -= big_d
+        ds = dp.astype(q2.dtype, copy=False)
+        ds *= p
+        nvis = None
+        if causal and j1 - 1 > i0 + off:  # some row of this block cannot see some key of it
+            nvis = np.clip(rows + off + 1 - j0, 0, j1 - j0)  # visible prefix length per row
+            hidden = np.arange(j1 - j0)[None, :] >= nvis[:, None]  # [bq, bk], the same for every head
+            np.copyto(p.reshape(n, g, bq, -1), 0, where=hidden)  # (exp of a masked NaN score is NaN)
+            np.copyto(ds.reshape(n, g, bq, -1), 0, where=hidden)  # (0 · inf of a masked v is NaN)
+        if nvis is not None and not (np.isfinite(q2).all() and np.isfinite(do2).all() and np.isfinite(kb).all()):
+            _prefix_products(p, ds, q2, do2, kb, nvis, dq, dk_acc[:, j0:j1], dv_acc[:, j0:j1])
+        else:
+            dv_acc[:, j0:j1] += np.matmul(p.swapaxes(-1, -2), do2)
+            dk_acc[:, j0:j1] += np.matmul(ds.swapaxes(-1, -2), q2)
+            dq += np.matmul(ds, kb)
+    dq *= scale
+    if dead.any():
+        np.copyto(dq, 0, where=dead)  # (0 · a non-finite visible k)
+    return dq.reshape(n, g, bq, d)
+
+
+def _prefix_products(p, ds, q2, do2, kb, nvis, dq, dk_blk, dv_blk) -> None:
+    """The block's three products row by row, each over its visible keys only (the rare path: non-finite values
+    in a partly masked block, where 0 · NaN would carry them past the mask)."""
+    n, bq = p.shape[0], nvis.size
+    p4, ds4 = p.reshape(n, -1, bq, p.shape[-1]), ds.reshape(n, -1, bq, ds.shape[-1])
+    q4, do4, dq4 = (a.reshape(n, -1, bq, a.shape[-1]) for a in (q2, do2, dq))
+    for r, c in enumerate(nvis):
+        if c:
+            dq4[:, :, r] += np.matmul(ds4[:, :, r, :c], kb[:, :c])  # [n, g, c] @ [n, c, D]
+            dk_blk[:, :c] += np.matmul(ds4[:, :, r, :c].swapaxes(-1, -2), q4[:, :, r])  # [n, c, g] @ [n, g, D]
+            dv_blk[:, :c] += np.matmul(p4[:, :, r, :c].swapaxes(-1, -2), do4[:, :, r])

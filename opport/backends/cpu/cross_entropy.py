@@ -3,7 +3,7 @@
 import numpy as np
 
 from opport.arraymath import reduce_losses
-from opport.backends.cpu._common import parallel_rows, upcast
+from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
 from opport.ops.cross_entropy import cross_entropy as spec
@@ -22,24 +22,37 @@ def cross_entropy(logits: np.ndarray, target: np.ndarray, ignore_index: int, red
     float32 relative accuracy; a target outside [0, V) gives a NaN row, an ignored row is 0 even if its
     logits hold NaN.
     """
+    return _forward(logits, target, ignore_index, reduction, label_smoothing)[0]
+
+
+@impl(spec.train_forward, "cpu")
+def cross_entropy_forward(logits: np.ndarray, target: np.ndarray, ignore_index: int, reduction: str,
+                          label_smoothing: float):
+    """The forward plus the per-row logsumexp m + log(s) [N] (float32) it has at hand, for the backward."""
+    return _forward(logits, target, ignore_index, reduction, label_smoothing)
+
+
+def _forward(logits, target, ignore_index, reduction, label_smoothing) -> tuple:
+    """(reduced float32 loss, float32 lse [N])."""
     n, v = logits.shape
     acc = acc_dtype(logits.dtype.name)
     t = target.astype(np.int64)
     ignored = t == ignore_index
     valid = (t >= 0) & (t < v)
-    loss = np.empty(n, acc)
+    loss, lse = np.empty(n, acc), np.empty(n, np.float32)
     tc = np.clip(t, 0, v - 1)
 
     def body(rows):
-        loss[rows] = _row_losses(logits[rows], tc[rows], acc.type(label_smoothing))
+        loss[rows], lse[rows] = _row_losses(logits[rows], tc[rows], acc.type(label_smoothing))
 
     parallel_rows(n, min(v, VOCAB_CHUNK), body)  # blocks of rows x one vocabulary chunk
     loss = np.where(ignored, acc.type(0), np.where(valid, loss, acc.type(np.nan)))
     with np.errstate(over="ignore"):  # a float64 loss beyond float32's range is inf
-        return reduce_losses(loss, ignored, reduction).astype(np.float32)
+        return reduce_losses(loss, ignored, reduction).astype(np.float32), lse
 
 
-def _row_losses(x: np.ndarray, t: np.ndarray, eps):
+def _row_losses(x: np.ndarray, t: np.ndarray, eps) -> tuple:
+    """(loss, logsumexp) per row."""
     rows, v = x.shape
     xt = upcast(x[np.arange(rows), t])
     acc = xt.dtype
@@ -57,7 +70,73 @@ def _row_losses(x: np.ndarray, t: np.ndarray, eps):
         m = m_new
     log_s = np.log(s)
     nll = (m - xt) + log_s
+    lse = m + log_s
     if not eps:
-        return nll
+        return nll, lse
     smooth = (m - pivot) + log_s - d / acc.type(v)  # logsumexp - mean(row)
-    return (1 - eps) * nll + eps * smooth
+    return (1 - eps) * nll + eps * smooth, lse
+
+
+@impl(spec.backward_op, "cpu")
+def cross_entropy_backward(grad: np.ndarray, logits: np.ndarray, target: np.ndarray, lse: np.ndarray,
+                           ignore_index: int, reduction: str, label_smoothing: float):
+    """dlogits = c (exp(x - lse) - eps/V - (1 - eps) onehot(t)) per row, c its share of grad.
+
+    Dimensions: logits [N, V], target and lse [N]. Blocks of rows x one vocabulary chunk, as the forward:
+    the softmax comes from the saved lse in one pass, and no temporary is larger than a block.
+    Notes: ignored rows are written 0 (NaN logits there cannot leak), rows whose target is out of
+    range NaN; the result is computed in float32 (float64 for float64 logits) and rounded once.
+    """
+    n, v = logits.shape
+    acc = acc_dtype(logits.dtype.name)
+    t = target.astype(np.int64)
+    ignored, valid = t == ignore_index, (t >= 0) & (t < v)
+    coef = _coefficients(np.asarray(grad, acc), ignored, reduction)
+    l_acc = lse.astype(acc)
+    eps = acc.type(label_smoothing)
+    out = np.empty((n, v), logits.dtype)
+
+    def body(rows):
+        c, tr, keep = coef[rows, None], t[rows], valid[rows] & ~ignored[rows]
+        for c0 in range(0, v, VOCAB_CHUNK):
+            c1 = min(c0 + VOCAB_CHUNK, v)
+            xc, dst = upcast(logits[rows, c0:c1]), out[rows, c0:c1]
+            y = result_block(dst, xc)
+            np.subtract(xc, l_acc[rows, None], out=y)
+            np.exp(y, out=y)
+            if eps:
+                y -= eps / acc.type(v)
+            hit = np.flatnonzero(keep & (tr >= c0) & (tr < c1))
+            if hit.size:
+                col = tr[hit] - c0
+                y[hit, col] = _at_target(y[hit, col], xc[hit, col] - l_acc[rows][hit], eps, v)
+            y *= c
+            _fix_rows(y, ignored[rows], valid[rows])
+            store(dst, y)
+
+    parallel_rows(n, min(v, VOCAB_CHUNK), body)
+    return (out,)
+
+
+def _at_target(y_t: np.ndarray, d: np.ndarray, eps, v: int) -> np.ndarray:
+    """p_t - eps/V - (1 - eps) from y_t = p_t - eps/V and d = x_t - lse: where p_t > 1/2, as
+    expm1(d) + (eps - eps/V), whose error is an ulp of 1 - p_t instead of an ulp of 1 (peaked rows)."""
+    t = d.dtype.type
+    return np.where(d > t(-0.6931471805599453), np.expm1(d) + (eps - eps / t(v)), y_t - (1 - eps))
+
+
+def _coefficients(grad: np.ndarray, ignored: np.ndarray, reduction: str) -> np.ndarray:
+    """Each row's share of the upstream gradient [N]: grad[i], grad, or grad / kept rows; 0 where ignored."""
+    n = ignored.size
+    if reduction == "mean":
+        grad = grad / grad.dtype.type(max(n - int(np.count_nonzero(ignored)), 1))  # none kept: all rows are 0
+    return np.where(ignored, grad.dtype.type(0), np.broadcast_to(grad, (n,)))
+
+
+def _fix_rows(y: np.ndarray, ignored: np.ndarray, valid: np.ndarray) -> None:
+    """Ignored rows exactly 0 (their logits may hold NaN), rows with an out-of-range target NaN."""
+    if ignored.any():
+        y[ignored] = 0
+    bad = ~valid & ~ignored
+    if bad.any():
+        y[bad] = np.nan

@@ -1,5 +1,7 @@
 """matmul on NumPy: BLAS in float32 for 16-bit inputs (float32 accumulation), float64 stays float64."""
 
+import math
+
 import numpy as np
 
 from opport.backends.cpu._common import upcast
@@ -20,3 +22,25 @@ def matmul(a: np.ndarray, b: np.ndarray, bias) -> np.ndarray:
         if bias is not None:
             out += upcast(bias)
         return out.astype(a.dtype, copy=False)  # beyond the dtype's range -> inf, as the exact result rounds
+
+
+@impl(spec.backward_op, "cpu")
+def matmul_backward(grad: np.ndarray, a: np.ndarray, b: np.ndarray, bias):
+    """da = grad b^T, db = a^T grad (one product over every row of the batch when b is a shared [K, N]),
+    dbias = grad summed over rows; each a BLAS call on transposed views, float32 for 16-bit inputs.
+
+    Notes: the 16-bit operands are upcast copies, as in the forward; the row sum of dbias is NumPy's
+    pairwise sum over a contiguous float32 copy: the same bits for any thread count.
+    """
+    k, n = b.shape[-2:]
+    rows = math.prod(a.shape[:-1])  # (-1 cannot be inferred when K or N is 0)
+    g, af, bf = upcast(grad), upcast(a), upcast(b)
+    with np.errstate(invalid="ignore", over="ignore"):
+        da = np.matmul(g, bf.swapaxes(-1, -2))
+        if b.ndim == 2:
+            db = np.matmul(af.reshape(rows, k).T, g.reshape(rows, n))
+        else:
+            db = np.matmul(af.swapaxes(-1, -2), g)
+        dbias = None if bias is None else np.add.reduce(g.reshape(rows, n), axis=0)
+        return da.astype(a.dtype, copy=False), db.astype(b.dtype, copy=False), \
+            None if dbias is None else dbias.astype(bias.dtype, copy=False)

@@ -11,16 +11,22 @@ from opport.ops.rope import rope as spec
 
 @impl(spec, "cpu")
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
-    """Rotate feature pairs of x [B, H, S, D] by the angles whose cos/sin are [S, D/2] or [B, S, D/2].
+    """Rotate feature pairs of x [B, H, S, D] by the angles whose cos/sin are [S, D/2], [1, S, D/2] or [B, S, D/2].
 
     Notes: the tables are cast once to the compute dtype (float32, or float64 for float64 x), so a
     float64 table is rounded to float32 before use, as a GPU kernel would. The B*H heads are shared
     out over the cpu threads in bounded blocks; strided x is copied a block at a time, never whole.
     """
     acc = acc_dtype(x.dtype.name)
+    return _rotate(x, cos.astype(acc, copy=False), sin.astype(acc, copy=False), interleaved)
+
+
+def _rotate(x: np.ndarray, c: np.ndarray, sn: np.ndarray, interleaved: bool) -> np.ndarray:
+    """(x1 c - x2 sn, x2 c + x1 sn) per pair, tables already in the compute dtype."""
     b, h, s, d = x.shape
     out = np.empty(x.shape, x.dtype)
-    c, sn = cos.astype(acc, copy=False), sin.astype(acc, copy=False)
+    if c.ndim == 3 and c.shape[0] == 1:  # [1, S, D/2]: one table for every batch entry
+        c, sn = c[0], sn[0]
     per_batch = c.ndim == 3
 
     def rotate(bs: slice, hs: slice) -> None:
@@ -50,3 +56,11 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> 
 
     parallel_rows(b * h, s * d, body)
     return out
+
+
+@impl(spec.backward_op, "cpu")
+def rope_backward(grad: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool):
+    """dx is grad rotated back: the forward's rotation by -angle, i.e. with -sin (negation is exact, so
+    (g1 c + g2 s, g2 c - g1 s) comes out bit for bit as written)."""
+    acc = acc_dtype(grad.dtype.name)
+    return (_rotate(grad, cos.astype(acc, copy=False), -sin.astype(acc, copy=False), interleaved),)

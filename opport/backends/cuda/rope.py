@@ -22,7 +22,7 @@ def _rope_kernel(
 ):
     """out pair (x1, x2) -> (x1*cos - x2*sin, x2*cos + x1*sin) for each (b, h, s) row.
 
-    Dimensions: x, out [B, H, S, D] strided; cos, sin [B or 1, S, D/2] (batch stride 0 for [S, D/2]).
+    Dimensions: x, out [B, H, S, D] strided; cos, sin [B or 1, S, D/2] (batch stride 0 for [S, D/2] and [1, S, D/2]).
     Notes: member k of pair j sits at column j*pair_step + k*pair_gap: (2, 1) interleaved, (1, D/2)
     rotate-half. Loading the [BLOCK_M, BLOCK_H, 2] tile and splitting it keeps the interleaved loads
     contiguous. Math runs in float32 (float64 when the tables are float64); x is read and written
@@ -58,8 +58,10 @@ def _widen(t, COMPUTE: tl.constexpr):
 
 
 def _table_strides(t: torch.Tensor) -> tuple:
-    """(batch, seq, pair) strides; a [S, D/2] table is shared by every batch (stride 0)."""
-    return (0, *t.stride()) if t.dim() == 2 else tuple(t.stride())
+    """(batch, seq, pair) strides; a [S, D/2] or [1, S, D/2] table is shared by every batch (stride 0)."""
+    if t.dim() == 2:
+        return (0, *t.stride())
+    return (0 if t.shape[0] == 1 else t.stride(0), *t.stride()[1:])
 
 
 @impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))

@@ -22,7 +22,8 @@ def _rope_kernel(x_hbm, cos_hbm, sin_hbm, interleaved):
 
     Args:
         x_hbm: [B, H, S, D] input in HBM, float32/float16/bfloat16.
-        cos_hbm, sin_hbm: [S, D/2] or [B, S, D/2] tables, float32/float16/bfloat16.
+        cos_hbm, sin_hbm: [S, D/2] or [B, S, D/2] tables, float32/float16/bfloat16 (the host passes a
+            [1, S, D/2] table as the [S, D/2] table it is).
         interleaved: compile-time bool; pairs (2i, 2i+1) if True, else (i, i + D/2).
 
     Returns:
@@ -90,8 +91,11 @@ def _rope_kernel(x_hbm, cos_hbm, sin_hbm, interleaved):
 
 @impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
-    """Host side: contiguous x, tables in a dtype NKI has (float64 tables rounded to float32), launch."""
+    """Host side: contiguous x, tables in a dtype NKI has (float64 tables rounded to float32), a [1, S, D/2]
+    table as the [S, D/2] table it is for every batch entry, launch."""
     if x.size == 0:
         return np.empty(x.shape, x.dtype)
+    if cos.ndim == 3 and cos.shape[0] == 1:
+        cos, sin = cos[0], sin[0]
     out = _host.run(_rope_kernel, _host.contiguous(x), _host.float32_table(cos), _host.float32_table(sin), bool(interleaved))
     return _host.as_dtype(out, x.dtype.name, x.shape)

@@ -1,0 +1,160 @@
+"""attention's backward beyond the generic checks of test_grad.py: rows that see no key, GQA sums, torch's
+autograd, the training forward's lse, block boundaries, bounded memory and the scale bound."""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import opport.backends.cpu.attention as cpu_attention
+from opport.backends.cpu.attention import attention as forward_kernel
+from opport.backends.cpu.attention import attention_backward as kernel
+from opport.backends.cpu.attention import attention_forward as train_kernel
+from opport.casegen import cast
+from opport.conformance.compare import compare
+from opport.dispatch import call
+from opport.errors import ArgumentError, OpError
+from opport.ops.attention import attention as spec
+from opport.spec import Tolerance
+from tests.ops._grad import check_backward_kernel
+
+BWD = spec.backward_op
+TRAIN = spec.train_forward
+
+
+def qkv(b, hq, hkv, sq, sk, d, dv=None, seed=0, dtype="float64"):
+    rng = np.random.default_rng(seed)
+    return tuple(cast(rng.standard_normal(s), dtype) for s in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, dv or d)))
+
+
+def saved(q, k, v, causal, scale=None):
+    """What the training forward saves, from the float64 reference: (out in q's dtype, float32 lse)."""
+    out, lse = TRAIN.run_reference(q, k, v, causal, scale)
+    return cast(out, q.dtype.name if q.dtype.name != "bfloat16" else "bfloat16"), lse.astype(np.float32)
+
+
+def backward(q, k, v, grad, causal, scale=None, fn=kernel):
+    out, lse = saved(q, k, v, causal, scale)
+    return fn(grad, q, k, v, out, lse, causal, scale)
+
+
+@pytest.mark.parametrize("case", list(BWD.get_error_cases()), ids=lambda c: c.constraint)
+def test_backward_error_cases_raise_typed_errors(case):
+    with pytest.raises(case.error) as info:
+        call(BWD, BWD.bind(*case.args, **case.kwargs), "cpu")
+    assert isinstance(info.value, OpError) and info.value.constraint == case.constraint
+    assert case.constraint in BWD.constraints
+
+
+@pytest.mark.parametrize("scale", (1e300, -1e5, 1e4 * (1 + 1e-15)))
+def test_scale_beyond_the_bound_is_refused(scale):
+    q, k, v = qkv(1, 2, 2, 3, 3, 4, dtype="float32")
+    with pytest.raises(ArgumentError) as info:
+        call(spec, spec.bind(q, k, v, False, scale), "cpu")
+    assert info.value.constraint == "attention.scale"
+    call(spec, spec.bind(q, k, v, False, 1e4), "cpu")  # the bound itself is allowed
+
+
+@pytest.mark.parametrize("fn", (kernel, BWD.run_reference), ids=("kernel", "reference"))
+def test_rows_that_see_no_key_get_zero_gradient_and_poison_nothing(fn):
+    """Causal with Sq > Sk: rows 0..5 see no key. NaN in their q and dO changes nothing anywhere."""
+    q, k, v = qkv(1, 4, 2, 10, 4, 8, seed=1, dtype="float32")
+    g = cast(np.random.default_rng(2).standard_normal((1, 4, 10, 8)), "float32")
+    clean = backward(q, k, v, g, True, fn=fn)
+    q2, g2 = q.copy(), g.copy()
+    q2[:, :, :6], g2[:, :, :6] = np.nan, np.inf
+    dirty = backward(q2, k, v, g2, True, fn=fn)
+    assert np.array_equal(dirty[0][:, :, :6], np.zeros((1, 4, 6, 8)))
+    for a, b in zip(clean, dirty):
+        assert np.isfinite(b).all()
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_empty_keys_or_queries():
+    for sq, sk in ((5, 0), (0, 7)):
+        q, k, v = qkv(1, 2, 1, sq, sk, 8, dtype="float32")
+        dq, dk, dv = backward(q, k, v, np.ones((1, 2, sq, 8), np.float32), True)
+        assert not dq.any() and not dk.any() and not dv.any()
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_gqa_gradients_are_the_sums_over_each_group(causal):
+    """dk and dv of a KV head shared by g query heads equal the sum of the g gradients of its repeated copies."""
+    q, k, v = qkv(2, 6, 2, 9, 13, 8, 5, seed=3)
+    g = np.random.default_rng(4).standard_normal((2, 6, 9, 5))
+    dq, dk, dv = backward(q, k, v, g, causal)
+    kr, vr = np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1)
+    dq_r, dk_r, dv_r = backward(q, kr, vr, g, causal)
+    np.testing.assert_allclose(dq, dq_r, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dk, dk_r.reshape(2, 2, 3, 13, 8).sum(axis=2), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dv, dv_r.reshape(2, 2, 3, 13, 5).sum(axis=2), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("sq,sk,causal,scale", [(7, 7, True, None), (5, 11, True, 0.3), (11, 5, True, None),
+                                                (6, 9, False, 2.0)])
+def test_matches_torch_autograd_in_float64(sq, sk, causal, scale):
+    torch = pytest.importorskip("torch")
+    q, k, v = qkv(1, 4, 2, sq, sk, 8, 6, seed=sq + sk)
+    g = np.random.default_rng(5).standard_normal((1, 4, sq, 6))
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    seen = torch.tensor((j <= i + sk - sq) | (not causal))  # bottom-right causal
+    s = tq @ tk.repeat_interleave(2, 1).transpose(-1, -2) * (scale if scale else 1 / math.sqrt(8))
+    w = torch.softmax(s.masked_fill(~seen, -math.inf), -1).nan_to_num(0.0)  # rows that see nothing: 0
+    (w @ tv.repeat_interleave(2, 1)).backward(torch.tensor(g))
+    for got, want in zip(backward(q, k, v, g, causal, scale), (tq.grad, tk.grad, tv.grad)):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)  # (the saved lse is float32)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16", "float64"))
+def test_training_forward_returns_the_output_and_lse(dtype):
+    for case in spec.get_cases(dtype):
+        bound = spec.bind(*case.args, **case.kwargs)
+        out, lse = train_kernel(*bound)
+        np.testing.assert_array_equal(out, forward_kernel(*bound))
+        assert lse.dtype == np.float32 and lse.shape == bound[0].shape[:3]
+        (ref,) = TRAIN.run_stats(*bound)
+        verdict = compare(lse, ref, Tolerance(1.3e-6, 1e-5), "float32")  # float32 statistics
+        assert verdict.ok, f"{case.name}: {verdict.message}"
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_many_blocks_and_head_chunks(monkeypatch, dtype):
+    """Tiny blocks and budget: every block boundary, partly masked blocks, one-head steps and the per-row path."""
+    monkeypatch.setattr(cpu_attention, "BLOCK_Q", 4)
+    monkeypatch.setattr(cpu_attention, "BLOCK_K", 5)
+    monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 1)
+    for case in BWD.get_cases(dtype):
+        if case.args[1].size <= 20000:
+            check_backward_kernel(spec, case, dtype)
+
+
+def test_merged_batches_and_strided_inputs_agree_bitwise():
+    q, k, v = qkv(3, 4, 2, 6, 9, 8, seed=6, dtype="float32")
+    g = cast(np.random.default_rng(7).standard_normal((3, 4, 6, 8)), "float32")
+    merged = backward(q, k, v, g, True)
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # a [B, S, H, D] cache: no merge
+    assert cpu_attention._batch_heads_merge(q, k, v) and not cpu_attention._batch_heads_merge(q, kt, v)
+    for a, b in zip(merged, backward(q, kt, v, g, True)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(merged, backward(q, k, v, g, True)):
+        np.testing.assert_array_equal(a, b)  # deterministic
+
+
+def test_memory_stays_bounded_at_long_sequences():
+    s, d = 4096, 32  # inputs, outputs and accumulators O(S·D), score blocks O(BLOCK_Q·BLOCK_K): no O(S^2)
+    q, k, v = qkv(1, 1, 1, s, s, d, seed=8, dtype="float32")
+    g = np.ones((1, 1, s, d), np.float32)
+    out, lse = np.zeros((1, 1, s, d), np.float32), np.zeros((1, 1, s), np.float32)  # (only shapes matter here)
+    tracemalloc.start()
+    try:
+        grads = kernel(g, q, k, v, out, lse, True, None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < s * s * 4 / 8, f"peak {peak} bytes: an S x S temporary ({s * s * 4} bytes) is being built"
+    assert all(np.isfinite(a).all() for a in grads)
