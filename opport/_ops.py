@@ -18,10 +18,11 @@ def attention(q, k, v, causal=False, scale=None, *, backend=None):
     """Scaled dot-product attention, out [B, Hq, Sq, Dv].
 
     Query head h reads KV head h // (Hq / Hkv) (grouped-query attention). scale defaults to
-    1/sqrt(D). The causal mask is bottom-right aligned (FlashAttention): query i sees key j iff
-    j <= i + Sk - Sq. A query row that sees no key (Sk = 0, or i < Sq - Sk when causal) outputs 0,
-    as does a row whose visible scores are all -inf (SDPA's safe softmax). Masked keys get exactly
-    zero weight: NaN or inf in masked k or v never reaches the output.
+    1/sqrt(D); |scale| <= 1e4 (scores are computed in float32). The causal mask is bottom-right
+    aligned (FlashAttention): query i sees key j iff j <= i + Sk - Sq. A query row that sees no key
+    (Sk = 0, or i < Sq - Sk when causal) outputs 0, as does a row whose visible scores are all -inf
+    (SDPA's safe softmax). Masked keys get exactly zero weight: NaN or inf in masked k or v never
+    reaches the output.
 
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
     """
@@ -161,7 +162,9 @@ def rope(x, cos, sin, interleaved=False, *, backend=None):
 
     interleaved=False (rotate-half, GPT-NeoX/Llama): pairs are (i, i + D/2);
     interleaved=True (GPT-J): pairs are (2i, 2i + 1). For a pair (x1, x2) and angle t:
-    (x1·cos t − x2·sin t, x2·cos t + x1·sin t). Computed in float32 for 16-bit x; keep the tables in
+    (x1·cos t − x2·sin t, x2·cos t + x1·sin t). The tables are [S, D/2] (shared by the batch),
+    [1, S, D/2] (the same, as Hugging Face models produce them for position ids [1, S]) or [B, S, D/2]
+    (per batch entry); cos and sin have one shape. Computed in float32 for 16-bit x; keep the tables in
     float32 or better at long contexts (their angles should be computed in float64 before rounding).
 
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.

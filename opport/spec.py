@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from opport import casegen, errors
-from opport.dtypes import FLOATS
+from opport.dtypes import FLOATS, acc_dtype
 
 # --------------------------------------------------------------------------- metadata
 
@@ -235,8 +235,9 @@ class OpSpec:
         """Declare statistics the forward saves for the backward, from their float64 reference `fn(*bound)`.
 
         `names` name them (as the backward's parameters do); `shapes(*bound)` gives their shapes. They are
-        float32 whatever the input dtype. The op then has a training forward, `<op>_forward`, returning
-        (out, *stats): backends register kernels for it like any op (`@impl(<op>.train_forward, ...)`).
+        kept in the accumulation dtype: float32 (float64 for float64 inputs). The op then has a training
+        forward, `<op>_forward`, returning (out, *stats): backends register kernels for it like any op
+        (`@impl(<op>.train_forward, ...)`).
         """
 
         def declare(fn):
@@ -399,7 +400,8 @@ class BackwardSpec(OpSpec):
             by_name["out"] = casegen.cast(fwd.run_reference(*bound), out_dtype)
         if fwd.train_forward is not None:
             stats = fwd.train_forward.run_stats(*bound)
-            by_name.update({n: casegen.cast(v, "float32") for n, v in zip(fwd.train_forward.stats, stats)})
+            acc = acc_dtype(dtype).name
+            by_name.update({n: casegen.cast(v, acc) for n, v in zip(fwd.train_forward.stats, stats)})
         tol = self._case_tolerances.get(case.name, {}).get(dtype)
         return Case(case.name, tuple(by_name[p] for p in self.params), {}, case.tags, tol)
 
@@ -436,8 +438,9 @@ class TrainForwardSpec(OpSpec):
         return 1 + len(self.stats)
 
     def out_metas(self, bound: tuple) -> list:
-        return [(self.out_shape(bound), self.out_dtype(bound))] + \
-            [(tuple(s), "float32") for s in self._stat_shapes(*bound)]
+        dtype = self.dtype_of(bound)
+        acc = acc_dtype(getattr(dtype, "name", dtype)).name
+        return [(self.out_shape(bound), self.out_dtype(bound))] + [(tuple(s), acc) for s in self._stat_shapes(*bound)]
 
     def run_stats(self, *args, **kwargs) -> tuple:
         """The float64 reference of the saved statistics."""

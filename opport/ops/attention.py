@@ -300,12 +300,13 @@ def _saved(q, k, v, causal, scale):
     wrt=("q", "k", "v"),
     reduces=("k", "v"),
     constraints={**grad_constraints(NAME), f"{BWD}.saved": "out has the forward output's shape and q's dtype; lse is "
-                 "float32 [B, Hq, Sq] (the training forward's)"},
+                 "[B, Hq, Sq] in the accumulation dtype, float32 (float64 for float64 inputs): the training forward's"},
 )
 def attention_backward(grad, q, k, v, out, lse, causal=False, scale=None):
     """Gradients of attention for q, k and v (FlashAttention-2's backward).
 
-    Saves q, k, v, the output and the per-row log-sum-exp lse [B, Hq, Sq] (float32), so the probabilities are
+    Saves q, k, v, the output and the per-row log-sum-exp lse [B, Hq, Sq] (float32; float64 for float64 inputs),
+    so the probabilities are
     recomputed block by block, P = exp(s·scale − lse), never held as Sq x Sk. With D = rowsum(dO·O),
     dP = dO V^T and dS = P (dP − D): dV = P^T dO, dQ = scale·dS K, dK = scale·dS^T Q; GQA sums dK and dV over
     each KV head's query heads. Only visible (query, key) pairs enter, so NaN or inf under the causal mask
@@ -316,7 +317,8 @@ def attention_backward(grad, q, k, v, out, lse, causal=False, scale=None):
     attention.validate(q, k, v, causal, scale)
     shape = (*q.shape[:3], v.shape[3])
     check_grad(BWD, grad, shape, q.dtype)
-    for arg, m, want, dtype in (("out", out, shape, q.dtype), ("lse", lse, tuple(q.shape[:3]), "float32")):
+    acc = "float64" if q.dtype == "float64" else "float32"
+    for arg, m, want, dtype in (("out", out, shape, q.dtype), ("lse", lse, tuple(q.shape[:3]), acc)):
         check(m is not None, ArgumentError, BWD, arg, f"{BWD}.saved", "the training forward's " + arg, None)
         check(m.dtype == dtype, DTypeError, BWD, arg, f"{BWD}.saved", dtype, m.dtype)
         check(tuple(m.shape) == want, ShapeError, BWD, arg, f"{BWD}.saved", f"{want} (the training forward's)",

@@ -236,13 +236,14 @@ def _saved(logits, target, ignore_index, reduction, label_smoothing):
     constants={"target": "integer class indices: a discrete label, not a differentiable quantity"},
     constraints={
         **grad_constraints(NAME),
-        f"{BWD}.saved": "lse is float32 [N] (the training forward's per-row logsumexp)",
+        f"{BWD}.saved": "lse is [N] in the accumulation dtype, float32 (float64 for float64 logits): the training "
+                        "forward's per-row logsumexp",
     },
 )
 def cross_entropy_backward(grad, logits, target, lse, ignore_index=-100, reduction="mean", label_smoothing=0.0):
     """The gradient of cross_entropy for logits; target is a constant.
 
-    Saves logits, target and the per-row logsumexp lse [N] (float32), so the backward computes the
+    Saves logits, target and the per-row logsumexp lse [N] (float32; float64 for float64 logits), so the backward computes the
     softmax p = exp(logits - lse) in one pass without a second reduction over the vocabulary. With
     eps = label_smoothing and c the row's share of the upstream gradient (grad[i] for "none", grad for
     "sum", grad / (non-ignored rows) for "mean"): dlogits = c (p - eps/V - (1 - eps) onehot(target)).
@@ -255,7 +256,8 @@ def cross_entropy_backward(grad, logits, target, lse, ignore_index=-100, reducti
     cross_entropy.validate(logits, target, ignore_index, reduction, label_smoothing)
     check_grad(BWD, grad, (logits.shape[0],) if reduction == "none" else (), "float32")
     check(lse is not None, ArgumentError, BWD, "lse", f"{BWD}.saved", "the training forward's lse", None)
-    check(lse.dtype == "float32", DTypeError, BWD, "lse", f"{BWD}.saved", "float32", lse.dtype)
+    acc = "float64" if logits.dtype == "float64" else "float32"
+    check(lse.dtype == acc, DTypeError, BWD, "lse", f"{BWD}.saved", acc, lse.dtype)
     check(tuple(lse.shape) == (logits.shape[0],), ShapeError, BWD, "lse", f"{BWD}.saved", f"({logits.shape[0]},) = (N,)",
           tuple(lse.shape))
 

@@ -91,7 +91,8 @@ def test_training_forward_returns_the_loss_and_lse(dtype):
         bound = spec.bind(*case.args, **case.kwargs)
         loss, lse = train_kernel(*bound)
         np.testing.assert_array_equal(loss, forward_kernel(*bound))
-        assert lse.dtype == np.float32 and lse.shape == (bound[0].shape[0],)
+        acc = np.float64 if bound[0].dtype == np.float64 else np.float32  # lse in the accumulation dtype
+        assert lse.dtype == acc and lse.shape == (bound[0].shape[0],)
         (ref,) = TRAIN.run_stats(*bound)
         verdict = compare(lse, ref, Tolerance(1.3e-6, 1e-6), "float32")  # float32 statistics, relative
         assert verdict.ok, f"{case.name}: {verdict.message}"

@@ -55,9 +55,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) 
 
 @impl(spec.train_forward, "cpu")
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) -> tuple:
-    """The forward plus each row's log-sum-exp m + log(l) [B, Hq, Sq] (float32), from the online softmax's
-    running max and sum: -inf for rows that see no key or only -inf scores."""
-    lse = np.empty(q.shape[:3], np.float32)
+    """The forward plus each row's log-sum-exp m + log(l) [B, Hq, Sq] (float32; float64 for float64 inputs),
+    from the online softmax's running max and sum: -inf for rows that see no key or only -inf scores."""
+    lse = np.empty(q.shape[:3], acc_dtype(q.dtype.name))
     return _attention(q, k, v, causal, scale, lse), lse
 
 

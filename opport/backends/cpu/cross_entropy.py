@@ -33,13 +33,13 @@ def cross_entropy_forward(logits: np.ndarray, target: np.ndarray, ignore_index: 
 
 
 def _forward(logits, target, ignore_index, reduction, label_smoothing) -> tuple:
-    """(reduced float32 loss, float32 lse [N])."""
+    """(reduced float32 loss, lse [N] in the accumulation dtype: float32, float64 for float64 logits)."""
     n, v = logits.shape
     acc = acc_dtype(logits.dtype.name)
     t = target.astype(np.int64)
     ignored = t == ignore_index
     valid = (t >= 0) & (t < v)
-    loss, lse = np.empty(n, acc), np.empty(n, np.float32)
+    loss, lse = np.empty(n, acc), np.empty(n, acc)
     tc = np.clip(t, 0, v - 1)
 
     def body(rows):
