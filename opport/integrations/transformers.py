@@ -144,9 +144,7 @@ def _rotate(q, k, cos, sin, hf_rope):
     d = q.shape[-1]
     if cos.shape[-1] != d:  # partial rotary: not an opport.rope layout
         return hf_rope(q, k, cos, sin)
-    cos, sin = cos[..., : d // 2], sin[..., : d // 2]
-    if cos.shape[0] == 1 and q.shape[0] != 1:
-        cos, sin = cos[0], sin[0]  # one table for the whole batch: [S, D/2]
+    cos, sin = cos[..., : d // 2], sin[..., : d // 2]  # [1 or B, S, D/2]: opport.rope broadcasts a batch of 1
     return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
 
 

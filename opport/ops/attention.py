@@ -302,7 +302,7 @@ def _saved(q, k, v, causal, scale):
     constraints={**grad_constraints(NAME), f"{BWD}.saved": "out has the forward output's shape and q's dtype; lse is "
                  "[B, Hq, Sq] in the accumulation dtype, float32 (float64 for float64 inputs): the training forward's"},
 )
-def attention_backward(grad, q, k, v, out, lse, causal=False, scale=None):
+def attention_backward(grad, q, k, v, out, lse, causal: bool = False, scale: float | None = None):
     """Gradients of attention for q, k and v (FlashAttention-2's backward).
 
     Saves q, k, v, the output and the per-row log-sum-exp lse [B, Hq, Sq] (float32; float64 for float64 inputs),

@@ -43,7 +43,8 @@ def rope(x, cos, sin, interleaved=False):
         check(t.dtype in FLOATS, DTypeError, NAME, arg, "rope.table_dtype", f"one of {', '.join(FLOATS)}", t.dtype)
     check(sin.dtype == cos.dtype, DTypeError, NAME, "sin", "rope.table_dtype", f"{cos.dtype} (as cos)", sin.dtype)
     b, _, s, _ = x.shape
-    shapes = tuple(dict.fromkeys(((s, d // 2), (1, s, d // 2), (b, s, d // 2))))  # (1, ...) == (B, ...) when B = 1
+    shapes = ((s, d // 2), (1, s, d // 2)) + (((b, s, d // 2),) if b != 1 else ())  # (1, ...) is (B, ...) when B = 1
+    # (a list, not a set or dict: under torch.compile the sizes may be symbolic, which cannot be hashed)
     check(cos.shape in shapes, ShapeError, NAME, "cos", "rope.table_shape", " or ".join(map(str, shapes)), cos.shape)
     check(sin.shape == cos.shape, ShapeError, NAME, "sin", "rope.table_shapes_match", f"{cos.shape} (as cos)", sin.shape)
     check_bool(NAME, "interleaved", interleaved)
