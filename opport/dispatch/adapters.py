@@ -94,7 +94,7 @@ class TorchAdapter:
 
     @staticmethod
     def key(t):
-        return (t.dtype, t.shape, t.stride(), t.device, t.is_neg())
+        return (t.dtype, t.shape, t.stride(), t.device)
 
     @classmethod
     def meta(cls, t) -> Meta:
@@ -108,13 +108,16 @@ class TorchAdapter:
     def to_numpy(t):
         if t.requires_grad:
             t = t.detach()
-        if t.is_neg():  # a negative-bit view (e.g. torch.complex(a, b).conj().imag): its values, materialised
-            t = t.resolve_neg()
         if not t.is_cpu:
             t = t.cpu()
-        if t.dtype is (_torch_bf16 or _bind_torch().bfloat16):
-            return t.view(_torch.int16).numpy().view(_BF16)
-        return t.numpy()
+        try:
+            if t.dtype is (_torch_bf16 or _bind_torch().bfloat16):
+                return t.view(_torch.int16).numpy().view(_BF16)
+            return t.numpy()
+        except RuntimeError:  # a negative-bit view (torch.complex(a, b).conj().imag): its values, materialised
+            if not t.is_neg():
+                raise
+            return TorchAdapter.to_numpy(t.resolve_neg())
 
     @staticmethod
     def to_torch(t, device: str):

@@ -166,7 +166,7 @@ def key_function(op, env_get=None, env_key=None):
         lines += [f"a{i} = b[{i}]",
                   f"c{i} = a{i}.__class__",
                   f"if c{i} is NP: k{i} = (a{i}.dtype, a{i}.shape, a{i}.strides)",
-                  f"elif c{i} is TENSOR[0]: k{i} = (a{i}.dtype, a{i}.shape, a{i}.stride(), a{i}.device, a{i}.is_neg())",
+                  f"elif c{i} is TENSOR[0]: k{i} = (a{i}.dtype, a{i}.shape, a{i}.stride(), a{i}.device)",
                   f"elif a{i} is None: k{i} = None",
                   f"else: k{i} = other(op, {i}, a{i})"]
         parts += [f"c{i}", f"k{i}"]
@@ -324,8 +324,10 @@ def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
                 convert.append((i, ad.to_numpy))
         else:
             device = b.torch_device()
-            if ad.kind != "torch" or not _on(a, device) or a.is_neg():
+            if ad.kind != "torch" or not _on(a, device):
                 convert.append((i, lambda x, ad=ad, device=device: ad.to_torch(x, device)))
+            else:  # kernels read memory: a negative-bit view (not in the key: rare, and 65 ns to ask) materialised
+                convert.append((i, _resolve_neg))
     same_kind = (src is None or src.kind == b.array_kind) and not convert
     back = None if same_kind else src.from_native
     lock = _backend_locks.setdefault(b.name, threading.Lock()) if b.serialized() else None
@@ -338,6 +340,10 @@ def _normalizer(b):
         return NumpyAdapter.normalized
     device = b.torch_device()
     return lambda x: NumpyAdapter.to_torch(NumpyAdapter.normalized(x), device)
+
+
+def _resolve_neg(t):
+    return t.resolve_neg()  # the tensor itself unless its negative bit is set
 
 
 def _on(t, device: str) -> bool:

@@ -18,13 +18,12 @@ from opport.integrations.samples import small_cases  # noqa: F401 - re-exported 
 
 def route(spec, bound: tuple, backend: str | None):
     """The traced form of a call, or NotImplemented when the call is not being traced."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        if torch.compiler.is_compiling():
+    if _TORCH or _bind_torch():
+        if _is_compiling():
             from opport.integrations.torch import compiled_call
 
             return compiled_call(spec, bound, backend)
-        if torch.is_grad_enabled() and _requires_grad(spec, bound):
+        if _grad_enabled() and (_grad_checks.get(spec) or _grad_check(spec))(bound):
             from opport.integrations.torch import autograd_call
 
             return autograd_call(spec, bound, backend)
@@ -39,8 +38,24 @@ def route(spec, bound: tuple, backend: str | None):
     return NotImplemented
 
 
-def _requires_grad(spec, bound: tuple) -> bool:
-    for i in spec.array_pos:
-        if getattr(bound[i], "requires_grad", False):
-            return True
-    return False
+# torch's checks, bound once torch is imported (by the caller: opport never imports it); this route runs on
+# every call with a torch first argument, where each attribute lookup costs.
+_TORCH = None
+_is_compiling = _grad_enabled = None
+_grad_checks: dict = {}
+
+
+def _bind_torch() -> bool:
+    global _TORCH, _is_compiling, _grad_enabled
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    _is_compiling, _grad_enabled, _TORCH = torch.compiler.is_compiling, torch.is_grad_enabled, torch
+    return True
+
+
+def _grad_check(spec):
+    """`needs(bound)`: whether an array argument requires grad, as straight-line code for the op's arrays."""
+    reads = " or ".join(f"getattr(b[{i}], 'requires_grad', False)" for i in spec.array_pos)
+    fn = _grad_checks[spec] = eval(f"lambda b: {reads}")  # our own text: the op's array positions
+    return fn
