@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from opport.conformance import gate
-from opport.conformance.cases import SLOW_MODES, Selection
+from opport.conformance.cases import Selection
 from opport.conformance.worker import Batch, Pool, run_batch, run_setup
 
 # order of the status counters in summaries
@@ -68,6 +68,7 @@ class Plan:
     selections: dict = field(default_factory=dict)  # backend -> Selection
     covered: set = field(default_factory=set)  # (op, backend, dtype) that run
     known: dict = field(default_factory=dict)  # backend -> known failures (loaded on first use)
+    limits: dict = field(default_factory=dict)  # backend -> its Capabilities.max_workers() (None: no limit)
 
 
 def plan(options: Options) -> Plan:
@@ -86,12 +87,13 @@ def plan(options: Options) -> Plan:
             if not everything:
                 p.preset += [_preset(s.name, name, "n/a", "backend-unavailable", why) for s in specs]
             continue
-        sel = Selection(options.tier, options.examples, options.seed, tuple(options.cases), b.mode() in SLOW_MODES,
+        sel = Selection(options.tier, options.examples, options.seed, tuple(options.cases), b.capabilities.emulated(),
                         options.layouts)
+        p.limits[name] = b.capabilities.max_workers()
         p.selections[name] = sel
         for spec in specs:
             _plan_op(p, spec, b, sel, options, kernels(spec, b))
-    p.batches.sort(key=lambda bt: not p.selections[bt.backend].slow)  # slow backends first: shorter tail
+    p.batches.sort(key=lambda bt: not p.selections[bt.backend].emulated)  # slow (emulated) backends first: shorter tail
     return p
 
 
@@ -128,17 +130,15 @@ def _preset(op, backend, dtype, case, why) -> dict:
             "message": why, "worst": None, "index": -1}
 
 
-DEVICE_MODES = ("compiled", "hardware", "simulator")  # one device shared by the workers
-
-
-def default_workers(n_batches: int, modes=()) -> int:
-    """One worker per core (at most 8); at most 4 where they share a real device (each holds a context)."""
+def default_workers(n_batches: int, limits=()) -> int:
+    """One worker per core (at most 8), and no more than any backend of the run allows (`limits`: its
+    Capabilities.max_workers(), e.g. 4 where the workers share one real device, each holding a context)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 1
-    cap = 4 if any(m in DEVICE_MODES for m in modes) else 8
-    return max(1, min(cpus, cap, n_batches))
+    caps = [n for n in limits if n is not None]
+    return max(1, min(cpus, 8, n_batches, *caps))
 
 
 def run(options: Options, display=None) -> Report:
@@ -166,8 +166,7 @@ def run(options: Options, display=None) -> Report:
         if options.workers == 0:
             _in_process(p.batches, sink, on_count)
         elif p.batches:
-            modes = [i["mode"] for i in p.backends.values()]
-            n = options.workers or default_workers(len(p.batches), modes)
+            n = options.workers or default_workers(len(p.batches), p.limits.values())
             Pool(n, tuple(options.setup), options.timeout, options.compile_timeout, sink, on_count).run(p.batches)
     finally:
         if display:

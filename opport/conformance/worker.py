@@ -52,11 +52,18 @@ def build_items(batch: Batch) -> list:
     return items_for(spec, batch.backend, batch.dtype, batch.sel)
 
 
+class SetupError(ValueError):
+    """A --setup hook could not be imported or failed."""
+
+
 def run_setup(setup: tuple):
     """Call each "module:function" (e.g. to register a test backend) in this process."""
     for ref in setup:
         mod, _, fn = ref.partition(":")
-        getattr(importlib.import_module(mod), fn)()
+        try:
+            getattr(importlib.import_module(mod), fn)()
+        except Exception as e:
+            raise SetupError(f"--setup {ref}: {type(e).__name__}: {e}") from e
 
 
 def run_batch(batch: Batch, send):

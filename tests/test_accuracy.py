@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from opport.conformance import compare as cmp
+from opport import accuracy as cmp
 from opport.dtypes import np_dtype
 from opport.spec import BASE_TOLERANCE, Tolerance
 
