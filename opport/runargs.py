@@ -38,6 +38,8 @@ def writable(flag: str, path: str | None) -> str | None:
 
 def read_text(flag: str, path: str) -> tuple[str | None, str | None]:
     """(text, None), or (None, why the file is missing, unreadable or empty)."""
+    if os.path.isdir(path):
+        return None, f"{flag} {path!r}: is a directory, not a file"
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()

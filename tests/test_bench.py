@@ -219,3 +219,43 @@ def test_neuron_emulator_reports_counts_not_times(tmp_path):
     assert "ms" not in row and row["correct"] is True
     assert row["counts"]["hbm_bytes"] >= row["bytes"] * 0.99 and row["counts"]["instructions"]["dma"] > 0
     assert row["hbm_bytes_vs_min"] == pytest.approx(row["counts"]["hbm_bytes"] / row["bytes"])
+
+
+def test_each_backend_declares_how_it_is_measured():
+    """Tier, dtypes, baselines and the kind of measurement come from the backend's bench module."""
+    from opport.bench.profile import Unsupported, profile
+
+    cpu = profile(get_backend("cpu"))
+    assert (cpu.measures, cpu.tier, cpu.dtypes, cpu.compile_baseline, cpu.graphs) == ("time", "small", ("float32",),
+                                                                                      False, False)
+    assert cpu.device()["threads"]["opport"] >= 1  # the cpu backend reports its own thread pool
+    neuron = get_backend("neuron")
+    if not neuron.unavailable() and neuron.mode() == "emulator":
+        assert (profile(neuron).measures, profile(neuron).tier) == ("counts", "smoke")
+    cuda = get_backend("cuda")
+    if not cuda.unavailable() and cuda.capabilities.emulated():
+        with pytest.raises(Unsupported, match="timings mean nothing"):
+            profile(cuda)
+
+
+def test_a_backend_without_a_bench_module_is_refused_clearly(backend_factory, capsys):
+    with backend_factory("nobench"):
+        assert main(["bench", "--backend", "nobench", "--smoke"]) == 2
+    err = capsys.readouterr().err
+    assert "declares no bench module" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_emulated_backend_is_never_timed_on_the_host(capsys):
+    """Even when its bench module has a timer: it would time this CPU, not the device."""
+    from opport.dispatch import Backend, Capabilities, register_backend, unregister_backend
+    from opport.dtypes import FLOATS
+
+    register_backend(Backend(name="emu", package="_opport_test_backends.emu", array_kind="numpy", device_types=(),
+                             dtypes=FLOATS, probe=lambda: None, mode=lambda: "emulator",
+                             capabilities=Capabilities(emulated=lambda: True, bench="opport.backends.cpu.bench")))
+    try:
+        assert main(["bench", "--backend", "emu", "--smoke"]) == 2
+    finally:
+        unregister_backend("emu")
+    err = capsys.readouterr().err
+    assert "emulates the device" in err and "declares no counters" in err
