@@ -140,7 +140,8 @@ def _cases():
     for dtype, tol in (("float32", F32), ("float16", tol16), ("float32", sz), ("float32", ulp), ("float32", norm)):
         for out in (r, noisy, flipped, np.where(np.isnan(r), 0.0, r)):
             with np.errstate(over="ignore"):  # 70000 overflows float16 on purpose
-                yield out.astype(np_dtype(dtype)), r, tol, dtype
+                cast = out.astype(np_dtype(dtype))
+            yield cast, r, tol, dtype
     tiny = np.full(300, 2e-6)
     yield np.zeros(300, np.float32), tiny, F32, "float32"  # rule 6: zeros for tiny outputs
 
