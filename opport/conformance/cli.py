@@ -140,9 +140,9 @@ def _run(opts, quiet: bool):
     from opport.conformance.runner import run as run_suite
 
     _check_names(opts)
-    live = None if quiet else rep.Live(Console(stderr=True))
+    live = None if quiet else rep.Live(Console(stderr=True, width=None if sys.stderr.isatty() else 160))
     report = run_suite(opts, live)
-    rep.print_summary(report, Console())
+    rep.print_summary(report, Console(width=None if sys.stdout.isatty() else 160))
     return report
 
 

@@ -163,17 +163,19 @@ def run(options: Options, display=None) -> Report:
         for res in p.preset:
             sink(res)
         on_count = display.add_total if display else (lambda n: None)
+        on_done = display.batch_done if display else (lambda batch: None)
         if options.workers == 0:
-            _in_process(p.batches, sink, on_count)
+            _in_process(p.batches, sink, on_count, on_done)
         elif p.batches:
             n = options.workers or default_workers(len(p.batches), p.limits.values())
-            Pool(n, tuple(options.setup), options.timeout, options.compile_timeout, sink, on_count).run(p.batches)
+            Pool(n, tuple(options.setup), options.timeout, options.compile_timeout, sink, on_count,
+                 on_done=on_done).run(p.batches)
     finally:
         if display:
             display.stop()
     order = {name: i for i, name in enumerate(p.backends)}
     report.cases.sort(key=lambda c: (order.get(c["backend"], 99), c["op"], c["dtype"] == "n/a", c["dtype"], c.get("index", -1)))
-    if not options.cases:
+    if not options.cases and options.tier != "smoke":  # smoke samples the cases: an entry it missed is not stale
         report.stale = gate.stale_known([e for es in p.known.values() for e in es], p.covered, options.tier)
     if options.baseline and os.path.exists(options.baseline):
         report.regressions = gate.regressions(report.cases, gate.load_baseline(options.baseline))
@@ -192,7 +194,7 @@ def known_for(p: Plan, backend: str) -> list:
     return p.known[backend]
 
 
-def _in_process(batches: list, sink, on_count):
+def _in_process(batches: list, sink, on_count, on_done=lambda batch: None):
     """Run batches here, without isolation (debugging, the pytest plugin, fast unit tests)."""
     from opport.conformance.worker import _batch_result
 
@@ -206,6 +208,7 @@ def _in_process(batches: list, sink, on_count):
                 sink(_batch_result(batch, "error", msg[1]))
 
         run_batch(batch, send)
+        on_done(batch)
 
 
 def repro(res: dict, options: Options, sel: Selection | None) -> str:
