@@ -44,9 +44,9 @@ def setup() -> str:
 
 
 def compile_only() -> None:
-    """Define the kernels as compiled JIT functions on a machine with no GPU, for aot.py.
+    """Define the kernels as compiled JIT functions on a machine with no GPU, for tools/cuda_aot.py.
 
-    Nothing can launch in such a process: aot.py installs a driver that only compiles. Must run
+    Nothing can launch in such a process: the tool installs a driver that only compiles. Must run
     before any kernel module is imported; a process that already chose the interpreter cannot switch.
     """
     global _mode
