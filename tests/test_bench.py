@@ -259,3 +259,20 @@ def test_an_emulated_backend_is_never_timed_on_the_host(capsys):
         unregister_backend("emu")
     err = capsys.readouterr().err
     assert "emulates the device" in err and "declares no counters" in err
+
+
+def test_bench_and_conformance_name_no_backend_and_read_no_mode():
+    """What they need to know about a backend is its declaration (Capabilities, its bench module): no
+    branch on a backend's name or mode string. cpu is left out: it is also torch's name for host memory."""
+    from pathlib import Path
+
+    from opport.dispatch import backends
+
+    words = set()
+    for b in backends().values():
+        if b.name != "cpu":
+            words |= {b.name, *([] if b.unavailable() else [b.mode()])}
+    root = Path(opport.__file__).parent
+    found = [(str(p.relative_to(root)), w) for sub in ("bench", "conformance") for p in sorted((root / sub).rglob("*.py"))
+             for w in sorted(words) if f'"{w}"' in p.read_text() or f"'{w}'" in p.read_text()]
+    assert words >= {"cuda", "neuron"} and found == []
