@@ -1,5 +1,6 @@
-# opport: `make run` sets up .venv and runs the conformance suite on every backend this machine can run;
-# `make test` sets up the same .venv and runs lint, the tests and the conformance gate.
+# opport: `make run` sets up .venv, says which backends run here and checks every op on each (smoke tier, ~1 min);
+# `make test` sets up the same .venv and runs lint, the tests (the sm_90 compile check of tools/cuda_aot.py
+# included) and the conformance gate.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 # torch is pinned to the CPU build that ships on this machine image; the [cuda] extra adds triton==3.6.0.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv run test lint pytest conformance bench clean
+.PHONY: venv run test lint pytest conformance aot bench clean
 
 venv: $(STAMP)
 
@@ -20,12 +21,14 @@ $(STAMP): pyproject.toml
 
 run: venv
 	$(BIN)/opport doctor
-	$(BIN)/opport conformance --backend all --tier fast
+	$(BIN)/opport conformance --backend all --tier smoke
+	@echo "That was the smoke tier, a sample. The CI gate (every backend, ~3 min): make conformance;"
+	@echo "everything CI runs: make test; thousands of examples: $(BIN)/opport conformance --backend all --tier full"
 
 test: venv lint pytest conformance
 
 lint: venv
-	$(BIN)/ruff check opport tests
+	$(BIN)/ruff check opport tests tools
 
 pytest: venv
 	$(BIN)/python -m pytest
@@ -33,8 +36,12 @@ pytest: venv
 conformance: venv
 	$(BIN)/opport conformance --backend all --tier fast --json conformance-report.json --junit conformance-report.xml
 
+# the sm_90 compile check on its own (pytest runs it too, in tests/test_cuda_aot.py)
+aot: venv
+	$(BIN)/python tools/cuda_aot.py --json aot-report.json
+
 bench: venv
 	$(BIN)/opport bench --backend cpu
 
 clean:
-	rm -rf $(VENV) conformance-report.json conformance-report.xml .pytest_cache .hypothesis
+	rm -rf $(VENV) conformance-report.json conformance-report.xml aot-report.json .pytest_cache .hypothesis

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import opport
+from opport.accuracy import compare, like
+from opport.backends.cpu.bench import HostTimer
 from opport.bench import report
 from opport.bench.ceilings import Ceilings
-from opport.bench.check import compare
 from opport.bench.runner import Settings, run_shape
-from opport.bench.timing import CpuTimer, summarize
+from opport.bench.timing import summarize
 from opport.bench.workloads import ArrayMaker, get_workload
 from opport.cli import main
 from opport.dispatch import get_backend, kernels
@@ -105,38 +106,14 @@ def test_summary_geomean_and_fast_p():
     assert e["fast_0.8"] == pytest.approx(2 / 4)
 
 
-@pytest.mark.parametrize("metric", ["elementwise", "normwise"])
-def test_compare_catches_wrong_values_nans_and_shapes(metric):
-    tol = Tolerance(rtol=1e-3, atol=1e-6, metric=metric)
-    ref = np.linspace(-3, 3, 64).reshape(8, 8)
-    assert compare(ref.astype(np.float32), ref, tol, "float32")[0]
-    bad = ref.copy()
-    bad[3, 4] += 0.5
-    ok, m = compare(bad, ref, tol, "float32")
-    assert not ok and m["bad"] == 1 and m["max_abs"] == pytest.approx(0.5)
-    nan = ref.copy()
-    nan[0, 0] = np.nan
-    assert not compare(nan, ref, tol, "float32")[0]
-    assert compare(nan, nan, tol, "float32")[0]  # NaN where the reference has NaN is right
-    assert not compare(ref[:4], ref, tol, "float32")[0]
-
-
-def test_compare_ulp_metric():
-    tol = Tolerance(rtol=0.0, atol=1e-30, metric="ulp_or_abs", ulp=2)
-    ref = np.array([1.0, 1024.0])
-    eps = float(np.finfo(np.float32).eps)
-    assert compare(ref * (1 + 1.5 * eps), ref, tol, "float32")[0]
-    assert not compare(ref * (1 + 4 * eps), ref, tol, "float32")[0]
-
-
 def test_roofline_floor_picks_the_binding_roof():
     c = Ceilings(copy_GBps=100.0, matmul_TFLOPs={"float32": 1.0}, default_dtype="float32")
     assert c.floor_ms(10**8, 10, "float32") == (pytest.approx(1.0), "memory")  # 1e8 B at 100 GB/s = 1 ms
     assert c.floor_ms(10, 10**10, "bfloat16") == (pytest.approx(10.0), "compute")  # falls back to the float32 rate
 
 
-def test_cpu_timer_summary_orders_quantiles():
-    t = summarize(CpuTimer(budget_ms=5, warmup_ms=1).samples(lambda: sum(range(100))))
+def test_host_timer_summary_orders_quantiles():
+    t = summarize(HostTimer(budget_ms=5, warmup_ms=1).samples(lambda: sum(range(100))))
     assert t.n >= 5 and 0 < t.p20_ms <= t.ms <= t.p80_ms
 
 
@@ -150,18 +127,18 @@ def test_baselines_compute_the_op(name):
     ref = spec.run_reference(*bound)
     tol = spec.tolerances["float32"]
     if wl.numpy is not None and (name != "gelu" or importlib.util.find_spec("scipy")):  # NumPy has no erf
-        assert compare(wl.numpy(*bound), ref, tol, "float32")[0], f"{name}: {wl.numpy_call}"
+        assert compare(wl.numpy(*bound), ref, tol, "float32").ok, f"{name}: {wl.numpy_call}"
     if wl.torch_eager is not None and HAS_TORCH:
         import torch
 
         from opport.dispatch.adapters import NumpyAdapter
 
         tb = tuple(NumpyAdapter.to_torch(a, "cpu") if isinstance(a, np.ndarray) else a for a in bound)
-        assert compare(wl.torch_eager(*tb), ref, tol, "float32")[0], f"{name}: {wl.torch_call}"
+        assert compare(like(wl.torch_eager(*tb), ref), ref, tol, "float32").ok, f"{name}: {wl.torch_call}"
         t64 = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in tb)
         with torch.no_grad():
             r64 = (wl.torch_reference or wl.torch_eager)(*t64)  # the reference the cuda run checks against
-        assert compare(r64, ref, Tolerance(1e-9, 1e-12), "float64")[0], name
+        assert compare(like(r64, ref), ref, Tolerance(1e-9, 1e-12), "float64").ok, name
 
 
 @pytest.mark.skipif(not HAS_TORCH or importlib.util.find_spec("triton") is None, reason="needs torch and triton")
@@ -188,11 +165,11 @@ def test_torch_kernel_path_checks_against_a_torch_float64_reference(name, dtype)
     assert by["opport"]["vs_graph"]["torch_eager"] == pytest.approx(by["torch_eager"]["graph_ms"] / by["opport"]["graph_ms"])
 
 
-class _GraphTimer(CpuTimer):
+class _GraphTimer(HostTimer):
     """A CPU stand-in for CudaTimer's graph and host-time measurements (no GPU here)."""
 
     def graph(self, fn):
-        return summarize(self.samples(fn))
+        return self.samples(fn)
 
     def host_us(self, fn):
         return 1e3 * summarize(self.samples(fn)).ms
@@ -226,15 +203,15 @@ def test_cuda_without_a_gpu_is_refused_clearly(capsys):
         if torch.cuda.is_available():
             pytest.skip("a GPU is present")
     assert main(["bench", "--backend", "cuda", "--op", "rmsnorm"]) == 2
-    assert "cannot benchmark here" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "cannot benchmark here" in err and "timings mean nothing" in err and len(err.strip().splitlines()) == 1
 
 
 def test_neuron_emulator_reports_counts_not_times(tmp_path):
-    from opport.bench.neuron import emulator_stats
     from opport.dispatch import get_backend
 
-    if emulator_stats() is None or get_backend("neuron").unavailable() or get_backend("neuron").mode() != "emulator":
-        pytest.skip("neuron emulator without counters")
+    if get_backend("neuron").unavailable() or get_backend("neuron").mode() != "emulator":
+        pytest.skip("neuron backend not in emulator mode")
     out = tmp_path / "n.json"
     assert main(["bench", "--backend", "neuron", "--op", "rmsnorm", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
@@ -242,3 +219,60 @@ def test_neuron_emulator_reports_counts_not_times(tmp_path):
     assert "ms" not in row and row["correct"] is True
     assert row["counts"]["hbm_bytes"] >= row["bytes"] * 0.99 and row["counts"]["instructions"]["dma"] > 0
     assert row["hbm_bytes_vs_min"] == pytest.approx(row["counts"]["hbm_bytes"] / row["bytes"])
+
+
+def test_each_backend_declares_how_it_is_measured():
+    """Tier, dtypes, baselines and the kind of measurement come from the backend's bench module."""
+    from opport.bench.profile import Unsupported, profile
+
+    cpu = profile(get_backend("cpu"))
+    assert (cpu.measures, cpu.tier, cpu.dtypes, cpu.compile_baseline, cpu.graphs) == ("time", "small", ("float32",),
+                                                                                      False, False)
+    assert cpu.device()["threads"]["opport"] >= 1  # the cpu backend reports its own thread pool
+    neuron = get_backend("neuron")
+    if not neuron.unavailable() and neuron.mode() == "emulator":
+        assert (profile(neuron).measures, profile(neuron).tier) == ("counts", "smoke")
+    cuda = get_backend("cuda")
+    if not cuda.unavailable() and cuda.capabilities.emulated():
+        with pytest.raises(Unsupported, match="timings mean nothing"):
+            profile(cuda)
+
+
+def test_a_backend_without_a_bench_module_is_refused_clearly(backend_factory, capsys):
+    with backend_factory("nobench"):
+        assert main(["bench", "--backend", "nobench", "--smoke"]) == 2
+    err = capsys.readouterr().err
+    assert "declares no bench module" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_emulated_backend_is_never_timed_on_the_host(capsys):
+    """Even when its bench module has a timer: it would time this CPU, not the device."""
+    from opport.dispatch import Backend, Capabilities, register_backend, unregister_backend
+    from opport.dtypes import FLOATS
+
+    register_backend(Backend(name="emu", package="_opport_test_backends.emu", array_kind="numpy", device_types=(),
+                             dtypes=FLOATS, probe=lambda: None, mode=lambda: "emulator",
+                             capabilities=Capabilities(emulated=lambda: True, bench="opport.backends.cpu.bench")))
+    try:
+        assert main(["bench", "--backend", "emu", "--smoke"]) == 2
+    finally:
+        unregister_backend("emu")
+    err = capsys.readouterr().err
+    assert "emulates the device" in err and "declares no counters" in err
+
+
+def test_bench_and_conformance_name_no_backend_and_read_no_mode():
+    """What they need to know about a backend is its declaration (Capabilities, its bench module): no
+    branch on a backend's name or mode string. cpu is left out: it is also torch's name for host memory."""
+    from pathlib import Path
+
+    from opport.dispatch import backends
+
+    words = set()
+    for b in backends().values():
+        if b.name != "cpu":
+            words |= {b.name, *([] if b.unavailable() else [b.mode()])}
+    root = Path(opport.__file__).parent
+    found = [(str(p.relative_to(root)), w) for sub in ("bench", "conformance") for p in sorted((root / sub).rglob("*.py"))
+             for w in sorted(words) if f'"{w}"' in p.read_text() or f"'{w}'" in p.read_text()]
+    assert words >= {"cuda", "neuron"} and found == []

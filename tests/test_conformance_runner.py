@@ -10,7 +10,17 @@ from opport.cli import main
 from opport.conformance import Options, gate, run
 from opport.conformance import report as rep
 from opport.conformance.cases import Selection, items_for
-from opport.dispatch import Backend, get_backend, impl, kernels, register_backend, remove_kernel, unregister_backend
+from opport.conformance.runner import default_workers, plan
+from opport.dispatch import (
+    Backend,
+    Capabilities,
+    get_backend,
+    impl,
+    kernels,
+    register_backend,
+    remove_kernel,
+    unregister_backend,
+)
 from opport.dtypes import FLOATS
 from opport.errors import ArgumentError, ShapeError
 from opport.ops import get_op
@@ -299,3 +309,43 @@ def test_named_backend_that_cannot_run_skips_and_fails():
     assert [(c["id"], c["status"]) for c in report.cases] == [("rmsnorm/absent/n/a/backend-unavailable", "skip")]
     assert "not here" in report.cases[0]["message"] and report.exit_code == 1
     assert rep.to_json(report)["backends"]["absent"]["unavailable"] == "needs hardware that is not here"
+
+
+def test_progress_prints_a_plain_line_per_backend_and_op(capsys):
+    """Not a terminal here (captured): the live bar may not render, the per-op lines must."""
+    argv = ["conformance", "--op", "rmsnorm", "--op", "softmax", "--dtype", "float32", "--case", "row-1*",
+            "--no-bad-inputs", "--no-layouts", "--workers", "0"]
+    assert main(argv) == 0
+    lines = [ln.split() for ln in capsys.readouterr().err.splitlines() if "backend x op" in ln]
+    assert [ln[2:4] for ln in lines] == [["cpu", "rmsnorm"], ["cpu", "softmax"]] and lines[-1][-4] == "(2/2"
+    assert lines[0][4] == "pass" and int(lines[0][5]) >= 2  # row-1, row-127, ...
+
+
+def test_emulated_backends_get_the_tiers_emulated_knobs():
+    """Capabilities.emulated() (not a mode string) picks the smaller caps: fewer, smaller cases."""
+    spec = get_op("attention")
+    host = items_for(spec, "x", "float32", Selection(examples=0, layouts=False))
+    emulated = items_for(spec, "x", "float32", Selection(examples=0, layouts=False, emulated=True))
+    assert {it.name for it in emulated} < {it.name for it in host}
+    register_backend(Backend(name="emu", package="opport.conformance", array_kind="numpy", device_types=(),
+                             dtypes=FLOATS, probe=lambda: None, mode=lambda: "anything",
+                             capabilities=Capabilities(emulated=lambda: True, max_workers=lambda: 3)))
+    try:
+        p = plan(opts(backends=("emu",)))
+    finally:
+        unregister_backend("emu")
+    assert p.selections["emu"].emulated and p.limits == {"emu": 3}
+
+
+def test_workers_respect_every_backends_limit():
+    assert default_workers(100, [None, 3]) == min(3, default_workers(100))
+    assert default_workers(100, [1]) == 1 and default_workers(1) == 1
+
+
+def test_smoke_tier_is_a_sample_of_fast():
+    spec = get_op("softmax")
+    for emulated in (False, True):
+        smoke, fast = ({it.name for it in items_for(spec, "x", "float32", Selection(tier, emulated=emulated))}
+                       for tier in ("smoke", "fast"))
+        fixed = lambda names: {n for n in names if not n.startswith("hyp-") and "@" not in n}
+        assert fixed(smoke) and fixed(smoke) <= fixed(fast) and len(smoke) < len(fast) / 2

@@ -1,10 +1,11 @@
-"""The sm_90 compile check (opport/backends/cuda/aot.py): every cuda kernel configuration compiles and fits an H200."""
+"""The sm_90 compile check (tools/cuda_aot.py): every cuda kernel configuration compiles and fits an H200."""
 
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,16 @@ import pytest
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None, reason="needs torch and triton"
 )
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "cuda_aot.py"
+
+
+def _tool():
+    """tools/cuda_aot.py as a module (it is a script, not part of the opport package)."""
+    if "cuda_aot" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("cuda_aot", TOOL)
+        sys.modules["cuda_aot"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+        spec.loader.exec_module(sys.modules["cuda_aot"])
+    return sys.modules["cuda_aot"]
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +30,7 @@ def sm90(tmp_path_factory):
     """One run of the whole check (every op, every bench tier, every conformance case) in a fresh process."""
     out = tmp_path_factory.mktemp("aot") / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "opport.backends.cuda.aot", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(TOOL), "--json", str(out)],
                           capture_output=True, text=True, env=env, timeout=1800)
     return proc, json.loads(out.read_text()) if out.exists() else None
 
@@ -29,9 +40,7 @@ def test_every_kernel_compiles_for_sm90_within_its_limits(sm90):
     assert report is not None, proc.stderr[-3000:]
     assert proc.returncode == 0, "\n".join(f"{p}: {w}" for p, w in report["failures"][:20])
     assert report["failures"] == [] and report["skipped"] == []
-    from opport.backends.cuda.aot import SHARED_LIMIT
-
-    assert all(b["shared"] <= SHARED_LIMIT[90] for b in report["builds"])
+    assert all(b["shared"] <= _tool().SHARED_LIMIT[90] for b in report["builds"])
 
 
 def test_every_op_and_the_llm_shapes_were_compiled(sm90):
@@ -62,10 +71,9 @@ def _fake_kernel(shared: int):
 
 def test_the_check_fails_on_shared_memory_and_grids_past_the_limits():
     """The recorder itself: a config over 227 KB of shared memory or a grid axis past 65535 is a failure."""
-    from opport.backends.cuda.aot import Report, _Recorder
-
-    report = Report(90)
-    rec = _Recorder(report)
+    tool = _tool()
+    report = tool.Report(90)
+    rec = tool._Recorder(report)
     rec.problem = "ok"
     rec.record("k", _fake_kernel(1024), (132, 1), 0.1)
     assert report.failures == []
@@ -75,6 +83,17 @@ def test_the_check_fails_on_shared_memory_and_grids_past_the_limits():
     rec.record("k", _fake_kernel(1024), (1, 70_000), 0.1)
     assert [p for p, _ in report.failures] == ["too much shared memory", "grid"]
     assert report.builds["h1024"].problems == ["ok", "grid"] and report.builds["h1024"].constexprs == {"BLOCK": 64}
+
+
+def test_ptxas_usage_is_remembered_in_the_triton_cache_entry(tmp_path, monkeypatch):
+    """A cache hit runs no ptxas: the usage Triton's own ptxas run reported is read back from the entry."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    tool = _tool()
+    log = "ptxas info    : Used 40 registers, 8 bytes spill stores, 4 bytes spill loads"
+    assert tool._cached_usage("ab" * 32, log, None, 90) == (40, 12)
+    monkeypatch.setattr(tool, "_ptxas_usage", lambda ptx, arch: pytest.fail("ptxas ran again"))
+    assert tool._cached_usage("ab" * 32, "", ".version 8.0", 90) == (40, 12)
+    assert tool._cached_usage("cd" * 32, "", None, 90) == (None, None) and len(list(tmp_path.iterdir())) == 1
 
 
 def test_prefill_matmul_and_attention_use_hopper_tensor_cores(sm90):

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import opport
+from opport import accuracy as cmp
 from opport.backends.neuron import nki_compat
-from opport.conformance import compare as cmp
 from opport.conformance import gate
 from opport.dispatch.adapters import metas_of
 from opport.dispatch.registry import get_backend, kernels

@@ -1,12 +1,15 @@
 """`opport bench`: time opport against the ceilings and baselines of the same run (docs/benchmarking.md).
 
     opport bench --backend cpu [--op rmsnorm] [--tier smoke|small|llm] [--json F] [--plot F] [--baseline F]
-    opport bench --backend cuda               # Llama-3 shapes; torch eager and torch.compile baselines
-    opport bench --backend neuron             # emulator: DMA bytes and instruction counts, not speed
+    opport bench --backend NAME               # the backend's own timer, ceilings, tier and dtypes
     opport bench --overhead                   # what opport.<op>() adds over calling its kernel
 
+How a backend is measured (its timer and ceilings, or counts where it only runs emulated here; its default
+tier, dtypes, time limit and baselines) is declared by the backend: opport/bench/profile.py.
+
 Exit status: 0 when every opport row that ran was correct (and, with --baseline, none regressed);
-1 otherwise; 2 when the backend cannot be benchmarked here.
+1 otherwise; 2 for a bad argument or a backend that cannot be benchmarked here (one line on stderr,
+before any measurement).
 """
 
 from __future__ import annotations
@@ -18,15 +21,14 @@ import time
 
 from opport.bench.workloads import TIERS
 
-DEFAULT_TIER = {"cpu": "small", "cuda": "llm", "neuron": "smoke"}
-DEFAULT_DTYPES = {"cpu": ["float32"], "cuda": ["bfloat16"], "neuron": ["float32"]}
+EXIT_USAGE = 2
 
 
 def add_arguments(p):
-    p.add_argument("--backend", default="cpu", help="cpu, cuda or neuron (default cpu)")
+    p.add_argument("--backend", default="cpu", help="the backend to measure (`opport doctor` lists them; default cpu)")
     p.add_argument("--op", action="append", default=[], metavar="NAME", help="only this op (repeat for several)")
-    p.add_argument("--dtype", action="append", default=[], help="dtype to run (repeat); default float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--tier", choices=TIERS, help="shape set: smoke (CI), small (cpu default), llm (cuda default)")
+    p.add_argument("--dtype", action="append", default=[], help="dtype to run (repeat); default: the backend's")
+    p.add_argument("--tier", choices=TIERS, help="shape set: smoke (CI), small, llm; default: the backend's")
     p.add_argument("--smoke", action="store_true", help="same as --tier smoke with short timing: seconds, for CI")
     p.add_argument("--json", metavar="F", help="write the report as JSON (docs/design.md section 6)")
     p.add_argument("--plot", metavar="F", help="write a PNG: roofline chart and per-op speedup bars")
@@ -35,80 +37,134 @@ def add_arguments(p):
     p.add_argument("--repeats", type=int, default=2, help="--baseline: re-runs of a suspect row before it counts (default 2)")
     p.add_argument("--overhead", action="store_true", help="measure dispatch overhead instead of kernel time")
     p.add_argument("--compile", dest="compile", action="store_true", default=None,
-                   help="include torch.compile (default on cuda; off on cpu, where Inductor needs a C++ compiler)")
+                   help="include torch.compile (default: the backend's; off for host backends, where Inductor needs a "
+                        "C++ compiler)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
     p.add_argument("--compile-mode", default="default", help="torch.compile mode for the baseline (recorded)")
-    p.add_argument("--no-graphs", action="store_true", help="cuda: skip the CUDA-graph variant of launch-bound shapes")
+    p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph variant of launch-bound shapes")
     p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds per shape (default 2; 1 with --smoke)")
     p.add_argument("--budget-ms", type=float, default=None, help="timing budget per provider and shape, in ms")
     p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop starting new shapes after this long (default 7 on cuda); skipped shapes are listed")
+                   help="stop starting new shapes after this long (default: the backend's); skipped shapes are listed")
 
 
 def run(args) -> int:
     from rich.console import Console
 
+    console = Console(width=None if sys.stdout.isatty() else 200)  # CI logs: wide enough for the row table
+    started = _start(args)
+    if isinstance(started, str):
+        print(f"opport bench: {started}", file=sys.stderr)
+        return EXIT_USAGE
+    specs, prof = started
+    if args.overhead:
+        return _run_overhead(console, specs, args)
+    tier = "smoke" if args.smoke else (args.tier or prof.tier)
+    report, settings = _setup(console, prof, tier, _dtypes(args, prof), args)
+    if prof.measures == "counts":
+        report["rows"] = _run_counts(console, prof, specs, tier, report["dtypes"])
+    else:
+        report["rows"], report["skipped"] = _run_rows(console, specs, tier, report["dtypes"], settings, args)
+    return _finish(console, report, prof, settings, specs, args)
+
+
+# --------------------------------------------------------------------------- checks, before any measurement
+
+
+def _start(args):
+    """(op specs, the backend's Profile or None for --overhead), or the one line saying what is wrong."""
     from opport.errors import OpError
     from opport.ops import all_ops, get_op
 
-    console = Console(width=None if sys.stdout.isatty() else 200)  # CI logs: wide enough for the row table
+    problem = _check_args(args)
+    if problem:
+        return problem
     try:
         specs = [get_op(n) for n in args.op] if args.op else list(all_ops().values())
     except OpError as e:
-        console.print(f"[red]opport bench: {e}[/red]")
-        return 2
+        return str(e)
     if args.overhead:
-        return _run_overhead(console, specs, args)
-    tier = "smoke" if args.smoke else (args.tier or DEFAULT_TIER.get(args.backend, "small"))
-    setup = _setup(console, args, tier)
-    if isinstance(setup, int):
-        return setup
-    report, settings = setup
-    if args.backend == "neuron":
-        report["rows"] = _run_counts(console, specs, tier, report["dtypes"])
-    else:
-        report["rows"], report["skipped"] = _run_rows(console, specs, tier, report["dtypes"], settings, args)
-    return _finish(console, report, settings, specs, tier, args)
+        return specs, None
+    prof = _profile(args.backend)
+    if isinstance(prof, str):
+        return prof
+    bad = _bad_dtype(args.dtype, prof.backend)
+    return bad or (specs, prof)
+
+
+def _check_args(args) -> str | None:
+    from opport import runargs as ra
+
+    return ra.first(
+        ra.positive("--budget-ms", args.budget_ms), ra.positive("--rounds", args.rounds),
+        ra.positive("--repeats", args.repeats, allow_zero=True), ra.positive("--margin", args.margin, allow_zero=True),
+        ra.positive("--max-minutes", args.max_minutes),
+        ra.writable("--json", args.json), ra.writable("--plot", args.plot),
+        ra.json_file("--baseline", args.baseline, _baseline_shape) if args.baseline else None,
+    )
+
+
+def _baseline_shape(data) -> str | None:
+    """What is wrong with a --baseline file as an earlier `opport bench --json` report, or None."""
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or data.get("kind") == "overhead":
+        return "not an `opport bench --json` report of kernel timings (no 'rows' list)"
+    if not rows:
+        return "the report has no rows"
+    if not all(isinstance(r, dict) and {"op", "impl", "dtype"} <= set(r) for r in rows):
+        return "a row lacks 'op', 'impl' or 'dtype'"
+    return None
+
+
+def _profile(name: str):
+    """The backend's bench Profile, or why it cannot be benchmarked here."""
+    from opport.bench.profile import Unsupported, profile
+    from opport.dispatch import get_backend
+    from opport.errors import OpError
+
+    try:
+        return profile(get_backend(name, op="bench"))
+    except OpError as e:
+        return str(e)
+    except Unsupported as e:
+        return f"--backend {name}: cannot benchmark here: {e}"
+
+
+def _bad_dtype(dtypes: list, backend) -> str | None:
+    for d in dtypes:
+        if d not in backend.dtypes:
+            return f"--dtype {d}: not a dtype of backend {backend.name!r} (one of {', '.join(backend.dtypes)})"
+    return None
+
+
+def _dtypes(args, prof) -> list:
+    return list(args.dtype) or [d for d in prof.dtypes if d in prof.backend.dtypes]
 
 
 # --------------------------------------------------------------------------- setup
 
 
-def _setup(console, args, tier: str):
-    """(report skeleton, Settings) or an exit status when the backend cannot be benchmarked here."""
+def _setup(console, prof, tier: str, dtypes: list, args):
+    """(report skeleton, runner Settings or None when the backend reports counts)."""
     from opport.bench import env
     from opport.bench.runner import Settings
-    from opport.dispatch import get_backend
 
-    try:
-        b = get_backend(args.backend)
-    except Exception as e:
-        console.print(f"[red]opport bench: {e}[/red]")
-        return 2
-    reason = b.unavailable()
-    mode = "-" if reason else b.mode()
-    reason = reason or _mode_problem(b.name, mode)
-    if reason:
-        console.print(f"[red]opport bench --backend {b.name}: cannot benchmark here: {reason}[/red]")
-        return 2
-    dtypes = args.dtype or DEFAULT_DTYPES.get(b.name, ["float32"])
-    report = {"backend": b.name, "mode": mode, "tier": tier, "dtypes": dtypes,
-              "command": _command(args, tier),
+    b = prof.backend
+    report = {"backend": b.name, "mode": prof.mode, "tier": tier, "dtypes": dtypes, "command": _command(args, tier),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "versions": {**env.versions(), **_backend_versions(b)}}
-    if b.name == "neuron":
-        report.update(device={"kind": "neuron", "name": f"NKI emulator ({mode})"},
-                      timing={"method": "none: emulator counts (DMA bytes, instructions per engine), not speed"})
+              "versions": {**env.versions(), **_backend_versions(b)}, "device": prof.device()}
+    if prof.measures == "counts":
+        report["timing"] = {"method": f"none: {prof.get('COUNTS_MEANING', 'counts per call')}, not speed"}
         return report, None
-    timer, ceilings, device = _timer_and_ceilings(console, b.name, tier, dtypes, args)
-    report.update(device=device, timing=timer.method, ceilings=ceilings.as_json())
-    compile_ = args.compile if args.compile is not None else b.name == "cuda"
+    timer, ceilings = _timer_and_ceilings(console, prof, tier, dtypes, args)
+    report.update(timing=timer.method, ceilings=ceilings.as_json())
+    compile_ = args.compile if args.compile is not None else prof.compile_baseline
     report["timing"]["baselines"] = {"torch_compile": f"dynamic=False, mode={args.compile_mode!r}, "
                                                       "fail_on_recompile while timing" if compile_ else "not run"}
     rounds = args.rounds or (1 if args.smoke else 2)
-    settings = Settings(b.name, b.array_kind, "cuda" if b.name == "cuda" else "cpu", timer, ceilings, rounds=rounds,
-                        budget_ms=args.budget_ms, compile=compile_, compile_mode=args.compile_mode,
-                        graphs=b.name == "cuda" and not args.no_graphs)
+    settings = Settings(b.name, b.array_kind, prof.input_device, timer, ceilings, rounds=rounds, budget_ms=args.budget_ms,
+                        compile=compile_, compile_mode=args.compile_mode, graphs=prof.graphs and not args.no_graphs,
+                        max_minutes=prof.max_minutes)
     return report, settings
 
 
@@ -125,17 +181,6 @@ def _command(args, tier: str | None) -> str:
     return " ".join(parts)
 
 
-def _mode_problem(name: str, mode: str) -> str | None:
-    if name == "cuda" and mode != "compiled":
-        return (f"mode {mode!r}: no CUDA GPU is visible to torch (torch.cuda.is_available() is False); Triton's "
-                "interpreter checks correctness (opport conformance) but its timings mean nothing")
-    if name == "neuron":
-        from opport.bench.neuron import unsupported_reason
-
-        return unsupported_reason(mode)
-    return None
-
-
 def _backend_versions(b) -> dict:
     try:
         return {f"{b.name}_backend": b.versions()}
@@ -143,21 +188,13 @@ def _backend_versions(b) -> dict:
         return {f"{b.name}_backend": f"unreadable: {e}"}
 
 
-def _timer_and_ceilings(console, backend: str, tier: str, dtypes: list, args):
-    from opport.bench import ceilings, env, timing
+def _timer_and_ceilings(console, prof, tier: str, dtypes: list, args):
+    from opport.bench.ceilings import Ceilings
 
-    smoke = args.smoke or tier == "smoke"
-    if backend == "cuda":
-        timer = timing.CudaTimer(budget_ms=args.budget_ms or (30.0 if smoke else 100.0))
-        device = env.cuda_device()
-        with console.status("measuring ceilings (device copy, cuBLAS GEMM)"):
-            c = ceilings.measure_cuda(timer, tier, dtypes)
-    else:
-        timer = timing.CpuTimer(budget_ms=args.budget_ms or (30.0 if smoke else 200.0), warmup_ms=5.0 if smoke else 20.0)
-        device = env.cpu_device()
-        with console.status("measuring ceilings (memory copy, BLAS GEMM)"):
-            c = ceilings.measure_cpu(timer, tier, dtypes)
-    return timer, c, device
+    timer = prof.module.timer(args.budget_ms, args.smoke or tier == "smoke")
+    with console.status(f"measuring the {prof.backend.name} ceilings (memory copy, vendor GEMM)"):
+        c = prof.module.ceilings(timer, tier, dtypes)
+    return timer, Ceilings(**c)
 
 
 # --------------------------------------------------------------------------- running
@@ -167,7 +204,7 @@ def _run_rows(console, specs, tier: str, dtypes: list, settings, args):
     """Shapes round-robin over ops, so a time limit trims every op's tail instead of whole ops."""
     from opport.bench.runner import run_shape
 
-    limit = args.max_minutes if args.max_minutes is not None else (7.0 if settings.backend == "cuda" else None)
+    limit = args.max_minutes if args.max_minutes is not None else settings.max_minutes
     start, rows, skipped = time.perf_counter(), [], []
     for spec, wl, shape, dtype in _round_robin(specs, tier, dtypes):
         if limit is not None and time.perf_counter() - start > limit * 60:
@@ -198,16 +235,20 @@ def _round_robin(specs, tier: str, dtypes: list):
                 yield jobs[i]
 
 
-def _run_counts(console, specs, tier: str, dtypes: list) -> list:
+def _run_counts(console, prof, specs, tier: str, dtypes: list) -> list:
+    """Counts instead of time (an emulated device): one row per op, shape and dtype, a progress line each."""
     from opport.bench.runner import run_counts
     from opport.bench.workloads import get_workload
 
-    rows = []
+    start, rows = time.perf_counter(), []
     for spec in specs:
         wl = get_workload(spec)
         for shape in wl.shapes_for(tier):
             for dtype in dtypes:
-                rows.append(run_counts(spec, wl, shape, dtype))
+                rows.append(run_counts(prof, spec, wl, shape, dtype))
+                state = "counted" if "counts" in rows[-1] else rows[-1].get("status", "")
+                console.print(f"[dim]{time.perf_counter() - start:6.1f} s  {spec.name:14s} {shape.label:34s} {dtype:9s} "
+                              f"opport {state}[/dim]")
     return rows
 
 
@@ -216,7 +257,7 @@ def _run_overhead(console, specs, args) -> int:
 
     rows = overhead.measure(specs, budget_ms=args.budget_ms or (100.0 if args.smoke else 300.0))
     overhead.print_overhead(console, rows)
-    report = {"kind": "overhead", "command": _command(args, None), "device": env.cpu_device(),
+    report = {"kind": "overhead", "command": _command(args, None), "device": env.host(),
               "versions": env.versions(), "goal_us": {"gate": overhead.GATE_US, "moonshot": overhead.MOONSHOT_US},
               "method": overhead.__doc__.strip(), "rows": rows}
     if args.json:
@@ -229,17 +270,14 @@ def _run_overhead(console, specs, args) -> int:
 # --------------------------------------------------------------------------- output
 
 
-def _finish(console, report: dict, settings, specs, tier: str, args) -> int:
+def _finish(console, report: dict, prof, settings, specs, args) -> int:
     from opport.bench import report as rep
 
     status = 0
-    if report["backend"] == "neuron":
-        rep.print_counts(console, report)
+    if prof.measures == "counts":
+        rep.print_counts(console, report, prof.get("COUNTER_COLUMNS", ()))
     else:
-        if report["device"].get("kind") == "cuda":
-            from opport.bench.env import gpu_clocks
-
-            report["device"]["clocks_end"] = gpu_clocks()
+        report["device"].update(prof.device_end())
         report["summary"] = rep.summary(report["rows"])
         if args.baseline:
             status |= _check_baseline(console, report, settings, specs, args)
@@ -248,15 +286,17 @@ def _finish(console, report: dict, settings, specs, tier: str, args) -> int:
     bad = [r for r in report["rows"] if r["impl"] == "opport" and (r.get("status") == "error" or r.get("correct") is False)]
     for r in bad:
         console.print(f"[red]opport {r['op']} {r['shape']} {r['dtype']}: "
-                      f"{r.get('error') or 'output differs from the reference'}[/red]")
+                      f"{r.get('error') or r.get('error_detail') or 'output differs from the reference'}[/red]")
     status |= 1 if bad else 0
     if args.json:
         _write_json(args.json, report)
-    if args.plot and report["backend"] != "neuron":
+    if args.plot and prof.measures == "time":
         from opport.bench.plot import write_plot
 
         write_plot(report, args.plot)
         console.print(f"plot written to {args.plot}")
+    elif args.plot:
+        console.print("[yellow]--plot draws timings; this backend reports counts, so no plot was written[/yellow]")
     return status
 
 
@@ -267,10 +307,10 @@ def _check_baseline(console, report: dict, settings, specs, args) -> int:
     from opport.bench.workloads import get_workload
 
     with open(args.baseline) as f:
-        base_rows = json.load(f)["rows"]
+        base_rows = json.load(f)["rows"]  # its shape was checked before the run
     rows = report["rows"]
     by_name = {s.name: s for s in specs}
-    for _ in range(max(args.repeats, 0)):
+    for _ in range(args.repeats):
         suspects = {(r["op"], r["case"], r["dtype"]) for r in rep.regressions(rows, base_rows, args.margin)}
         for r in rows:
             key = (r["op"], r.get("case"), r["dtype"])

@@ -45,28 +45,26 @@ def measure(specs: list, budget_ms: float = 300.0, kinds=None) -> list:
 
 
 def _kinds() -> list:
+    """numpy, torch-cpu, and torch-<device> for each device a usable torch backend runs on (e.g. a GPU)."""
     kinds = ["numpy"]
-    if importlib.util.find_spec("torch") is not None:
-        kinds.append("torch-cpu")
-        import torch
-
-        if torch.cuda.is_available():
-            kinds.append("torch-cuda")
-    return kinds
+    if importlib.util.find_spec("torch") is None:
+        return kinds
+    devices = {b.torch_device() for b in backends().values() if b.array_kind == "torch" and not b.unavailable()}
+    return kinds + ["torch-cpu"] + [f"torch-{d}" for d in sorted(devices - {"cpu"})]
 
 
 def _one(spec, wl, shape, kind: str, budget_ms: float) -> dict:
     row = {"op": spec.name, "shape": shape.label, "inputs": kind}
+    device = kind.removeprefix("torch-") if kind != "numpy" else "cpu"
     try:
-        mk = ArrayMaker("numpy" if kind == "numpy" else "torch", "cuda" if kind == "torch-cuda" else "cpu",
-                        seed_for("overhead", spec.name))
+        mk = ArrayMaker("numpy" if kind == "numpy" else "torch", device, seed_for("overhead", spec.name))
         bound = spec.bind(**wl.make(shape.dims, "float32", mk))
         d = explain(spec, *bound)
         kernel = next(k for k in kernels(spec, backends()[d.backend]) if k.name == d.kernel)
     except Exception as e:
         return {**row, "status": "error", "error": f"{type(e).__name__}: {e}"}
     native, converted, note = _direct_calls(kernel, bound, backends()[d.backend].array_kind)
-    sync = _cuda_sync if kind == "torch-cuda" else None
+    sync = _device_sync(device) if device != "cpu" else None
     public = partial(function(spec), *bound)
     public()  # fill the selection cache: the cached path is what is measured
     real_pub, real_dir = _alternate(public, converted, budget_ms, sync)
@@ -136,10 +134,11 @@ def _direct_calls(kernel, bound: tuple, array_kind: str):
     return (lambda: kernel.fn(*native_bound)), converted, note
 
 
-def _cuda_sync():
+def _device_sync(device: str):
+    """Wait for the device's queued work (torch.<device>.synchronize: cuda, xpu, mps alike)."""
     import torch
 
-    torch.cuda.synchronize()
+    return getattr(torch, device).synchronize
 
 
 def _batch_us(fn, n: int, sync) -> float:

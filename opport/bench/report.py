@@ -137,20 +137,25 @@ def print_summary(console, report: dict):
     console.print(t)
 
 
-def print_counts(console, report: dict):
+def print_counts(console, report: dict, columns=()):
+    """Counts per call (an emulated device): the op's minimum bytes and the backend's counters `columns`."""
     from rich.table import Table
 
-    t = Table(title="neuron emulator: counts per call, not speed (DMA bytes vs the op's minimum bytes)")
-    for col in ("op", "shape", "dtype", "kernel", "ok", "min bytes", "HBM bytes", "HBM / min", "DMA transfers",
-                "instructions per engine"):
+    t = Table(title=f"opport bench --backend {report['backend']} ({report['mode']}): counts per call, not speed")
+    ratio = next((k for r in report["rows"] for k in r if k.endswith("_vs_min")), None)
+    for col in ("op", "shape", "dtype", "kernel", "ok", "min bytes", *columns, *([ratio] if ratio else [])):
         t.add_column(col)
     for r in report["rows"]:
         if "counts" not in r:
-            t.add_row(r["op"], r["shape"], r["dtype"], "-", f"[red]{r.get('status')}[/red]", "", "", "", "",
-                      r.get("error", "")[:80])
+            t.add_row(r["op"], r["shape"], r["dtype"], "-", f"[red]{r.get('status')}[/red]", r.get("error", "")[:80])
             continue
-        c = r["counts"]
-        inst = ", ".join(f"{k} {v}" for k, v in c["instructions"].items() if v)
+        cells = [_count(r["counts"].get(c)) for c in columns] + ([_f(r.get(ratio), "{:.2f}")] if ratio else [])
         t.add_row(r["op"], r["shape"], r["dtype"], r["kernel"], "yes" if r["correct"] else "[red]NO[/red]",
-                  str(r["bytes"]), str(c["hbm_bytes"]), _f(r["hbm_bytes_vs_min"], "{:.2f}"), str(c["dma_transfers"]), inst)
+                  str(r["bytes"]), *cells)
     console.print(t)
+
+
+def _count(v) -> str:
+    if isinstance(v, dict):  # per engine, per queue, ...
+        return ", ".join(f"{k} {n}" for k, n in v.items() if n)
+    return "-" if v is None else str(v)

@@ -1,8 +1,11 @@
 """One benchmark problem: build inputs, check every provider against the reference, time them interleaved.
 
 Providers are opport (the public call, dispatch included) and the baselines a user would call instead,
-all on the same inputs in the same process: torch eager and torch.compile on cuda; torch CPU eager and
-a NumPy composition on cpu (torch.compile too with --compile).
+all on the same inputs in the same process: torch eager (and torch.compile where the backend's bench
+module asks for it, or with --compile) on the backend's torch device, plus a NumPy composition for
+NumPy backends. Every output is judged by opport.accuracy against a float64 reference: the op's NumPy
+reference for NumPy backends, torch on float64 copies of the same (already rounded) inputs, on the
+device, for torch backends (NumPy would take longer than the whole benchmark on LLM shapes).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from opport.bench.check import compare, to64
+from opport import accuracy
 from opport.bench.timing import summarize
 from opport.bench.workloads import ArrayMaker, seed_for
 from opport.dispatch import FallbackWarning, explain
@@ -38,6 +41,7 @@ class Settings:
     compile: bool = False
     compile_mode: str = "default"
     graphs: bool = False  # CUDA-graph variant and host wall time for launch-bound shapes
+    max_minutes: float | None = None  # the backend's default time limit for a run
 
 
 @dataclass
@@ -63,8 +67,9 @@ def run_shape(spec, wl, shape, dtype: str, st: Settings) -> list:
         return [{**base, "impl": "opport", "status": "skip", "error": f"no {st.backend} kernel takes it: {why}"}]
     base.update(bytes=cost.bytes, flops=cost.flops)
     providers = _providers(spec, wl, bound, st, decision.kernel)
-    ref = _reference(spec, wl, bound, st)
-    rows = [_check(p, ref, spec, dtype, st, base) for p in providers]
+    ref = _reference(spec, wl, bound, st.kind)
+    out_dtype = spec.out_dtype(metas_of(spec, bound))
+    rows = [_check(p, ref, spec, dtype, out_dtype, st, base) for p in providers]
     live = [(p, r) for p, r in zip(providers, rows) if r["status"] != "error"]
     _time_all(live, st, cost, dtype)
     _add_ratios(rows)
@@ -114,47 +119,37 @@ def _compiled(wl, tb, st: Settings) -> Provider:
     return Provider("torch_compile", call, lambda: cf(*tb), compiled=True)
 
 
-def _reference(spec, wl, bound, st: Settings):
-    """float64 reference on the same rounded inputs; None (unchecked) if it cannot be computed."""
+def _reference(spec, wl, bound, kind: str):
+    """float64 reference on the same rounded inputs (torch on the inputs' device for torch kernels); the
+    exception instead if it cannot be computed (the row is then unchecked)."""
     try:
-        if st.kind == "numpy":
+        if kind == "numpy":
             return spec.run_reference(*bound)
         import torch
 
-        b64 = tuple(to64(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in bound)
+        b64 = tuple(a.detach().double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in bound)
         with torch.no_grad():
             return (wl.torch_reference or wl.torch_eager)(*b64)
     except Exception as e:
         return e
 
 
-def _check(p: Provider, ref, spec, dtype: str, st: Settings, base: dict) -> dict:
+def _check(p: Provider, ref, spec, dtype: str, out_dtype: str, st: Settings, base: dict) -> dict:
     row = {**base, "impl": p.impl, "call": p.call, "status": "ok"}
     try:
         out = p.fn()  # also the warm-up: JIT compilation, autotuning, torch.compile happen here
-        _sync(st)
+        st.timer.sync()
         if isinstance(ref, Exception):
             row.update(correct=None, note=f"unchecked: reference failed ({type(ref).__name__}: {ref})")
         else:
-            ok, metrics = compare(out, ref, spec.tolerances.get(dtype, spec.tolerances["float32"]), dtype)
-            row.update(correct=ok, **metrics)
+            v = accuracy.compare(accuracy.like(out, ref), ref, spec.tolerances[dtype], out_dtype)
+            row.update(correct=v.ok, **v.metrics, **({"error_detail": v.message} if not v.ok else {}))
         del out
-        if st.timer.device == "cuda":
-            row["peak_MB"] = _peak_mb(p.fn)
+        if hasattr(st.timer, "peak_mb"):
+            row["peak_MB"] = st.timer.peak_mb(p.fn)
     except Exception as e:
         row.update(status="error", error=f"{type(e).__name__}: {e}")
     return row
-
-
-def _peak_mb(fn) -> float:
-    import torch
-
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return round((torch.cuda.max_memory_allocated() - before) / 2**20, 2)
 
 
 def _time_all(live: list, st: Settings, cost, dtype: str):
@@ -185,7 +180,7 @@ def _time_all(live: list, st: Settings, cost, dtype: str):
 def _graph_and_host(p: Provider, row: dict, st: Settings):
     try:
         with _no_recompile(p):
-            row["graph_ms"] = st.timer.graph(p.fn).ms
+            row["graph_ms"] = summarize(st.timer.graph(p.fn)).ms
     except Exception as e:
         row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     with contextlib.suppress(Exception), _no_recompile(p):
@@ -202,11 +197,6 @@ def _no_recompile(p: Provider):
 
     with torch.compiler.set_stance("fail_on_recompile"):
         yield
-
-
-def _sync(st: Settings):
-    if st.timer.device == "cuda":
-        st.timer.sync()
 
 
 def _add_ratios(rows: list):
@@ -229,28 +219,35 @@ def _add_ratios(rows: list):
         mine["note"] = f"speedup > 2x over {', '.join(fast)}: re-check (docs/performance.md 5.8)"
 
 
-def run_counts(spec, wl, shape, dtype: str) -> dict:
-    """neuron emulator: DMA bytes and instructions per engine for one call (counts, not speed)."""
-    from opport.bench.neuron import stats_block
-
+def run_counts(prof, spec, wl, shape, dtype: str) -> dict:
+    """An emulated device: the backend's counters for one call (counts, not speed), and the call's accuracy."""
+    backend = prof.backend.name
     base = {"op": spec.name, "shape": shape.label, "case": shape.name, "dims": shape.dims, "dtype": dtype,
             "impl": "opport", "status": "ok"}
     try:
-        kw = wl.make(shape.dims, dtype, ArrayMaker("numpy", "cpu", seed_for(spec.name, shape.name, dtype)))
+        kw = wl.make(shape.dims, dtype, ArrayMaker(prof.backend.array_kind, prof.input_device,
+                                                   seed_for(spec.name, shape.name, dtype)))
         bound = spec.bind(**kw)
-        cost = spec.get_cost(*metas_of(spec, bound))
-        decision = _explain(spec, bound, "neuron")
-        if decision.kernel is None or decision.backend != "neuron":
+        metas = metas_of(spec, bound)
+        cost = spec.get_cost(*metas)
+        decision = _explain(spec, bound, backend)
+        if decision.kernel is None or decision.backend != backend:
             why = decision.fallback or decision.error or "no kernel"
-            return {**base, "status": "skip", "error": f"no neuron kernel takes it: {why}"}
+            return {**base, "status": "skip", "error": f"no {backend} kernel takes it: {why}"}
         t0 = time.perf_counter()
-        with stats_block() as stats:
-            out = function(spec)(*bound, backend="neuron")
+        with prof.module.counters() as stats:
+            out = function(spec)(*bound, backend=backend)
         host_s = time.perf_counter() - t0
-        ok, metrics = compare(out, spec.run_reference(*bound), spec.tolerances.get(dtype, spec.tolerances["float32"]), dtype)
+        ref = _reference(spec, wl, bound, prof.backend.array_kind)
+        if isinstance(ref, Exception):
+            raise ref
+        v = accuracy.compare(accuracy.like(out, ref), ref, spec.tolerances[dtype], spec.out_dtype(metas))
     except Exception as e:
         return {**base, "status": "error", "error": f"{type(e).__name__}: {e}"}
     counts = stats.as_dict()
-    return {**base, "kernel": decision.kernel, "bytes": cost.bytes, "flops": cost.flops, "correct": ok, **metrics,
-            "counts": counts, "hbm_bytes_vs_min": counts["hbm_bytes"] / cost.bytes if cost.bytes else None,
-            "emulator_host_s": round(host_s, 3)}
+    key = prof.get("BYTES_COUNTER")
+    row = {**base, "kernel": decision.kernel, "bytes": cost.bytes, "flops": cost.flops, "correct": v.ok, **v.metrics,
+           "counts": counts, "emulator_host_s": round(host_s, 3)}
+    if key in counts:
+        row[f"{key}_vs_min"] = counts[key] / cost.bytes if cost.bytes else None
+    return row

@@ -19,15 +19,18 @@ from opport.spec import Case, ErrorCase, OpSpec
 
 LAYOUTS = ("transposed", "sliced", "expanded", "offset")
 OFFSET = 3  # elements before an offset view: odd, so the start is also misaligned
-SLOW_MODES = ("interpreter", "emulator", "simulator")  # backends that emulate a device on the CPU
-
-# Per tier: Hypothesis examples per op x dtype, element caps (all array arguments together), and
-# how many fixed cases also run under a non-contiguous layout. "slow" applies to SLOW_MODES.
+# Per tier: Hypothesis examples per op x dtype, element caps (all array arguments together), and how
+# many fixed cases also run under a non-contiguous layout. A `<knob>_emulated` value replaces `<knob>` on
+# a backend that emulates a device on this CPU (its Capabilities.emulated()). smoke: every op, backend and
+# dtype in about a minute (make run); fast: the CI gate; full: thousands of examples, every layout.
 TIERS = {
-    "fast": {"examples": 100, "examples_slow": 100, "hyp_max": 1 << 20, "hyp_max_slow": 1 << 15,
-             "case_max_slow": 1 << 18, "layout_max": 1 << 16, "layouts_slow": 4, "skip_tags": ("large", "slow")},
-    "full": {"examples": 1000, "examples_slow": 1000, "hyp_max": None, "hyp_max_slow": 1 << 20,
-             "case_max_slow": None, "layout_max": 1 << 20, "layouts_slow": None, "skip_tags": ()},
+    "smoke": {"examples": 10, "examples_emulated": 3, "hyp_max": 1 << 16, "hyp_max_emulated": 1 << 12,
+              "case_max": 1 << 16, "case_max_emulated": 1 << 14, "layout_max": 1 << 14, "layouts": 2,
+              "skip_tags": ("large", "slow")},
+    "fast": {"examples": 100, "examples_emulated": 100, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 15,
+             "case_max_emulated": 1 << 18, "layout_max": 1 << 16, "layouts_emulated": 4, "skip_tags": ("large", "slow")},
+    "full": {"examples": 1000, "examples_emulated": 1000, "hyp_max": None, "hyp_max_emulated": 1 << 20,
+             "case_max_emulated": None, "layout_max": 1 << 20, "layouts_emulated": None, "skip_tags": ()},
 }
 
 
@@ -39,17 +42,15 @@ class Selection:
     examples: int | None = None  # Hypothesis examples per op x dtype; None = the tier's default
     seed: int = 0
     cases: tuple = ()  # fnmatch patterns on case names; an explicit choice bypasses tier filters
-    slow: bool = False  # the backend emulates a device (interpreter, emulator)
+    emulated: bool = False  # the backend emulates a device on this CPU (Capabilities.emulated())
     layouts: bool = True
 
     def n_examples(self) -> int:
-        if self.examples is not None:
-            return self.examples
-        return TIERS[self.tier]["examples_slow" if self.slow else "examples"]
+        return self.examples if self.examples is not None else self.knob("examples")
 
     def knob(self, key: str):
         t = TIERS[self.tier]
-        return t.get(f"{key}_slow", t.get(key)) if self.slow else t.get(key)
+        return t.get(f"{key}_emulated", t.get(key)) if self.emulated else t.get(key)
 
     def wants(self, name: str) -> bool:
         return not self.cases or any(fnmatch.fnmatchcase(name, p) for p in self.cases)
@@ -100,7 +101,7 @@ def items_for(spec: OpSpec, backend: str, dtype: str, sel: Selection) -> list[It
 
 
 def _layout_items(spec, backend, dtype, fixed, sel) -> list[Item]:
-    """The fast tier rotates one layout per eligible case (capped on slow backends); full runs all four."""
+    """smoke and fast rotate one layout per eligible case (capped where the tier says); full runs all four."""
     limit = sel.knob("layout_max")
     cap = sel.knob("layouts")
     every = bool(sel.cases) or sel.tier == "full"

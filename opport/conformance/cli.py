@@ -1,4 +1,8 @@
-"""`opport conformance`: run the suite, print the matrix, write reports, gate (see docs/conformance.md)."""
+"""`opport conformance`: run the suite, print the matrix, write reports, gate (see docs/conformance.md).
+
+Every input is checked before the run (names, numbers, the files it reads and the paths it writes): a bad
+one is one line on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,22 @@ import sys
 
 from rich.console import Console
 
+from opport.conformance.cases import TIERS
+
 EXIT_USAGE = 2
 
 
 def add_arguments(p):
     p.add_argument("--backend", action="append", default=None, metavar="NAME",
-                   help="cpu, cuda, neuron or all (every backend that can run here); repeatable. Default: cpu")
+                   help="a backend (`opport doctor` lists them) or all (every backend that can run here); repeatable. "
+                        "Default: cpu")
     p.add_argument("--op", action="append", default=[], metavar="NAME", help="only this op (repeatable)")
     p.add_argument("--dtype", action="append", default=[], metavar="D", help="only this dtype (repeatable)")
     p.add_argument("--case", action="append", default=[], metavar="NAME",
                    help="only cases with this name (fnmatch pattern, repeatable); bypasses tier filters")
-    p.add_argument("--tier", choices=("fast", "full"), default="fast",
-                   help="fast: CI (capped examples, no 'large' cases); full: thousands of examples, every layout")
+    p.add_argument("--tier", choices=tuple(TIERS), default="fast",
+                   help="smoke: every op, backend and dtype in about a minute; fast: CI (capped examples, no 'large' "
+                        "cases); full: thousands of examples, every layout")
     p.add_argument("--examples", type=int, default=None, metavar="N", help="Hypothesis examples per op x dtype")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="Hypothesis seed (0 = the derandomized CI profile)")
     p.add_argument("--json", metavar="F", help="write the JSON report (docs/design.md section 6)")
@@ -46,8 +54,9 @@ def run(args) -> int:
     from opport.conformance.runner import Options
     from opport.errors import OpError
 
-    if args.update_baseline and not args.baseline:
-        print("opport conformance: --update-baseline needs --baseline FILE", file=sys.stderr)
+    problem = check_args(args)
+    if problem:
+        print(f"opport conformance: {problem}", file=sys.stderr)
         return EXIT_USAGE
     if args.self_test:
         return self_test(args)
@@ -58,11 +67,72 @@ def run(args) -> int:
                    errors=not args.no_bad_inputs, layouts=not args.no_layouts)
     try:
         report = _run(opts, args.quiet)
-    except (OpError, ValueError) as e:  # unknown op/backend/dtype, malformed known-failures file
+    except (OpError, ValueError) as e:  # unknown op/backend/dtype, a --setup hook that failed
         print(f"opport conformance: {e}", file=sys.stderr)
         return EXIT_USAGE
     _write(report, args)
     return report.exit_code
+
+
+def check_args(args) -> str | None:
+    """What is wrong with the command line, or None: numbers, --setup hooks, files read, paths written."""
+    from opport import runargs as ra
+
+    if args.update_baseline and not args.baseline:
+        return "--update-baseline needs --baseline FILE"
+    return ra.first(
+        ra.positive("--examples", args.examples, allow_zero=True), ra.positive("--timeout", args.timeout),
+        ra.positive("--compile-timeout", args.compile_timeout, allow_zero=True),
+        ra.positive("--workers", args.workers, allow_zero=True),
+        *[_setup_problem(ref) for ref in args.setup],
+        *[_known_problem(path) for path in args.known_failures],
+        _baseline_problem(args.baseline, args.update_baseline) if args.baseline else None,
+        ra.writable("--json", args.json), ra.writable("--junit", args.junit), ra.writable("--markdown", args.markdown),
+    )
+
+
+def _setup_problem(ref: str) -> str | None:
+    """None if `ref` names a callable as MODULE:FUNCTION (imported here, not called)."""
+    import importlib
+
+    mod, colon, fn = ref.partition(":")
+    if not colon or not mod or not fn:
+        return f"--setup {ref!r}: expected MODULE:FUNCTION"
+    try:
+        found = getattr(importlib.import_module(mod), fn, None)
+    except Exception as e:  # ImportError, or the module failing as it loads
+        return f"--setup {ref!r}: cannot import {mod}: {type(e).__name__}: {e}"
+    return None if callable(found) else f"--setup {ref!r}: {mod} has no function {fn!r}"
+
+
+def _known_problem(path: str) -> str | None:
+    from opport import runargs as ra
+    from opport.conformance import gate
+
+    _, why = ra.read_text("--known-failures", path)
+    if why:
+        return why
+    try:
+        gate.load_known(path)
+    except gate.KnownFailureFileError as e:
+        return f"--known-failures: {e}"
+    return None
+
+
+def _baseline_problem(path: str, update: bool) -> str | None:
+    """--baseline must be a readable baseline or report; with --update-baseline it may be new, and is written."""
+    import os
+
+    from opport import runargs as ra
+    from opport.conformance import gate
+
+    if not update:
+        return ra.json_file("--baseline", path, gate.baseline_problem)
+    if os.path.exists(path):  # merged into: it must be a baseline already, and may hold no cases yet
+        why = ra.json_file("--baseline", path, lambda data: gate.baseline_problem(data, allow_empty=True))
+        if why:
+            return why
+    return ra.writable("--baseline", path)
 
 
 def _run(opts, quiet: bool):
@@ -70,9 +140,9 @@ def _run(opts, quiet: bool):
     from opport.conformance.runner import run as run_suite
 
     _check_names(opts)
-    live = None if quiet else rep.Live(Console(stderr=True))
+    live = None if quiet else rep.Live(Console(stderr=True, width=None if sys.stderr.isatty() else 160))
     report = run_suite(opts, live)
-    rep.print_summary(report, Console())
+    rep.print_summary(report, Console(width=None if sys.stdout.isatty() else 160))
     return report
 
 

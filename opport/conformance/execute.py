@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from opport.conformance import compare as cmp
+from opport import accuracy as cmp
 from opport.conformance.cases import Item, lay_out, layout_ok
 from opport.dispatch import clear_cache, explain, kernels, strict
 from opport.dispatch.adapters import metas_of

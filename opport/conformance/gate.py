@@ -110,6 +110,21 @@ def load_baseline(path) -> dict:
     return cases
 
 
+def baseline_problem(data, allow_empty: bool = False) -> str | None:
+    """What is wrong with parsed JSON as a baseline (or a JSON report used as one), or None."""
+    cases = data.get("cases") if isinstance(data, dict) else None
+    if isinstance(cases, list):
+        ok = all(isinstance(c, dict) and isinstance(c.get("id"), str) and c.get("status") in STATUSES for c in cases)
+    elif isinstance(cases, dict):
+        ok = all(isinstance(v, dict) and v.get("status") in STATUSES and isinstance(v.get("metrics", {}), dict)
+                 for v in cases.values())
+    else:
+        return "not a conformance baseline or JSON report (no 'cases')"
+    if not ok:
+        return "a case entry lacks an id or a valid status"
+    return None if cases or allow_empty else "it holds no cases"
+
+
 def write_baseline(path, cases: list, old: dict | None = None):
     """Merge this run's cases into the baseline (cases not run keep their entry)."""
     merged = dict(old or {})

@@ -1,4 +1,4 @@
-"""pytest plugin: `pytest --opport-backend=cuda` runs the conformance cases as tests.
+"""pytest plugin: `pytest --opport-backend=NAME` runs the conformance cases of that backend as tests.
 
 Every test that takes an `opport_case` argument is parametrized with the cases of the selected
 backends (same plan, cases, checks, known failures and repro commands as `opport conformance`),
@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from opport.conformance import gate
+from opport.conformance.cases import TIERS
 from opport.conformance.report import failure_lines
 
 OPTIONS = ("backend", "op", "dtype", "case")
@@ -25,11 +26,11 @@ OPTIONS = ("backend", "op", "dtype", "case")
 def pytest_addoption(parser):
     g = parser.getgroup("opport", "opport conformance cases")
     g.addoption("--opport-backend", action="append", default=[], metavar="NAME",
-                help="run the conformance cases on this backend (cpu, cuda, neuron, all); repeatable")
+                help="run the conformance cases on this backend (a name `opport doctor` lists, or all); repeatable")
     g.addoption("--opport-op", action="append", default=[], metavar="NAME", help="only this op (repeatable)")
     g.addoption("--opport-dtype", action="append", default=[], metavar="D", help="only this dtype (repeatable)")
     g.addoption("--opport-case", action="append", default=[], metavar="NAME", help="only cases matching this pattern")
-    g.addoption("--opport-tier", default="fast", choices=("fast", "full"), help="conformance tier (default fast)")
+    g.addoption("--opport-tier", default="fast", choices=tuple(TIERS), help="conformance tier (default fast)")
     g.addoption("--opport-examples", type=int, default=None, metavar="N", help="Hypothesis examples per op x dtype")
     g.addoption("--opport-seed", type=int, default=0, metavar="S", help="Hypothesis seed (default 0)")
 
@@ -47,7 +48,7 @@ def pytest_generate_tests(metafunc):
         return
     opts = _options(metafunc.config)
     if opts is None:
-        skip = pytest.mark.skip(reason="pass --opport-backend=cpu|cuda|neuron|all to run the conformance cases")
+        skip = pytest.mark.skip(reason="pass --opport-backend=NAME (or all) to run the conformance cases")
         metafunc.parametrize("opport_case", [pytest.param(None, marks=skip)], ids=["no-backend"])
         return
     refs = collect(opts)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 import xml.etree.ElementTree as ET
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -22,7 +23,8 @@ METRIC_KEYS = ("max_abs", "max_rel", "max_ulp", "tol_ratio", "rmse", "rmse_ratio
 
 
 class Live:
-    """Progress bar plus one line per failure as it happens (with its repro command)."""
+    """Progress bar, one line per failure as it happens (with its repro command), and one line per backend and
+    op as it finishes: those lines are plain text, so a log that is not a terminal shows progress too."""
 
     def __init__(self, console: Console | None = None, show_failures: bool = True):
         self.console = console or Console(stderr=True)
@@ -30,12 +32,17 @@ class Live:
         self.counts = dict.fromkeys(STATUSES, 0)
         self.progress = None
         self.task = None
+        self.remaining: Counter = Counter()  # (backend, op) -> batches not finished
+        self.per_op: dict = defaultdict(Counter)  # (backend, op) -> statuses so far
+        self.t0 = time.perf_counter()
 
     def start(self, plan):
         modes = ", ".join(f"{n} ({i['mode'] or 'unavailable'})" for n, i in plan.backends.items())
         sel = next(iter(plan.selections.values()), None)
         extra = f", tier {sel.tier}, seed {sel.seed}" if sel else ""
         self.console.print(f"[bold]opport conformance[/bold]: {modes}{extra}; {len(plan.batches)} batches")
+        self.remaining = Counter((b.backend, b.op) for b in plan.batches)
+        self.t0 = time.perf_counter()
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), console=self.console, transient=False)
         self.task = self.progress.add_task(self._describe(), total=0)
@@ -46,11 +53,22 @@ class Live:
 
     def result(self, res: dict):
         self.counts[res["status"]] += 1
+        self.per_op[(res["backend"], res["op"])][res["status"]] += 1
         if res["source"] not in ("plan", "batch"):
             self.progress.advance(self.task)
         self.progress.update(self.task, description=self._describe())
         if self.show_failures and res["status"] in FAILING:
             self.progress.console.print(failure_text(res), soft_wrap=True)
+
+    def batch_done(self, batch):
+        """A batch finished: the last one of its backend and op prints that pair's line."""
+        key = (batch.backend, batch.op)
+        self.remaining[key] -= 1
+        if self.remaining[key] == 0:
+            done = sum(1 for n in self.remaining.values() if n == 0)
+            counts = " ".join(f"{s} {n}" for s, n in self.per_op[key].items() if n)
+            self.progress.console.print(f"{time.perf_counter() - self.t0:7.1f} s  {key[0]:10s} {key[1]:14s} {counts}  "
+                                        f"({done}/{len(self.remaining)} backend x op)", highlight=False)
 
     def _describe(self) -> str:
         parts = [f"[{COLORS[s]}]{s} {n}[/{COLORS[s]}]" for s, n in self.counts.items() if n]

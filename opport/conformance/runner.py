@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from opport.conformance import gate
-from opport.conformance.cases import SLOW_MODES, Selection
+from opport.conformance.cases import Selection
 from opport.conformance.worker import Batch, Pool, run_batch, run_setup
 
 # order of the status counters in summaries
@@ -68,6 +68,7 @@ class Plan:
     selections: dict = field(default_factory=dict)  # backend -> Selection
     covered: set = field(default_factory=set)  # (op, backend, dtype) that run
     known: dict = field(default_factory=dict)  # backend -> known failures (loaded on first use)
+    limits: dict = field(default_factory=dict)  # backend -> its Capabilities.max_workers() (None: no limit)
 
 
 def plan(options: Options) -> Plan:
@@ -86,12 +87,13 @@ def plan(options: Options) -> Plan:
             if not everything:
                 p.preset += [_preset(s.name, name, "n/a", "backend-unavailable", why) for s in specs]
             continue
-        sel = Selection(options.tier, options.examples, options.seed, tuple(options.cases), b.mode() in SLOW_MODES,
+        sel = Selection(options.tier, options.examples, options.seed, tuple(options.cases), b.capabilities.emulated(),
                         options.layouts)
+        p.limits[name] = b.capabilities.max_workers()
         p.selections[name] = sel
         for spec in specs:
             _plan_op(p, spec, b, sel, options, kernels(spec, b))
-    p.batches.sort(key=lambda bt: not p.selections[bt.backend].slow)  # slow backends first: shorter tail
+    p.batches.sort(key=lambda bt: not p.selections[bt.backend].emulated)  # slow (emulated) backends first: shorter tail
     return p
 
 
@@ -128,17 +130,15 @@ def _preset(op, backend, dtype, case, why) -> dict:
             "message": why, "worst": None, "index": -1}
 
 
-DEVICE_MODES = ("compiled", "hardware", "simulator")  # one device shared by the workers
-
-
-def default_workers(n_batches: int, modes=()) -> int:
-    """One worker per core (at most 8); at most 4 where they share a real device (each holds a context)."""
+def default_workers(n_batches: int, limits=()) -> int:
+    """One worker per core (at most 8), and no more than any backend of the run allows (`limits`: its
+    Capabilities.max_workers(), e.g. 4 where the workers share one real device, each holding a context)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 1
-    cap = 4 if any(m in DEVICE_MODES for m in modes) else 8
-    return max(1, min(cpus, cap, n_batches))
+    caps = [n for n in limits if n is not None]
+    return max(1, min(cpus, 8, n_batches, *caps))
 
 
 def run(options: Options, display=None) -> Report:
@@ -163,18 +163,19 @@ def run(options: Options, display=None) -> Report:
         for res in p.preset:
             sink(res)
         on_count = display.add_total if display else (lambda n: None)
+        on_done = display.batch_done if display else (lambda batch: None)
         if options.workers == 0:
-            _in_process(p.batches, sink, on_count)
+            _in_process(p.batches, sink, on_count, on_done)
         elif p.batches:
-            modes = [i["mode"] for i in p.backends.values()]
-            n = options.workers or default_workers(len(p.batches), modes)
-            Pool(n, tuple(options.setup), options.timeout, options.compile_timeout, sink, on_count).run(p.batches)
+            n = options.workers or default_workers(len(p.batches), p.limits.values())
+            Pool(n, tuple(options.setup), options.timeout, options.compile_timeout, sink, on_count,
+                 on_done=on_done).run(p.batches)
     finally:
         if display:
             display.stop()
     order = {name: i for i, name in enumerate(p.backends)}
     report.cases.sort(key=lambda c: (order.get(c["backend"], 99), c["op"], c["dtype"] == "n/a", c["dtype"], c.get("index", -1)))
-    if not options.cases:
+    if not options.cases and options.tier != "smoke":  # smoke samples the cases: an entry it missed is not stale
         report.stale = gate.stale_known([e for es in p.known.values() for e in es], p.covered, options.tier)
     if options.baseline and os.path.exists(options.baseline):
         report.regressions = gate.regressions(report.cases, gate.load_baseline(options.baseline))
@@ -193,7 +194,7 @@ def known_for(p: Plan, backend: str) -> list:
     return p.known[backend]
 
 
-def _in_process(batches: list, sink, on_count):
+def _in_process(batches: list, sink, on_count, on_done=lambda batch: None):
     """Run batches here, without isolation (debugging, the pytest plugin, fast unit tests)."""
     from opport.conformance.worker import _batch_result
 
@@ -207,6 +208,7 @@ def _in_process(batches: list, sink, on_count):
                 sink(_batch_result(batch, "error", msg[1]))
 
         run_batch(batch, send)
+        on_done(batch)
 
 
 def repro(res: dict, options: Options, sel: Selection | None) -> str:

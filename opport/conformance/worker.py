@@ -52,11 +52,18 @@ def build_items(batch: Batch) -> list:
     return items_for(spec, batch.backend, batch.dtype, batch.sel)
 
 
+class SetupError(ValueError):
+    """A --setup hook could not be imported or failed."""
+
+
 def run_setup(setup: tuple):
     """Call each "module:function" (e.g. to register a test backend) in this process."""
     for ref in setup:
         mod, _, fn = ref.partition(":")
-        getattr(importlib.import_module(mod), fn)()
+        try:
+            getattr(importlib.import_module(mod), fn)()
+        except Exception as e:
+            raise SetupError(f"--setup {ref}: {type(e).__name__}: {e}") from e
 
 
 def run_batch(batch: Batch, send):
@@ -155,12 +162,13 @@ class _Worker:
 
 
 class Pool:
-    """Runs batches on `n` spawned workers; `sink(result)` gets every case result, `on_count(n)` batch sizes."""
+    """Runs batches on `n` spawned workers; `sink(result)` gets every case result, `on_count(n)` batch sizes,
+    `on_done(batch)` each batch once it is finished (run to its end, lost for good, or abandoned)."""
 
     def __init__(self, n: int, setup: tuple, timeout: float, compile_timeout: float, sink, on_count=lambda n: None,
-                 restart_cap: int | None = None):
+                 restart_cap: int | None = None, on_done=lambda batch: None):
         self.n, self.setup, self.timeout, self.compile_timeout = n, setup, timeout, compile_timeout
-        self.sink, self.on_count = sink, on_count
+        self.sink, self.on_count, self.on_done = sink, on_count, on_done
         self.restart_cap = 4 * n if restart_cap is None else restart_cap  # pytest-xdist's default
         self.restarts = 0
 
@@ -223,8 +231,10 @@ class Pool:
             self.sink(msg[2])
         elif kind == "batch_error":
             self.sink(_batch_result(w.batch, "error", msg[1]))
+            self.on_done(w.batch)
             w.batch = None
         elif kind == "done":
+            self.on_done(w.batch)
             w.batch, w.deadline = None, None
 
     def _lost(self, w: _Worker, queue, status: str, why: str) -> _Worker:
@@ -243,6 +253,8 @@ class Pool:
             resume = w.next_index
         if resume is not None and w.total is not None and resume < w.total:
             queue.appendleft(replace(w.batch, start=resume))
+        else:
+            self.on_done(w.batch)
         w.batch = None
         w.stop(kill=True)
         self.restarts += 1
@@ -252,6 +264,7 @@ class Pool:
         reason = f"not run: more than {self.restart_cap} worker restarts"
         for b in list(queue) + [w.batch for w in workers if w.batch is not None]:
             self.sink(_batch_result(b, "error", reason))
+            self.on_done(b)
         queue.clear()
 
 

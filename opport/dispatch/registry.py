@@ -29,13 +29,17 @@ from opport.errors import BackendUnavailableError
 class Capabilities:
     """What the conformance and performance suites need to know about a backend, declared by the backend.
 
-    emulated: its current mode runs a device's kernels on this CPU (Triton's interpreter, the NKI emulator):
-        conformance then uses the tier's smaller caps, and timings mean nothing.
+    emulated: its current mode runs a device's kernels on this CPU (Triton's interpreter, the NKI emulator
+        or simulator): conformance then uses the tier's smaller caps, and `opport bench` never times it.
+    max_workers: at most this many conformance worker processes at once in the current mode (each holds
+        a context on one shared device); None: no limit beyond the CPU count.
     bench: the module (found by name, like kernel modules) that tells `opport bench` how to measure this
-        backend: its timer, ceilings, default tier and dtypes, device-side counters (opport.bench.profile).
+        backend: its timer and ceilings or its counters, default tier and dtypes, time limit, baselines
+        (the protocol is in opport/bench/profile.py). None: the backend cannot be benchmarked.
     """
 
     emulated: Callable[[], bool] = field(default=lambda: False)
+    max_workers: Callable[[], int | None] = field(default=lambda: None)
     bench: str | None = None
 
 

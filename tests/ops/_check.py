@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from opport.conformance.compare import compare, contract
+from opport.accuracy import compare, contract
 from opport.dispatch.registry import get_backend, kernels
 from opport.dtypes import FLOATS
 from opport.public import function

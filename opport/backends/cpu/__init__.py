@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from opport.dispatch.registry import Backend
+from opport.dispatch.registry import Backend, Capabilities
 from opport.dtypes import FLOATS
 
 
@@ -21,4 +21,5 @@ BACKEND = Backend(
     probe=lambda: None,
     mode=lambda: "numpy",
     versions=_versions,
+    capabilities=Capabilities(bench=f"{__name__}.bench"),
 )

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 
-from opport.dispatch.registry import Backend
+from opport.dispatch.registry import Backend, Capabilities
 
 _lock = threading.Lock()
 _mode: str | None = None
@@ -44,9 +44,9 @@ def setup() -> str:
 
 
 def compile_only() -> None:
-    """Define the kernels as compiled JIT functions on a machine with no GPU, for aot.py.
+    """Define the kernels as compiled JIT functions on a machine with no GPU, for tools/cuda_aot.py.
 
-    Nothing can launch in such a process: aot.py installs a driver that only compiles. Must run
+    Nothing can launch in such a process: the tool installs a driver that only compiles. Must run
     before any kernel module is imported; a process that already chose the interpreter cannot switch.
     """
     global _mode
@@ -120,4 +120,9 @@ BACKEND = Backend(
     hint="pip install 'opport[cuda]'",
     torch_device=lambda: "cuda" if setup() == "compiled" else "cpu",
     serialized=lambda: setup() == "interpreter",  # the interpreter patches triton.language while it runs
+    capabilities=Capabilities(
+        emulated=lambda: setup() == "interpreter",
+        max_workers=lambda: 4 if setup() == "compiled" else None,  # each worker holds a CUDA context on one GPU
+        bench=f"{__name__}.bench",
+    ),
 )

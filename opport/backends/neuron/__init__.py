@@ -5,7 +5,7 @@ Importing this package stays cheap: the SDK probe and the emulator load only whe
 
 import os
 
-from opport.dispatch.registry import Backend
+from opport.dispatch.registry import Backend, Capabilities
 
 
 def _compat():
@@ -41,4 +41,9 @@ BACKEND = Backend(
     versions=_versions,
     hint="Install the Neuron SDK (`nki`, `neuronx-cc` from AWS's Neuron pip index) for hardware or simulator mode, "
          "or unset OPPORT_NKI to use opport's emulator.",
+    capabilities=Capabilities(
+        emulated=lambda: _mode() in ("emulator", "simulator"),
+        max_workers=lambda: 4 if _mode() in ("hardware", "simulator") else None,  # one device (or SDK simulator) shared
+        bench=f"{__name__}.bench",
+    ),
 )

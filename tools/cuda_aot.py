@@ -1,6 +1,6 @@
 """Compile the cuda kernels for a GPU this machine does not have, and check what only a GPU would.
 
-    python -m opport.backends.cuda.aot [--arch 90] [--op NAME]... [--tier llm]... [--no-cases] [--json F]
+    python tools/cuda_aot.py [--arch 90] [--op NAME]... [--tier llm]... [--no-cases] [--json F] [--jobs N]
 
 Each problem (the bench's shapes of the chosen tiers and every conformance case, in float32, float16
 and bfloat16) goes through the kernel's host code on torch meta tensors, so tiles, layouts, grids and
@@ -16,7 +16,12 @@ that runs the conformance suite on CPUs checks none of what this does:
   the widest global load (16 bytes: memory traffic fully vectorised).
 
 Must run in a fresh process: the kernels have to be defined as compiled JIT functions, which a
-process that already picked Triton's interpreter cannot undo. Exit 1 on any failure.
+process that already picked Triton's interpreter cannot undo (the cuda backend's `compile_only()` hook).
+Exit 1 on any failure. A CI tool, not part of the runtime package: it checks the checkout it lives in.
+
+Triton caches each compiled configuration (~/.triton/cache); a configuration found there ran no ptxas, so
+its registers and spills come from running `ptxas -v` on the cached PTX, and that result is cached in the
+same cache entry (under the entry's key: the kernel source, options, target and Triton version).
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)  # the checkout's opport, not another installed one
 
 # H100/H200 (sm_90): 227 KiB of shared memory per block (opt-in maximum), 255 registers per thread.
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}
@@ -123,8 +133,7 @@ class _Recorder:
         build = self.report.builds.get(md.hash)
         if build is None:
             build = Build(name, *_describe(kernel.src), md.num_warps, md.num_stages, md.shared, round(seconds, 3))
-            build.registers, build.spill_bytes = _usage(ptxas_log) if _USAGE.search(ptxas_log) else _ptxas_usage(
-                kernel.asm.get("ptx"), self.report.arch)  # a cache hit ran no ptxas: run it on the cached PTX
+            build.registers, build.spill_bytes = _cached_usage(md.hash, ptxas_log, kernel.asm.get("ptx"), self.report.arch)
             ptx = kernel.asm.get("ptx") or ""
             build.mma = "wgmma" if "wgmma." in ptx else "mma.sync" if "mma.sync" in ptx else None
             build.load_bytes = max((_width(m) for m in _LOAD.findall(ptx)), default=None)
@@ -165,6 +174,28 @@ def _usage(log: str) -> tuple:
     regs = [int(m) for m in _USAGE.findall(log)]
     spills = [int(a) + int(b) for a, b in _SPILL.findall(log)]
     return (max(regs) if regs else None), (max(spills) if spills else None)
+
+
+_USAGE_FILE = "opport-ptxas-usage.json"
+
+
+def _cached_usage(key: str, ptxas_log: str, ptx: str | None, arch: int) -> tuple:
+    """(registers, spill bytes): from Triton's own ptxas log when it just compiled the kernel; else (a cache
+    hit) from the Triton cache entry `key` (a content hash: same PTX, same answer), else from running ptxas
+    on the cached PTX. Either way the answer is stored in the entry for the next run."""
+    from triton.runtime.cache import get_cache_manager
+
+    if not ptx and not _USAGE.search(ptxas_log):
+        return None, None  # nothing to read the usage from (and no cache entry to create)
+    cache = get_cache_manager(key)
+    found = None if _USAGE.search(ptxas_log) else cache.get_file(_USAGE_FILE)
+    if found:
+        with open(found) as f:
+            return tuple(json.load(f))
+    usage = _usage(ptxas_log) if _USAGE.search(ptxas_log) else _ptxas_usage(ptx, arch)
+    if usage != (None, None):
+        cache.put(json.dumps(usage), _USAGE_FILE, binary=False)
+    return usage
 
 
 def _ptxas_usage(ptx: str | None, arch: int) -> tuple:
@@ -331,7 +362,7 @@ def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES) -
     report = Report(arch)
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         def one(i, op, dts):
-            cmd = [sys.executable, "-m", "opport.backends.cuda.aot", "--arch", str(arch), "--jobs", "1", f"--op={op}",
+            cmd = [sys.executable, __file__, "--arch", str(arch), "--jobs", "1", f"--op={op}",
                    "--json", f"{tmp}/{i}.json", *[f"--dtype={d}" for d in dts], *[f"--tier={t}" for t in tiers]]
             code = subprocess.run(cmd + ([] if cases else ["--no-cases"]), stdout=subprocess.DEVNULL).returncode
             return op, code, f"{tmp}/{i}.json"
@@ -352,7 +383,7 @@ def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES) -
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m opport.backends.cuda.aot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/cuda_aot.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
     p.add_argument("--op", action="append", default=[], help="only this op (repeatable)")
     p.add_argument("--tier", action="append", default=[], help="bench shape tiers (default: smoke, small, llm)")
