@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import opport
-from opport.conformance.compare import compare
+from opport.accuracy import compare
 from opport.dispatch import backends, get_backend, kernels
 from opport.integrations import small_cases
 from opport.public import function

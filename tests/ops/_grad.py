@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from opport import casegen
-from opport.conformance.compare import compare, contract
+from opport.accuracy import compare, contract
 from opport.dispatch import get_backend, kernels
 
 FD_RTOL = 1e-6

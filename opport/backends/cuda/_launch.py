@@ -74,7 +74,7 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-H200_SMS = 132  # the GPU kernels are designed for; what a device-less run (interpreter, aot.py) assumes
+H200_SMS = 132  # the GPU kernels are designed for; what a device-less run (interpreter, tools/cuda_aot.py) assumes
 
 
 def sm_count(device) -> int:

@@ -230,7 +230,7 @@ def _supports(q, k, v, causal, scale):
 
 def _config(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype, causal: bool) -> dict:
     """Tile shape per problem: the largest tiles that compile for sm_90 without register spills and
-    within shared memory (checked by `python -m opport.backends.cuda.aot`); not yet timed on hardware."""
+    within shared memory (checked by `python tools/cuda_aot.py`); not yet timed on hardware."""
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     fit = lambda n, cap: max(16, min(cap, next_pow2(n)))  # noqa: E731 (tl.dot needs every dim >= 16)
     if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
