@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import opport.backends.cpu.attention as cpu_attention
+from opport.accuracy import compare
 from opport.backends.cpu.attention import attention as forward_kernel
 from opport.backends.cpu.attention import attention_backward as kernel
 from opport.backends.cpu.attention import attention_forward as train_kernel
 from opport.casegen import cast
-from opport.accuracy import compare
 from opport.dispatch import call
 from opport.errors import ArgumentError, OpError
 from opport.ops.attention import attention as spec

@@ -8,12 +8,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from opport.accuracy import compare
 from opport.backends.cpu import cross_entropy as cpu_ce
 from opport.backends.cpu.cross_entropy import cross_entropy as forward_kernel
 from opport.backends.cpu.cross_entropy import cross_entropy_backward as kernel
 from opport.backends.cpu.cross_entropy import cross_entropy_forward as train_kernel
 from opport.casegen import cast
-from opport.accuracy import compare
 from opport.dispatch import call
 from opport.errors import OpError
 from opport.ops.cross_entropy import cross_entropy as spec
