@@ -22,7 +22,7 @@ import numpy as np
 
 from opport import accuracy as cmp
 from opport.conformance.cases import Item, lay_out, layout_ok
-from opport.dispatch import clear_cache, explain, kernels, strict
+from opport.dispatch import call, clear_cache, explain, kernels, strict
 from opport.dispatch.adapters import metas_of
 from opport.dispatch.registry import registered
 from opport.dtypes import acc_dtype, np_dtype
@@ -39,9 +39,17 @@ STICKY = ("illegal memory access", "device-side assert", "unspecified launch fai
 
 
 def new_result(item: Item) -> dict:
-    return {"id": item.id, "op": item.op, "backend": item.backend, "kernel": "", "dtype": item.dtype,
-            "case": item.name, "source": item.source, "layout": item.layout, "tags": list(item.tags),
-            "status": "pass", "metrics": {}, "message": "", "worst": None}
+    return {"id": item.id, "op": item.op, "direction": direction(item.op), "backend": item.backend, "kernel": "",
+            "dtype": item.dtype, "case": item.name, "source": item.source, "layout": item.layout,
+            "tags": list(item.tags), "status": "pass", "metrics": {}, "message": "", "worst": None}
+
+
+def direction(op: str) -> str:
+    """forward, backward, or forward_train (a forward that also returns saved statistics)."""
+    try:
+        return get_op(op).direction
+    except OpError:  # a name no op has (a preset row of an unknown op): say nothing wrong
+        return "forward"
 
 
 def run_item(item: Item) -> dict:
@@ -98,21 +106,66 @@ def _value_case(item: Item, res: dict):
     if kernel is None:
         return
     sums = [checksum(buf) for buf in laid.buffers]
-    outs = [_call(spec, b, laid, np.nan)]
-    ref = np.asarray(spec.run_reference(*laid.ref_args, **laid.ref_kwargs))  # between kernel calls, on purpose
-    outs += [_call(spec, b, laid, SENTINEL), _call(spec, b, laid, np.nan)]
+    calls = [_call(spec, b, laid, np.nan)]
+    refs = _outputs(spec.run_reference(*laid.ref_args, **laid.ref_kwargs))  # between kernel calls, on purpose
+    calls += [_call(spec, b, laid, SENTINEL), _call(spec, b, laid, np.nan)]
 
     changed = [i for i, buf in enumerate(laid.buffers) if checksum(buf) != sums[i]]
     problems = [f"kernel wrote into its input (argument buffers {changed} changed)"] if changed else []
     bound = spec.bind(*laid.ref_args, **laid.ref_kwargs)
-    out_dtype = spec.out_dtype(metas_of(spec, bound))
-    for o, why in outs:  # output kind, aliasing, dtype and shape before any value
-        broken = why or cmp.contract(o, ref, out_dtype)
+    metas = spec.out_metas(metas_of(spec, bound))
+    for outs, why in calls:  # output kind, aliasing, count, dtype and shape before any value
+        broken = why or _contract(spec, outs, refs, metas)
         if broken:
             return _fail(res, broken, problems)
-    problems += _judge(spec, case, item.dtype, bound, [o for o, _ in outs], ref, out_dtype, kernel, res)
+    problems += _judge_outputs(spec, case, item.dtype, bound, [outs for outs, _ in calls], refs, metas, kernel, res)
     if problems:
         _fail(res, "; ".join(problems), [])
+
+
+def _outputs(value) -> list:
+    """An op's result as a list of outputs: several for derived ops (gradients; output and statistics)."""
+    return [None if v is None else np.asarray(v) for v in value] if isinstance(value, tuple) else [np.asarray(value)]
+
+
+def output_names(spec) -> list:
+    if spec.direction == "backward":
+        return [f"d{n}" for n in spec.wrt]
+    if spec.direction == "forward_train":
+        return ["out", *spec.stats]
+    return ["out"]
+
+
+def _contract(spec, outs: list, refs: list, metas: list) -> str | None:
+    if len(outs) != len(refs):
+        return f"returned {len(outs)} outputs, expected {len(refs)} ({', '.join(output_names(spec))})"
+    for name, o, r, m in zip(output_names(spec), outs, refs, metas):
+        if (o is None) != (m is None):
+            return f"{name}: {'no output' if o is None else 'an output'} where {'one' if m is not None else 'None'} is due"
+        broken = o is not None and cmp.contract(o, r, m[1])
+        if broken:
+            return broken if len(outs) == 1 else f"{name}: {broken}"
+    return None
+
+
+def _judge_outputs(spec, case, dtype, bound, calls: list, refs: list, metas: list, kernel, res: dict) -> list:
+    """`_judge` for each output; one output's metrics are the result's, several keep the worst one's and all."""
+    names, problems, per = output_names(spec), [], {}
+    for j, (name, ref, m) in enumerate(zip(names, refs, metas)):
+        if m is None:
+            continue
+        one = {"metrics": {}, "worst": None}
+        found = _judge(spec, case, dtype, bound, [outs[j] for outs in calls], ref, m[1], kernel, one, j)
+        problems += found if len(refs) == 1 else [f"{name}: {p}" for p in found]
+        per[name] = one
+        if one["worst"] is not None and res["worst"] is None:
+            res["worst"] = {**one["worst"], "output": name}
+    if len(per) == 1 or not per:
+        res["metrics"] = next(iter(per.values()))["metrics"] if per else {}
+    else:
+        worst = max(per, key=lambda n: per[n]["metrics"].get("tol_ratio") or 0.0)
+        res["metrics"] = {**per[worst]["metrics"], "output": worst, "outputs": {n: v["metrics"] for n, v in per.items()}}
+    return problems
 
 
 def _chosen_kernel(spec, b, laid, res: dict):
@@ -126,10 +179,11 @@ def _chosen_kernel(spec, b, laid, res: dict):
     return next(k for k in kernels(spec, b) if k.name == decision.kernel)
 
 
-def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict) -> list:
-    """Values, repeated calls, invariants and the noise floor; fills res metrics/worst, returns the problems."""
+def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict, index: int = 0) -> list:
+    """Values, repeated calls, invariants and the noise floor of output `index`; fills res metrics/worst,
+    returns the problems."""
     override = case.tolerance is not None
-    tol = case.tolerance or spec.tolerances[dtype]
+    tol = output_tolerance(spec, dtype, index, case)
     verdict = cmp.compare(arrays[0], ref, tol, out_dtype, override)
     res["metrics"] = dict(verdict.metrics)
     problems = []
@@ -138,16 +192,28 @@ def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict) 
         res["worst"] = {**verdict.worst, "inputs": _inputs_at(bound, spec, verdict.worst["index"], ref.shape)}
     problems += _repeat_problems(arrays, ref, tol, out_dtype, kernel.deterministic, res, override)
     out64 = arrays[0].astype(np.float64)
-    for inv in spec.invariants:
+    for inv in spec.invariants if spec.n_outputs == 1 else ():
         msg = inv(out64, *bound)
         if msg:
             problems.append(f"invariant {getattr(inv, '__name__', 'invariant')}: {msg}")
     if verdict.ok:
-        floor = cmp.noise_floor(arrays[0], ref, plain_numpy(spec, bound, out_dtype), tol, out_dtype)
+        floor = cmp.noise_floor(arrays[0], ref, plain_numpy(spec, bound, out_dtype, index), tol, out_dtype)
         res["metrics"].update(floor.metrics)
         if not floor.ok:
             problems.append(floor.message)
     return problems
+
+
+def output_tolerance(spec, dtype: str, index: int, case) -> object:
+    """Output `index`'s tolerance: the case's override or the op's; a backward's per gradient (norm-wise where
+    it sums over rows); a training forward's statistics at the accumulation dtype's base tolerance."""
+    if spec.direction == "backward":
+        return spec.tolerance_for(dtype, index, case)
+    if spec.direction == "forward_train" and index > 0:
+        from opport.spec import BASE_TOLERANCE
+
+        return BASE_TOLERANCE[acc_dtype(dtype).name]
+    return case.tolerance or spec.tolerances[dtype]
 
 
 def _fail(res: dict, msg: str, more: list):
@@ -167,11 +233,25 @@ def _torch_device(b) -> str | None:
 
 
 def _call(spec, b, laid, poison) -> tuple:
-    """(output as a NumPy copy, None) or (None, why the output breaks the contract)."""
+    """([each output as a NumPy copy, None where an output is None], None) or (None, why the outputs break
+    the contract). Derived ops (training forward, backward) are called through the dispatcher, as autograd
+    and `opport.vjp` call them; ops through their public function."""
     with poisoned(poison), strict():
-        out = function(spec)(*laid.args, backend=b.name, **laid.kwargs)
+        if spec.direction == "forward":
+            out = function(spec)(*laid.args, backend=b.name, **laid.kwargs)
+        else:
+            out = call(spec, spec.bind(*laid.args, **laid.kwargs), b.name)
     first = next(a for a in (*laid.args, *laid.kwargs.values()) if hasattr(a, "shape"))
-    return _as_numpy(out, first, laid)
+    outs = []
+    for o in out if isinstance(out, tuple) else (out,):
+        if o is None:
+            outs.append(None)
+            continue
+        got, why = _as_numpy(o, first, laid)
+        if why:
+            return None, why
+        outs.append(got)
+    return outs, None
 
 
 def _as_numpy(out, like, laid) -> tuple:
@@ -240,17 +320,17 @@ def _inputs_at(bound: tuple, spec, idx: tuple, shape: tuple) -> dict:
     return out
 
 
-def plain_numpy(spec, bound: tuple, out_dtype: str) -> np.ndarray:
+def plain_numpy(spec, bound: tuple, out_dtype: str, index: int = 0) -> np.ndarray:
     """The reference evaluated in the accumulation dtype (float32 for 16-bit) on the same inputs, rounded
-    to the output dtype: the noise floor a plain same-dtype NumPy implementation reaches."""
+    to the output dtype: the noise floor a plain same-dtype NumPy implementation reaches (output `index`)."""
     args = list(bound)
     for i in spec.array_pos:
         a = args[i]
         if isinstance(a, np.ndarray) and a.dtype.kind in "fV":
             args[i] = a.astype(acc_dtype(a.dtype.name))
     with np.errstate(all="ignore"):
-        r = np.asarray(spec._reference(*args))
-        return r.astype(np_dtype(out_dtype))
+        r = spec._reference(*args)
+        return np.asarray(r[index] if isinstance(r, tuple) else r).astype(np_dtype(out_dtype))
 
 
 def checksum(buf) -> bytes:

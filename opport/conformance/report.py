@@ -212,8 +212,8 @@ def to_json(report) -> dict:
 
 
 def _case_json(c: dict) -> dict:
-    keys = ("id", "op", "backend", "kernel", "dtype", "status", "metrics", "message", "repro", "case", "source", "layout",
-            "tags", "worst", "known_failure", "duration_s")
+    keys = ("id", "op", "direction", "backend", "kernel", "dtype", "status", "metrics", "message", "repro", "case", "source",
+            "layout", "tags", "worst", "known_failure", "duration_s")
     return {k: c.get(k) for k in keys if k in c}
 
 
@@ -265,7 +265,7 @@ def _junit_case(suite, c: dict):
         v = (c.get("metrics") or {}).get(k)
         if v is not None:
             ET.SubElement(props, "property", name=k, value=repr(v))
-    for k in ("kernel", "status", "repro"):
+    for k in ("direction", "kernel", "status", "repro"):
         ET.SubElement(props, "property", name=k, value=str(c.get(k) or ""))
     text = "\n".join(filter(None, [c["message"], c.get("worst") and f"worst element: {_worst_text(c['worst'])}",
                                    f"repro: {c.get('repro', '')}"]))

@@ -73,9 +73,9 @@ class Plan:
 
 def plan(options: Options) -> Plan:
     from opport.dispatch import backends, get_backend, kernels
-    from opport.ops import all_ops, get_op
+    from opport.ops import all_ops, get_op, with_derived
 
-    specs = [get_op(n) for n in options.ops] if options.ops else list(all_ops().values())
+    specs = _specs(options, all_ops, get_op, with_derived)
     everything = "all" in options.backends
     names = list(backends()) if everything else list(dict.fromkeys(options.backends))
     p = Plan(options)
@@ -92,9 +92,21 @@ def plan(options: Options) -> Plan:
         p.limits[name] = b.capabilities.max_workers()
         p.selections[name] = sel
         for spec in specs:
-            _plan_op(p, spec, b, sel, options, kernels(spec, b))
+            ks = kernels(spec, b)
+            if spec.direction != "forward" and not ks:
+                continue  # a backend without backward kernels: nothing to check (calls fall back to cpu)
+            _plan_op(p, spec, b, sel, options, ks)
     p.batches.sort(key=lambda bt: not p.selections[bt.backend].emulated)  # slow (emulated) backends first: shorter tail
     return p
+
+
+def _specs(options: Options, all_ops, get_op, with_derived) -> list:
+    """The ops to run, each followed by its training forward and backward (its gradients are checked too).
+    `--op rmsnorm` selects rmsnorm and its derived ops; `--op rmsnorm_backward` the backward alone."""
+    if not options.ops:
+        return with_derived(all_ops().values())
+    named = [get_op(n) for n in options.ops]
+    return list(dict.fromkeys(d for s in named for d in (with_derived([s]) if s.direction == "forward" else [s])))
 
 
 def _plan_op(p: Plan, spec, b, sel: Selection, options: Options, ks: list):
@@ -109,7 +121,7 @@ def _plan_op(p: Plan, spec, b, sel: Selection, options: Options, ks: list):
             continue
         p.batches.append(Batch("cases", spec.name, b.name, d, sel))
         p.covered.add((spec.name, b.name, d))
-    if options.errors:
+    if options.errors and spec.direction != "forward_train":  # a training forward validates as its forward
         p.batches.append(Batch("errors", spec.name, b.name, "n/a", sel))
 
 
@@ -125,7 +137,10 @@ def _versions(b) -> dict:
 
 
 def _preset(op, backend, dtype, case, why) -> dict:
-    return {"id": f"{op}/{backend}/{dtype}/{case}", "op": op, "backend": backend, "kernel": "", "dtype": dtype,
+    from opport.conformance.execute import direction
+
+    return {"id": f"{op}/{backend}/{dtype}/{case}", "op": op, "direction": direction(op), "backend": backend,
+            "kernel": "", "dtype": dtype,
             "case": case, "source": "plan", "layout": None, "tags": [], "status": "skip", "metrics": {},
             "message": why, "worst": None, "index": -1}
 

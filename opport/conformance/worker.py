@@ -280,6 +280,9 @@ def _death(exitcode) -> str:
 
 def _batch_result(batch: Batch, status: str, message: str) -> dict:
     """A result standing for a whole batch that could not be built or run."""
-    return {"id": f"{batch.key}/<batch>", "op": batch.op, "backend": batch.backend, "kernel": "", "dtype": batch.dtype,
+    from opport.conformance.execute import direction
+
+    return {"id": f"{batch.key}/<batch>", "op": batch.op, "direction": direction(batch.op), "backend": batch.backend,
+            "kernel": "", "dtype": batch.dtype,
             "case": "<batch>", "source": "batch", "layout": None, "tags": [], "status": status, "metrics": {},
             "message": message, "worst": None}

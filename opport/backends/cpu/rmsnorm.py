@@ -75,7 +75,11 @@ def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
             gf = gf * w
         dst = d2[block]
         y = result_block(dst, xf)
-        np.multiply(gf - xhat * row_mean(gf * xhat), r if s is None else r * s, out=y)
+        if n == 1:  # g - xhat (g xhat) = g eps r^2 exactly: the general form would cancel to float32 noise
+            g_perp = gf * (t(eps) if s is None else t(eps) * s * s) * r * r + xf * 0  # (+ x * 0: NaN where x is not finite)
+            np.multiply(g_perp, r if s is None else r * s, out=y)
+        else:
+            np.multiply(gf - xhat * row_mean(gf * xhat), r if s is None else r * s, out=y)
         store(dst, y)
 
     if dx.size:
