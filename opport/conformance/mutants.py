@@ -1,4 +1,4 @@
-"""Self-test of the gate (docs/numerics.md G4): five broken versions of every cpu kernel must each fail a case.
+"""Self-test of the gate (docs/numerics.md G4): broken versions of every cpu kernel must each fail a case.
 
 Each mutant is a backend (`mutant-zeros`, ...) whose kernels wrap the cpu kernels, so it sees the same
 cases through the same dispatcher, poisoning and comparisons as a real backend. `self_test` runs
@@ -17,37 +17,38 @@ from opport.conformance.gate import BAD
 from opport.dtypes import FLOATS
 
 MUTANTS = ("zeros", "input", "unwritten", "skip-last", "ignore-strides")
+GRAD_MUTANT = "mutant-grad"  # the backend that runs each op's declared backward mutants, one at a time
+
+
+def _each(out, fn):
+    """`fn` applied to each output of a kernel (derived ops return several; None stays None)."""
+    if isinstance(out, tuple):
+        return tuple(None if o is None else fn(np.asarray(o)) for o in out)
+    return fn(np.asarray(out))
 
 
 def _zeros(fn, spec):
-    def kernel(*bound):
-        out = np.asarray(fn(*bound))
-        return np.zeros(out.shape, out.dtype)
-
-    return kernel
+    return lambda *bound: _each(fn(*bound), lambda o: np.zeros(o.shape, o.dtype))
 
 
 def _input(fn, spec):
+    if spec.n_outputs > 1:  # several outputs: hand back the first array for each
+        return lambda *bound: _each(fn(*bound), lambda o: bound[spec.array_pos[0]])
     return lambda *bound: bound[spec.array_pos[0]]
 
 
 def _unwritten(fn, spec):
-    def kernel(*bound):
-        out = np.asarray(fn(*bound))
-        return np.empty(out.shape, out.dtype)  # never written: what the allocator left
-
-    return kernel
+    return lambda *bound: _each(fn(*bound), lambda o: np.empty(o.shape, o.dtype))  # what the allocator left
 
 
 def _skip_last(fn, spec):
-    def kernel(*bound):
-        out = np.asarray(fn(*bound))
-        res = np.empty(out.shape, out.dtype)
-        if out.ndim:  # a 0-d output is its own row: its only element is the last
-            res[..., :-1] = out[..., :-1]
+    def drop_last(o):
+        res = np.empty(o.shape, o.dtype)
+        if o.ndim:  # a 0-d output is its own row: its only element is the last
+            res[..., :-1] = o[..., :-1]
         return res
 
-    return kernel
+    return lambda *bound: _each(fn(*bound), drop_last)
 
 
 def _ignore_strides(fn, spec):
@@ -77,41 +78,75 @@ MAKERS = {"zeros": _zeros, "input": _input, "unwritten": _unwritten, "skip-last"
 
 
 def install():
-    """Register the five mutant backends and their kernels for every op (idempotent)."""
+    """Register the five mutant backends and their kernels for every op, training forward and backward
+    (idempotent), and the empty backend that runs the declared backward mutants."""
     from opport.dispatch import Backend, backends, get_backend, impl, kernels, register_backend
-    from opport.ops import all_ops
+    from opport.ops import all_ops, with_derived
 
     cpu = get_backend("cpu")
-    for kind in MUTANTS:
-        name = f"mutant-{kind}"
+    for name in (*(f"mutant-{kind}" for kind in MUTANTS), GRAD_MUTANT):
         if name not in backends():
             register_backend(Backend(name=name, package="opport.conformance", array_kind="numpy", device_types=(),
                                      dtypes=FLOATS, probe=lambda: None, mode=lambda: "mutant"))
-        for spec in all_ops().values():
+    for kind in MUTANTS:
+        for spec in with_derived(all_ops().values()):
             for k in kernels(spec, cpu):
-                impl(spec, name, dtypes=k.dtypes, supports=k.supports, priority=k.priority,
-                     name=f"{name}.{k.name.split('.', 1)[-1]}")(MAKERS[kind](k.fn, spec))
+                impl(spec, f"mutant-{kind}", dtypes=k.dtypes, supports=k.supports, priority=k.priority,
+                     name=f"mutant-{kind}.{k.name.split('.', 1)[-1]}")(MAKERS[kind](k.fn, spec))
 
 
 def uninstall():
     """Remove the mutant backends and kernels again (so they never show up in `opport.backends()` afterwards)."""
     from opport.dispatch import unregister_backend
 
-    for kind in MUTANTS:
-        unregister_backend(f"mutant-{kind}")  # and its kernels
+    for name in (*(f"mutant-{kind}" for kind in MUTANTS), GRAD_MUTANT):
+        unregister_backend(name)  # and its kernels
 
 
 def self_test(ops=None, dtypes=("float32",), examples: int = 5) -> dict:
-    """{(op, mutant): id of the first case that caught it, or None if it survived}."""
-    from opport.ops import all_ops, get_op
+    """{(op, mutant): id of the first case that caught it, or None if it survived}: the five generic mutants
+    of every op, training forward and backward, and each backward's declared mutants (a dropped term, a
+    gradient not summed over rows, a wrong scale: `@<op>_backward.mutant`)."""
+    from opport.ops import all_ops, get_op, with_derived
 
-    specs = [get_op(n) for n in ops] if ops else list(all_ops().values())
+    specs = with_derived([get_op(n) for n in ops] if ops else all_ops().values())
     sel = Selection("fast", examples, 0)
     install()
     try:
-        return {(spec.name, kind): _first_kill(spec, f"mutant-{kind}", dtypes, sel) for spec in specs for kind in MUTANTS}
+        kills = {(spec.name, kind): _first_kill(spec, f"mutant-{kind}", dtypes, sel) for spec in specs for kind in MUTANTS}
+        for spec in specs:
+            for name, fn in getattr(spec, "mutants", {}).items():
+                kills[(spec.name, name)] = _declared_kill(spec, name, fn, dtypes, sel)
+        return kills
     finally:
         uninstall()
+
+
+def _declared_kill(spec, name: str, fn, dtypes, sel) -> str | None:
+    """A backward's declared mutant, run as the only kernel of the mutant-grad backend."""
+    from opport.dispatch import impl, remove_kernel
+
+    kname = f"{GRAD_MUTANT}.{spec.name}.{name}"
+    impl(spec, GRAD_MUTANT, name=kname)(_as_kernel(spec, fn))
+    try:
+        return _first_kill(spec, GRAD_MUTANT, dtypes, sel)
+    finally:
+        remove_kernel(spec, GRAD_MUTANT, kname)
+
+
+def _as_kernel(spec, fn):
+    """A float64 mutant function as a kernel: inputs upcast, each output rounded to its declared dtype."""
+    from opport.dtypes import np_dtype
+
+    def kernel(*bound):
+        args = [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind in "fV" else a for a in bound]
+        with np.errstate(all="ignore"):
+            outs = fn(*args)
+        metas = spec.out_metas(bound)
+        return tuple(None if o is None else np.asarray(o).astype(np_dtype(getattr(m[1], "name", m[1])))
+                     for o, m in zip(outs, metas))
+
+    return kernel
 
 
 def _first_kill(spec, backend: str, dtypes, sel) -> str | None:

@@ -429,3 +429,28 @@ def _backward_cases(dtype):
     gqa = _grad_case("strided-grad", dtype, _case("strided-grad", dtype, 2, 4, 2, 19, 19, 16, causal=True), tags=())
     gt = np.ascontiguousarray(gqa.args[0].transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # [B, S, H, D] memory
     yield Case("strided-grad", (gt, *gqa.args[1:]), gqa.kwargs, ())
+
+
+@attention_backward.mutant("dq-unscaled")
+def _mutant_dq_unscaled(grad, q, k, v, out, lse, causal, scale):
+    """dq without the softmax scale (dS K instead of scale dS K)."""
+    dq, dk, dv = _backward_reference(grad, q, k, v, out, lse, causal, scale)
+    return dq / (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale), dk, dv
+
+
+@attention_backward.mutant("dkv-of-first-head")
+def _mutant_dkv_not_summed(grad, q, k, v, out, lse, causal, scale):
+    """GQA: dk and dv from each group's first query head only, not summed over the group."""
+    dq, dk, dv = _backward_reference(grad, q, k, v, out, lse, causal, scale)
+    g = q.shape[1] // k.shape[1]
+    if g == 1:
+        return dq, dk, dv * 0.5  # no group: a half-summed dv instead
+    first = slice(0, None, g)
+    _, dk1, dv1 = _backward_reference(grad[:, first], q[:, first], k, v, out[:, first], lse[:, first], causal, scale)
+    return dq, dk1, dv1
+
+
+@attention_backward.mutant("dropped-rowsum-term")
+def _mutant_dropped_d(grad, q, k, v, out, lse, causal, scale):
+    """dS = P dP without the - P D term (D = rowsum(dO * O))."""
+    return _backward_reference(grad, q, k, v, np.zeros_like(out), lse, causal, scale)

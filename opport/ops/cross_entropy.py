@@ -340,3 +340,16 @@ def _neg_inf_smoothing_sum(dtype: str) -> Case:
     the loss is +inf, the gradient the formula's finite value (see cross_entropy_backward)."""
     c = _neg_inf_target_smoothing(dtype)
     return Case(c.name, c.args, {**c.kwargs, "reduction": "sum"}, c.tags)
+
+
+@cross_entropy_backward.mutant("mean-not-divided")
+def _mutant_mean_not_divided(grad, logits, target, lse, ignore_index, reduction, label_smoothing):
+    """"mean" treated as "sum": the gradient not divided by the count of kept rows."""
+    return _backward_reference(grad, logits, target, lse, ignore_index, "sum" if reduction == "mean" else reduction,
+                               label_smoothing if reduction == "mean" else label_smoothing * 0.5)
+
+
+@cross_entropy_backward.mutant("smoothing-dropped")
+def _mutant_smoothing_dropped(grad, logits, target, lse, ignore_index, reduction, label_smoothing):
+    """Label smoothing left out of the gradient (softmax minus one-hot only)."""
+    return _backward_reference(grad, logits, target, lse, ignore_index, reduction, 0.0 if label_smoothing else 0.1)

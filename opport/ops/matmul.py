@@ -225,3 +225,22 @@ def _backward_cases(dtype):
                      rng.standard_normal((17, 17)) * big)
     g = rng.standard_normal((3, 33, 17))  # [..., N, M] memory: a transposed (non-contiguous) upstream gradient
     yield Case("strided-grad", (cg.cast(g, dtype).swapaxes(-1, -2), *fwd.args), {}, ())
+
+
+@matmul_backward.mutant("db-of-last-batch")
+def _mutant_db_not_summed(grad, a, b, bias):
+    """A shared b's gradient from the last batch entry only, not summed over the batch."""
+    da, db, dbias = _backward_reference(grad, a, b, bias)
+    if b.ndim == 2 and a.ndim > 2 and a.shape[0] > 1:
+        last = _backward_reference(grad[-1], a[-1], b, bias)[1]
+        return da, last, dbias
+    return da, db * 0.5, dbias  # no batch to forget: half the sum instead
+
+
+@matmul_backward.mutant("dbias-of-last-row")
+def _mutant_dbias_not_summed(grad, a, b, bias):
+    """dbias from the last output row only, not summed over rows."""
+    da, db, dbias = _backward_reference(grad, a, b, bias)
+    if dbias is None or grad.size == 0:
+        return da, db, dbias
+    return da, db, grad.reshape(-1, grad.shape[-1])[-1].copy()

@@ -252,3 +252,9 @@ def _backward_cases(dtype):
     hf = _case("grad-hf-tables", dtype, (3, 2, 9, 16), np.arange(9)[None], interleaved=True)
     g = rng.standard_normal((3, 9, 2, 16))  # [B, S, H, D] memory: a non-contiguous upstream gradient
     yield Case("strided-grad-hf-tables", (cg.cast(g, dtype).transpose(0, 2, 1, 3), *hf.args[1:]), hf.kwargs, ())
+
+
+@rope_backward.mutant("forward-rotation")
+def _mutant_forward_rotation(grad, cos, sin, interleaved):
+    """dx = grad rotated by +angle (the forward again) instead of rotated back."""
+    return (_reference(grad, cos, sin, interleaved),)
