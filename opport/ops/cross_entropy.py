@@ -35,7 +35,7 @@ REDUCTIONS = ("mean", "sum", "none")
         "cross_entropy.logits_shape": "logits is 2-d [N, V] with V >= 1",
         "cross_entropy.target_dtype": f"target is an integer array ({', '.join(INTS)})",
         "cross_entropy.target_shape": "target.shape == (N,)",
-        "cross_entropy.ignore_index": "ignore_index is an int",
+        "cross_entropy.ignore_index": "ignore_index is an int in the int64 range (targets are int64)",
         "cross_entropy.reduction": f"reduction is one of {REDUCTIONS}",
         "cross_entropy.label_smoothing": "label_smoothing is a number in [0, 1]",
     },
@@ -58,8 +58,10 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
           target.dtype)
     check(target.shape == logits.shape[:1], ShapeError, NAME, "target", "cross_entropy.target_shape",
           f"({logits.shape[0]},) = (N,)", target.shape)
-    ok = isinstance(ignore_index, (int, np.integer)) and not isinstance(ignore_index, (bool, np.bool_))
-    check(ok, ArgumentError, NAME, "ignore_index", "cross_entropy.ignore_index", "an int", repr(ignore_index))
+    ok = isinstance(ignore_index, (int, np.integer)) and not isinstance(ignore_index, (bool, np.bool_)) \
+        and -(2**63) <= ignore_index < 2**63
+    check(ok, ArgumentError, NAME, "ignore_index", "cross_entropy.ignore_index", "an int in [-2^63, 2^63)",
+          repr(ignore_index))
     check_choice(NAME, "reduction", reduction, REDUCTIONS)
     ls = label_smoothing
     ok = isinstance(ls, (int, float, np.floating)) and not isinstance(ls, bool) and math.isfinite(ls) and 0 <= ls <= 1
@@ -198,6 +200,7 @@ def _error_cases():
     yield ErrorCase("cross_entropy.target_shape", ShapeError, (x, np.zeros((4, 1), np.int64)))
     yield ErrorCase("cross_entropy.ignore_index", ArgumentError, (x, t), {"ignore_index": 1.5})
     yield ErrorCase("cross_entropy.ignore_index", ArgumentError, (x, t), {"ignore_index": True})
+    yield ErrorCase("cross_entropy.ignore_index", ArgumentError, (x, t), {"ignore_index": 2**70})  # beyond int64
     yield ErrorCase("cross_entropy.reduction", ArgumentError, (x, t), {"reduction": "avg"})
     yield ErrorCase("cross_entropy.label_smoothing", ArgumentError, (x, t), {"label_smoothing": 1.5})
     yield ErrorCase("cross_entropy.label_smoothing", ArgumentError, (x, t), {"label_smoothing": float("nan")})
