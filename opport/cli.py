@@ -111,16 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_list(args) -> int:
     from opport.dispatch import backends
-    from opport.ops import all_ops
+    from opport.ops import all_ops, with_derived
 
     bs = list(backends().values())
-    table = Table(title="opport kernels (op x backend)")
+    table = Table(title="opport kernels (op x backend; <op>_backward: gradients, <op>_forward: training forward)")
     table.add_column("op")
     for b in bs:
         table.add_column(f"{escape(b.name)}\n[dim]{'unavailable' if b.unavailable() else escape(b.mode())}[/dim]")
     unlisted = {}  # backend -> why its kernels could not be loaded here
-    for name, spec in all_ops().items():
-        table.add_row(escape(name), *[_kernel_cell(spec, b, unlisted) for b in bs])
+    for spec in with_derived(all_ops().values()):
+        table.add_row(escape(spec.name), *[_kernel_cell(spec, b, unlisted) for b in bs])
     console = Console()
     console.print(table)
     for b, why in unlisted.items():
