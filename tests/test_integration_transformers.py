@@ -44,15 +44,16 @@ def _ids(batch=2, seq=7):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the calls the patched forwards make to each opport op."""
+    import opport.integrations.transformers as patcher
+
     counts = dict.fromkeys(PATCHED_OPS, 0)
-    for name in PATCHED_OPS:
-        spec = getattr(opport, name)
+    real = patcher._op
 
-        def spy(*args, _spec=spec, _name=name, **kwargs):
-            counts[_name] += 1
-            return _spec(*args, **kwargs)
+    def spy(name, *args, **kwargs):
+        counts[name] += 1
+        return real(name, *args, **kwargs)
 
-        monkeypatch.setattr(opport._ops, name, spy)  # the patched forwards call opport._ops.<op>
+    monkeypatch.setattr(patcher, "_op", spy)
     return counts
 
 

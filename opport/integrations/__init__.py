@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import sys
 
+from opport.dispatch import call
 from opport.integrations.samples import small_cases  # noqa: F401 - re-exported for tests and users
+
+
+def apply(spec, *args, backend: str | None = None, **kwargs):
+    """`opport.<op>(*args, **kwargs)` for code inside the integrations (the model patcher): the route, then
+    the dispatcher, as the public functions do, without importing them from above."""
+    bound = spec.bind(*args, **kwargs)
+    out = route(spec, bound, backend)
+    return call(spec, bound, backend) if out is NotImplemented else out
 
 
 def route(spec, bound: tuple, backend: str | None):

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import sys
 
-import opport._ops as ops
 from opport.errors import UnsupportedError
+from opport.integrations import apply
+from opport.ops import get_op
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # config.model_type -> class prefix
 _SAVED = "_opport_saved_forward"  # on a patched module: (forward it had in its __dict__ or None,)
@@ -69,6 +70,11 @@ def is_patched(model) -> bool:
     return any(_SAVED in vars(m) for m in model.modules())
 
 
+def _op(name: str, *args, **kwargs):
+    """The opport op `name` on these arguments (autograd and torch.compile included), as `opport.<name>`."""
+    return apply(get_op(name), *args, **kwargs)
+
+
 def _family_prefix(model) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
@@ -99,14 +105,14 @@ def _rmsnorm_forward(module, original):
     def forward(hidden_states):
         if hidden_states.dtype != module.weight.dtype:
             return original(hidden_states)
-        return ops.rmsnorm(hidden_states, module.weight, module.variance_epsilon)
+        return _op("rmsnorm", hidden_states, module.weight, module.variance_epsilon)
 
     return forward
 
 
 def _mlp_forward(module, original):
     def forward(x):
-        return module.down_proj(ops.swiglu(module.gate_proj(x), module.up_proj(x)))
+        return module.down_proj(_op("swiglu", module.gate_proj(x), module.up_proj(x)))
 
     return forward
 
@@ -128,7 +134,7 @@ def _attention_forward(module, original):
         if cache is not None:
             k, v = cache.update(k, v, module.layer_idx)
         if _opport_attends(module, q, k, attention_mask):
-            out = ops.attention(q, k, v, causal=q.shape[2] > 1, scale=module.scaling).transpose(1, 2)
+            out = _op("attention", q, k, v, causal=q.shape[2] > 1, scale=module.scaling).transpose(1, 2)
         else:
             fallback = attention_functions.get_interface(module.config._attn_implementation, eager)
             out, _ = fallback(module, q, k, v, attention_mask, scaling=module.scaling, sliding_window=_window(module),
@@ -145,7 +151,7 @@ def _rotate(q, k, cos, sin, hf_rope):
     if cos.shape[-1] != d:  # partial rotary: not an opport.rope layout
         return hf_rope(q, k, cos, sin)
     cos, sin = cos[..., : d // 2], sin[..., : d // 2]  # [1 or B, S, D/2]: opport.rope broadcasts a batch of 1
-    return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+    return _op("rope", q, cos, sin), _op("rope", k, cos, sin)
 
 
 def _opport_attends(module, q, k, attention_mask) -> bool:
