@@ -122,6 +122,8 @@ def test_baselines_compute_the_op(name):
     """Every baseline agrees with the op's float64 reference on the smoke shape, so a ratio compares like with like."""
     spec = get_op(name)
     wl = get_workload(spec)
+    if not wl.shapes:
+        pytest.skip(f"{name}: no workload and no case tagged llm, so opport bench skips it")
     shape = (wl.shapes_for("smoke") or wl.shapes)[0]
     bound = spec.bind(**wl.make(shape.dims, "float32", ArrayMaker("numpy", seed=1)))
     ref = spec.run_reference(*bound)
@@ -263,14 +265,15 @@ def test_an_emulated_backend_is_never_timed_on_the_host(capsys):
 
 def test_bench_and_conformance_name_no_backend_and_read_no_mode():
     """What they need to know about a backend is its declaration (Capabilities, its bench module): no
-    branch on a backend's name or mode string. cpu is left out: it is also torch's name for host memory."""
+    branch on a backend's name or mode string. cpu is left out: it is also torch's name for host memory; so are
+    backends other packages add, whose names and modes opport cannot know (and may be common words)."""
     from pathlib import Path
 
     from opport.dispatch import backends
 
     words = set()
     for b in backends().values():
-        if b.name != "cpu":
+        if b.name != "cpu" and b.package.startswith("opport.backends."):
             words |= {b.name, *([] if b.unavailable() else [b.mode()])}
     root = Path(opport.__file__).parent
     found = [(str(p.relative_to(root)), w) for sub in ("bench", "conformance") for p in sorted((root / sub).rglob("*.py"))

@@ -43,12 +43,12 @@ def test_every_kernel_compiles_for_sm90_within_its_limits(sm90):
     assert all(b["shared"] <= _tool().SHARED_LIMIT[90] for b in report["builds"])
 
 
-def test_every_op_and_the_llm_shapes_were_compiled(sm90):
-    from opport.ops import all_ops
+def test_every_op_with_cuda_kernels_and_the_llm_shapes_were_compiled(sm90):
+    from opport.ops import builtin_ops
 
     _, report = sm90
     compiled = {p.split()[0] for b in report["builds"] for p in b["problems"]}
-    assert compiled == set(all_ops())
+    assert compiled == set(_tool().cuda_ops()) >= set(builtin_ops())  # ops without cuda kernels run on cpu there
     llm = [p for b in report["builds"] for p in b["problems"] if "bench" in p and "S16384x16384" in p]
     assert llm, "the 16K-token attention shape of the llm tier was not compiled"
 

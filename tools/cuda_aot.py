@@ -313,14 +313,14 @@ def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = T
     cuda.compile_only()
     import triton
 
-    from opport.ops import all_ops, get_op
+    from opport.ops import get_op
 
     triton.runtime.driver.set_active(_CompileOnlyDriver(arch))
     triton.knobs.nvidia.dump_ptxas_log = True  # Triton's own ptxas run reports registers and spills
     report = Report(arch)
     recorder = _Recorder(report, progress)
     recorder.install()
-    specs = [get_op(n) for n in ops] if ops else list(all_ops().values())
+    specs = [get_op(n) for n in ops or cuda_ops()]
     for label, spec, make in problems(specs, tiers, cases, dtypes):
         check(report, recorder, label, spec, make)
     return report
@@ -352,12 +352,18 @@ def print_report(report: Report, console):
 _COST = {"attention": 10, "matmul": 2}
 
 
+def cuda_ops() -> list:
+    """The ops the check compiles by default: those with a cuda kernel module (an op without one runs on cpu)."""
+    from opport.dispatch.registry import get_backend, has_kernel_module
+    from opport.ops import all_ops
+
+    return [name for name, spec in all_ops().items() if has_kernel_module(spec, get_backend("cuda"))]
+
+
 def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES) -> Report:
     """`run` in fresh processes, at most `jobs` at a time, one per op (per op and dtype for the ops heavy
     in _COST, so that attention does not hold up the rest); their JSON reports merged."""
-    from opport.ops import all_ops
-
-    units = [(n, dts) for n in sorted(ops or all_ops(), key=lambda n: -_COST.get(n, 1))
+    units = [(n, dts) for n in sorted(ops or cuda_ops(), key=lambda n: -_COST.get(n, 1))
              for dts in ([(d,) for d in dtypes] if n in _COST else [tuple(dtypes)])]
     report = Report(arch)
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
@@ -385,7 +391,7 @@ def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES) -
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python tools/cuda_aot.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
-    p.add_argument("--op", action="append", default=[], help="only this op (repeatable)")
+    p.add_argument("--op", action="append", default=[], help="only this op (repeatable; default: every op with cuda kernels)")
     p.add_argument("--tier", action="append", default=[], help="bench shape tiers (default: smoke, small, llm)")
     p.add_argument("--no-cases", action="store_true", help="skip the conformance cases (bench shapes only)")
     p.add_argument("--dtype", action="append", default=[], choices=DTYPES, help="only this dtype (repeatable)")

@@ -219,6 +219,11 @@ def kernel_modules(spec, backend: Backend) -> tuple:
     return mods
 
 
+def has_kernel_module(spec, backend: Backend) -> bool:
+    """Whether `backend` has a module for `spec`'s kernels (found without importing it)."""
+    return any(_exists(mod) for mod in kernel_modules(spec, backend))
+
+
 def kernels(spec, backend: Backend) -> list:
     """The op's kernels on this backend, best first (imports the backend's modules for the op once)."""
     key = (spec.package, spec.module, backend.name)
