@@ -317,7 +317,8 @@ def test_progress_prints_a_plain_line_per_backend_and_op(capsys):
             "--no-bad-inputs", "--no-layouts", "--workers", "0"]
     assert main(argv) == 0
     lines = [ln.split() for ln in capsys.readouterr().err.splitlines() if "backend x op" in ln]
-    assert [ln[2:4] for ln in lines] == [["cpu", "rmsnorm"], ["cpu", "softmax"]] and lines[-1][-4] == "(2/2"
+    ops = [["cpu", "rmsnorm"], ["cpu", "rmsnorm_backward"], ["cpu", "softmax"], ["cpu", "softmax_backward"]]
+    assert [ln[2:4] for ln in lines] == ops and lines[-1][-4] == "(4/4"  # each op, then its gradients
     assert lines[0][4] == "pass" and int(lines[0][5]) >= 2  # row-1, row-127, ...
 
 

@@ -85,7 +85,8 @@ def plan(options: Options) -> Plan:
         p.backends[name] = {"mode": None if why else b.mode(), "versions": {} if why else _versions(b), "unavailable": why}
         if why:
             if not everything:
-                p.preset += [_preset(s.name, name, "n/a", "backend-unavailable", why) for s in specs]
+                p.preset += [_preset(s.name, name, "n/a", "backend-unavailable", why) for s in specs
+                             if s.direction == "forward"]  # one row per op, not per derived op
             continue
         sel = Selection(options.tier, options.examples, options.seed, tuple(options.cases), b.capabilities.emulated(),
                         options.layouts)
