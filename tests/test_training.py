@@ -252,3 +252,18 @@ def test_dropping_a_norm_weight_gradient_breaks_the_convergence_check(monkeypatc
     finally:
         opport.clear_cache()
     assert max(abs(g - w) / abs(w) for g, w in zip(got, want)) > 1e-3
+
+
+def test_a_backend_without_backward_kernels_falls_back_once_or_refuses_in_strict_mode():
+    """The backward is dispatched like any op: the neuron backend (emulator here) has forward kernels only."""
+    x, w, dy = (np.random.default_rng(2).standard_normal((4, 16)).astype(np.float32),
+                      np.ones(16, np.float32), np.ones((4, 16), np.float32))
+    with pytest.warns(opport.FallbackWarning, match="rmsnorm_backward: falling back from neuron to cpu"):
+        out, pullback = opport.vjp("rmsnorm", x, w, backend="neuron")
+        dx, dw = pullback(dy)
+    want = opport.vjp("rmsnorm", x, w, backend="cpu")[1](dy)
+    np.testing.assert_array_equal(dx, want[0])
+    assert "neuron" in str(opport.explain(opport.get_op("rmsnorm_backward"), dy, x, w, backend="neuron"))
+    with opport.strict(), pytest.raises(opport.UnsupportedError) as info:
+        opport.vjp("rmsnorm", x, w, backend="neuron")[1](dy)
+    assert info.value.op == "rmsnorm_backward"

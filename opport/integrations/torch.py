@@ -249,13 +249,19 @@ def opcheck(spec, dtypes=("float32", "bfloat16")) -> dict:
     """`torch.library.opcheck` of `torch.ops.opport.<spec.name>` on a few of the op's small cases.
 
     Returns {case id: {test name: "SUCCESS" or the failure}}; every value is "SUCCESS" when the
-    registration (schema, fake kernel, dynamic shapes under AOT) agrees with the real kernel.
+    registration (schema, fake kernel, dynamic shapes under AOT) agrees with the real kernel. The
+    differentiable inputs require grad, so the autograd checks (registration, AOT forward and backward)
+    run the op as a training call does: through its training forward where it has one.
     """
-    op = OPS[spec.name]
+    trained = (spec.train_forward or spec) if spec.backward_op is not None else spec
+    op = OPS[trained.name]
+    wrt = set(spec.backward_op.wrt) if spec.backward_op is not None else set()
     results = {}
     for dtype in dtypes:
         for case in small_cases(spec, dtype):
-            found = torch.library.opcheck(op, to_torch(case), case.kwargs, raise_exception=False)
+            args = tuple(a.requires_grad_() if spec.params[i] in wrt and isinstance(a, torch.Tensor) else a
+                         for i, a in enumerate(to_torch(case)))
+            found = torch.library.opcheck(op, args, case.kwargs, raise_exception=False)
             results[f"{spec.name}/{dtype}/{case.name}"] = {k: v if v == "SUCCESS" else repr(v) for k, v in found.items()}
     return results
 
