@@ -64,10 +64,14 @@ def _normalised(x, eps):
         mean += np.mean(xs - mean, axis=-1, keepdims=True)  # one refinement: a constant row centres to exactly 0
         d = xs - mean
         var = np.mean(d * d, axis=-1, keepdims=True)
-        # a scaled constant row has var == 0 and eps * s**2 may underflow: keep the 0 / sqrt(tiny) = 0 finite
-        eps_s = np.where(s < 1, np.maximum(eps * s * s, np.finfo(np.float64).tiny), eps)
-        std = np.sqrt(var + eps_s)
+        std = np.sqrt(var + _scaled_eps(s, eps))
         return d / std, std, s
+
+
+def _scaled_eps(s, eps):
+    """eps s^2 for rows scaled by s < 1, else eps. A scaled constant row has var == 0 and eps * s**2 may
+    underflow: keep the 0 / sqrt(tiny) = 0 finite."""
+    return np.where(s < 1, np.maximum(eps * s * s, np.finfo(np.float64).tiny), eps)
 
 
 @layernorm.reference
@@ -198,8 +202,13 @@ def _backward_reference(grad, x, weight, bias, eps):
             xhat, std, s = _normalised(x, eps)
         g = grad if weight is None else grad * weight
         mean_g = np.mean(g, axis=-1, keepdims=True) if x.size else 0.0
-        mean_gx = np.mean(g * xhat, axis=-1, keepdims=True) if x.size else 0.0
-        dx = s * (g - mean_g - xhat * mean_gx) / std
+        if x.shape[-1] == 2:
+            # xhat = (h, -h): the bracket is (g - mean(g)) (1 - h^2) with 1 - h^2 = eps s^2 / std^2 exactly;
+            # the general form cancels ~1/(1 - h^2) = var / eps too much (float64 noise reaches 1e-16 var / eps)
+            centred = (g - mean_g) * (_scaled_eps(s, eps) / (std * std))
+        else:
+            centred = g - mean_g - xhat * (np.mean(g * xhat, axis=-1, keepdims=True) if x.size else 0.0)
+        dx = s * centred / std
         dw = None if weight is None else np.sum(grad * xhat, axis=rows)
         db = None if bias is None else np.sum(grad, axis=rows)
     return dx, dw, db

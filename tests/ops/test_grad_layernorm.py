@@ -61,3 +61,46 @@ def test_rows_the_forward_rescales_follow_its_scaled_definition():
     np.testing.assert_allclose(scaled[1], plain[1], rtol=1e-12)
     np.testing.assert_array_equal(scaled[2], plain[2])
     check_vjp_against_fd(spec, plain_case)
+
+
+def _ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """|got - want| in ulps of want rounded to got's dtype."""
+    return np.abs(got.astype(np.float64) - want) / np.spacing(np.abs(want).astype(got.dtype)).astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+def test_two_element_rows_take_the_exact_form(dtype):
+    """Rows of two: xhat = (h, -h) and dx = +-(g0 - g1)/2 eps / std^3, a result ~eps / var of the terms the
+    general form cancels. The reference and the kernel must both give the closed form (the general form was
+    5% off in float32, and its float64 noise grows like 1e-16 var / eps)."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((64, 2)) * np.exp(rng.uniform(0, 8, (64, 1)))).astype(dtype)  # spreads up to 3e3
+    g, w = rng.standard_normal((64, 2)).astype(dtype), rng.uniform(-2, 2, 2).astype(dtype)
+    x64, gw = x.astype(np.float64), g.astype(np.float64) * w.astype(np.float64)
+    half = (x64[:, :1] - x64[:, 1:]) / 2
+    closed = (gw[:, :1] - gw[:, 1:]) / 2 * 1e-5 / (half * half + 1e-5) ** 1.5 * np.array([1.0, -1.0])
+    ref = spec.backward_op.run_reference(g, x, w, None, 1e-5)[0]
+    np.testing.assert_allclose(ref, closed, rtol=1e-13)
+    dx = backward(g, x, w, None, 1e-5, backend="cpu")[0]
+    if dtype == "float32":  # float64 arithmetic, one rounding
+        assert _ulps(dx, closed).max() <= 1
+    else:  # g - mean(g) itself rounds: float64 is a few dozen float64 ulps off where g0 w0 ~ g1 w1
+        np.testing.assert_allclose(dx, closed, rtol=1e-12)
+
+
+def test_two_element_rows_vjp_matches_finite_differences():
+    rng = np.random.default_rng(5)
+    x, w, b = rng.standard_normal((6, 2)) * 0.01, rng.uniform(-2, 2, 2), rng.standard_normal(2)
+    check_vjp_against_fd(spec, Case("two-element-rows", (x, w, b), {"eps": 1e-5}))
+
+
+@pytest.mark.parametrize("n", (3, 6, 63, 1000))
+def test_float32_dx_of_narrow_rows_is_within_an_ulp_or_two(n):
+    """Rows of spread ~1e-3 (1/std ~ 1000 with eps 1e-6): dx's bracket cancels O(1) terms to elements ~1000x
+    smaller, which float32 arithmetic left 20-80 ulps off; the kernel's float64 arithmetic rounds once."""
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((40, n)) * 1e-3 + rng.uniform(-1e-3, 1e-3, (40, 1))).astype(np.float32)
+    g, w = rng.standard_normal((40, n)).astype(np.float32), rng.uniform(-2, 2, n).astype(np.float32)
+    ref = spec.backward_op.run_reference(g, x, w, w, 1e-6)[0]
+    dx = backward(g, x, w, w, 1e-6, backend="cpu")[0]
+    assert _ulps(dx, ref).max() <= 2

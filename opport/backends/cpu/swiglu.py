@@ -43,10 +43,11 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 def _swiglu_backward(dg: np.ndarray, du: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray) -> tuple:
     """dgate = (grad * silu'(gate)) * up, and dup = swiglu(gate, grad) by the forward's block function.
 
-    float32 blocks redo two kinds of elements in float64, the reference's own arithmetic: gate < -C, where
-    exp(-|gate|) and with it silu'(gate) head for subnormals (few significant bits) while up may be near the
-    float maximum; and non-finite results, where grad * silu' overflowed though dgate does not (grad near
-    the maximum, silu' up to 1.1) or an infinite grad or up met a silu' that float32 rounds to 0.
+    float32 blocks of 16-bit inputs redo two kinds of elements in float64, the reference's own arithmetic:
+    gate < -C, where exp(-|gate|) and with it silu'(gate) head for subnormals (few significant bits) while up
+    may be near the float maximum; and non-finite results, where grad * silu' overflowed though dgate does not
+    (grad near the maximum, silu' up to 1.1) or an infinite grad or up met a silu' that float32 rounds to 0.
+    float32's silu' errs by up to a few float32 ulps (far more near its root), well inside a 16-bit ulp.
     """
     _swiglu(du, gate, g)
     act.silu_grad(dg, gate)
@@ -57,13 +58,29 @@ def _swiglu_backward(dg: np.ndarray, du: np.ndarray, gate: np.ndarray, up: np.nd
     redo = gate < -act.DEEP[gate.dtype]
     if not np.isfinite(dg.sum()):
         redo |= ~np.isfinite(dg)
+    _redo_deep(dg, gate, up, g, redo)
+    return dg, du
+
+
+def _swiglu_backward32(dg: np.ndarray, du: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray) -> tuple:
+    """The float32 blocks of float32 inputs: dgate in float64, rounded once (a large |up| turns float32's
+    silu' errors near its root, 1.3e7 ulps at gate = -1.2785, into dgate's), and float64's products cannot
+    overflow; gate < -C again by the careful float64 silu', exp(-gate) overflowing float64 near -709."""
+    _swiglu(du, gate, g)
+    act.silu_grad_product64(dg, gate, g, up)
+    _redo_deep(dg, gate, up, g, gate < -act.DEEP[gate.dtype])
+    return dg, du
+
+
+def _redo_deep(dg: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray, redo: np.ndarray) -> None:
+    """dgate of the elements `redo` by the float64 reference's formula."""
     if redo.any():
         r = np.flatnonzero(redo)
         g64 = gate[r].astype(np.float64)
         dg[r] = (g[r] * act.silu_grad(np.empty_like(g64), g64)) * up[r]
-    return dg, du
 
 
 @impl(spec.backward_op, "cpu")
 def swiglu_backward(grad: np.ndarray, gate: np.ndarray, up: np.ndarray):
-    return act.elementwise(_swiglu_backward, gate, up, grad, outputs=2)
+    fn = _swiglu_backward32 if gate.dtype == np.float32 else _swiglu_backward
+    return act.elementwise(fn, gate, up, grad, outputs=2)
