@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -203,6 +204,19 @@ def test_without_torch_the_training_pass_runs_opport_vjp(monkeypatch):
     assert rows[0]["call"].startswith("out, pullback = opport.vjp('layernorm'") and rows[0]["correct"] is True
     assert rows[1]["call"].startswith("opport.dispatch.call(layernorm_backward") and rows[1]["correct"] is True
     assert set(rows[0]["grads"]) == {"x", "weight", "bias"} and rows[0]["ms"] > 0
+
+
+@pytest.mark.skipif(not HAS_TORCH or not (shutil.which("c++") or shutil.which("g++")), reason="Inductor needs torch, C++")
+def test_torch_compile_training_rows(tmp_path):
+    """torch.compile's forward+backward and its backward alone (a compiled backward keeps its saved buffers, so
+    it can be timed more than once) are checked and timed like the others."""
+    out = tmp_path / "c.json"
+    assert main(["bench", "--smoke", "--op", "rmsnorm", "--compile", "--pass", "fwd+bwd", "--pass", "bwd",
+                 "--json", str(out)]) == 0
+    rows = {(r["pass"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
+    for p in ("fwd+bwd", "bwd"):
+        assert rows[(p, "torch_compile")]["correct"] is True and rows[(p, "torch_compile")]["ms"] > 0, rows[(p, "torch_compile")]
+        assert rows[(p, "opport")]["vs"]["torch_compile"] > 0
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")

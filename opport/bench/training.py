@@ -19,6 +19,7 @@ the device for torch backends) with the backward's per-gradient tolerance, befor
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import warnings
 from dataclasses import dataclass
@@ -227,10 +228,21 @@ def _autograd_bwd(f, desc: str, tb: tuple, leaves: list, g) -> tuple:
     """The backward alone: the forward records its graph once, here, untimed (a compiled forward compiles here)."""
     import torch
 
-    with torch.enable_grad():
+    with torch.enable_grad(), _keep_saved_buffers():
         y = f(*tb)
     return (f"y = {desc} (once); torch.autograd.grad(y, leaves, g, retain_graph=True)",
             lambda: torch.autograd.grad(y, leaves, g, retain_graph=True))
+
+
+def _keep_saved_buffers():
+    """A compiled backward frees ("donates") its saved buffers and then refuses retain_graph=True; timing it more
+    than once needs them kept (a memory optimisation only: the backward's code is the same)."""
+    try:
+        from torch._functorch import config
+
+        return config.patch(donated_buffer=False)
+    except (ImportError, AttributeError):  # a torch without the option: nothing is donated
+        return contextlib.nullcontext()
 
 
 def _torch_leaves(spec, bound: tuple, prob: Problem, st) -> tuple:
