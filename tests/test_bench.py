@@ -220,27 +220,30 @@ def test_torch_compile_training_rows(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(all_ops()))
-def test_torch_gradients_compute_the_reference_vjp(name):
-    """torch float64 autograd of each workload's reference (the training reference on torch backends) is the op's
-    float64 VJP, and torch eager's float32 gradients pass the backward's tolerances: the baselines compute the
-    same gradients as opport."""
+def test_torch_gradients_compute_the_reference_vjp(name, dtype):
+    """The training reference of torch backends (torch float64 on the device) is the op's NumPy reference VJP on
+    the values the forward saves (up to their float32 statistics), and torch eager's float32 gradients pass the
+    backward's tolerances: the baselines compute the same gradients as opport."""
+    import torch
+
     from opport.bench import training
     from opport.dispatch.adapters import NumpyAdapter
 
     spec = get_op(name)
     wl = get_workload(spec)
-    bound = spec.bind(**wl.make((wl.shapes_for("smoke") or wl.shapes)[0].dims, "float32", ArrayMaker("numpy", seed=2)))
+    bound = spec.bind(**wl.make((wl.shapes_for("smoke") or wl.shapes)[0].dims, dtype, ArrayMaker("numpy", seed=2)))
     names = tuple(n for n in spec.backward_op.wrt if bound[spec.params.index(n)] is not None)
     out = spec.run_reference(*bound)
-    g = np.random.default_rng(3).standard_normal(np.shape(out)).astype(np.float32)
-    ref = training.numpy_reference(spec, bound, g, names)
+    g = np.asarray(np.random.default_rng(3).standard_normal(np.shape(out))).astype(bound[spec.array_pos[0]].dtype)
+    ref = training.numpy_reference(spec, bound, g, names, dtype)
     tb = tuple(NumpyAdapter.to_torch(a, "cpu") if isinstance(a, np.ndarray) else a for a in bound)
     tg = NumpyAdapter.to_torch(g, "cpu")
-    for r, t in zip(ref, training.torch_reference(spec, wl, tb, tg, names)):
-        assert compare(like(t, r), r, Tolerance(1e-9, 1e-12), "float64").ok, name
-    import torch
-
+    for n, r, t in zip(names, ref, training.torch_reference(spec, wl, tb, tg, names)):
+        assert compare(like(t, r), r, Tolerance(1e-6, 1e-9, "normwise"), "float64").ok, f"{name}: d{n}"
+    if dtype != "float32":
+        return  # 16-bit torch baselines have known misses (docs/benchmarking.md): shown, not asserted
     leaves = [tb[spec.params.index(n)].requires_grad_(True) for n in names]
     for n, r, t in zip(names, ref, torch.autograd.grad(wl.torch_eager(*tb), leaves, tg)):
         tol = spec.backward_op.tolerance_for("float32", spec.backward_op.wrt.index(n))
@@ -308,24 +311,25 @@ def test_torch_kernel_path_checks_against_a_torch_float64_reference(name, dtype)
 
 @pytest.mark.skipif(not HAS_TORCH or importlib.util.find_spec("triton") is None, reason="needs torch and triton")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_torch_kernel_path_times_training_passes(dtype):
+@pytest.mark.parametrize("name", ["rmsnorm", "softmax"])  # autograd reference; torch_vjp_reference on the saved output
+def test_torch_kernel_path_times_training_passes(name, dtype):
     """The training passes on a torch backend (cuda, under Triton's interpreter): torch inputs, the torch float64
-    autograd reference, torch eager's autograd beside opport's. cuda has no backward kernels yet, so a temporary
-    one runs the cpu kernel; without it the op gets no training rows."""
-    spec = get_op("rmsnorm")
+    reference, torch eager's autograd beside opport's. cuda has no backward kernels yet, so a temporary one runs
+    the cpu kernel; without it the op gets no training rows."""
+    spec = get_op(name)
     wl = get_workload(spec)
     st = Settings("cuda", "torch", "cpu", HostTimer(budget_ms=2, warmup_ms=0, min_samples=2),
                   Ceilings(20.0, {"float32": 0.2, "bfloat16": 0.2}, "float32"), rounds=1, passes=("fwd+bwd", "bwd"))
     assert run_shape(spec, wl, wl.shapes_for("smoke")[0], dtype, st) == []
-    with _temporary_backward("rmsnorm", "cuda"):
+    with _temporary_backward(name, "cuda"):
         rows = run_shape(spec, wl, wl.shapes_for("smoke")[0], dtype, st)
     by = {(r["pass"], r["impl"]): r for r in rows}
     assert set(by) == {(p, i) for p in ("fwd+bwd", "bwd") for i in ("opport", "torch_eager")}
     for p in ("fwd+bwd", "bwd"):
         mine, eager = by[(p, "opport")], by[(p, "torch_eager")]
         assert mine["correct"] is True and eager["correct"] is True, (mine, eager)
-        assert "cuda.test_rmsnorm_backward" in mine["call"] and mine["vs"]["torch_eager"] > 0
-    assert "cuda.rmsnorm + " in by[("fwd+bwd", "opport")]["call"]  # the cuda forward kernel, then the backward
+        assert f"cuda.test_{name}_backward" in mine["call"] and mine["vs"]["torch_eager"] > 0
+    assert f"cuda.{name} + " in by[("fwd+bwd", "opport")]["call"]  # the cuda forward kernel, then the backward
 
 
 class _GraphTimer(HostTimer):

@@ -12,9 +12,14 @@ upstream gradient `g` (seeded, shaped and typed like the op's output):
                             forward saved: what a pullback runs
              torch_*        torch.autograd.grad(y, leaves, g, retain_graph=True) on a graph recorded once
 
-Every provider's gradients are judged against the float64 vector-Jacobian product at the same inputs
-(the op's NumPy reference VJP for NumPy backends; torch float64 autograd of the workload's reference on
-the device for torch backends) with the backward's per-gradient tolerance, before anything is timed.
+Every provider's gradients are judged, before anything is timed, with the backward's per-gradient
+tolerance against the float64 vector-Jacobian product on what the forward saves, rounded as it is saved
+(the output in its dtype, statistics in float32), as the conformance suite judges a backward: the
+tolerances are made for that. A 16-bit softmax's dx = y (g - sum(g y)) cancels where g is near sum(g y),
+so against the VJP of the exact y every implementation that saves a 16-bit y (torch's too) misses some
+elements. The reference is the op's NumPy reference VJP for NumPy backends; for torch backends (LLM
+shapes, on the device) torch float64 autograd of the workload's reference, or, for ops whose backward
+reads the forward's output, the workload's `torch_vjp_reference` on that output rounded to its dtype.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from opport.bench.workloads import ArrayMaker
 from opport.dispatch import FallbackWarning, call, explain, get_backend, kernels
 from opport.dispatch.adapters import NumpyAdapter, metas_of
 from opport.public import function, vjp
-from opport.spec import Cost
+from opport.spec import Case, Cost
 
 PASSES = ("fwd", "fwd+bwd", "bwd")
 TRAINING = ("fwd+bwd", "bwd")
@@ -66,7 +71,7 @@ class Problem:
     dtypes: tuple  # per gradient: its input's dtype, which the gradient must have
 
 
-def not_here(op, bound: tuple, backend: str):
+def kernel_for(op, bound: tuple, backend: str):
     """(kernel name, None) when `backend` has a kernel that takes the call, else (None, why not)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)
@@ -83,18 +88,18 @@ def problem(spec, wl, bound: tuple, dtype: str, where: tuple, seed: int) -> Prob
     backward receives, whose shapes its cost model reads."""
     backend, kind, device = where
     bwd, trained = spec.backward_op, spec.train_forward or spec
-    fwd_kernel, why = not_here(trained, bound, backend)
+    fwd_kernel, why = kernel_for(trained, bound, backend)
     if why:
         return why
     out, stats = autodiff.training_forward(spec, bound, backend)
     grad = _upstream(out, ArrayMaker(kind, device, seed))
     saved = (grad, *autodiff.saved_values(spec, bound, out, stats))
-    bwd_kernel, why = not_here(bwd, saved, backend)
+    bwd_kernel, why = kernel_for(bwd, saved, backend)
     if why:
         return why
     names = tuple(n for n in bwd.wrt if bound[spec.params.index(n)] is not None)
     return Problem(names, grad, saved, bwd.get_cost(*metas_of(bwd, saved)), f"{fwd_kernel} + {bwd_kernel}",
-                   _reference(spec, wl, bound, grad, names, kind),
+                   _reference(spec, wl, bound, grad, names, kind, dtype),
                    tuple(bwd.tolerance_for(dtype, bwd.wrt.index(n)) for n in names),
                    tuple(accuracy.dtype_name(bound[spec.params.index(n)]) for n in names))
 
@@ -112,34 +117,42 @@ def _upstream(out, maker: ArrayMaker):
     return np.asarray(g) if maker.kind == "numpy" else g
 
 
-def _reference(spec, wl, bound, grad, names, kind: str):
+def _reference(spec, wl, bound, grad, names, kind: str, dtype: str):
     try:
         if kind == "numpy":
-            return numpy_reference(spec, bound, grad, names)
+            return numpy_reference(spec, bound, grad, names, dtype)
         return torch_reference(spec, wl, bound, grad, names)
     except Exception as e:  # the rows are then unchecked, and say why
         return e
 
 
-def numpy_reference(spec, bound: tuple, grad, names: tuple) -> tuple:
-    """The op's float64 reference VJP at `bound`, on the float64 forward's output and statistics."""
-    if spec.train_forward is not None:
-        out, *stats = spec.train_forward.run_reference(*bound)
-    else:
-        out, stats = spec.run_reference(*bound), ()
+def numpy_reference(spec, bound: tuple, grad, names: tuple, dtype: str) -> tuple:
+    """The op's float64 reference VJP on the backward's arguments as the conformance suite builds them: the
+    float64 forward's output and statistics rounded as they are saved."""
     bwd = spec.backward_op
-    full = bwd.run_reference(grad, *autodiff.saved_values(spec, bound, out, tuple(stats)))
+    full = bwd.run_reference(*bwd.from_forward(Case("bench", bound), dtype, grad=grad).args)
     return tuple(full[bwd.wrt.index(n)] for n in names)
 
 
 def torch_reference(spec, wl, bound: tuple, grad, names: tuple) -> tuple:
-    """torch float64 autograd of the workload's reference on float64 copies of the inputs, on their device."""
+    """float64 gradients on float64 copies of the inputs, on their device: the workload's `torch_vjp_reference`
+    on the output rounded to its dtype where the backward reads the output, else autograd of its reference."""
     import torch
 
     b64 = [a.detach().double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in bound]
+    forward = wl.torch_reference or wl.torch_eager
+    bwd = spec.backward_op
+    if "out" in bwd.params:
+        if wl.torch_vjp_reference is None:
+            raise ValueError(f"{bwd.name} reads the forward's output and workloads/{spec.name}.py declares no "
+                             "torch_vjp_reference to judge it on that output as saved")
+        with torch.no_grad():
+            out = forward(*b64).to(getattr(torch, spec.out_dtype(metas_of(spec, bound)))).double()
+            full = wl.torch_vjp_reference(grad.double(), out, *b64)
+        return tuple(full[bwd.wrt.index(n)] for n in names)
     leaves = [b64[spec.params.index(n)].requires_grad_(True) for n in names]
     with torch.enable_grad():
-        y = (wl.torch_reference or wl.torch_eager)(*b64)
+        y = forward(*b64)
     return torch.autograd.grad(y, leaves, grad.double())
 
 
