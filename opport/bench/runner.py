@@ -9,7 +9,7 @@ device, for torch backends (NumPy would take longer than the whole benchmark on 
 
 Passes: "fwd" times the op's forward as above; "fwd+bwd" and "bwd" (ops with a backward kernel on the
 backend) time the training forward plus backward and the backward alone, with gradients judged against
-the float64 VJP (opport/bench/training.py). Every row says its `pass`.
+the float64 VJP on the values the forward saves (opport/bench/training.py). Every row says its `pass`.
 """
 
 from __future__ import annotations
