@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -39,7 +41,8 @@ def test_smoke_run_writes_the_design_json(smoke_report):
     assert {"backend", "mode", "device", "ceilings", "rows", "versions", "timing", "summary"} <= set(rep)
     assert rep["backend"] == "cpu" and rep["ceilings"]["copy_GBps"] > 0 and rep["ceilings"]["matmul_TFLOPs"] > 0
     assert "numpy" in rep["versions"] and rep["timing"]["timer"] and rep["device"]["name"]
-    mine = [r for r in rep["rows"] if r["impl"] == "opport"]
+    assert rep["passes"] == ["fwd", "fwd+bwd"] and rep["no_backward_kernel"] == []  # the default passes
+    mine = [r for r in rep["rows"] if r["impl"] == "opport" and r["pass"] == "fwd"]
     assert {r["op"] for r in mine} == {"rmsnorm", "matmul"}
     for r in mine:
         for key in ("op", "shape", "dtype", "impl", "ms", "GBps", "TFLOPs", "roofline_pct", "vs"):
@@ -53,6 +56,39 @@ def test_smoke_run_writes_the_design_json(smoke_report):
         assert r["GBps"] == pytest.approx(r["bytes"] / (r["ms"] * 1e6))
 
 
+def test_smoke_run_has_correct_forward_backward_rows(smoke_report):
+    """fwd+bwd rows beside the forward ones: gradients judged, roofline columns from forward + backward cost."""
+    rc, rep, _ = smoke_report
+    train = [r for r in rep["rows"] if r["pass"] == "fwd+bwd"]
+    mine = {r["op"]: r for r in train if r["impl"] == "opport"}
+    assert set(mine) == {"rmsnorm", "matmul"}
+    for op, r in mine.items():
+        spec = get_op(op)
+        assert r["correct"] is True and r["status"] == "ok", r
+        assert set(r["grads"]) == {n for n in spec.backward_op.wrt if n != "bias"}  # the smoke matmul has no bias
+        assert all(g["ok"] and g["tol_ratio"] <= 1 for g in r["grads"].values())
+        assert r["bytes"] == _training_cost(spec, r["dims"]).bytes and r["flops"] == _training_cost(spec, r["dims"]).flops
+        fwd = next(f for f in rep["rows"] if f["op"] == op and f["impl"] == "opport" and f["pass"] == "fwd")
+        assert r["bytes"] > fwd["bytes"] and r["GBps"] == pytest.approx(r["bytes"] / (r["ms"] * 1e6))
+        assert ("torch.autograd.grad" in r["call"]) == HAS_TORCH and "backward" in r["call"]
+        if HAS_TORCH:
+            eager = next(b for b in train if b["op"] == op and b["impl"] == "torch_eager")
+            assert eager["correct"] is True and r["vs"]["torch_eager"] == pytest.approx(eager["ms"] / r["ms"])
+    assert set(rep["summary"]) == {"fwd", "fwd+bwd"} and rep["summary"]["fwd+bwd"]["overall"]["correct"] == 2
+
+
+def _training_cost(spec, dims):
+    """The forward's cost plus the backward's on arguments shaped like those the backward receives."""
+    from opport.dispatch.adapters import metas_of
+    from opport.spec import Case, Cost
+
+    spec_b = spec.backward_op
+    bound = spec.bind(**get_workload(spec).make(dims, "float32", ArrayMaker("numpy", seed=1)))
+    saved = spec_b.from_forward(Case("c", bound), "float32").args
+    fwd, bwd = spec.get_cost(*metas_of(spec, bound)), spec_b.get_cost(*metas_of(spec_b, saved))
+    return Cost(fwd.bytes + bwd.bytes, fwd.flops + bwd.flops)
+
+
 def test_smoke_plot_is_a_png(smoke_report):
     _, _, png = smoke_report
     data = png.read_bytes()
@@ -60,11 +96,12 @@ def test_smoke_plot_is_a_png(smoke_report):
 
 
 def test_baseline_fails_only_on_a_real_slowdown(smoke_report, tmp_path):
+    """Rows are matched with their pass: a baseline whose fwd+bwd rows were 1000x faster fails only those."""
     _, rep, _ = smoke_report
     fast = json.loads(json.dumps(rep))
     for r in fast["rows"]:
-        if r.get("ms"):
-            r["ms"] /= 1000  # a baseline 1000x faster: every opport row now "regressed"
+        if r.get("ms") and r["pass"] == "fwd+bwd":
+            r["ms"] /= 1000  # a baseline 1000x faster: every opport fwd+bwd row now "regressed"
     slow = json.loads(json.dumps(rep))
     for r in slow["rows"]:
         if r.get("ms"):
@@ -74,10 +111,10 @@ def test_baseline_fails_only_on_a_real_slowdown(smoke_report, tmp_path):
     out = tmp_path / "now.json"
     args = ["bench", "--smoke", "--op", "rmsnorm", "--repeats", "1", "--json", str(out)]
     assert main([*args, "--baseline", str(tmp_path / "fast.json")]) == 1
-    got = json.loads(out.read_text())["regressions"]
-    assert [s["op"] for s in got["slower"]] == ["rmsnorm"]
-    mine = next(r for r in json.loads(out.read_text())["rows"] if r["impl"] == "opport")
-    assert len(mine["rerun_ms"]) == 1  # the suspect row was run again before it counted
+    now = json.loads(out.read_text())
+    assert [(s["op"], s["pass"]) for s in now["regressions"]["slower"]] == [("rmsnorm", "fwd+bwd")]
+    mine = {r["pass"]: r for r in now["rows"] if r["impl"] == "opport"}
+    assert len(mine["fwd+bwd"]["rerun_ms"]) == 1 and "rerun_ms" not in mine["fwd"]  # only the suspect row ran again
     assert main([*args, "--baseline", str(tmp_path / "slow.json")]) == 0
 
 
@@ -87,7 +124,10 @@ def test_regressions_are_noise_aware():
     assert report.regressions([row], base, 0.10)[0]["slower_by"] == pytest.approx(0.3)
     assert report.regressions([{**row, "rerun_ms": [1.05]}], base, 0.10) == []  # one run inside the margin clears it
     assert report.regressions([{**row, "ms": 1.09}], base, 0.10) == []
-    assert report.missing_rows([{**row, "ms": None}], base) == [("a", "c", "float32", "opport")]
+    assert report.missing_rows([{**row, "ms": None}], base) == [("a", "c", "float32", "fwd", "opport")]
+    # a report from before passes existed timed the forward: its rows match fwd rows, never fwd+bwd ones
+    assert report.regressions([{**row, "pass": "fwd+bwd"}], base, 0.10) == []
+    assert report.regressions([{**row, "pass": "fwd"}], base, 0.10)[0]["pass"] == "fwd"
 
 
 def test_summary_geomean_and_fast_p():
@@ -97,13 +137,117 @@ def test_summary_geomean_and_fast_p():
         {"op": "x", "impl": "opport", "status": "ok", "correct": True, "vs": {"torch_eager": 8.0}},
         {"op": "x", "impl": "opport", "status": "ok", "correct": False, "vs": {"torch_eager": 16.0}},
         {"op": "x", "impl": "torch_eager", "status": "ok", "correct": True},
+        {"op": "x", "pass": "fwd+bwd", "impl": "opport", "status": "ok", "correct": True, "vs": {"torch_eager": 0.25}},
     ]
-    agg = report.summary(rows)["per_op"]["x"]
+    s = report.summary(rows)
+    agg = s["fwd"]["per_op"]["x"]  # rows without a pass (older reports) are forward rows
     assert agg["shapes"] == 4 and agg["correct"] == 3
     e = agg["vs_torch_eager"]
     assert e["geomean"] == pytest.approx(2.0)  # (2 * 0.5 * 8) ** (1/3); the incorrect row is left out
     assert e["fast_1.0"] == pytest.approx(2 / 4)  # correct and faster, over every shape opport ran
     assert e["fast_0.8"] == pytest.approx(2 / 4)
+    assert s["fwd+bwd"]["overall"]["vs_torch_eager"]["geomean"] == pytest.approx(0.25)  # never mixed with fwd
+
+
+@contextlib.contextmanager
+def _temporary_backward(op: str, backend: str, wrong: bool = False):
+    """A kernel for the op's backward on `backend`, ahead of any other, running the cpu one (on NumPy arrays);
+    `wrong`: its last gradient (a weight's, for a norm) is off by 50 %. Removed afterwards."""
+    from opport.dispatch import impl, remove_kernel
+    from opport.dispatch.adapters import NumpyAdapter, TorchAdapter
+
+    bwd = get_op(op).backward_op
+    real = kernels(bwd, get_backend("cpu"))[-1].fn
+    torch_kind = get_backend(backend).array_kind == "torch"
+
+    def kernel(*bound):
+        args = [TorchAdapter.to_numpy(a) if torch_kind and hasattr(a, "detach") else a for a in bound]
+        grads = list(real(*args))
+        if wrong:
+            grads[-1] = grads[-1] * grads[-1].dtype.type(1.5)
+        return tuple(NumpyAdapter.to_torch(g, "cpu") if torch_kind and g is not None else g for g in grads)
+
+    name = f"{backend}.test_{op}_backward"
+    impl(bwd, backend, priority=100, name=name)(kernel)
+    try:
+        yield
+    finally:
+        remove_kernel(bwd, backend, name)
+
+
+def test_a_wrong_backward_kernel_fails_the_run(tmp_path):
+    """The training rows judge every gradient: a wrong weight gradient makes them incorrect and the exit status 1."""
+    out = tmp_path / "w.json"
+    with _temporary_backward("rmsnorm", "cpu", wrong=True):
+        rc = main(["bench", "--smoke", "--op", "rmsnorm", "--pass", "all", "--json", str(out)])
+    assert rc == 1
+    mine = {r["pass"]: r for r in json.loads(out.read_text())["rows"] if r["impl"] == "opport"}
+    assert mine["fwd"]["correct"] is True and "test_rmsnorm_backward" in mine["bwd"]["call"]
+    for p in ("fwd+bwd", "bwd"):
+        assert mine[p]["correct"] is False and mine[p]["error_detail"].startswith("dweight"), mine[p]
+        assert mine[p]["grads"]["x"]["ok"] and not mine[p]["grads"]["weight"]["ok"]
+    assert main(["bench", "--smoke", "--op", "rmsnorm", "--pass", "bwd", "--json", str(out)]) == 0  # kernel gone
+    assert {r["pass"] for r in json.loads(out.read_text())["rows"]} == {"bwd"}
+
+
+def test_without_torch_the_training_pass_runs_opport_vjp(monkeypatch):
+    """A NumPy-only install times opport.vjp and its pullback, judged the same way."""
+    from opport.bench import training
+
+    monkeypatch.setattr(training, "has_torch", lambda: False)
+    spec = get_op("layernorm")
+    wl = get_workload(spec)
+    st = Settings("cpu", "numpy", "cpu", HostTimer(budget_ms=2, warmup_ms=0, min_samples=2),
+                  Ceilings(20.0, {"float32": 0.2}, "float32"), rounds=1, passes=("fwd+bwd", "bwd"))
+    rows = run_shape(spec, wl, wl.shapes_for("smoke")[0], "float32", st)
+    assert [(r["pass"], r["impl"]) for r in rows] == [("fwd+bwd", "opport"), ("bwd", "opport")]
+    assert rows[0]["call"].startswith("out, pullback = opport.vjp('layernorm'") and rows[0]["correct"] is True
+    assert rows[1]["call"].startswith("opport.dispatch.call(layernorm_backward") and rows[1]["correct"] is True
+    assert set(rows[0]["grads"]) == {"x", "weight", "bias"} and rows[0]["ms"] > 0
+
+
+@pytest.mark.skipif(not HAS_TORCH or not (shutil.which("c++") or shutil.which("g++")), reason="Inductor needs torch, C++")
+def test_torch_compile_training_rows(tmp_path):
+    """torch.compile's forward+backward and its backward alone (a compiled backward keeps its saved buffers, so
+    it can be timed more than once) are checked and timed like the others."""
+    out = tmp_path / "c.json"
+    assert main(["bench", "--smoke", "--op", "rmsnorm", "--compile", "--pass", "fwd+bwd", "--pass", "bwd",
+                 "--json", str(out)]) == 0
+    rows = {(r["pass"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
+    for p in ("fwd+bwd", "bwd"):
+        assert rows[(p, "torch_compile")]["correct"] is True and rows[(p, "torch_compile")]["ms"] > 0, rows[(p, "torch_compile")]
+        assert rows[(p, "opport")]["vs"]["torch_compile"] > 0
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(all_ops()))
+def test_torch_gradients_compute_the_reference_vjp(name, dtype):
+    """The training reference of torch backends (torch float64 on the device) is the op's NumPy reference VJP on
+    the values the forward saves (up to their float32 statistics), and torch eager's float32 gradients pass the
+    backward's tolerances: the baselines compute the same gradients as opport."""
+    import torch
+
+    from opport.bench import training
+    from opport.dispatch.adapters import NumpyAdapter
+
+    spec = get_op(name)
+    wl = get_workload(spec)
+    bound = spec.bind(**wl.make((wl.shapes_for("smoke") or wl.shapes)[0].dims, dtype, ArrayMaker("numpy", seed=2)))
+    names = tuple(n for n in spec.backward_op.wrt if bound[spec.params.index(n)] is not None)
+    out = spec.run_reference(*bound)
+    g = np.asarray(np.random.default_rng(3).standard_normal(np.shape(out))).astype(bound[spec.array_pos[0]].dtype)
+    ref = training.numpy_reference(spec, bound, g, names, dtype)
+    tb = tuple(NumpyAdapter.to_torch(a, "cpu") if isinstance(a, np.ndarray) else a for a in bound)
+    tg = NumpyAdapter.to_torch(g, "cpu")
+    for n, r, t in zip(names, ref, training.torch_reference(spec, wl, tb, tg, names)):
+        assert compare(like(t, r), r, Tolerance(1e-6, 1e-9, "normwise"), "float64").ok, f"{name}: d{n}"
+    if dtype != "float32":
+        return  # 16-bit torch baselines have known misses (docs/benchmarking.md): shown, not asserted
+    leaves = [tb[spec.params.index(n)].requires_grad_(True) for n in names]
+    for n, r, t in zip(names, ref, torch.autograd.grad(wl.torch_eager(*tb), leaves, tg)):
+        tol = spec.backward_op.tolerance_for("float32", spec.backward_op.wrt.index(n))
+        assert compare(like(t, r), r, tol, "float32").ok, f"{name}: d{n} of {wl.torch_call}"
 
 
 def test_roofline_floor_picks_the_binding_roof():
@@ -167,6 +311,29 @@ def test_torch_kernel_path_checks_against_a_torch_float64_reference(name, dtype)
     assert by["opport"]["vs_graph"]["torch_eager"] == pytest.approx(by["torch_eager"]["graph_ms"] / by["opport"]["graph_ms"])
 
 
+@pytest.mark.skipif(not HAS_TORCH or importlib.util.find_spec("triton") is None, reason="needs torch and triton")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["rmsnorm", "softmax"])  # autograd reference; torch_vjp_reference on the saved output
+def test_torch_kernel_path_times_training_passes(name, dtype):
+    """The training passes on a torch backend (cuda, under Triton's interpreter): torch inputs, the torch float64
+    reference, torch eager's autograd beside opport's. cuda has no backward kernels yet, so a temporary one runs
+    the cpu kernel; without it the op gets no training rows."""
+    spec = get_op(name)
+    wl = get_workload(spec)
+    st = Settings("cuda", "torch", "cpu", HostTimer(budget_ms=2, warmup_ms=0, min_samples=2),
+                  Ceilings(20.0, {"float32": 0.2, "bfloat16": 0.2}, "float32"), rounds=1, passes=("fwd+bwd", "bwd"))
+    assert run_shape(spec, wl, wl.shapes_for("smoke")[0], dtype, st) == []
+    with _temporary_backward(name, "cuda"):
+        rows = run_shape(spec, wl, wl.shapes_for("smoke")[0], dtype, st)
+    by = {(r["pass"], r["impl"]): r for r in rows}
+    assert set(by) == {(p, i) for p in ("fwd+bwd", "bwd") for i in ("opport", "torch_eager")}
+    for p in ("fwd+bwd", "bwd"):
+        mine, eager = by[(p, "opport")], by[(p, "torch_eager")]
+        assert mine["correct"] is True and eager["correct"] is True, (mine, eager)
+        assert f"cuda.test_{name}_backward" in mine["call"] and mine["vs"]["torch_eager"] > 0
+    assert f"cuda.{name} + " in by[("fwd+bwd", "opport")]["call"]  # the cuda forward kernel, then the backward
+
+
 class _GraphTimer(HostTimer):
     """A CPU stand-in for CudaTimer's graph and host-time measurements (no GPU here)."""
 
@@ -217,10 +384,26 @@ def test_neuron_emulator_reports_counts_not_times(tmp_path):
     out = tmp_path / "n.json"
     assert main(["bench", "--backend", "neuron", "--op", "rmsnorm", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
-    (row,) = rep["rows"]
+    (row,) = rep["rows"]  # the default passes include fwd+bwd, but neuron has no backward kernels yet
+    assert rep["no_backward_kernel"] == ["rmsnorm"] and row["pass"] == "fwd"
     assert "ms" not in row and row["correct"] is True
     assert row["counts"]["hbm_bytes"] >= row["bytes"] * 0.99 and row["counts"]["instructions"]["dma"] > 0
     assert row["hbm_bytes_vs_min"] == pytest.approx(row["counts"]["hbm_bytes"] / row["bytes"])
+
+
+def test_neuron_emulator_counts_a_backward_kernel_when_there_is_one(tmp_path):
+    """The counting path is generic: an op with a backward kernel on the emulated backend gets counted fwd+bwd and
+    bwd rows (here a temporary kernel that runs the cpu one, so only the NKI forward's DMA is counted)."""
+    if get_backend("neuron").unavailable() or get_backend("neuron").mode() != "emulator":
+        pytest.skip("neuron backend not in emulator mode")
+    out = tmp_path / "n.json"
+    with _temporary_backward("rmsnorm", "neuron"):
+        assert main(["bench", "--backend", "neuron", "--op", "rmsnorm", "--pass", "all", "--json", str(out)]) == 0
+    rows = {r["pass"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fwd", "fwd+bwd", "bwd"} and all(r["correct"] is True for r in rows.values())
+    fwd, both, bwd = rows["fwd"], rows["fwd+bwd"], rows["bwd"]
+    assert both["bytes"] == fwd["bytes"] + bwd["bytes"] and bwd["kernel"].endswith("neuron.test_rmsnorm_backward")
+    assert both["counts"]["hbm_bytes"] == fwd["counts"]["hbm_bytes"] and bwd["counts"]["hbm_bytes"] == 0
 
 
 def test_each_backend_declares_how_it_is_measured():

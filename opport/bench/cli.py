@@ -19,6 +19,7 @@ import json
 import sys
 import time
 
+from opport.bench.training import DEFAULT_PASSES, PASSES
 from opport.bench.workloads import TIERS
 
 EXIT_USAGE = 2
@@ -30,6 +31,9 @@ def add_arguments(p):
     p.add_argument("--dtype", action="append", default=[], help="dtype to run (repeat); default: the backend's")
     p.add_argument("--tier", choices=TIERS, help="shape set: smoke (CI), small, llm; default: the backend's")
     p.add_argument("--smoke", action="store_true", help="same as --tier smoke with short timing: seconds, for CI")
+    p.add_argument("--pass", dest="passes", action="append", default=[], choices=(*PASSES, "all"),
+                   help="what to time (repeat): fwd, fwd+bwd (training forward + backward), bwd (backward alone), "
+                        f"all; default {' and '.join(DEFAULT_PASSES)}. Training rows: ops with a backward kernel")
     p.add_argument("--json", metavar="F", help="write the report as JSON (docs/design.md section 6)")
     p.add_argument("--plot", metavar="F", help="write a PNG: roofline chart and per-op speedup bars")
     p.add_argument("--baseline", metavar="F", help="fail if an opport row is slower than in this earlier --json report")
@@ -62,7 +66,7 @@ def run(args) -> int:
     tier = "smoke" if args.smoke else (args.tier or prof.tier)
     report, settings = _setup(console, prof, tier, _dtypes(args, prof), args)
     if prof.measures == "counts":
-        report["rows"] = _run_counts(console, prof, specs, tier, report["dtypes"])
+        report["rows"] = _run_counts(console, prof, specs, tier, report["dtypes"], report["passes"])
     else:
         report["rows"], report["skipped"] = _run_rows(console, specs, tier, report["dtypes"], settings, args)
     return _finish(console, report, prof, settings, specs, args)
@@ -152,7 +156,7 @@ def _setup(console, prof, tier: str, dtypes: list, args):
     b = prof.backend
     report = {"backend": b.name, "mode": prof.mode, "tier": tier, "dtypes": dtypes, "command": _command(args, tier),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "versions": {**env.versions(), **_backend_versions(b)}, "device": prof.device()}
+              "versions": {**env.versions(), **_backend_versions(b)}, "device": prof.device(), **_passes(args, b.name)}
     if prof.measures == "counts":
         report["timing"] = {"method": f"none: {prof.get('COUNTS_MEANING', 'counts per call')}, not speed"}
         return report, None
@@ -164,15 +168,29 @@ def _setup(console, prof, tier: str, dtypes: list, args):
     rounds = args.rounds or (1 if args.smoke else 2)
     settings = Settings(b.name, b.array_kind, prof.input_device, timer, ceilings, rounds=rounds, budget_ms=args.budget_ms,
                         compile=compile_, compile_mode=args.compile_mode, graphs=prof.graphs and not args.no_graphs,
-                        max_minutes=prof.max_minutes)
+                        max_minutes=prof.max_minutes, passes=tuple(report["passes"]))
     return report, settings
+
+
+def _passes(args, backend: str) -> dict:
+    """The passes of this run, in order, and the ops whose training rows the backend cannot make."""
+    from opport.bench.training import TRAINING, has_backward
+    from opport.ops import all_ops, get_op
+
+    asked = set(args.passes or DEFAULT_PASSES)
+    passes = [p for p in PASSES if p in asked or "all" in asked]
+    out = {"passes": passes}
+    if any(p in TRAINING for p in passes):
+        specs = [get_op(n) for n in args.op] if args.op else list(all_ops().values())
+        out["no_backward_kernel"] = [s.name for s in specs if not has_backward(s, backend)]
+    return out
 
 
 def _command(args, tier: str | None) -> str:
     """The command that repeats this run (what the JSON records)."""
     run = "--smoke" if args.smoke else f"--tier {tier}"
     parts = ["opport bench", "--overhead" if args.overhead else f"--backend {args.backend} {run}"]
-    parts += [f"--op {o}" for o in args.op] + [f"--dtype {d}" for d in args.dtype]
+    parts += [f"--op {o}" for o in args.op] + [f"--dtype {d}" for d in args.dtype] + [f"--pass {p}" for p in args.passes]
     for flag, value in (("--budget-ms", args.budget_ms), ("--rounds", args.rounds), ("--max-minutes", args.max_minutes)):
         if value is not None:
             parts.append(f"{flag} {value:g}")
@@ -206,27 +224,50 @@ def _run_rows(console, specs, tier: str, dtypes: list, settings, args):
 
     limit = args.max_minutes if args.max_minutes is not None else settings.max_minutes
     start, rows, skipped = time.perf_counter(), [], []
-    for spec, wl, shape, dtype in _round_robin(specs, tier, dtypes):
+    for spec, wl, shape, dtype in _round_robin(specs, tier, dtypes, settings.backend, settings.passes):
         if limit is not None and time.perf_counter() - start > limit * 60:
             skipped.append(f"{spec.name}/{shape.name}/{dtype}")
             continue
         t0 = time.perf_counter()
         new = run_shape(spec, wl, shape, dtype, settings)
         rows += new
-        state = f"{new[0]['ms']:.4g} ms" if "ms" in new[0] else new[0].get("status", "")
         console.print(f"[dim]{time.perf_counter() - start:6.1f} s  {spec.name:14s} {shape.label:34s} {dtype:9s} "
-                      f"opport {state} ({time.perf_counter() - t0:.1f} s)[/dim]")
+                      f"opport {_progress(new)} ({time.perf_counter() - t0:.1f} s)[/dim]")
+    _say_no_backward(console, settings.backend, settings.passes, specs)
     if skipped:
         console.print(f"[yellow]time limit ({limit} min) reached: {len(skipped)} shapes not run[/yellow]")
     order = {s.name: i for i, s in enumerate(specs)}
     return sorted(rows, key=lambda r: order[r["op"]]), skipped
 
 
-def _round_robin(specs, tier: str, dtypes: list):
+def _progress(rows: list) -> str:
+    """What opport did on one shape, per pass: its median time, or counted, or the row's status."""
+    parts = []
+    for r in rows:
+        if r["impl"] == "opport":
+            state = f"{r['ms']:.4g} ms" if "ms" in r else "counted" if "counts" in r else r.get("status", "")
+            parts.append(f"{r['pass']} {state}")
+    return ", ".join(parts)
+
+
+def _say_no_backward(console, backend: str, passes, specs):
+    from opport.bench.runner import passes_for
+
+    none = [s.name for s in specs if len(passes_for(s, backend, passes)) < len(passes)]
+    if none:
+        console.print(f"[yellow]no {backend} kernel for the backward of {', '.join(none)}: no training rows for "
+                      f"{'them' if len(none) > 1 else 'it'}[/yellow]")
+
+
+def _round_robin(specs, tier: str, dtypes: list, backend: str, passes):
+    """(spec, workload, shape, dtype) jobs, one op after another per round; ops with no pass to run are left out."""
+    from opport.bench.runner import passes_for
     from opport.bench.workloads import get_workload
 
     per_op = []
     for spec in specs:
+        if not passes_for(spec, backend, passes):
+            continue
         wl = get_workload(spec)
         per_op.append([(spec, wl, shape, dtype) for shape in wl.shapes_for(tier) for dtype in dtypes])
     for i in range(max((len(x) for x in per_op), default=0)):
@@ -235,20 +276,23 @@ def _round_robin(specs, tier: str, dtypes: list):
                 yield jobs[i]
 
 
-def _run_counts(console, prof, specs, tier: str, dtypes: list) -> list:
-    """Counts instead of time (an emulated device): one row per op, shape and dtype, a progress line each."""
-    from opport.bench.runner import run_counts
+def _run_counts(console, prof, specs, tier: str, dtypes: list, passes) -> list:
+    """Counts instead of time (an emulated device): rows per op, shape, dtype and pass, a progress line each shape."""
+    from opport.bench.runner import passes_for, run_counts
     from opport.bench.workloads import get_workload
 
     start, rows = time.perf_counter(), []
     for spec in specs:
+        if not passes_for(spec, prof.backend.name, passes):
+            continue
         wl = get_workload(spec)
         for shape in wl.shapes_for(tier):
             for dtype in dtypes:
-                rows.append(run_counts(prof, spec, wl, shape, dtype))
-                state = "counted" if "counts" in rows[-1] else rows[-1].get("status", "")
+                new = run_counts(prof, spec, wl, shape, dtype, passes)
+                rows += new
                 console.print(f"[dim]{time.perf_counter() - start:6.1f} s  {spec.name:14s} {shape.label:34s} {dtype:9s} "
-                              f"opport {state}[/dim]")
+                              f"opport {_progress(new)}[/dim]")
+    _say_no_backward(console, prof.backend.name, passes, specs)
     return rows
 
 
@@ -285,7 +329,7 @@ def _finish(console, report: dict, prof, settings, specs, args) -> int:
         rep.print_summary(console, report)
     bad = [r for r in report["rows"] if r["impl"] == "opport" and (r.get("status") == "error" or r.get("correct") is False)]
     for r in bad:
-        console.print(f"[red]opport {r['op']} {r['shape']} {r['dtype']}: "
+        console.print(f"[red]opport {r['op']} {r['shape']} {r['dtype']} {r.get('pass', 'fwd')}: "
                       f"{r.get('error') or r.get('error_detail') or 'output differs from the reference'}[/red]")
     status |= 1 if bad else 0
     if args.json:
@@ -302,6 +346,8 @@ def _finish(console, report: dict, prof, settings, specs, args) -> int:
 
 def _check_baseline(console, report: dict, settings, specs, args) -> int:
     """Fail on rows slower than the baseline by more than the margin in every one of 1 + repeats runs."""
+    from dataclasses import replace
+
     from opport.bench import report as rep
     from opport.bench.runner import run_shape
     from opport.bench.workloads import get_workload
@@ -311,14 +357,14 @@ def _check_baseline(console, report: dict, settings, specs, args) -> int:
     rows = report["rows"]
     by_name = {s.name: s for s in specs}
     for _ in range(args.repeats):
-        suspects = {(r["op"], r["case"], r["dtype"]) for r in rep.regressions(rows, base_rows, args.margin)}
+        suspects = {(s["op"], s["case"], s["dtype"], s["pass"], "opport") for s in rep.regressions(rows, base_rows, args.margin)}
         for r in rows:
-            key = (r["op"], r.get("case"), r["dtype"])
-            if r["impl"] != "opport" or key not in suspects:
+            if rep.row_key(r) not in suspects:
                 continue
             wl = get_workload(by_name[r["op"]])
             shape = next(s for s in wl.shapes if s.name == r["case"])
-            again = next(x for x in run_shape(by_name[r["op"]], wl, shape, r["dtype"], settings) if x["impl"] == "opport")
+            again = run_shape(by_name[r["op"]], wl, shape, r["dtype"], replace(settings, passes=(r["pass"],)))
+            again = next(x for x in again if x["impl"] == "opport")
             if "ms" in again:
                 r.setdefault("rerun_ms", []).append(again["ms"])
     slow = rep.regressions(rows, base_rows, args.margin)
@@ -327,7 +373,7 @@ def _check_baseline(console, report: dict, settings, specs, args) -> int:
     report["regressions"] = {"baseline": args.baseline, "margin": args.margin, "slower": slow,
                              "no_longer_timed": [list(k) for k in broken]}
     for s in slow:
-        console.print(f"[red]regression: {s['op']} {s['shape']} {s['dtype']}: {s['ms']:.4g} ms vs "
+        console.print(f"[red]regression: {s['op']} {s['shape']} {s['dtype']} {s['pass']}: {s['ms']:.4g} ms vs "
                       f"{s['baseline_ms']:.4g} ms in the baseline (+{s['slower_by']:.0%}, margin {args.margin:.0%})[/red]")
     for k in broken:
         console.print(f"[red]regression: {'/'.join(map(str, k))} was timed in the baseline and fails now[/red]")

@@ -1,4 +1,5 @@
-"""`--plot F`: a roofline chart of every timed row and per-op speedup bars (matplotlib, Agg, PNG)."""
+"""`--plot F`: a roofline chart of every timed row and per-op speedup bars (matplotlib, Agg, PNG), one row of
+the two per pass (fwd, fwd+bwd, bwd), so forward and training ratios are never drawn together."""
 
 from __future__ import annotations
 
@@ -11,22 +12,27 @@ def write_plot(report: dict, path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_roof, ax_bar) = plt.subplots(1, 2, figsize=(15, 7.5), gridspec_kw={"width_ratios": [1.15, 1]})
-    _roofline(ax_roof, report)
-    _speedups(ax_bar, report)
+    passes = list(report["summary"]) or ["fwd"]
+    fig, axes = plt.subplots(len(passes), 2, figsize=(15, 7.5 * len(passes)), squeeze=False,
+                             gridspec_kw={"width_ratios": [1.15, 1]})
+    for (ax_roof, ax_bar), p in zip(axes, passes):
+        _roofline(ax_roof, report, p)
+        _speedups(ax_bar, report["summary"].get(p, {}).get("per_op", {}), p)
     dev = report["device"]["name"]
     fig.suptitle(f"opport bench --backend {report['backend']} ({report['mode']}) on {dev}, tier {report['tier']}",
                  fontsize=12)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))  # room for the title above the first row
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _roofline(ax, report: dict):
+def _roofline(ax, report: dict, pass_: str):
     """x: arithmetic intensity (FLOP per model byte); y: achieved TFLOP/s; the roof from this run's ceilings."""
     import matplotlib.pyplot as plt
 
-    rows = [r for r in report["rows"] if r.get("ms") and r.get("flops") and r.get("bytes")]
+    from opport.bench.report import pass_of
+
+    rows = [r for r in report["rows"] if r.get("ms") and r.get("flops") and r.get("bytes") and pass_of(r) == pass_]
     c = report["ceilings"]
     bw, peak = c["copy_GBps"], c["matmul_TFLOPs"]  # GB/s, TFLOP/s of the run's main dtype
     ops = sorted({r["op"] for r in rows})
@@ -51,14 +57,13 @@ def _roofline(ax, report: dict):
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / model byte)")
     ax.set_ylabel("achieved TFLOP/s")
-    ax.set_title("roofline (each point: one op, shape and provider)")
+    ax.set_title(f"{pass_}: roofline (each point: one op, shape and provider)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, frameon=False)  # off the data
 
 
-def _speedups(ax, report: dict):
+def _speedups(ax, per_op: dict, pass_: str):
     """Geometric-mean speedup of opport per op against each baseline (> 1: opport faster)."""
-    per_op = report["summary"]["per_op"]
     ops = list(per_op)
     names = sorted({k for v in per_op.values() for k in v if k.startswith("vs_")})
     if not ops or not names:
@@ -82,7 +87,7 @@ def _speedups(ax, report: dict):
     ax.set_ylim(bottom / 1.6, top * 1.6)
     ax.yaxis.set_major_formatter(matplotlib_formatter())
     ax.set_ylabel("baseline time / opport time (geomean over shapes)")
-    ax.set_title("opport speedup per op (> 1: opport faster)")
+    ax.set_title(f"{pass_}: opport speedup per op (> 1: opport faster)")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", which="both", alpha=0.3)
 

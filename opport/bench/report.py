@@ -12,17 +12,31 @@ def geomean(xs) -> float | None:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
-def summary(rows: list) -> dict:
-    """Per op and overall, per baseline: geomean of vs, and fast_p = share of shapes correct and vs > p.
+def pass_of(r: dict) -> str:
+    """A row's pass; reports from before training rows existed timed the forward only."""
+    return r.get("pass", "fwd")
 
-    A shape counts in fast_p's denominator when opport ran it (timed or failed its check), so an
-    incorrect or crashing kernel lowers the share instead of vanishing from it.
+
+def summary(rows: list) -> dict:
+    """Per pass, per op and overall, per baseline: geomean of vs, and fast_p = share of shapes correct and vs > p.
+
+    {pass: {"per_op": {op: aggregate}, "overall": aggregate}}: a forward and a forward+backward ratio are
+    never mixed. A shape counts in fast_p's denominator when opport ran it (timed or failed its check), so
+    an incorrect or crashing kernel lowers the share instead of vanishing from it.
     """
     mine = [r for r in rows if r.get("impl") == "opport" and r.get("status") in ("ok", "error")]
-    per_op = {}
-    for op in sorted({r["op"] for r in mine}):
-        per_op[op] = _aggregate([r for r in mine if r["op"] == op])
-    return {"per_op": per_op, "overall": _aggregate(mine)}
+    out = {}
+    for p in sorted({pass_of(r) for r in mine}, key=_pass_order):
+        here = [r for r in mine if pass_of(r) == p]
+        per_op = {op: _aggregate([r for r in here if r["op"] == op]) for op in sorted({r["op"] for r in here})}
+        out[p] = {"per_op": per_op, "overall": _aggregate(here)}
+    return out
+
+
+def _pass_order(p: str) -> int:
+    from opport.bench.training import PASSES
+
+    return PASSES.index(p) if p in PASSES else len(PASSES)
 
 
 def _aggregate(mine: list) -> dict:
@@ -42,7 +56,7 @@ def _aggregate(mine: list) -> dict:
 
 
 def row_key(r: dict) -> tuple:
-    return (r["op"], r.get("case", r.get("shape")), r["dtype"], r["impl"])
+    return (r["op"], r.get("case", r.get("shape")), r["dtype"], pass_of(r), r["impl"])
 
 
 def regressions(current: list, baseline: list, margin: float) -> list:
@@ -59,7 +73,7 @@ def regressions(current: list, baseline: list, margin: float) -> list:
             continue
         best = min([r["ms"], *r.get("rerun_ms", [])])
         if best > b["ms"] * (1 + margin):
-            out.append({"op": r["op"], "case": r.get("case"), "shape": r["shape"], "dtype": r["dtype"],
+            out.append({"op": r["op"], "case": r.get("case"), "shape": r["shape"], "dtype": r["dtype"], "pass": pass_of(r),
                         "baseline_ms": b["ms"], "ms": best, "slower_by": best / b["ms"] - 1})
     return out
 
@@ -84,8 +98,8 @@ def print_rows(console, report: dict):
     base_names = sorted({k for r in rows for k in r.get("vs", {})})
     t = Table(title=f"opport bench --backend {report['backend']} ({report['mode']}) on {report['device']['name']}",
               caption=_ceiling_caption(report))
-    for col in ("op", "shape", "dtype", "impl", "ms [p20-p80]", "GB/s", "TFLOP/s", "roof %", "ok"):
-        t.add_column(col, justify="right" if col not in ("op", "shape", "impl") else "left")
+    for col in ("op", "shape", "dtype", "pass", "impl", "ms [p20-p80]", "GB/s", "TFLOP/s", "roof %", "ok"):
+        t.add_column(col, justify="right" if col not in ("op", "shape", "pass", "impl") else "left")
     for name in base_names:
         t.add_column(f"vs {name}", justify="right")
     for r in rows:
@@ -96,8 +110,8 @@ def print_rows(console, report: dict):
 def _cells(r: dict, base_names: list) -> list:
     if "ms" not in r:
         msg = r.get("error", r.get("status", ""))
-        return [r["op"], r["shape"], r["dtype"], r["impl"], f"[red]{r.get('status')}[/red]", msg[:60], "", "", "",
-                *["" for _ in base_names]]
+        return [r["op"], r["shape"], r["dtype"], pass_of(r), r["impl"], f"[red]{r.get('status')}[/red]", msg[:60], "",
+                "", "", *["" for _ in base_names]]
     ms = f"{r['ms']:.4g} [{r['p20_ms']:.3g}-{r['p80_ms']:.3g}]"
     if r.get("graph_ms") is not None:
         ms += f"\ngraph {r['graph_ms']:.3g}"
@@ -107,7 +121,7 @@ def _cells(r: dict, base_names: list) -> list:
         v = r.get("vs", {}).get(name)
         vs.append("" if v is None else f"[{'green' if v >= 1 else 'red'}]{v:.2f}x[/]")
     impl = r["impl"] if r["impl"] != "opport" else "[bold]opport[/bold]"
-    return [r["op"], r["shape"], r["dtype"], impl, ms, _f(r.get("GBps"), "{:.4g}"), _f(r.get("TFLOPs"), "{:.3g}"),
+    return [r["op"], r["shape"], r["dtype"], pass_of(r), impl, ms, _f(r.get("GBps"), "{:.4g}"), _f(r.get("TFLOPs"), "{:.3g}"),
             _f(r.get("roofline_pct"), "{:.0f}"), ok, *vs]
 
 
@@ -121,14 +135,16 @@ def print_summary(console, report: dict):
     from rich.table import Table
 
     s = report["summary"]
-    names = sorted({k for v in s["per_op"].values() for k in v if k.startswith("vs_")})
+    names = sorted({k for by in s.values() for v in by["per_op"].values() for k in v if k.startswith("vs_")})
     t = Table(title="speedup of opport (baseline time / opport time): geometric mean, fast_p")
-    t.add_column("op")
-    t.add_column("shapes ok")
+    for col in ("op", "pass", "shapes ok"):
+        t.add_column(col)
     for n in names:
         t.add_column(f"{n}\ngeomean | fast_1.0 | fast_0.8", justify="right")
-    for op, agg in [*s["per_op"].items(), ("ALL", s["overall"])]:
-        cells = [op, f"{agg['correct']}/{agg['shapes']}"]
+    lines = [(op, p, by["per_op"][op]) for op in sorted({o for by in s.values() for o in by["per_op"]})
+             for p, by in s.items() if op in by["per_op"]]
+    for op, p, agg in lines + [("ALL", p, by["overall"]) for p, by in s.items()]:
+        cells = [op, p, f"{agg['correct']}/{agg['shapes']}"]
         for n in names:
             e = agg.get(n)
             cells.append("-" if not e else f"{_f(e['geomean'], '{:.2f}x')} | {_f(e['fast_1.0'], '{:.0%}')} | "
@@ -143,14 +159,15 @@ def print_counts(console, report: dict, columns=()):
 
     t = Table(title=f"opport bench --backend {report['backend']} ({report['mode']}): counts per call, not speed")
     ratio = next((k for r in report["rows"] for k in r if k.endswith("_vs_min")), None)
-    for col in ("op", "shape", "dtype", "kernel", "ok", "min bytes", *columns, *([ratio] if ratio else [])):
+    for col in ("op", "shape", "dtype", "pass", "kernel", "ok", "min bytes", *columns, *([ratio] if ratio else [])):
         t.add_column(col)
     for r in report["rows"]:
         if "counts" not in r:
-            t.add_row(r["op"], r["shape"], r["dtype"], "-", f"[red]{r.get('status')}[/red]", r.get("error", "")[:80])
+            t.add_row(r["op"], r["shape"], r["dtype"], pass_of(r), "-", f"[red]{r.get('status')}[/red]",
+                      r.get("error", "")[:80])
             continue
         cells = [_count(r["counts"].get(c)) for c in columns] + ([_f(r.get(ratio), "{:.2f}")] if ratio else [])
-        t.add_row(r["op"], r["shape"], r["dtype"], r["kernel"], "yes" if r["correct"] else "[red]NO[/red]",
+        t.add_row(r["op"], r["shape"], r["dtype"], pass_of(r), r["kernel"], "yes" if r["correct"] else "[red]NO[/red]",
                   str(r["bytes"]), *cells)
     console.print(t)
 

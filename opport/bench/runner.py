@@ -6,6 +6,10 @@ module asks for it, or with --compile) on the backend's torch device, plus a Num
 NumPy backends. Every output is judged by opport.accuracy against a float64 reference: the op's NumPy
 reference for NumPy backends, torch on float64 copies of the same (already rounded) inputs, on the
 device, for torch backends (NumPy would take longer than the whole benchmark on LLM shapes).
+
+Passes: "fwd" times the op's forward as above; "fwd+bwd" and "bwd" (ops with a backward kernel on the
+backend) time the training forward plus backward and the backward alone, with gradients judged against
+the float64 VJP on the values the forward saves (opport/bench/training.py). Every row says its `pass`.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import importlib.util
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from opport import accuracy
+from opport.bench import training
 from opport.bench.timing import summarize
 from opport.bench.workloads import ArrayMaker, seed_for
 from opport.dispatch import FallbackWarning, explain
@@ -42,6 +47,7 @@ class Settings:
     compile_mode: str = "default"
     graphs: bool = False  # CUDA-graph variant and host wall time for launch-bound shapes
     max_minutes: float | None = None  # the backend's default time limit for a run
+    passes: tuple = ("fwd",)  # fwd, fwd+bwd, bwd (opport/bench/training.py)
 
 
 @dataclass
@@ -53,12 +59,31 @@ class Provider:
 
 
 def run_shape(spec, wl, shape, dtype: str, st: Settings) -> list:
-    """Rows (dicts) for every provider on one shape and dtype; errors become rows, never exceptions."""
+    """Rows (dicts) for every provider and pass on one shape and dtype; errors become rows, never exceptions."""
     base = {"op": spec.name, "shape": shape.label, "case": shape.name, "dims": shape.dims, "dtype": dtype}
+    passes = passes_for(spec, st.backend, st.passes)
     try:
         kw = wl.make(shape.dims, dtype, ArrayMaker(st.kind, st.device, seed_for(spec.name, shape.name, dtype)))
         bound = spec.bind(**kw)
         cost = spec.get_cost(*metas_of(spec, bound))
+    except Exception as e:
+        return [{**base, "pass": p, "impl": "opport", "status": "error", "error": f"{type(e).__name__}: {e}"}
+                for p in passes]
+    rows = _forward_rows(spec, wl, bound, cost, dtype, st, {**base, "pass": "fwd"}) if "fwd" in passes else []
+    train = [p for p in passes if p in training.TRAINING]
+    if train:
+        rows += _training_rows(spec, wl, bound, cost, dtype, st, base, train)
+    return rows
+
+
+def passes_for(spec, backend: str, passes) -> list:
+    """The passes that make rows for this op: the forward always, the training passes where the backend has a
+    kernel for the op's backward."""
+    return [p for p in passes if p == "fwd" or training.has_backward(spec, backend)]
+
+
+def _forward_rows(spec, wl, bound, cost, dtype: str, st: Settings, base: dict) -> list:
+    try:
         decision = _explain(spec, bound, st.backend)
     except Exception as e:
         return [{**base, "impl": "opport", "status": "error", "error": f"{type(e).__name__}: {e}"}]
@@ -74,6 +99,54 @@ def run_shape(spec, wl, shape, dtype: str, st: Settings) -> list:
     _time_all(live, st, cost, dtype)
     _add_ratios(rows)
     return rows
+
+
+def _training_rows(spec, wl, bound, fwd_cost, dtype: str, st: Settings, base: dict, passes: list) -> list:
+    """fwd+bwd and bwd rows (opport/bench/training.py): the training forward runs once, untimed, for what the
+    backward receives; each pass is then checked and timed like the forward, providers interleaved."""
+    seed = seed_for(spec.name, base["case"], dtype, "grad")
+    try:
+        prob = training.problem(spec, wl, bound, dtype, (st.backend, st.kind, st.device), seed)
+    except Exception as e:
+        return [{**base, "pass": p, "impl": "opport", "status": "error", "error": f"{type(e).__name__}: {e}"}
+                for p in passes]
+    if isinstance(prob, str):
+        return [{**base, "pass": p, "impl": "opport", "status": "skip", "error": prob} for p in passes]
+    rows = []
+    for p in passes:
+        cost = training.pass_cost(p, fwd_cost, prob)
+        rows += _training_pass(p, spec, wl, bound, prob, cost, dtype, st,
+                               {**base, "pass": p, "bytes": cost.bytes, "flops": cost.flops})
+    return rows
+
+
+def _training_pass(pass_: str, spec, wl, bound, prob, cost, dtype: str, st: Settings, base: dict) -> list:
+    try:
+        providers = [Provider(*p) for p in training.providers(pass_, spec, wl, bound, prob, st)]
+    except Exception as e:
+        return [{**base, "impl": "opport", "status": "error", "error": f"{type(e).__name__}: {e}"}]
+    rows = [_check_grads(p, prob, st, base) for p in providers]
+    live = [(p, r) for p, r in zip(providers, rows) if r["status"] != "error"]
+    _time_all(live, replace(st, graphs=False), cost, dtype)  # graph capture of autograd's backward: not attempted
+    _add_ratios(rows)
+    return rows
+
+
+def _check_grads(p: Provider, prob, st: Settings, base: dict) -> dict:
+    row = {**base, "impl": p.impl, "call": p.call, "status": "ok"}
+    try:
+        grads = p.fn()  # also the warm-up (a compiled forward+backward compiles here)
+        st.timer.sync()
+        if isinstance(prob.ref, Exception):
+            row.update(correct=None, note=f"unchecked: reference failed ({type(prob.ref).__name__}: {prob.ref})")
+        else:
+            row.update(training.judge(grads, prob))
+        del grads
+        if hasattr(st.timer, "peak_mb"):
+            row["peak_MB"] = st.timer.peak_mb(p.fn)
+    except Exception as e:
+        row.update(status="error", error=f"{type(e).__name__}: {e}")
+    return row
 
 
 def _explain(spec, bound, backend: str):
@@ -219,35 +292,81 @@ def _add_ratios(rows: list):
         mine["note"] = f"speedup > 2x over {', '.join(fast)}: re-check (docs/performance.md 5.8)"
 
 
-def run_counts(prof, spec, wl, shape, dtype: str) -> dict:
-    """An emulated device: the backend's counters for one call (counts, not speed), and the call's accuracy."""
+def run_counts(prof, spec, wl, shape, dtype: str, passes=("fwd",)) -> list:
+    """An emulated device: the backend's counters for one call per pass (counts, not speed), and its accuracy."""
     backend = prof.backend.name
     base = {"op": spec.name, "shape": shape.label, "case": shape.name, "dims": shape.dims, "dtype": dtype,
             "impl": "opport", "status": "ok"}
+    passes = passes_for(spec, backend, passes)
     try:
         kw = wl.make(shape.dims, dtype, ArrayMaker(prof.backend.array_kind, prof.input_device,
                                                    seed_for(spec.name, shape.name, dtype)))
         bound = spec.bind(**kw)
-        metas = metas_of(spec, bound)
-        cost = spec.get_cost(*metas)
+        cost = spec.get_cost(*metas_of(spec, bound))
+    except Exception as e:
+        return [{**base, "pass": p, "status": "error", "error": f"{type(e).__name__}: {e}"} for p in passes]
+    rows = [_count_forward(prof, spec, wl, bound, cost, dtype, {**base, "pass": "fwd"})] if "fwd" in passes else []
+    train = [p for p in passes if p in training.TRAINING]
+    return rows + (_count_training(prof, spec, wl, bound, cost, dtype, base, train) if train else [])
+
+
+def _count_forward(prof, spec, wl, bound, cost, dtype: str, base: dict) -> dict:
+    backend = prof.backend.name
+    try:
         decision = _explain(spec, bound, backend)
         if decision.kernel is None or decision.backend != backend:
             why = decision.fallback or decision.error or "no kernel"
             return {**base, "status": "skip", "error": f"no {backend} kernel takes it: {why}"}
-        t0 = time.perf_counter()
-        with prof.module.counters() as stats:
-            out = function(spec)(*bound, backend=backend)
-        host_s = time.perf_counter() - t0
         ref = _reference(spec, wl, bound, prof.backend.array_kind)
         if isinstance(ref, Exception):
             raise ref
-        v = accuracy.compare(accuracy.like(out, ref), ref, spec.tolerances[dtype], spec.out_dtype(metas))
+    except Exception as e:
+        return {**base, "status": "error", "error": f"{type(e).__name__}: {e}"}
+    out_dtype = spec.out_dtype(metas_of(spec, bound))
+
+    def check(out) -> dict:
+        v = accuracy.compare(accuracy.like(out, ref), ref, spec.tolerances[dtype], out_dtype)
+        return {"correct": v.ok, **v.metrics}
+
+    return _counted(prof, partial(function(spec), *bound, backend=backend), check, cost, decision.kernel, base)
+
+
+def _count_training(prof, spec, wl, bound, fwd_cost, dtype: str, base: dict, passes: list) -> list:
+    """Counts of the training forward plus backward (through opport.vjp: the kernels autograd would run) and of
+    the backward alone, for an op whose backward has a kernel on the emulated backend."""
+    backend, kind = prof.backend.name, prof.backend.array_kind
+    try:
+        seed = seed_for(spec.name, base["case"], dtype, "grad")
+        prob = training.problem(spec, wl, bound, dtype, (backend, kind, prof.input_device), seed)
+        if not isinstance(prob, str) and isinstance(prob.ref, Exception):
+            raise prob.ref  # counts of a call nobody can check are not reported
+    except Exception as e:
+        return [{**base, "pass": p, "status": "error", "error": f"{type(e).__name__}: {e}"} for p in passes]
+    if isinstance(prob, str):
+        return [{**base, "pass": p, "status": "skip", "error": prob} for p in passes]
+    rows = []
+    for p in passes:
+        fn = training.pullback_call(spec, bound, prob, backend) if p == "fwd+bwd" else training.backward_call(
+            spec, prob, backend)
+        rows.append(_counted(prof, fn, lambda g: training.judge(g, prob), training.pass_cost(p, fwd_cost, prob),
+                             prob.kernel, {**base, "pass": p}))
+    return rows
+
+
+def _counted(prof, fn, check, cost, kernel: str, base: dict) -> dict:
+    """One call of `fn` inside the backend's counters, judged by `check(result) -> row fields`."""
+    try:
+        t0 = time.perf_counter()
+        with prof.module.counters() as stats:
+            out = fn()
+        host_s = time.perf_counter() - t0
+        judged = check(out)
     except Exception as e:
         return {**base, "status": "error", "error": f"{type(e).__name__}: {e}"}
     counts = stats.as_dict()
     key = prof.get("BYTES_COUNTER")
-    row = {**base, "kernel": decision.kernel, "bytes": cost.bytes, "flops": cost.flops, "correct": v.ok, **v.metrics,
-           "counts": counts, "emulator_host_s": round(host_s, 3)}
+    row = {**base, "kernel": kernel, "bytes": cost.bytes, "flops": cost.flops, **judged, "counts": counts,
+           "emulator_host_s": round(host_s, 3)}
     if key in counts:
         row[f"{key}_vs_min"] = counts[key] / cost.bytes if cost.bytes else None
     return row

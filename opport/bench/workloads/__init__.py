@@ -53,6 +53,9 @@ class Workload:
     numpy_call: str = ""
     torch_reference: Callable | None = None  # float64 reference on torch tensors; default torch_eager
     torch_detail: Callable | None = None  # torch_detail(*bound) -> what torch_eager dispatched to (SDPA backend)
+    # torch_vjp_reference(grad, out, *bound) -> float64 gradients (one per differentiable input, the backward's
+    # order) from the forward's output as the kernels save it: for ops whose backward reads it (training.py)
+    torch_vjp_reference: Callable | None = None
     notes: dict = field(default_factory=dict)
 
     def shapes_for(self, tier: str) -> list:

@@ -78,6 +78,30 @@ def torch_reference(q, k, v, causal, scale):
     return out
 
 
+def torch_vjp_reference(grad, out, q, k, v, causal, scale):
+    """float64 gradients of q, k, v on the saved output O (D = rowsum(dO O)), one (batch, kv head) group at a
+    time as torch_reference: dS = P (dO V^T - D), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO, summed over
+    each group's query heads. A row that sees no key has P = 0."""
+    import torch
+
+    sq, sk, r = q.shape[-2], k.shape[-2], q.shape[1] // k.shape[1]
+    sc = scale if scale is not None else q.shape[-1] ** -0.5
+    seen = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + sk - sq
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b in range(q.shape[0]):
+        for g in range(k.shape[1]):
+            h = slice(g * r, (g + 1) * r)
+            s = q[b, h] @ k[b, g].T * sc
+            s = s.masked_fill(~seen, -torch.inf) if causal else s
+            lse = torch.logsumexp(s, dim=-1, keepdim=True)
+            p = torch.where(torch.isfinite(lse), torch.exp(s - lse), 0.0)
+            ds = p * (grad[b, h] @ v[b, g].T - (grad[b, h] * out[b, h]).sum(-1, keepdim=True))
+            dq[b, h] = ds @ k[b, g] * sc
+            dk[b, g] = (ds.transpose(-1, -2) @ q[b, h]).sum(0) * sc
+            dv[b, g] = (p.transpose(-1, -2) @ grad[b, h]).sum(0)
+    return dq, dk, dv
+
+
 def numpy_composition(q, k, v, causal, scale):
     qf, r = acc(q), q.shape[1] // k.shape[1]
     kf, vf = np.repeat(acc(k), r, axis=1), np.repeat(acc(v), r, axis=1)
@@ -93,6 +117,6 @@ WORKLOAD = Workload(
     "attention", SHAPES, make,
     torch_eager=torch_eager,
     torch_call="torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal, scale, enable_gqa)",
-    torch_reference=torch_reference, torch_detail=torch_detail,
+    torch_reference=torch_reference, torch_detail=torch_detail, torch_vjp_reference=torch_vjp_reference,
     numpy=numpy_composition, numpy_call="softmax(q @ k.T * scale + mask) @ v, kv heads repeated (float32 math)",
 )

@@ -25,6 +25,11 @@ def torch_eager(x, axis):
     return torch.softmax(x, dim=axis)
 
 
+def torch_vjp_reference(grad, out, x, axis):
+    """dx = y (g - sum(g y)) on the saved output y (float64 tensors)."""
+    return (out * grad - out * (grad * out).sum(dim=axis, keepdim=True),)
+
+
 def numpy_composition(x, axis):
     xf = acc(x)
     e = np.exp(xf - xf.max(axis=axis, keepdims=True))
@@ -33,6 +38,6 @@ def numpy_composition(x, axis):
 
 WORKLOAD = Workload(
     "softmax", SHAPES, make,
-    torch_eager=torch_eager, torch_call="torch.softmax(x, dim=axis)",
+    torch_eager=torch_eager, torch_call="torch.softmax(x, dim=axis)", torch_vjp_reference=torch_vjp_reference,
     numpy=numpy_composition, numpy_call="e = np.exp(x - x.max(axis)); e / e.sum(axis) (float32 math)",
 )
