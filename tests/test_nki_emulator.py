@@ -366,6 +366,28 @@ def _k_lnc_grid():
     nki.jit(lambda: None)[2, 2]
 
 
+def _k_raw_int_dge_mode():
+    a = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=sb((4, 4)), src=a, dge_mode=2)
+
+
+def _k_raw_int_engine():
+    nisa.tensor_copy(dst=sb((4, 4)), src=sb((4, 4)), engine=5)
+
+
+def _k_raw_int_reduce_cmd():
+    nisa.activation(dst=sb((4, 4)), op=nl.exp, data=sb((4, 4)), reduce_op=nl.add, reduce_res=sb((4, 1)), reduce_cmd=3)
+
+
+def _k_raw_int_perf_mode():
+    nisa.nc_matmul(ps((4, 4)), sb((4, 4)), sb((4, 4)), perf_mode=1)
+
+
+def _k_dma_engine_without_hwdge():
+    a = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=sb((4, 4)), src=a, engine=nisa.engine.sync)
+
+
 NEGATIVE = [
     (_k_partition_alloc, "partition dimension 256 exceeds maximum 128"),
     (_k_partition_operand, "src must be in SBUF or PSUM"),
@@ -439,6 +461,11 @@ NEGATIVE = [
     (_k_lnc_grid, "launch grid is one integer"),
     (_k_predicate_dtype, "predicate must be uint8, uint16 or uint32"),
     (_k_select_reduce_op, "reduce_op must be nl.maximum"),
+    (_k_raw_int_dge_mode, r"dge_mode=2 is a raw integer enum constant"),
+    (_k_raw_int_engine, r"engine=5 is a raw integer enum constant"),
+    (_k_raw_int_reduce_cmd, r"reduce_cmd=3 is a raw integer enum constant"),
+    (_k_raw_int_perf_mode, r"perf_mode=1 is a raw integer enum constant"),
+    (_k_dma_engine_without_hwdge, "only valid with dge_mode=hwdge"),
 ]
 
 
