@@ -5,6 +5,7 @@ Every instruction counts itself on its engine in the current run's statistics (r
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -241,6 +242,11 @@ def memset(dst, value, engine=engine.unknown, name=None):
     op = "memset"
     eng = _engine(engine, op, "vector", ("vector", "gpsimd"))
     _tile(dst, op, "dst", eng)
+    if dt.is_packed(dst.dtype):  # the instruction fills one u32 with no notion of the packed lanes (NKI 0.3 guide)
+        check(value == 0, op, f"x4 packed types ({dt.name(dst.dtype)}) only take value=0, got {value!r}")
+        dst.write(np.zeros(dst.shape, dst.dtype))
+        _count(eng)
+        return
     if dt.is_int(dst.dtype):
         check(float(value) == int(value), op, f"value {value!r} does not match the integer dtype {dst.dtype}")
     dst.write(np.full(dst.shape, value, np.float64 if dt.is_float(dst.dtype) else np.int64))
@@ -612,10 +618,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     check(k <= rows, op, f"contraction size K={k} exceeds {rows}")
     check(m <= PMAX, op, f"stationary free size M={m} exceeds 128 (nl.tile_size.gemm_stationary_fmax)")
     check(dst.shape[0] == m and dst.per_partition() == n, op, f"dst must be [M={m}, N={n}], got {dst.shape}")
-    for role, t in (("stationary", stationary), ("moving", moving)):
-        check(t.dtype in dt.MATMUL_INPUTS, op, f"{role} dtype {t.dtype} is not a matmul input type (fp8, bf16, fp16, fp32)")
-    fp32 = [t.dtype == dt.float32 for t in (stationary, moving)]
-    check(all(fp32) or not any(fp32), op, f"float32 may only pair with float32, got {stationary.dtype} x {moving.dtype}")
+    _matmul_dtypes(stationary, moving, op, run)
     if is_transpose:
         check(dst.dtype == stationary.dtype, op, f"a transpose keeps the dtype: dst {dst.dtype}, stationary {stationary.dtype}")
     else:
@@ -635,6 +638,23 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     run.count("tensor")
 
 
+def _matmul_dtypes(stationary, moving, op, run):
+    """Input dtype rules of nc_matmul (docs/nki.md 2.6; the nc_matmul docstring's "Data types")."""
+    for role, t in (("stationary", stationary), ("moving", moving)):
+        if dt.is_packed(t.dtype):
+            raise NotImplementedError(f"{op}: {role} is {dt.name(t.dtype)}; packed x4 MX types feed nisa.nc_matmul_mx "
+                                      "(NeuronCore-v4), which the opport emulator does not emulate")
+        check(t.dtype in dt.MATMUL_INPUTS, op, f"{role} dtype {t.dtype} is not a matmul input type (fp8, bf16, fp16, fp32)")
+        check(t.dtype != dt.float8_e4m3fn or run.target.version >= 4, op,
+              f"{role} is float8_e4m3fn (OCP FP8), a matmul input only from NeuronCore-v4 (trn3); {run.target.name} "
+              "takes float8_e4m3 / float8_e5m2")
+    kinds = {stationary.dtype, moving.dtype}
+    check(not {dt.float8_e4m3, dt.float8_e4m3fn} <= kinds, op,
+          "legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed in one matmul")
+    fp32 = [t.dtype == dt.float32 for t in (stationary, moving)]
+    check(all(fp32) or not any(fp32), op, f"float32 may only pair with float32, got {stationary.dtype} x {moving.dtype}")
+
+
 def _tiling(tile_position, tile_size, op) -> int:
     if not tile_position and not tile_size:
         return PMAX
@@ -650,15 +670,15 @@ def _tiling(tile_position, tile_size, op) -> int:
 
 
 def _check_bank(dst: NkiTensor, op, run):
-    """v2/v3: a matmul writes within one 2 KiB PSUM bank (allocations start on a bank boundary)."""
+    """v2/v3: a matmul writes within one 2 KiB PSUM bank (emulator-allocated tiles start on a bank boundary,
+    placed ones where their address says)."""
     if run.target.version >= 4:
         return
-    pf = dst._st.pfree
-    first = dst.offset % pf
-    last = first + sum((n - 1) * s for n, s in zip(dst.shape[1:], dst.strides[1:]))
     item = dst.itemsize
-    check(first * item // PSUM_BANK_BYTES == (last * item + item - 1) // PSUM_BANK_BYTES, op,
-          f"dst spans bytes {first * item}..{last * item + item - 1} of each partition, crossing a 2 KiB PSUM bank")
+    first = dst.free_byte_offset
+    last = first + sum((n - 1) * s for n, s in zip(dst.shape[1:], dst.strides[1:])) * item + item - 1
+    check(first // PSUM_BANK_BYTES == last // PSUM_BANK_BYTES, op,
+          f"dst spans bytes {first}..{last} of each partition, crossing a 2 KiB PSUM bank")
 
 
 def _exact_transpose_product(stationary, moving, op):
@@ -767,3 +787,50 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
             warn(op, "reduce_res with reduce_cmd=idle reads stale accumulators; pass reduce_cmd=nisa.reduce_cmd.reset_reduce")
         reduce_res.write(run.vec_regs[:p].reshape(reduce_res.shape))
     run.count("vector")
+
+
+# -- the rest of the documented instruction set, and empty operands ------------------------------------------------
+from opport.backends.neuron.emulator.isa_more import (  # noqa: E402  (isa_more builds on the helpers above)
+    dma_compute,
+    local_gather,
+    max8,
+    nc_find_index8,
+    nc_match_replace8,
+    nc_matmul_mx,
+    nc_n_gather,
+    nc_stream_shuffle,
+    nonzero_with_count,
+    quantize_mx,
+    range_select,
+    tensor_tensor_scan,
+)
+
+INSTRUCTIONS = (
+    "dma_copy", "dma_transpose", "dma_compute", "tensor_copy", "memset", "iota", "affine_select", "tensor_tensor",
+    "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_partition_reduce", "reciprocal", "bn_stats",
+    "bn_aggr", "activation", "activation_reduce", "tensor_scalar_reduce", "exponential", "nc_matmul", "nc_transpose",
+    "tensor_copy_predicated", "select_reduce", "tensor_tensor_scan", "nc_stream_shuffle", "max8", "nc_find_index8",
+    "nc_match_replace8", "nonzero_with_count", "range_select", "nc_n_gather", "local_gather",
+)
+
+
+def _is_empty(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_is_empty(v) for v in value)
+    return isinstance(value, NkiTensor) and value.size == 0
+
+
+def _skips_empty(fn):
+    """An instruction given an empty view (from nl.ds(start, 0)) moves nothing: the emulator issues nothing for it."""
+    @functools.wraps(fn)
+    def instruction(*args, **kwargs):
+        if any(_is_empty(v) for v in (*args, *kwargs.values())):
+            return None
+        return fn(*args, **kwargs)
+    return instruction
+
+
+for _name in INSTRUCTIONS:
+    globals()[_name] = _skips_empty(globals()[_name])
+__all__ += ["dma_compute", "local_gather", "max8", "nc_find_index8", "nc_match_replace8", "nc_matmul_mx", "nc_n_gather",
+            "nc_stream_shuffle", "nonzero_with_count", "quantize_mx", "range_select", "tensor_tensor_scan"]
