@@ -1731,6 +1731,11 @@ def test_fp8_e4m3fn_matmul_on_trn3_and_rsqrt_paths():
     assert nki.last_stats().instructions["gpsimd"] == 1
 
 
+def test_gpsimd_activation_is_not_emulated():
+    with pytest.raises(NotImplementedError, match="GpSimd activation"):
+        nisa.activation(dst=sb((4, 4)), op=nl.exp, data=sb((4, 4)), engine=nisa.engine.gpsimd)
+
+
 def test_keyword_only_kernel_signature_is_rejected():
     def kernel(x, *, flag=True):
         return None

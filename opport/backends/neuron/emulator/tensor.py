@@ -131,9 +131,8 @@ def allocate(shape, dtype, buffer=None, name="", fill=None, op="nl.ndarray", add
         runtime.current().allocate(st, buffer.name, per_partition)
         strides = _row_major(shape)
     else:
+        check(fill is None, op, "a tile placed at an address keeps the bytes there; fill it with an instruction")
         st = _placed(shape, dtype, buffer, name, address, op)
-        if fill is not None:
-            NkiTensor(st, 0, shape, (st.pstride,) + _row_major(shape[1:]), dtype).write(np.full(shape, fill))
         strides = (st.pstride,) + _row_major(shape[1:])
     return NkiTensor(st, 0, shape, strides, dtype)
 
