@@ -1742,3 +1742,15 @@ def test_keyword_only_kernel_signature_is_rejected():
 
     with pytest.raises(nki.NkiValidationError, match=r"keyword-only parameters \(flag\) after `\*`"):
         nki.jit(kernel)(f32(2, 2))
+
+
+def test_view_queries_and_tensor_indirection():
+    t = sb((4, 6, 8))
+    assert t.is_contiguous() and not t[0:4, 0:6, 0:8:2].is_contiguous() and not t.is_indirect()
+    assert t[0:4, 1:3].get_pattern() == [[48, 4], [8, 2], [1, 8]]
+    placed = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf, address=(0, 0))
+    assert placed.get_pattern() == [[8, 4], [1, 8]]
+    h = nl.ndarray((8, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    assert h.ap([[4, 2], [1, 4]], vector_offset=sb((2, 1), nl.int32)).is_indirect()
+    with pytest.raises(NotImplementedError, match="Tensor Indirection"):
+        t.indirect(sb((4, 1), nl.uint32))

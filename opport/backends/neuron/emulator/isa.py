@@ -158,7 +158,7 @@ def _dma_move(op, dst: NkiTensor, src: NkiTensor, values: np.ndarray, skip_mask=
 
 def _indirect_read(src: NkiTensor, mode, op):
     """Read a (possibly indirect) DMA source; returns values and a mask of skipped elements."""
-    if src.indirect is None:
+    if src.indirection is None:
         return src.read(), None
     idx = src._flat_index()
     bad = (idx < 0) | (idx >= src._st.data.size)
@@ -191,7 +191,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if dge_mode is constants.dge_mode.hwdge:
         check(runtime.current().target.version >= 3, op, "hardware DGE needs NeuronCore-v3 or newer")
         check(dst.dtype == src.dtype, op, f"dge_mode=hwdge cannot convert dtypes ({src.dtype} -> {dst.dtype})")
-    if dst.indirect is not None:  # scatter
+    if dst.indirection is not None:  # scatter
         idx = dst._flat_index()
         bad = (idx < 0) | (idx >= dst._st.data.size)
         check(not bad.any() or oob_mode is constants.oob_mode.skip, op, "indirect DMA destination index out of bounds")

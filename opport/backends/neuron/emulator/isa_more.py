@@ -335,16 +335,16 @@ def _dma_compute_operands(op, dst, srcs, reduce_op, scales, unique_indices) -> l
     check(scales is None or (len(scales) == len(srcs) and all(float(x) == 1.0 for x in scales)), op,
           "scales must be None or one 1.0 per source (other scales are not supported)")
     views = [dst, *srcs]
-    check(all(t.indirect is None or t.indirect[0] == "vector" for t in views), op,
+    check(all(t.indirection is None or t.indirection[0] == "vector" for t in views), op,
           "dst and srcs need compile-time addresses; only vector_offset indirection is allowed")
-    if any(t.indirect is not None for t in views):
+    if any(t.indirection is not None for t in views):
         check(len(srcs) == 2, op, "read-modify-write with vector_offset takes exactly 2 sources")
         check(unique_indices is True, op, "unique_indices must be True with vector_offset (non-unique not supported)")
     return srcs
 
 
 def _dma_compute_write(op, dst, total, skipped, oob):
-    if dst.indirect is None:
+    if dst.indirection is None:
         old = np.array(dst.read())
         dst.write(np.where(skipped, old, dt.cast(total, dst.dtype).reshape(old.shape)))
         return

@@ -196,11 +196,11 @@ def wrap_hbm(array: np.ndarray, name: str = "") -> NkiTensor:
 class NkiTensor:
     """A view of a storage. Shape, dtype and buffer follow the real API; data moves only through nl/nisa."""
 
-    __slots__ = ("_st", "offset", "shape", "strides", "dtype", "indirect")
+    __slots__ = ("_st", "offset", "shape", "strides", "dtype", "indirection")
 
     def __init__(self, st: Storage, offset: int, shape, strides, dtype, indirect=None):
         self._st, self.offset, self.shape, self.strides, self.dtype = st, int(offset), tuple(shape), tuple(strides), dtype
-        self.indirect = indirect  # ("vector", idx_tensor, dim) / ("scalar", offset, dim) from .ap()
+        self.indirection = indirect  # ("vector", idx_tensor, dim) / ("scalar", offset, dim) from .ap()
         self._check_bounds()
 
     # -- metadata -------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ class NkiTensor:
         raise NkiValidationError("NKI tensors are not iterable; index them with ints, slices or nl.ds")
 
     def _check_bounds(self):
-        if self.indirect is not None or not self.shape or not self.size:
+        if self.indirection is not None or not self.shape or not self.size:
             return
         st = self._st
         hi = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.strides))
@@ -283,8 +283,8 @@ class NkiTensor:
         grids = np.indices(self.shape, sparse=True) if self.shape else ()
         flat = np.full((1,) * len(self.shape), self.offset, np.int64)
         for d, (g, s) in enumerate(zip(grids, self.strides)):
-            if self.indirect is not None and d == self.indirect[2]:
-                kind, src, _ = self.indirect
+            if self.indirection is not None and d == self.indirection[2]:
+                kind, src, _ = self.indirection
                 if kind == "vector":
                     idx = _vector_index(src, self.shape[d])
                     g = idx.reshape(g.shape)
@@ -299,7 +299,7 @@ class NkiTensor:
 
     def read(self) -> np.ndarray:
         """The elements as a NumPy array of this tensor's dtype (a copy for indirect views)."""
-        if self.indirect is not None:
+        if self.indirection is not None:
             idx = self._flat_index()
             check(idx.min() >= 0 and idx.max() < self._st.data.size, "dma", "indirect access out of bounds")
             return self._st.data[idx]
@@ -310,7 +310,7 @@ class NkiTensor:
         check(all(s or n == 1 for n, s in zip(self.shape[1:], self.strides[1:])), "dst",
               "cannot write through a broadcast (stride-0) view")
         values = dt.cast(np.asarray(values).reshape(self.shape), self.dtype)
-        if self.indirect is not None:
+        if self.indirection is not None:
             self._st.data[self._flat_index()] = values
             return
         self._view()[...] = values
@@ -324,7 +324,7 @@ class NkiTensor:
 
     # -- indexing ------------------------------------------------------------------------------------------
     def __getitem__(self, key) -> NkiTensor:
-        if self.indirect is not None:
+        if self.indirection is not None:
             raise NkiValidationError("index: an .ap() view with an indirect offset cannot be indexed further")
         key = key if isinstance(key, tuple) else (key,)
         if any(k is Ellipsis for k in key):
@@ -503,6 +503,26 @@ class NkiTensor:
         n = math.prod(self.shape[start:end + 1])
         return NkiTensor(self._st, self.offset, self.shape[:start] + (n,) + self.shape[end + 1:],
                          self.strides[:start] + (self.strides[end],) + self.strides[end + 1:], self.dtype)
+
+    def is_indirect(self) -> bool:
+        return self.indirection is not None
+
+    def is_contiguous(self) -> bool:
+        """Row-major over the free dims (on chip the partition dim is skipped, as documented)."""
+        dims = list(zip(self.shape, self.strides))[1 if self.onchip else 0:]
+        want = _row_major([n for n, _ in dims])
+        return all(s == w for (n, s), w in zip(dims, want) if n > 1)
+
+    def get_pattern(self) -> list:
+        """[[stride, count], ...] of this view, in the units .ap() takes (on chip: dense partition stride)."""
+        strides = list(self.strides)
+        if self.onchip:
+            strides[0] = self._st.pfree
+        return [[s, n] for s, n in zip(strides, self.shape)]
+
+    def indirect(self, index, num_elem=None):
+        raise NotImplementedError("NkiTensor.indirect: Tensor Indirection (TI, NeuronCore-v4) is not emulated; "
+                                  "gather with nisa.nc_n_gather / local_gather or an indirect DMA")
 
     def assert_shape(self, shape):
         check(tuple(shape) == self.shape, "assert_shape", f"expected shape {tuple(shape)}, got {self.shape}")
