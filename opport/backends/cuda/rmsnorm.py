@@ -5,6 +5,7 @@ import torch
 
 from opport.backends.cuda._launch import (
     at,
+    bwd_row_config,
     cdiv,
     f32,
     lead_index,
@@ -224,7 +225,7 @@ def rmsnorm_backward(grad: torch.Tensor, x: torch.Tensor, weight, eps: float):
     if dx.numel() == 0:
         return dx, dw  # dweight: a sum over no rows
     lay, (grad, x) = rows_layout([grad, x], dx)
-    cfg = row_config(lay.n_rows, lay.n_cols)
+    cfg = bwd_row_config(lay.n_rows, lay.n_cols)
     programs = partial_programs(cdiv(lay.n_rows, cfg.block_m), x.device)
     # chunked rows add into their program's partial row, whole rows write it once
     part = (torch.empty if cfg.single else torch.zeros)((programs, lay.n_cols) if weight is not None else (1, 1),
