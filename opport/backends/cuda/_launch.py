@@ -335,19 +335,18 @@ def neg_zero_like(x):
 PARTIALS_PER_SM = 2  # programs per SM for a row-wise backward with partial sums: two keep each SM's loads in flight
 
 
-def bwd_row_config(n_rows: int, n_cols: int, wide: bool = False) -> RowConfig:
-    """Tile for a row-wise backward: the forward's (`row_config`) with the warps of a tile twice as large, since a
-    backward keeps about twice as many row-long arrays live (grad, x, xhat, the weight, partial sums); 8K-column
-    bf16 rows at the forward's 8 warps took 253 registers. `wide` (float64 arithmetic, two registers a value):
-    half the elements per tile (chunked rows past half of ROW_MAX) and the warps of a tile 8x as large (a 4 x 512
-    tile spilled at 8 warps)."""
+def bwd_row_config(n_rows: int, n_cols: int, wide: bool = False, spread: int = 2) -> RowConfig:
+    """Tile for a row-wise backward: the forward's (`row_config`) with the warps of a tile `spread` times as large,
+    since a backward keeps more row-long arrays live (grad, x, xhat, the weight, partial sums, float64
+    temporaries): 8K-column bf16 rmsnorm rows took 253 registers at the forward's 8 warps. `wide` (float64
+    arithmetic throughout, two registers a value): half the elements per tile, chunked rows past half of ROW_MAX."""
     cfg = row_config(n_rows, n_cols)
     if wide and cfg.block_m * cfg.block_n > 1024:
         if cfg.block_m > 1:
             cfg = RowConfig(cfg.block_m // 2, cfg.block_n, cfg.single, cfg.num_warps)
         else:
             cfg = RowConfig(1, cfg.block_n // 2, False, cfg.num_warps)
-    return RowConfig(cfg.block_m, cfg.block_n, cfg.single, warps_for(cfg.block_m * cfg.block_n * (8 if wide else 2)))
+    return RowConfig(cfg.block_m, cfg.block_n, cfg.single, warps_for(cfg.block_m * cfg.block_n * spread))
 
 
 def partial_programs(n_tiles: int, device) -> int:

@@ -5,6 +5,7 @@ import torch
 
 from opport.backends.cuda._launch import (
     at,
+    bwd_row_config,
     cdiv,
     exp_f32,
     f32,
@@ -166,7 +167,7 @@ def softmax_backward(grad: torch.Tensor, out: torch.Tensor, axis: int):
         return (dx,)
     (gv, yv), dv = _axis_last([grad, out], dx, axis)
     lay, (gv, yv) = rows_layout([gv, yv], dv)
-    cfg = row_config(lay.n_rows, lay.n_cols)
+    cfg = bwd_row_config(lay.n_rows, lay.n_cols, spread=4)  # float64 temporaries: 4 x 1024 tiles spilled at 8 warps
     _softmax_bwd_kernel[(cdiv(lay.n_rows, cfg.block_m),)](
         gv, yv, dv, lay.n_rows, lay.n_cols, lay.sizes[1], lay.sizes[2], *lay.args(0), *lay.args(1), *lay.args(2),
         **cfg.meta, num_warps=cfg.num_warps,
