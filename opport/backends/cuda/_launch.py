@@ -339,13 +339,15 @@ def bwd_row_config(n_rows: int, n_cols: int, wide: bool = False, spread: int = 2
     """Tile for a row-wise backward: the forward's (`row_config`) with the warps of a tile `spread` times as large,
     since a backward keeps more row-long arrays live (grad, x, xhat, the weight, partial sums, float64
     temporaries): 8K-column bf16 rmsnorm rows took 253 registers at the forward's 8 warps. `wide` (float64
-    arithmetic throughout, two registers a value): half the elements per tile, chunked rows past half of ROW_MAX."""
+    arithmetic throughout, two registers a value): half the elements per tile, chunked rows past half of ROW_MAX,
+    in quarter-ROW_MAX chunks (8K-column float64 chunks spilled)."""
     cfg = row_config(n_rows, n_cols)
     if wide and cfg.block_m * cfg.block_n > 1024:
         if cfg.block_m > 1:
             cfg = RowConfig(cfg.block_m // 2, cfg.block_n, cfg.single, cfg.num_warps)
         else:
-            cfg = RowConfig(1, cfg.block_n // 2, False, cfg.num_warps)
+            cap = (INTERP_TILE if INTERPRET else ROW_MAX) // 4
+            cfg = RowConfig(1, min(cfg.block_n // 2, cap), False, cfg.num_warps)
     return RowConfig(cfg.block_m, cfg.block_n, cfg.single, warps_for(cfg.block_m * cfg.block_n * spread))
 
 

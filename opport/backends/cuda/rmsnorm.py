@@ -169,8 +169,8 @@ def _rmsnorm_bwd_chunked(g_ptr, x_ptr, w_ptr, dx_ptr, part_ptr, tile, n_rows, n_
     i0, i1, i2 = lead_index(rows, n1, n2)
     i0, i1, i2 = i0[:, None], i1[:, None], i2[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
-    ss = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    gx = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    ss = tl.zeros((BLOCK_M, 1), tl.float32)  # per-row sums, not [BLOCK_M, BLOCK_N] tiles: 16K-column chunks spilled
+    gx = tl.zeros((BLOCK_M, 1), tl.float32)
     s = tl.full((BLOCK_M, 1), 1.0, tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
@@ -180,11 +180,11 @@ def _rmsnorm_bwd_chunked(g_ptr, x_ptr, w_ptr, dx_ptr, part_ptr, tile, n_rows, n_
         s_new = tl.maximum(s, pow2_scale(tl.max(tl.abs(x), 1))[:, None])
         ratio = s / s_new  # a power of two <= 1: exact rescale of the running sums
         xs = x / s_new
-        ss = ss * (ratio * ratio) + xs * xs
-        gx = gx * ratio + g * _weight(w_ptr, w_s, c, mask, HAS_WEIGHT) * xs
+        ss = ss * (ratio * ratio) + tl.sum(xs * xs, 1)[:, None]
+        gx = gx * ratio + tl.sum(g * _weight(w_ptr, w_s, c, mask, HAS_WEIGHT) * xs, 1)[:, None]
         s = s_new
-    r = tl.rsqrt(tl.sum(ss, 1)[:, None] / n_cols + eps / (s * s))
-    mean_gx = tl.sum(gx, 1)[:, None] * r / n_cols  # mean(gw xhat)
+    r = tl.rsqrt(ss / n_cols + eps / (s * s))
+    mean_gx = gx * r / n_cols  # mean(gw xhat)
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
         mask = row_ok & (c < n_cols)
