@@ -155,6 +155,17 @@ def test_memory_bound_llm_kernels_load_16_bytes_at_a_time(sm90, op):
     assert widths == {16}, widths
 
 
+@pytest.mark.parametrize("op", [f"{name}_backward" for name in MEMORY_BOUND])
+def test_memory_bound_llm_backward_kernels_load_16_bytes_at_a_time(sm90, op):
+    """The same for the backward kernels, where the cuda backend has one (else the op's backward runs on cpu)."""
+    _, report = sm90
+    if not any(p.startswith(f"{op} ") for b in report["builds"] for p in b["problems"]):
+        pytest.skip(f"no cuda kernel for {op}")
+    widths = {b["load_bytes"] for b in report["builds"] if b["dtype"] == "bf16"
+              and any(p.startswith(f"{op} bench ") and p.endswith(" bfloat16") for p in b["problems"])}
+    assert widths == {16}, widths
+
+
 def test_large_llm_problems_fill_the_h200(sm90):
     """A bench problem moving >= 64 MB (more than the L2) must launch at least 80% of the H200's 132 SMs' worth
     of programs (decode attention over 16K keys and a 16-row GEMM once ran 64 programs: half the GPU idle)."""

@@ -107,7 +107,9 @@ def _launch_pair(grad, gate, up, dgate, dup):
     lay, (grad, gate, up) = rows_layout([grad, gate, up], dgate, merge_cols=True)
     cfg = elementwise_config(lay)
     strides = [s for t in range(4) for s in lay.args(t)] + list(lay.args(3))
+    wide = gate.dtype == torch.float32
     _swiglu_bwd_kernel[(cdiv(lay.n_rows, cfg.block_m) * cdiv(lay.n_cols, cfg.block_n),)](
         grad, gate, up, dgate, dup, lay.n_rows, lay.n_cols, lay.sizes[1], lay.sizes[2], *strides,
-        WIDE=gate.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        WIDE=wide, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=2 * cfg.num_warps if wide else cfg.num_warps,  # float64 exp and division: 254 registers at 4 warps
     )
