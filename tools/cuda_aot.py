@@ -4,12 +4,12 @@
 
 Each problem (the bench's shapes of the chosen tiers and every conformance case, in float32, float16
 and bfloat16) goes through the kernel's host code on torch meta tensors, so tiles, layouts, grids and
-specialisations are picked exactly as on a GPU. Derived ops (`<op>_backward`, `<op>_forward`) with a cuda
-kernel are problems of their own: their conformance cases, and the bench's shapes turned into what training
-hands them (`--op rmsnorm` covers rmsnorm and its derived ops, `--op rmsnorm_backward` that one alone).
-Each launch is then compiled by Triton for the target
-(default sm_90, the H200) down to a cubin with the bundled ptxas, instead of running. The interpreter
-that runs the conformance suite on CPUs checks none of what this does:
+specialisations are picked exactly as on a GPU; each launch is then compiled by Triton for the target
+(default sm_90, the H200) down to a cubin with the bundled ptxas, instead of running. Derived ops
+(`<op>_backward`, `<op>_forward`) with a cuda kernel are problems of their own: their conformance cases, and
+the bench's shapes turned into what training hands them (`--op rmsnorm` covers rmsnorm and its derived ops,
+`--op rmsnorm_backward` that one alone). The interpreter that runs the conformance suite on CPUs checks none
+of what this does:
 
 - the kernel compiles (tl.dot tile minimums, dtype rules, constexpr misuse);
 - its shared memory fits the SM (`Required: X, Hardware limit: Y` at launch otherwise);
