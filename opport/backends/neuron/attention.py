@@ -335,7 +335,7 @@ def _attention_backward_kernel(do_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, caus
     item = 4 if q_hbm.dtype == nl.float32 else 2
     n_dvc = (Dv + KP - 1) // KP
     n_kb = (Sk + KB - 1) // KB
-    keys_resident = n_kb * (D + KB * (1 + n_dvc)) * item <= BWD_KEYS_RESIDENT
+    keys_resident = n_kb * (D + Dv + KB * (1 + n_dvc)) * item <= BWD_KEYS_RESIDENT
     descs = []  # (query head in group, first row, rows) of every query tile of a group
     for hh in range(group):
         for q0 in range(0, Sq, q_rows):
@@ -346,11 +346,15 @@ def _attention_backward_kernel(do_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, caus
     meta = (causal, float(scale), dead)
     for b in range(B):
         for g in range(Hkv):
-            v0_sb = _v0_rows(v_hbm, b, g, min(q_rows, Sq))
             keys = []
             if keys_resident:
                 for k0 in range(0, Sk, KB):
                     keys.append(_key_tile(k_hbm, v_hbm, b, g, k0, min(KB, Sk - k0)))
+                v0_sb = _v0_rows(keys[0][3][0:1, 0:Dv], min(q_rows, Sq))
+            else:
+                v_row_sb = nl.ndarray((1, Dv), dtype=v_hbm.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=v_row_sb, src=v_hbm[b, g, 0:1, 0:Dv])
+                v0_sb = _v0_rows(v_row_sb, min(q_rows, Sq))
             rows = []
             if rows_resident:
                 for hh, q0, p in descs:
@@ -447,7 +451,7 @@ def _block(rt, kt, dhat_sb, first, kc, mask, scale, want_p):
     (selected, not multiplied: a masked dP may be inf). On the first block of a query tile D = dP[:, 0] + delta
     is formed. The parts sum to the float32 value (see _parts)."""
     q_nat_sb, qT_sb, do_nat_sb, doT_tiles, neg_lse_sb, delta_sb, dead_sb = rt
-    k_nat_sb, kT_sb, vT_tiles = kt
+    kT_sb, vT_tiles = kt[1], kt[2]
     D, p = qT_sb.shape[0], qT_sb.shape[1]
     s_psum = nl.ndarray((p, kc), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=s_psum, stationary=qT_sb, moving=kT_sb[0:D, 0:kc])
@@ -487,7 +491,7 @@ def _parts(x_sb, dtype):
 
 
 def _key_tile(k_hbm, v_hbm, b, g, k0, kp):
-    """Keys k0:k0+kp of KV head g: (k [kp, D], k^T [D, kp], [v^T [<=128, kp] per 128 value columns])."""
+    """Keys k0:k0+kp of KV head g: (k [kp, D], k^T [D, kp], [v^T [<=128, kp] per 128 value columns], v [kp, Dv])."""
     D, Dv = k_hbm.shape[3], v_hbm.shape[3]
     k_sb = nl.ndarray((kp, D), dtype=k_hbm.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=k_sb, src=k_hbm[b, g, k0:k0 + kp, 0:D])
@@ -497,7 +501,7 @@ def _key_tile(k_hbm, v_hbm, b, g, k0, kp):
     vT_tiles = []
     for c0 in range(0, Dv, KP):
         vT_tiles.append(_transposed(v_sb, c0, min(KP, Dv - c0)))
-    return k_sb, kT_sb, vT_tiles
+    return k_sb, kT_sb, vT_tiles, v_sb
 
 
 def _row_tile(ins, v0_sb, b, h, q0, p, dead):
@@ -544,12 +548,11 @@ def _transposed(x_sb, c0, c):
     return xT_sb
 
 
-def _v0_rows(v_hbm, b, g, rows):
-    """v[b, g, 0, :] on `rows` partitions, float32: one row DMA'd, replicated by a K = 1 TensorE matmul (exact)."""
-    Dv = v_hbm.shape[3]
-    v0_sb = nl.ndarray((1, Dv), dtype=v_hbm.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=v0_sb, src=v_hbm[b, g, 0:1, 0:Dv])
-    ones_sb = nl.ndarray((1, rows), dtype=v_hbm.dtype, buffer=nl.sbuf)
+def _v0_rows(v0_sb, rows):
+    """The row v_0 [1, Dv] (key 0's values, already in SBUF) on `rows` partitions in float32, replicated by a
+    K = 1 TensorE matmul against ones (exact: one term, times 1)."""
+    Dv = v0_sb.shape[1]
+    ones_sb = nl.ndarray((1, rows), dtype=v0_sb.dtype, buffer=nl.sbuf)
     nisa.memset(dst=ones_sb, value=1.0)
     rep_psum = nl.ndarray((rows, Dv), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=rep_psum, stationary=ones_sb, moving=v0_sb)
