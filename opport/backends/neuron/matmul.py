@@ -189,9 +189,9 @@ def _matmul_backward_kernel(g_hbm, a_hbm, b_hbm, with_bias):
         the partitions: the row-major tiles of a (stationary) and grad (moving) go in as loaded, and every
         row tile of the batch entry accumulates into the same float32 PSUM banks. dbias is the same product
         with an all-ones column as the stationary: the reduction across partitions runs on TensorE. da = grad
-        b^T contracts over N, so each 128-wide slice of grad and each [128 k, 128 n] tile of b is transposed
-        on TensorE; each transposed b tile serves up to DA_TILES row tiles' accumulators (b is read once per
-        DA_TILES * 128 rows, as the forward reads its b). The rows of a and grad of a batch entry stay in SBUF
+        b^T contracts over N, so each 128-wide slice of grad and each [128 k, 128 n] piece of b (loaded 512
+        columns per DMA) is transposed on TensorE; each transposed piece of b serves up to DA_TILES row tiles'
+        accumulators (b is read once per DA_TILES * 128 rows, as the forward reads its b). The rows of a and grad of a batch entry stay in SBUF
         for both products when they fit ROWS_BUDGET bytes per partition: then grad and a are read once
         (else re-read by each pass and each db panel). Sums over rows keep a fixed order.
 
@@ -199,7 +199,7 @@ def _matmul_backward_kernel(g_hbm, a_hbm, b_hbm, with_bias):
         for g:
             rows = a[g], grad[g] in 128-row tiles (kept in SBUF if they fit)
             for each block of <= 6 row tiles, each 512-wide k chunk:
-                for each 128-wide n tile: bT = transpose(b[g, k chunk, n tile]); acc_i += grad_i[:, n]^T^T @ bT
+                for each 128-wide n tile: bT = b[g, k chunk, n tile]^T; acc_i += grad_i[:, n tile] @ bT
                 da[g, rows_i, k chunk] = acc_i
             for each 128-wide k tile, each panel of 3 x 512 n columns:
                 acc_c = sum over row tiles of a_i[:, k]^T @ grad_i[:, c]; (k = 0) bias_c += ones^T @ grad_i[:, c]
@@ -259,13 +259,15 @@ def _da_pass(g_hbm, b_hbm, da_hbm, g, tiles):
             accs = []
             for t in block:
                 accs.append(nl.ndarray((t[1], kc), dtype=nl.float32, buffer=nl.psum))
-            for nt0 in range(0, N, TILE_K):
-                nt = min(TILE_K, N - nt0)
-                bT_sb = _b_transposed(b_hbm, g, kc0, kc, nt0, nt)
-                for i in range(len(block)):
-                    m0, mt, _, g_sb = block[i]
-                    gT_sb = _transposed_sb(_rows_of(g_hbm, g_sb, g, m0, mt, nt0, nt))
-                    nisa.nc_matmul(dst=accs[i], stationary=gT_sb, moving=bT_sb)
+            for nb0 in range(0, N, TILE_N):
+                b_tiles = _b_rows(b_hbm, g, kc0, kc, nb0, min(TILE_N, N - nb0))
+                for nt0 in range(nb0, min(N, nb0 + TILE_N), TILE_K):
+                    nt = min(TILE_K, N - nt0)
+                    bT_sb = _b_transposed(b_tiles, nt0 - nb0, nt, kc)
+                    for i in range(len(block)):
+                        m0, mt, _, g_sb = block[i]
+                        gT_sb = _transposed_sb(_rows_of(g_hbm, g_sb, g, m0, mt, nt0, nt))
+                        nisa.nc_matmul(dst=accs[i], stationary=gT_sb, moving=bT_sb)
             for i in range(len(block)):
                 m0, mt = block[i][0], block[i][1]
                 da_sb = nl.ndarray((mt, kc), dtype=da_hbm.dtype, buffer=nl.sbuf)
@@ -273,16 +275,26 @@ def _da_pass(g_hbm, b_hbm, da_hbm, g, tiles):
                 nisa.dma_copy(dst=da_hbm[g, m0:m0 + mt, kc0:kc0 + kc], src=da_sb)
 
 
-def _b_transposed(b_hbm, g, kc0, kc, nt0, nt):
-    """b[g, kc0:kc0+kc, nt0:nt0+nt]^T as [nt, kc] in SBUF: row-major [128, nt] loads transposed on TensorE."""
-    bT_sb = nl.ndarray((nt, kc), dtype=b_hbm.dtype, buffer=nl.sbuf)
+def _b_rows(b_hbm, g, kc0, kc, nb0, nb):
+    """b[g, kc0:kc0+kc, nb0:nb0+nb] as row-major [<=128, nb] tiles: one DMA each of up to 512 columns (2 KiB per
+    partition in float32, where [128, 128] loads would move 512 B per partition per transfer)."""
+    tiles = []
     for j0 in range(0, kc, TILE_K):
         kj = min(TILE_K, kc - j0)
-        b_sb = nl.ndarray((kj, nt), dtype=b_hbm.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=b_sb, src=b_hbm[g, kc0 + j0:kc0 + j0 + kj, nt0:nt0 + nt])
-        bT_psum = nl.ndarray((nt, kj), dtype=b_hbm.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=bT_psum, data=b_sb)
-        nisa.tensor_copy(dst=bT_sb[0:nt, j0:j0 + kj], src=bT_psum)
+        b_sb = nl.ndarray((kj, nb), dtype=b_hbm.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=b_sb, src=b_hbm[g, kc0 + j0:kc0 + j0 + kj, nb0:nb0 + nb])
+        tiles.append(b_sb)
+    return tiles
+
+
+def _b_transposed(b_tiles, c0, nt, kc):
+    """Columns c0:c0+nt of the [kc, nb] block held by b_tiles, transposed to [nt, kc] in SBUF on TensorE."""
+    bT_sb = nl.ndarray((nt, kc), dtype=b_tiles[0].dtype, buffer=nl.sbuf)
+    for j in range(len(b_tiles)):
+        kj = b_tiles[j].shape[0]
+        bT_psum = nl.ndarray((nt, kj), dtype=bT_sb.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=bT_psum, data=b_tiles[j][0:kj, c0:c0 + nt])
+        nisa.tensor_copy(dst=bT_sb[0:nt, j * TILE_K:j * TILE_K + kj], src=bT_psum)
     return bT_sb
 
 
