@@ -31,15 +31,15 @@ def _rope_kernel(x_hbm, cos_hbm, sin_hbm, interleaved):
 
     Notes:
         One DMA per (batch, position tile, head group) brings x in as [positions, heads, D] through an
-        HBM access pattern (no host transpose). The cos/sin rows of the tile are loaded once and
-        broadcast over the heads with stride-0 views (expand_dim + broadcast), as nki-library's RoPE
-        does. Pair members are strided views of the same tile (halves, or step-2 slices when
-        interleaved), so the rotation is six VectorE tensor_tensor instructions per tile, in float32
-        with one rounding to x's dtype on the write.
+        HBM access pattern (no host transpose). The cos/sin rows of the tile are loaded once (once for
+        every batch entry when the table is shared) and broadcast over the heads with stride-0 views
+        (expand_dim + broadcast), as nki-library's RoPE does. Pair members are strided views of the
+        same tile (halves, or step-2 slices when interleaved), so the rotation is six VectorE
+        tensor_tensor instructions per tile, in float32 with one rounding to x's dtype on the write.
 
     Pseudocode:
-        for b, each 128-position tile, each head group:
-            c, s = cos[b?, pos], sin[b?, pos] broadcast over heads
+        for each 128-position tile, b, each head group:
+            c, s = cos[b?, pos], sin[b?, pos] broadcast over heads (a shared table's tile loaded once)
             out1 = x1 * c - x2 * s; out2 = x2 * c + x1 * s
     """
     return _rotate(x_hbm, cos_hbm, sin_hbm, interleaved, False)
@@ -67,8 +67,8 @@ def _rope_backward_kernel(grad_hbm, cos_hbm, sin_hbm, interleaved):
         tables read once, dx written once.
 
     Pseudocode:
-        for b, each 128-position tile, each head group:
-            c, s = cos[b?, pos], sin[b?, pos] broadcast over heads
+        for each 128-position tile, b, each head group:
+            c, s = cos[b?, pos], sin[b?, pos] broadcast over heads (a shared table's tile loaded once)
             dx1 = g1 * c + g2 * s; dx2 = g2 * c - g1 * s
     """
     return _rotate(grad_hbm, cos_hbm, sin_hbm, interleaved, True)
@@ -83,17 +83,18 @@ def _rotate(x_hbm, cos_hbm, sin_hbm, interleaved, inverse):
     HB = max(1, min(H, HD_MAX // D))
     per_batch = len(cos_hbm.shape) == 3
 
-    for b in range(B):
-        for s0 in range(0, S, PMAX):
-            p = min(PMAX, S - s0)
-            c_sb = nl.ndarray((p, half), dtype=cos_hbm.dtype, buffer=nl.sbuf)
-            s_sb = nl.ndarray((p, half), dtype=sin_hbm.dtype, buffer=nl.sbuf)
-            if per_batch:
-                nisa.dma_copy(dst=c_sb, src=cos_hbm[b, s0:s0 + p, 0:half])
-                nisa.dma_copy(dst=s_sb, src=sin_hbm[b, s0:s0 + p, 0:half])
-            else:
-                nisa.dma_copy(dst=c_sb, src=cos_hbm[s0:s0 + p, 0:half])
-                nisa.dma_copy(dst=s_sb, src=sin_hbm[s0:s0 + p, 0:half])
+    for s0 in range(0, S, PMAX):  # positions outside, batch inside: a shared table tile is loaded once, not B times
+        p = min(PMAX, S - s0)
+        for b in range(B):
+            if per_batch or b == 0:
+                c_sb = nl.ndarray((p, half), dtype=cos_hbm.dtype, buffer=nl.sbuf)
+                s_sb = nl.ndarray((p, half), dtype=sin_hbm.dtype, buffer=nl.sbuf)
+                if per_batch:
+                    nisa.dma_copy(dst=c_sb, src=cos_hbm[b, s0:s0 + p, 0:half])
+                    nisa.dma_copy(dst=s_sb, src=sin_hbm[b, s0:s0 + p, 0:half])
+                else:
+                    nisa.dma_copy(dst=c_sb, src=cos_hbm[s0:s0 + p, 0:half])
+                    nisa.dma_copy(dst=s_sb, src=sin_hbm[s0:s0 + p, 0:half])
             for h0 in range(0, H, HB):
                 hb = min(HB, H - h0)
                 base = ((b * H + h0) * S + s0) * D
