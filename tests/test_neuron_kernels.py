@@ -292,6 +292,20 @@ def test_training_kernels_fixed_cases(name, dtype):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("target", ["trn1", "trn3"])
+def test_training_kernels_other_generations(target):
+    """The first bfloat16 case of each training forward and backward on NeuronCore-v2 and -v4 (the fixed cases
+    above run on the default, trn2)."""
+    if not nki_compat.EMULATED:
+        pytest.skip("target selection is an emulator feature")
+    problems = []
+    with nki_compat.nki.use_target(target):
+        for name in TRAINED:
+            for spec in _derived(name):
+                problems += _judge_outputs(spec, next(iter(spec.get_cases("bfloat16"))), "bfloat16")
+    assert not problems, "\n".join(problems)
+
+
 def test_training_kernels_are_neuron_kernels():
     """The four ops' training forwards and backwards have neuron kernels for the NKI dtypes (no cpu fallback)."""
     backend = get_backend("neuron")

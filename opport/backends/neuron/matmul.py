@@ -191,9 +191,10 @@ def _matmul_backward_kernel(g_hbm, a_hbm, b_hbm, with_bias):
         with an all-ones column as the stationary: the reduction across partitions runs on TensorE. da = grad
         b^T contracts over N, so each 128-wide slice of grad and each [128 k, 128 n] piece of b (loaded 512
         columns per DMA) is transposed on TensorE; each transposed piece of b serves up to DA_TILES row tiles'
-        accumulators (b is read once per DA_TILES * 128 rows, as the forward reads its b). The rows of a and grad of a batch entry stay in SBUF
-        for both products when they fit ROWS_BUDGET bytes per partition: then grad and a are read once
-        (else re-read by each pass and each db panel). Sums over rows keep a fixed order.
+        accumulators (b is read once per DA_TILES * 128 rows, as the forward reads its b). The rows of a
+        and grad of a batch entry stay in SBUF for both products when they fit ROWS_BUDGET bytes per
+        partition: then grad and a are read once (else re-read by each pass and each db panel). Sums over
+        rows keep a fixed order.
 
     Pseudocode:
         for g:
