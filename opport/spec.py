@@ -405,6 +405,16 @@ class BackwardSpec(OpSpec):
         tol = self._case_tolerances.get(case.name, {}).get(dtype)
         return Case(case.name, tuple(by_name[p] for p in self.params), {}, case.tags, tol)
 
+    def get_cost(self, *args, **kwargs) -> Cost:
+        """The declared cost (`@<op>_backward.cost`), else the minimum of any backward: every array it receives
+        read once, every gradient written once (FLOPs unknown: 0)."""
+        if self._cost is not None:
+            return super().get_cost(*args, **kwargs)
+        bound = self.bind(*args, **kwargs)
+        read = sum(_nbytes(bound[i]) for i in self.array_pos if bound[i] is not None)
+        written = sum(math.prod(m[0]) * _itemsize(m[1]) for m in self.out_metas(bound) if m is not None)
+        return Cost(bytes=read + written, flops=0)
+
     def tolerance_for(self, dtype: str, index: int, case: Case | None = None) -> Tolerance:
         """The tolerance of gradient `index` (of `wrt`) for `case` (its override, if any, else the op's):
         norm-wise for gradients that sum over rows."""
@@ -413,6 +423,15 @@ class BackwardSpec(OpSpec):
             reason = "sums over rows: judged norm-wise, as K-accumulating outputs (docs/numerics.md 3.1 rule 5)"
             return Tolerance(t.rtol, t.atol, "normwise", None, t.reason or reason)
         return t
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(casegen.np_dtype(getattr(dtype, "name", dtype))).itemsize
+
+
+def _nbytes(a) -> int:
+    """Bytes of an array or a Meta."""
+    return math.prod(a.shape) * _itemsize(a.dtype)
 
 
 class TrainForwardSpec(OpSpec):

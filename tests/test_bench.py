@@ -233,6 +233,8 @@ def test_torch_gradients_compute_the_reference_vjp(name, dtype):
 
     spec = get_op(name)
     wl = get_workload(spec)
+    if (wl.torch_reference or wl.torch_eager) is None:
+        pytest.skip(f"{name} has no torch form (its bench rows are judged by the NumPy reference VJP)")
     bound = spec.bind(**wl.make((wl.shapes_for("smoke") or wl.shapes)[0].dims, dtype, ArrayMaker("numpy", seed=2)))
     names = tuple(n for n in spec.backward_op.wrt if bound[spec.params.index(n)] is not None)
     out = spec.run_reference(*bound)

@@ -137,7 +137,8 @@ def test_adding_an_op_with_a_cpu_kernel_only(tmp_path):
     check(run(site, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cli.py"), "pytest tests/test_cli.py")
     assert "cpu.square" in listed(site)
     assert "cpu.square" in conformance_kernels(site, tmp_path, "--backend", "cpu", "--op", "square")
-    assert [r["op"] for r in bench_rows(site, tmp_path, "--op", "square")] == ["square"]  # its case tagged llm
+    rows = bench_rows(site, tmp_path, "--op", "square")  # its case tagged llm, forward and forward+backward
+    assert sorted((r["op"], r["pass"]) for r in rows) == [("square", "fwd"), ("square", "fwd+bwd")], rows
     if importlib.util.find_spec("triton") and importlib.util.find_spec("torch"):  # as tests/test_cuda_aot.py
         report = tmp_path / "aot.json"  # the sm_90 check leaves out ops without cuda kernels (smoke shapes only here)
         aot = run(site, "tools/cuda_aot.py", "--tier", "smoke", "--no-cases", "--dtype", "float32", "--json", str(report))

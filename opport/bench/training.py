@@ -121,6 +121,11 @@ def _reference(spec, wl, bound, grad, names, kind: str, dtype: str):
     try:
         if kind == "numpy":
             return numpy_reference(spec, bound, grad, names, dtype)
+        if (wl.torch_reference or wl.torch_eager) is None:  # an op with no torch form (a plugin's): the NumPy VJP
+            from opport.dispatch.adapters import TorchAdapter
+
+            host = tuple(TorchAdapter.to_numpy(a) if hasattr(a, "device") else a for a in bound)
+            return numpy_reference(spec, host, TorchAdapter.to_numpy(grad), names, dtype)
         return torch_reference(spec, wl, bound, grad, names)
     except Exception as e:  # the rows are then unchecked, and say why
         return e
