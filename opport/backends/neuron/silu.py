@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from opport.backends.neuron import _host
@@ -56,3 +58,125 @@ def _silu_kernel(x_hbm):
 def silu(x: np.ndarray) -> np.ndarray:
     """Host side: lay the flat input onto the partitions ([128, n/128] plus a [tail, 1] tail) and launch."""
     return _host.run_elementwise(_silu_kernel, (x,), x.dtype.name)
+
+
+# --------------------------------------------------------------------------- backward
+
+GRAD_FMAX = 2048  # backward free-dim chunk: x, grad and ~8 fp32 temporaries <= 80 KiB per partition
+CLIP = 1024.0  # |x| clipped here where it multiplies sigmoid(-x): exp(-1024) is 0, so +-inf give the limits, not inf * 0
+DEEP = 64.0  # below -DEEP, sigmoid(x) heads for float32 subnormals (exp(-87.3) = FLT_MIN), which hold few bits
+EXP_NEG_DEEP = 1.603810890548638e-28  # exp(-DEEP), a float32 normal
+SILU_GRAD_ZERO64 = -745.1332191019412  # below this float64 silu'(x) is 0 (exp(x) underflows): inf * 0 = NaN there
+
+
+def clipped(x_sb, p, f):
+    """x clipped to +-CLIP in float32, for where x multiplies a factor that is 0 at +-inf (their limits, not
+    inf * 0). NaN passes (IEEE maximum / minimum)."""
+    xc_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=xc_sb, data=x_sb, op0=nl.maximum, operand0=-CLIP, op1=nl.minimum, operand1=CLIP)
+    return xc_sb
+
+
+def silu_grad(d_sb, x_sb, xc_sb, p, f):
+    """d = silu'(x) = sigmoid(x) (1 + x sigmoid(-x)) in float32: sigmoid(-x) straight from ScalarE, not
+    1 - sigmoid(x), which cancels for x >> 0. xc is x clipped (`clipped`): x = +inf gives 1 and -inf 0."""
+    sp_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=sp_sb, op=nl.sigmoid, data=x_sb)
+    sn_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=sn_sb, op=nl.sigmoid, data=x_sb, scale=-1.0)
+    nisa.tensor_tensor(dst=sn_sb, data1=xc_sb, data2=sn_sb, op=nl.multiply)  # x sigmoid(-x)
+    nisa.scalar_tensor_tensor(dst=d_sb, data=sn_sb, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=sp_sb)
+
+
+def deep_tail(dst_sb, x_sb, xc_sb, g_sb, p, f):
+    """dst = g silu'(x) where x < -DEEP, by the scaled product ((g exp(x + DEEP)) (1 + x)) exp(-DEEP).
+
+    There 1 + exp(x) and sigmoid(-x) are 1 in float32, so silu'(x) = exp(x) (1 + x) exactly in form, and
+    exp(x + DEEP) <= 1 is a normal number down to x = -151 where exp(x) itself would be subnormal (few
+    significant bits) or 0: g exp(x + DEEP) cannot overflow, and a large g keeps the digits. (1 + x) takes the
+    clipped xc, so x = -inf gives g * 0 = 0. dst keeps its values elsewhere."""
+    bias_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # a [P, 1] bias: any generation
+    nisa.memset(dst=bias_sb, value=DEEP)
+    e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=bias_sb)
+    nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=g_sb, op=nl.multiply)
+    nisa.scalar_tensor_tensor(dst=e_sb, data=xc_sb, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=e_sb)
+    deep_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=deep_sb, data=e_sb, op0=nl.multiply, operand0=EXP_NEG_DEEP)
+    is_deep_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=is_deep_sb, data=x_sb, op0=nl.less, operand0=-DEEP)
+    nisa.tensor_copy_predicated(dst=dst_sb, src=deep_sb, predicate=is_deep_sb)
+
+
+def infinite_grad_limit(dx_sb, x_sb, g_sb, x_zero, p, f):
+    """dx = -g where g = +-inf met an f'(x) that float32 rounded to 0 but float64 does not (x > x_zero): the
+    reference's inf * f'(x) is then an infinity of sign -sign(g) (f' < 0 in the deep negative tail). float32
+    gives inf * 0 = NaN there, so only NaN results of finite x > x_zero and infinite g are rewritten."""
+    nan_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # 1.0 where dx is NaN
+    nisa.tensor_tensor(dst=nan_sb, data1=dx_sb, data2=dx_sb, op=nl.not_equal)
+    ginf_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # 1.0 where |g| = inf
+    nisa.tensor_scalar(dst=ginf_sb, data=g_sb, op0=nl.abs, operand0=0.0, op1=nl.equal, operand1=math.inf)
+    nisa.tensor_tensor(dst=nan_sb, data1=nan_sb, data2=ginf_sb, op=nl.multiply)
+    pick_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # ... and x_zero < x < inf
+    nisa.scalar_tensor_tensor(dst=pick_sb, data=x_sb, op0=nl.greater, operand0=x_zero, op1=nl.multiply,
+                              operand1=nan_sb)
+    neg_g_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg_g_sb, data=g_sb, op0=nl.multiply, operand0=-1.0)
+    nisa.tensor_copy_predicated(dst=dx_sb, src=neg_g_sb, predicate=pick_sb)
+
+
+@nki.jit
+def _silu_backward_kernel(g_hbm, x_hbm):
+    """Gradient of SiLU, dx = grad * silu'(x), of [R, C] tensors, R on partitions, C on the free dimension.
+
+    Dimensions:
+        R: partitions in use (tiled by 128); C: elements per partition (chunks of GRAD_FMAX).
+
+    Args:
+        g_hbm: [R, C] upstream gradient in HBM, float32/float16/bfloat16.
+        x_hbm: [R, C] the forward's input (saved), same dtype.
+
+    Returns:
+        dx_hbm: [R, C] in x's dtype.
+
+    Notes:
+        silu'(x) = sigmoid(x) (1 + x sigmoid(-x)): two ScalarE sigmoids (of x and -x, so nothing cancels
+        for x >> 0) and three VectorE instructions, float32 throughout, cast once on the final copy.
+        Where x < -DEEP the product g silu'(x) is recomputed scaled (deep_tail: subnormal sigmoids lose
+        their digits against a large g), and an infinite g that met a silu' float32 rounds to 0 takes the
+        float64 reference's limit (infinite_grad_limit). Pure streaming: grad and x read once, dx
+        written once.
+
+    Pseudocode:
+        for each [128, GRAD_FMAX] tile:
+            dx = g * sigmoid(x) * (1 + clip(x) * sigmoid(-x))
+            dx[x < -DEEP] = ((g * exp(x + DEEP)) * (1 + x)) * exp(-DEEP)
+            dx[dx is NaN, |g| = inf, x > -745.13] = -g
+    """
+    R, C = x_hbm.shape
+    dx_hbm = nl.ndarray((R, C), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
+    PMAX = nl.tile_size.pmax
+    for r0 in range(0, R, PMAX):
+        p = min(PMAX, R - r0)
+        for c0 in range(0, C, GRAD_FMAX):
+            f = min(GRAD_FMAX, C - c0)
+            x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
+            g_sb = nl.ndarray((p, f), dtype=g_hbm.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=g_sb, src=g_hbm[r0:r0 + p, c0:c0 + f])
+            xc_sb = clipped(x_sb, p, f)
+            d_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+            silu_grad(d_sb, x_sb, xc_sb, p, f)
+            nisa.tensor_tensor(dst=d_sb, data1=d_sb, data2=g_sb, op=nl.multiply)
+            deep_tail(d_sb, x_sb, xc_sb, g_sb, p, f)
+            infinite_grad_limit(d_sb, x_sb, g_sb, SILU_GRAD_ZERO64, p, f)
+            dx_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=dx_sb, src=d_sb)
+            nisa.dma_copy(dst=dx_hbm[r0:r0 + p, c0:c0 + f], src=dx_sb)
+    return dx_hbm
+
+
+@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+def silu_backward(grad: np.ndarray, x: np.ndarray):
+    """Host side: lay grad and x onto the partitions ([128, n/128] plus a [tail, 1] tail) and launch."""
+    return (_host.run_elementwise(_silu_backward_kernel, (grad, x), x.dtype.name),)
