@@ -88,41 +88,37 @@ def silu_grad(d_sb, x_sb, xc_sb, p, f):
     nisa.scalar_tensor_tensor(dst=d_sb, data=sn_sb, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=sp_sb)
 
 
-def deep_tail(dst_sb, x_sb, xc_sb, g_sb, p, f):
-    """dst = g silu'(x) where x < -DEEP, by the scaled product ((g exp(x + DEEP)) (1 + x)) exp(-DEEP).
+def deep_factor(x_sb, g_sb, p, f):
+    """(g exp(x + DEEP) in float32, the uint8 predicate x < -DEEP): the scaled start of g silu'(x) in the deep tail.
 
-    There 1 + exp(x) and sigmoid(-x) are 1 in float32, so silu'(x) = exp(x) (1 + x) exactly in form, and
-    exp(x + DEEP) <= 1 is a normal number down to x = -151 where exp(x) itself would be subnormal (few
-    significant bits) or 0: g exp(x + DEEP) cannot overflow, and a large g keeps the digits. (1 + x) takes the
-    clipped xc, so x = -inf gives g * 0 = 0. dst keeps its values elsewhere."""
+    Below -DEEP, 1 + exp(x) and sigmoid(-x) are 1 in float32, so silu'(x) = exp(x) (1 + x) exactly in form,
+    and g silu'(x) = ((g exp(x + DEEP)) (1 + x)) exp(-DEEP): exp(x + DEEP) <= 1 is a normal number down to
+    x = -151 where exp(x) would be subnormal (few significant bits) or 0, so a large g keeps its digits and
+    the product cannot overflow before the final factor."""
     bias_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # a [P, 1] bias: any generation
     nisa.memset(dst=bias_sb, value=DEEP)
-    e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=bias_sb)
-    nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=g_sb, op=nl.multiply)
-    nisa.scalar_tensor_tensor(dst=e_sb, data=xc_sb, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=e_sb)
-    deep_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=deep_sb, data=e_sb, op0=nl.multiply, operand0=EXP_NEG_DEEP)
+    eg_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=eg_sb, op=nl.exp, data=x_sb, bias=bias_sb)
+    nisa.tensor_tensor(dst=eg_sb, data1=eg_sb, data2=g_sb, op=nl.multiply)
     is_deep_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=is_deep_sb, data=x_sb, op0=nl.less, operand0=-DEEP)
-    nisa.tensor_copy_predicated(dst=dst_sb, src=deep_sb, predicate=is_deep_sb)
+    return eg_sb, is_deep_sb
 
 
-def infinite_grad_limit(dx_sb, x_sb, g_sb, x_zero, p, f):
-    """dx = -g where g = +-inf met an f'(x) that float32 rounded to 0 but float64 does not (x > x_zero): the
-    reference's inf * f'(x) is then an infinity of sign -sign(g) (f' < 0 in the deep negative tail). float32
-    gives inf * 0 = NaN there, so only NaN results of finite x > x_zero and infinite g are rewritten."""
+def infinite_limit(dx_sb, x_sb, lim_sb, x_zero, p, f):
+    """dx = lim where dx is NaN, lim is infinite and x_zero < x < inf: an infinite factor (grad, or swiglu's
+    grad * up) met an f'(x) that float32 rounded to 0 but float64 does not (x > x_zero), where the
+    reference's product is an infinity. lim carries its sign: -(the infinite factor), f' < 0 in the deep
+    negative tail. Elsewhere a NaN is the reference's too (NaN inputs, inf * 0 past x_zero)."""
     nan_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # 1.0 where dx is NaN
     nisa.tensor_tensor(dst=nan_sb, data1=dx_sb, data2=dx_sb, op=nl.not_equal)
-    ginf_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # 1.0 where |g| = inf
-    nisa.tensor_scalar(dst=ginf_sb, data=g_sb, op0=nl.abs, operand0=0.0, op1=nl.equal, operand1=math.inf)
-    nisa.tensor_tensor(dst=nan_sb, data1=nan_sb, data2=ginf_sb, op=nl.multiply)
+    inf_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # 1.0 where |lim| = inf
+    nisa.tensor_scalar(dst=inf_sb, data=lim_sb, op0=nl.abs, operand0=0.0, op1=nl.equal, operand1=math.inf)
+    nisa.tensor_tensor(dst=nan_sb, data1=nan_sb, data2=inf_sb, op=nl.multiply)
     pick_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # ... and x_zero < x < inf
     nisa.scalar_tensor_tensor(dst=pick_sb, data=x_sb, op0=nl.greater, operand0=x_zero, op1=nl.multiply,
                               operand1=nan_sb)
-    neg_g_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_g_sb, data=g_sb, op0=nl.multiply, operand0=-1.0)
-    nisa.tensor_copy_predicated(dst=dx_sb, src=neg_g_sb, predicate=pick_sb)
+    nisa.tensor_copy_predicated(dst=dx_sb, src=lim_sb, predicate=pick_sb)
 
 
 @nki.jit
@@ -142,9 +138,9 @@ def _silu_backward_kernel(g_hbm, x_hbm):
     Notes:
         silu'(x) = sigmoid(x) (1 + x sigmoid(-x)): two ScalarE sigmoids (of x and -x, so nothing cancels
         for x >> 0) and three VectorE instructions, float32 throughout, cast once on the final copy.
-        Where x < -DEEP the product g silu'(x) is recomputed scaled (deep_tail: subnormal sigmoids lose
+        Where x < -DEEP the product g silu'(x) is recomputed scaled (deep_factor: subnormal sigmoids lose
         their digits against a large g), and an infinite g that met a silu' float32 rounds to 0 takes the
-        float64 reference's limit (infinite_grad_limit). Pure streaming: grad and x read once, dx
+        float64 reference's limit (infinite_limit). Pure streaming: grad and x read once, dx
         written once.
 
     Pseudocode:
@@ -168,8 +164,15 @@ def _silu_backward_kernel(g_hbm, x_hbm):
             d_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
             silu_grad(d_sb, x_sb, xc_sb, p, f)
             nisa.tensor_tensor(dst=d_sb, data1=d_sb, data2=g_sb, op=nl.multiply)
-            deep_tail(d_sb, x_sb, xc_sb, g_sb, p, f)
-            infinite_grad_limit(d_sb, x_sb, g_sb, SILU_GRAD_ZERO64, p, f)
+            eg_sb, is_deep_sb = deep_factor(x_sb, g_sb, p, f)
+            deep_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # (1 + x) clipped: -inf gives g * 0
+            nisa.scalar_tensor_tensor(dst=deep_sb, data=xc_sb, op0=nl.add, operand0=1.0, op1=nl.multiply,
+                                      operand1=eg_sb)
+            nisa.tensor_scalar(dst=deep_sb, data=deep_sb, op0=nl.multiply, operand0=EXP_NEG_DEEP)
+            nisa.tensor_copy_predicated(dst=d_sb, src=deep_sb, predicate=is_deep_sb)
+            lim_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=lim_sb, data=g_sb, op0=nl.multiply, operand0=-1.0)
+            infinite_limit(d_sb, x_sb, lim_sb, SILU_GRAD_ZERO64, p, f)
             dx_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             nisa.tensor_copy(dst=dx_sb, src=d_sb)
             nisa.dma_copy(dst=dx_hbm[r0:r0 + p, c0:c0 + f], src=dx_sb)
