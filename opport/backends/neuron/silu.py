@@ -66,6 +66,9 @@ GRAD_FMAX = 2048  # backward free-dim chunk: x, grad and ~8 fp32 temporaries <= 
 CLIP = 1024.0  # |x| clipped here where it multiplies sigmoid(-x): exp(-1024) is 0, so +-inf give the limits, not inf * 0
 DEEP = 64.0  # below -DEEP, sigmoid(x) heads for float32 subnormals (exp(-87.3) = FLT_MIN), which hold few bits
 EXP_NEG_DEEP = 1.603810890548638e-28  # exp(-DEEP), a float32 normal
+ROOT_HI = -1.2784645557403564  # silu's root x0 = -1.27846454276107379... = float32 ROOT_HI + ROOT_LO
+ROOT_LO = 1.297928265020314e-08  # the rest of x0, so x - x0 keeps its digits near the root
+ROOT_EXP = 0.2784645427610738  # exp(x0) = -(1 + x0) (x0 solves 1 + x + exp(x) = 0)
 SILU_GRAD_ZERO64 = -745.1332191019412  # below this float64 silu'(x) is 0 (exp(x) underflows): inf * 0 = NaN there
 
 
@@ -77,15 +80,36 @@ def clipped(x_sb, p, f):
     return xc_sb
 
 
-def silu_grad(d_sb, x_sb, xc_sb, p, f):
-    """d = silu'(x) = sigmoid(x) (1 + x sigmoid(-x)) in float32: sigmoid(-x) straight from ScalarE, not
-    1 - sigmoid(x), which cancels for x >> 0. xc is x clipped (`clipped`): x = +inf gives 1 and -inf 0."""
-    sp_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=sp_sb, op=nl.sigmoid, data=x_sb)
+def silu_grad(d_sb, sp_sb, x_sb, xc_sb, p, f):
+    """d = silu'(x) in float32, given sp = sigmoid(x) and xc = x clipped (`clipped`: +-inf give the limits 1 and 0).
+
+    x >= 0: sigmoid(x) (1 + x sigmoid(-x)), sigmoid(-x) straight from ScalarE (1 - sigmoid(x) cancels for
+    x >> 0). x < 0: silu' has its root x0 = -1.27846 there, where 1 + x sigmoid(-x) cancels to float32
+    noise (about 1e-7 absolute, which a large grad * up turns into many ulps of swiglu's dgate). The same
+    value is sigmoid(x) sigmoid(-x) (1 + x + exp(x)), and with h = x - x0 and exp(x0) = -(1 + x0):
+    1 + x + exp(x) = h + exp(x0) expm1(h), two terms of one sign. expm1(h) = 2t / (1 - t) with t = tanh(h/2)
+    keeps its relative accuracy for small h (ScalarE has no expm1), and h is exact near x0 (x0 held as two
+    floats). Every factor is then a few ulps, so silu' is too, right through the root."""
     sn_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=sn_sb, op=nl.sigmoid, data=x_sb, scale=-1.0)
-    nisa.tensor_tensor(dst=sn_sb, data1=xc_sb, data2=sn_sb, op=nl.multiply)  # x sigmoid(-x)
-    nisa.scalar_tensor_tensor(dst=d_sb, data=sn_sb, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=sp_sb)
+    t_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=t_sb, data1=xc_sb, data2=sn_sb, op=nl.multiply)  # x sigmoid(-x)
+    nisa.scalar_tensor_tensor(dst=d_sb, data=t_sb, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=sp_sb)
+
+    h_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # x - x0, exact near x0 (Sterbenz)
+    nisa.tensor_scalar(dst=h_sb, data=xc_sb, op0=nl.subtract, operand0=ROOT_HI, op1=nl.subtract, operand1=ROOT_LO)
+    nisa.activation(dst=t_sb, op=nl.tanh, data=h_sb, scale=0.5)
+    q_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=q_sb, data=t_sb, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+    nisa.reciprocal(dst=q_sb, data=q_sb)
+    nisa.tensor_tensor(dst=q_sb, data1=t_sb, data2=q_sb, op=nl.multiply)  # expm1(h) / 2
+    nisa.scalar_tensor_tensor(dst=q_sb, data=q_sb, op0=nl.multiply, operand0=2.0 * ROOT_EXP, op1=nl.add,
+                              operand1=h_sb)
+    nisa.tensor_tensor(dst=q_sb, data1=q_sb, data2=sp_sb, op=nl.multiply)
+    nisa.tensor_tensor(dst=q_sb, data1=q_sb, data2=sn_sb, op=nl.multiply)
+    neg_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg_sb, data=x_sb, op0=nl.less, operand0=0.0)
+    nisa.tensor_copy_predicated(dst=d_sb, src=q_sb, predicate=neg_sb)
 
 
 def deep_factor(x_sb, g_sb, p, f):
@@ -136,8 +160,9 @@ def _silu_backward_kernel(g_hbm, x_hbm):
         dx_hbm: [R, C] in x's dtype.
 
     Notes:
-        silu'(x) = sigmoid(x) (1 + x sigmoid(-x)): two ScalarE sigmoids (of x and -x, so nothing cancels
-        for x >> 0) and three VectorE instructions, float32 throughout, cast once on the final copy.
+        silu'(x) from two ScalarE sigmoids (of x and -x, so nothing cancels for x >> 0) and, for x < 0, a
+        tanh that expresses silu' without the cancellation at its root (silu_grad); VectorE does the
+        products, float32 throughout, cast once on the final copy.
         Where x < -DEEP the product g silu'(x) is recomputed scaled (deep_factor: subnormal sigmoids lose
         their digits against a large g), and an infinite g that met a silu' float32 rounds to 0 takes the
         float64 reference's limit (infinite_limit). Pure streaming: grad and x read once, dx
@@ -161,8 +186,10 @@ def _silu_backward_kernel(g_hbm, x_hbm):
             g_sb = nl.ndarray((p, f), dtype=g_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=g_sb, src=g_hbm[r0:r0 + p, c0:c0 + f])
             xc_sb = clipped(x_sb, p, f)
+            sp_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=sp_sb, op=nl.sigmoid, data=x_sb)
             d_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-            silu_grad(d_sb, x_sb, xc_sb, p, f)
+            silu_grad(d_sb, sp_sb, x_sb, xc_sb, p, f)
             nisa.tensor_tensor(dst=d_sb, data1=d_sb, data2=g_sb, op=nl.multiply)
             eg_sb, is_deep_sb = deep_factor(x_sb, g_sb, p, f)
             deep_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # (1 + x) clipped: -inf gives g * 0
