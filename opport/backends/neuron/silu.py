@@ -69,7 +69,7 @@ EXP_NEG_DEEP = 1.603810890548638e-28  # exp(-DEEP), a float32 normal
 ROOT_HI = -1.2784645557403564  # silu's root x0 = -1.27846454276107379... = float32 ROOT_HI + ROOT_LO
 ROOT_LO = 1.297928265020314e-08  # the rest of x0, so x - x0 keeps its digits near the root
 ROOT_EXP = 0.2784645427610738  # exp(x0) = -(1 + x0) (x0 solves 1 + x + exp(x) = 0)
-SILU_GRAD_ZERO64 = -745.1332191019412  # below this float64 silu'(x) is 0 (exp(x) underflows): inf * 0 = NaN there
+SILU_GRAD_ZERO64 = -745.1332397460938  # float32 x at and below which float64 silu'(x) is 0: inf * 0 = NaN there
 
 
 def clipped(x_sb, p, f):

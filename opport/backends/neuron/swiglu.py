@@ -111,7 +111,7 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 GRAD_FMAX = 1024  # backward free-dim chunk: three inputs, two outputs and ~12 fp32 temporaries <= 80 KiB per partition
 EXP_NEG_HALF_DEEP = 1.2664165549094176e-14  # exp(-DEEP / 2): the deep tail's exp(-DEEP), in two halves around up
-SWIGLU_GRAD_ZERO64 = -745.1332191019412  # below this float64 silu'(gate) is 0 (exp underflows): inf * 0 = NaN there
+SWIGLU_GRAD_ZERO64 = -745.1332397460938  # float32 gate at and below which float64 silu'(gate) is 0: inf * 0 = NaN there
 
 
 def swiglu_product(du_sb, gate_sb, g_sb, sp_sb, eg_sb, is_deep_sb, p, f):
@@ -141,8 +141,8 @@ def gate_grad(dg_sb, gate_sb, gc_sb, g_sb, u_sb, sp_sb, eg_sb, is_deep_sb, p, f)
     the reference's float64 product times a |up| < 1 does not: g * (silu' / 2), times up, times 2 keeps every
     intermediate finite unless the result overflows. Below -DEEP it is (((g exp(gate + DEEP)) (1 + gate))
     exp(-DEEP/2)) up exp(-DEEP/2) (silu's deep_factor), the tiny factor split around up so that neither a
-    huge up (to FLT_MAX) overflows nor a moderate one meets a product already subnormal; and infinite g or up that met a silu' float32 rounds to 0 takes the
-    reference's infinite limit (infinite_limit)."""
+    huge up (to FLT_MAX) overflows nor a moderate one meets a product already subnormal; and an infinite g or
+    up that met a silu' float32 rounds to 0 takes the reference's infinite limit (infinite_limit)."""
     d_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
     silu_grad(d_sb, sp_sb, gate_sb, gc_sb, p, f)
     nisa.scalar_tensor_tensor(dst=d_sb, data=d_sb, op0=nl.multiply, operand0=0.5, op1=nl.multiply, operand1=g_sb)
