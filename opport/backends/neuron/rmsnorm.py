@@ -184,3 +184,218 @@ def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
         return np.empty(x.shape, x.dtype)
     w = None if weight is None else _host.contiguous(weight)
     return _host.as_dtype(_host.run(_rmsnorm_kernel, _host.rows(x), w, float(eps)), x.dtype.name, x.shape)
+
+
+# --------------------------------------------------------------------------- backward
+
+GRAD_RESIDENT = 8192  # rows up to this length keep x, grad and weight in SBUF for the three passes (<= 96 KiB fp32)
+
+
+def chunk(tiles, t_hbm, r0, p, c):
+    """Chunk c (FMAX columns) of rows r0:r0+p: the kept SBUF tile, or loaded again (rows too long to keep)."""
+    if tiles:
+        return tiles[c]
+    c0 = c * FMAX
+    return load_chunk(t_hbm, r0, p, c0, min(FMAX, t_hbm.shape[1] - c0))
+
+
+def weight_chunk(w_tiles, w_hbm, c, p):
+    """Chunk c of the weight replicated on p partitions (kept, or replicated again by load_row_broadcast)."""
+    if w_tiles:
+        return w_tiles[c]
+    c0 = c * FMAX
+    f = min(FMAX, w_hbm.shape[0] - c0)
+    w_sb = nl.ndarray((p, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
+    load_row_broadcast(w_sb, w_hbm, c0, f, p)
+    return w_sb
+
+
+def weighted(g_sb, w_tiles, w_hbm, c, p, f):
+    """g * w (float32) of chunk c, or g itself without a weight."""
+    if w_hbm == None:  # noqa: E711 (NKI kernels compare with None by value)
+        return g_sb
+    gw_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=gw_sb, data1=g_sb, data2=weight_chunk(w_tiles, w_hbm, c, p)[0:p, 0:f], op=nl.multiply)
+    return gw_sb
+
+
+def column_sums(dw_psum, prod_sb, p, c0, f):
+    """dw_psum[m, b] += sum over the p partitions of prod[:, j] for each column j = c0 + 128 b + m - c0 of the
+    chunk: TensorE with prod's 128-column blocks as the stationary operand against a moving ones column
+    (prod[:, block]^T @ ones[p, 1]), so the sums come out on the partitions, column b of one PSUM bank per
+    128 features, accumulating there over every row tile (a PSUM element's first matmul write assigns,
+    later ones add). [1, N] sums (ones as the stationary) would need N / 512 banks held for the whole
+    kernel: all 8 at N = 4096."""
+    ones_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_sb, value=1.0)
+    PMAX = nl.tile_size.pmax
+    for j0 in range(0, f, PMAX):
+        w = min(PMAX, f - j0)
+        b = (c0 + j0) // PMAX
+        nisa.nc_matmul(dst=dw_psum[0:w, b:b + 1], stationary=prod_sb[0:p, j0:j0 + w], moving=ones_sb)
+
+
+def store_column_sums(dw_hbm, dw_psum):
+    """dw[128 b + m] = dw_psum[m, b], cast to dw's dtype: full 128-feature blocks in one DMA (partition m to
+    element m of each block), the last partial block in another."""
+    PMAX = nl.tile_size.pmax
+    N = dw_hbm.shape[0]
+    nb = (N + PMAX - 1) // PMAX
+    dw_sb = nl.ndarray((PMAX, nb), dtype=dw_hbm.dtype, buffer=nl.sbuf)
+    full = N // PMAX
+    if full > 0:
+        nisa.tensor_copy(dst=dw_sb[0:PMAX, 0:full], src=dw_psum[0:PMAX, 0:full])
+        nisa.dma_copy(dst=dw_hbm.ap(pattern=[[1, PMAX], [PMAX, full]], offset=0), src=dw_sb[0:PMAX, 0:full])
+    rest = N - full * PMAX
+    if rest > 0:
+        nisa.tensor_copy(dst=dw_sb[0:rest, full:full + 1], src=dw_psum[0:rest, full:full + 1])
+        nisa.dma_copy(dst=dw_hbm.ap(pattern=[[1, rest], [1, 1]], offset=full * PMAX), src=dw_sb[0:rest, full:full + 1])
+
+
+def rms_factor(k_sb, x_tiles, x_hbm, r0, p, s_sb, eps_sb):
+    """k = s * rsqrt(sum((s x)^2) / N + eps s^2) per row, the forward's statistics: xhat = x * k."""
+    N = x_hbm.shape[1]
+    n_chunks = (N + FMAX - 1) // FMAX
+    ss_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
+    for c in range(n_chunks):
+        x_sb = chunk(x_tiles, x_hbm, r0, p, c)
+        sq_sb = nl.ndarray(x_sb.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sq_sb, op=nl.square, data=x_sb, scale=s_sb, reduce_op=nl.add,
+                        reduce_res=ss_parts_sb[0:p, c:c + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    ss_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=ss_sb, op=nl.add, data=ss_parts_sb, axis=1, keepdims=True)
+    rstd_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=rstd_sb, op=nl.rsqrt, data=ss_sb, scale=1.0 / N, bias=eps_sb)
+    nisa.tensor_tensor(dst=k_sb, data1=rstd_sb, data2=s_sb, op=nl.multiply)
+    return rstd_sb
+
+
+def grad_projection(dw_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, k_sb, resident):
+    """Pass 2 over rows r0:r0+p: -mean(g w xhat) per row ([p, 1]) and, with a weight, the rows' g xhat summed
+    into dw_psum (column_sums). Returns (the grad chunks, kept when `resident`; -mean(g w xhat))."""
+    N = x_hbm.shape[1]
+    n_chunks = (N + FMAX - 1) // FMAX
+    g_tiles = []
+    c_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
+    for c in range(n_chunks):
+        c0 = c * FMAX
+        f = min(FMAX, N - c0)
+        g_sb = load_chunk(g_hbm, r0, p, c0, f)
+        if resident:
+            g_tiles.append(g_sb)
+        xhat_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=xhat_sb, data=chunk(x_tiles, x_hbm, r0, p, c), op0=nl.multiply, operand0=k_sb)
+        prod_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod_sb, data1=weighted(g_sb, w_tiles, w_hbm, c, p, f), data2=xhat_sb, op=nl.multiply)
+        nisa.tensor_reduce(dst=c_parts_sb[0:p, c:c + 1], op=nl.add, data=prod_sb, axis=1, keepdims=True)
+        if w_hbm != None:  # noqa: E711 (NKI kernels compare with None by value)
+            nisa.tensor_tensor(dst=prod_sb, data1=g_sb, data2=xhat_sb, op=nl.multiply)
+            column_sums(dw_psum, prod_sb, p, c0, f)
+    mc_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=mc_sb, op=nl.add, data=c_parts_sb, axis=1, keepdims=True)
+    nisa.tensor_scalar(dst=mc_sb, data=mc_sb, op0=nl.multiply, operand0=-1.0 / N)
+    return g_tiles, mc_sb
+
+
+def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb):
+    """Pass 3: dx = (g w + xhat * (-mean(g w xhat))) * k per chunk (one-element rows: k already holds
+    eps' r^2 k and the bracket is g w + x * 0, which keeps a non-finite x's NaN), cast on the last multiply."""
+    N = x_hbm.shape[1]
+    for c in range((N + FMAX - 1) // FMAX):
+        c0 = c * FMAX
+        f = min(FMAX, N - c0)
+        x_sb = chunk(x_tiles, x_hbm, r0, p, c)
+        gw_sb = weighted(chunk(g_tiles, g_hbm, r0, p, c), w_tiles, w_hbm, c, p, f)
+        d_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        if N == 1:
+            nisa.scalar_tensor_tensor(dst=d_sb, data=x_sb, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=gw_sb)
+        else:
+            nisa.tensor_scalar(dst=d_sb, data=x_sb, op0=nl.multiply, operand0=k_sb)  # xhat
+            nisa.scalar_tensor_tensor(dst=d_sb, data=d_sb, op0=nl.multiply, operand0=mc_sb, op1=nl.add, operand1=gw_sb)
+        dx_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=dx_sb, data=d_sb, op0=nl.multiply, operand0=k_sb)
+        nisa.dma_copy(dst=dx_hbm[r0:r0 + p, c0:c0 + f], src=dx_sb)
+
+
+def rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, resident):
+    """dx of rows r0:r0+p and their dweight partials into dw_psum: the kernel's loop body, a function so that
+    the row tile's SBUF tiles are dead once it returns, before the next tile's are allocated."""
+    x_tiles, s_sb, eps_sb = scaled_rows(x_hbm, r0, p, resident, eps)
+    k_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    rstd_sb = rms_factor(k_sb, x_tiles, x_hbm, r0, p, s_sb, eps_sb)
+    g_tiles, mc_sb = grad_projection(dw_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, k_sb, resident)
+    if x_hbm.shape[1] == 1:  # g w - xhat (g w xhat) = g w eps' r^2 exactly: the factor becomes eps' r^2 k
+        nisa.scalar_tensor_tensor(dst=k_sb, data=rstd_sb, op0=nl.multiply, operand0=eps_sb, op1=nl.multiply,
+                                  operand1=k_sb)
+        nisa.tensor_tensor(dst=k_sb, data1=k_sb, data2=rstd_sb, op=nl.multiply)
+    write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb)
+
+
+@nki.jit
+def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps):
+    """Gradients of rmsnorm for x and weight from grad and the saved x (and weight), [R, N] over N.
+
+    Dimensions:
+        R: rows (tiled by 128 onto the partitions); N: features (free dim, chunks of FMAX).
+
+    Args:
+        g_hbm: [R, N] upstream gradient in HBM, float32/float16/bfloat16.
+        x_hbm: [R, N] the forward's input (saved), same dtype.
+        w_hbm: [N] weight in x's dtype, or None.
+        eps: compile-time float added to the mean square.
+
+    Returns:
+        dx_hbm: [R, N] in x's dtype, k (g w - xhat mean(g w xhat)) with xhat = x k, k = s / rms(s x);
+        dw_hbm: [N] in w's dtype, sum over rows of g xhat (only with a weight).
+
+    Notes:
+        The row statistics are recomputed from x exactly as the forward computes them (scaled_rows'
+        power-of-two row scale s against overflow, then rms_factor), in float32. Per chunk, VectorE forms
+        xhat, g w and the row sum of g w xhat; dx is one scalar_tensor_tensor and one tensor_scalar. The
+        weight gradient sums g xhat over rows on TensorE (column_sums: (g xhat)[:, block]^T @ ones, the
+        sums landing on the partitions of one PSUM bank that accumulates over all row tiles, float32),
+        cast once at the end.
+        One-element rows take dx = g w eps s^2 r^2 k (the general form cancels to float32 noise there:
+        1 - xhat^2 = eps s^2 r^2). Rows up to GRAD_RESIDENT keep x, grad and the replicated weight in
+        SBUF, so every tensor is read once and every gradient written once: the minimum traffic.
+
+    Pseudocode:
+        for each 128-row tile:
+            s, eps' = scaled_rows(x); k = s * rsqrt(sum((s x)^2) / N + eps'); xhat = x * k
+            c = mean(g w xhat); dw += sum over rows of g xhat (TensorE)
+            dx = (g w - xhat c) * k          (N = 1: g w eps' r^2 k)
+        dw = cast(dw)
+    """
+    R, N = x_hbm.shape
+    dx_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
+    PMAX = nl.tile_size.pmax
+    n_chunks = (N + FMAX - 1) // FMAX
+    resident = N <= GRAD_RESIDENT
+    has_weight = w_hbm != None  # noqa: E711 (NKI kernels compare with None by value)
+    p_all = min(PMAX, R)
+    w_tiles = []
+    if has_weight and resident:
+        for c in range(n_chunks):
+            w_tiles.append(weight_chunk([], w_hbm, c, p_all))
+    dw_psum = nl.ndarray((PMAX, (N + PMAX - 1) // PMAX), dtype=nl.float32, buffer=nl.psum)
+
+    for r0 in range(0, R, PMAX):
+        rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, min(PMAX, R - r0), eps, resident)
+
+    if not has_weight:
+        return dx_hbm
+    dw_hbm = nl.ndarray((N,), dtype=w_hbm.dtype, buffer=nl.shared_hbm)
+    store_column_sums(dw_hbm, dw_psum)
+    return dx_hbm, dw_hbm
+
+
+@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
+    """Host side: flatten leading dims to rows and launch; empty inputs have nothing to compute."""
+    n = x.shape[-1]
+    if x.size == 0:  # no rows: dweight sums nothing (0); no features: nothing at all
+        return np.empty(x.shape, x.dtype), None if weight is None else np.zeros(n, weight.dtype)
+    w = None if weight is None else _host.contiguous(weight)
+    out = _host.run(_rmsnorm_backward_kernel, _host.rows(grad), _host.rows(x), w, float(eps))
+    dx, dw = (out, None) if weight is None else out
+    return _host.as_dtype(dx, x.dtype.name, x.shape), None if dw is None else _host.as_dtype(dw, weight.dtype.name, (n,))
