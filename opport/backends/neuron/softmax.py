@@ -317,6 +317,34 @@ def spread_row_sums(s_sb, parts):
     nisa.tensor_copy(dst=s_sb, src=stat_psum)
 
 
+def row_tile_backward(dx_hbm, y_hbm, g_hbm, r0, p):
+    """dx of rows r0:r0+p, kept in SBUF between the passes (a function: its tiles are dead once it returns)."""
+    N = y_hbm.shape[1]
+    y_tiles, g_tiles, h_sb, e_sb = block_dot(y_hbm, g_hbm, r0 * N, N, p, N, True)
+    s_sb = nl.ndarray((p, 3), dtype=nl.float32, buffer=nl.sbuf)
+    row_sums(s_sb, h_sb, e_sb, p)
+    block_dx(dx_hbm, y_hbm, g_hbm, r0 * N, N, p, N, s_sb, y_tiles, g_tiles)
+
+
+def spread_row_backward(dx_hbm, y_hbm, g_hbm, r):
+    """dx of row r spread over the partitions: [128, N // 128] and the [N % 128, 1] rest, summed across the
+    partitions by spread_row_sums."""
+    PMAX = nl.tile_size.pmax
+    N = y_hbm.shape[1]
+    m = N // PMAX
+    t = N - m * PMAX
+    y_tiles, g_tiles, h_sb, e_sb = block_dot(y_hbm, g_hbm, r * N, m, PMAX, m, m <= GRAD_RESIDENT)
+    parts = [(h_sb, e_sb)]
+    if t > 0:
+        ty_tiles, tg_tiles, th_sb, te_sb = block_dot(y_hbm, g_hbm, r * N + m * PMAX, 1, t, 1, True)
+        parts.append((th_sb, te_sb))
+    s_sb = nl.ndarray((PMAX, 3), dtype=nl.float32, buffer=nl.sbuf)
+    spread_row_sums(s_sb, parts)
+    block_dx(dx_hbm, y_hbm, g_hbm, r * N, m, PMAX, m, s_sb, y_tiles, g_tiles)
+    if t > 0:
+        block_dx(dx_hbm, y_hbm, g_hbm, r * N + m * PMAX, 1, t, 1, s_sb[0:t, 0:3], ty_tiles, tg_tiles)
+
+
 @nki.jit
 def _softmax_backward_kernel(g_hbm, y_hbm):
     """Gradient of row softmax from its output, dx = y * (g - sum(g * y)), of [R, N] tensors.
@@ -353,26 +381,10 @@ def _softmax_backward_kernel(g_hbm, y_hbm):
     PMAX = nl.tile_size.pmax
     if N <= GRAD_RESIDENT:
         for r0 in range(0, R, PMAX):
-            p = min(PMAX, R - r0)
-            y_tiles, g_tiles, h_sb, e_sb = block_dot(y_hbm, g_hbm, r0 * N, N, p, N, True)
-            s_sb = nl.ndarray((p, 3), dtype=nl.float32, buffer=nl.sbuf)
-            row_sums(s_sb, h_sb, e_sb, p)
-            block_dx(dx_hbm, y_hbm, g_hbm, r0 * N, N, p, N, s_sb, y_tiles, g_tiles)
+            row_tile_backward(dx_hbm, y_hbm, g_hbm, r0, min(PMAX, R - r0))
     else:
-        m = N // PMAX
-        t = N - m * PMAX
-        keep = m <= GRAD_RESIDENT
         for r in range(R):
-            y_tiles, g_tiles, h_sb, e_sb = block_dot(y_hbm, g_hbm, r * N, m, PMAX, m, keep)
-            parts = [(h_sb, e_sb)]
-            if t > 0:
-                ty_tiles, tg_tiles, th_sb, te_sb = block_dot(y_hbm, g_hbm, r * N + m * PMAX, 1, t, 1, True)
-                parts.append((th_sb, te_sb))
-            s_sb = nl.ndarray((PMAX, 3), dtype=nl.float32, buffer=nl.sbuf)
-            spread_row_sums(s_sb, parts)
-            block_dx(dx_hbm, y_hbm, g_hbm, r * N, m, PMAX, m, s_sb, y_tiles, g_tiles)
-            if t > 0:
-                block_dx(dx_hbm, y_hbm, g_hbm, r * N + m * PMAX, 1, t, 1, s_sb[0:t, 0:3], ty_tiles, tg_tiles)
+            spread_row_backward(dx_hbm, y_hbm, g_hbm, r)
     return dx_hbm
 
 
