@@ -226,7 +226,7 @@ def column_sums(dw_psum, prod_sb, p, c0, f):
     128 features, accumulating there over every row tile (a PSUM element's first matmul write assigns,
     later ones add). [1, N] sums (ones as the stationary) would need N / 512 banks held for the whole
     kernel: all 8 at N = 4096."""
-    ones_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    ones_sb = nl.ndarray((p, 1), dtype=prod_sb.dtype, buffer=nl.sbuf)  # matmul operands pair fp32 with fp32 only
     nisa.memset(dst=ones_sb, value=1.0)
     PMAX = nl.tile_size.pmax
     for j0 in range(0, f, PMAX):
