@@ -15,7 +15,7 @@ from opport.backends.neuron.rmsnorm import (
     store_column_sums,
     weight_chunk,
 )
-from opport.backends.neuron.softmax import fold_two_float, two_product
+from opport.backends.neuron.softmax import fold_two_float, split_halves, two_product
 from opport.dispatch import impl
 from opport.ops.layernorm import layernorm as spec
 
@@ -214,6 +214,20 @@ def scaled_gw(g_sb, w_sb, p, f):
     return gw_sb
 
 
+def gw_two_float(g_sb, w_sb, p, f):
+    """(gh, gl) with gh + gl = g w GW_SCALE exactly (two_product; gl = 0 without a weight: g GW_SCALE is exact)."""
+    gh_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    gl_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    if w_sb == None:  # noqa: E711 (NKI kernels compare with None by value)
+        nisa.tensor_scalar(dst=gh_sb, data=g_sb, op0=nl.multiply, operand0=GW_SCALE)
+        nisa.memset(dst=gl_sb, value=0.0)
+    else:
+        gs_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=gs_sb, data=g_sb, op0=nl.multiply, operand0=GW_SCALE)
+        two_product(gh_sb, gl_sb, gs_sb, w_sb, p, f)
+    return gh_sb, gl_sb
+
+
 def weight_block(w_tiles, w_hbm, c, p, j0, f):
     """Columns j0:j0+f of weight chunk c on p partitions, or None without a weight."""
     if w_hbm == None:  # noqa: E711
@@ -221,25 +235,31 @@ def weight_block(w_tiles, w_hbm, c, p, j0, f):
     return weight_chunk(w_tiles, w_hbm, c, p)[0:p, j0:j0 + f]
 
 
-def block_sums(sums_sb, c, n_chunks, gw_sb, xhat_sb, p, f, precise):
-    """Block c's sums of g w and g w xhat into columns (c, n_chunks + c) of sums_sb [p, 4 n_chunks], and with
-    `precise` (float32 inputs) their float32 errors into columns 2 n_chunks + (c, n_chunks + c): the products
-    as two floats (two_product), each set folded by TwoSums (softmax's fold_two_float)."""
-    if not precise:
-        nisa.tensor_reduce(dst=sums_sb[0:p, c:c + 1], op=nl.add, data=gw_sb, axis=1, keepdims=True)
+def block_sums(sums_sb, c, n_chunks, gw, xhat_sb, p, f):
+    """Block c's sums of g w and g w xhat into columns (c, n_chunks + c) of sums_sb [p, 4 n_chunks]. gw is a
+    float32 tile (16-bit inputs: plain float32 sums), or for float32 inputs the pair (gh, gl) of
+    gw_two_float, whose exact sums go as two floats: the float32 errors into columns 2 n_chunks + (c,
+    n_chunks + c), the products by two_product (gl xhat added to their error part), each set folded by
+    TwoSums (softmax's fold_two_float)."""
+    if not isinstance(gw, tuple):
+        nisa.tensor_reduce(dst=sums_sb[0:p, c:c + 1], op=nl.add, data=gw, axis=1, keepdims=True)
         prod_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_sb, data1=gw_sb, data2=xhat_sb, op=nl.multiply)
+        nisa.tensor_tensor(dst=prod_sb, data1=gw, data2=xhat_sb, op=nl.multiply)
         nisa.tensor_reduce(dst=sums_sb[0:p, n_chunks + c:n_chunks + c + 1], op=nl.add, data=prod_sb, axis=1,
                            keepdims=True)
         return
+    gh_sb, gl_sb = gw
     h_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
     e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
     for i in range(2):
         if i == 0:
-            nisa.tensor_copy(dst=h_sb, src=gw_sb)
-            nisa.memset(dst=e_sb, value=0.0)
+            nisa.tensor_copy(dst=h_sb, src=gh_sb)
+            nisa.tensor_copy(dst=e_sb, src=gl_sb)
         else:
-            two_product(h_sb, e_sb, gw_sb, xhat_sb, p, f)
+            two_product(h_sb, e_sb, gh_sb, xhat_sb, p, f)
+            t_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=t_sb, data1=gl_sb, data2=xhat_sb, op=nl.multiply)
+            nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=t_sb, op=nl.add)
         fold_two_float(h_sb, e_sb, p, f)
         j = i * n_chunks + c
         nisa.tensor_copy(dst=sums_sb[0:p, j:j + 1], src=h_sb[0:p, 0:1])
@@ -305,8 +325,12 @@ def grad_moments(sums_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, stats,
             fj = min(SUB, f - j0)
             xhat_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
             centred(xhat_sb, x_sb[0:p, j0:j0 + fj], s_sb, mean_sb, rstd_sb)
-            gw_sb = scaled_gw(g_sb[0:p, j0:j0 + fj], weight_block(w_tiles, w_hbm, c, p, j0, fj), p, fj)
-            block_sums(sums_sb, (c0 + j0) // SUB, n_sub, gw_sb, xhat_sb, p, fj, precise)
+            w_sb = weight_block(w_tiles, w_hbm, c, p, j0, fj)
+            if precise:
+                gw = gw_two_float(g_sb[0:p, j0:j0 + fj], w_sb, p, fj)
+            else:
+                gw = scaled_gw(g_sb[0:p, j0:j0 + fj], w_sb, p, fj)
+            block_sums(sums_sb, (c0 + j0) // SUB, n_sub, gw, xhat_sb, p, fj)
             if w_hbm != None:  # noqa: E711 (NKI kernels compare with None by value)
                 prod_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.tensor_tensor(dst=prod_sb, data1=g_sb[0:p, j0:j0 + fj], data2=xhat_sb, op=nl.multiply)
@@ -319,18 +343,49 @@ def grad_moments(sums_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, stats,
 
 
 def bracket(d_sb, gw_sb, xhat_sb, neg_a_hi, neg_a_lo, neg_c, N):
-    """d = ((g w + neg_a_hi) + neg_a_lo) + xhat * neg_c: the reference's (g w - mean(g w)) - xhat c, with the
-    mean as two floats (or neg_a_lo = 0); two-element rows have no xhat term (rows_backward says why)."""
+    """d = ((g w + neg_a_hi) + neg_a_lo) + xhat * neg_c in float32: the reference's (g w - mean(g w)) - xhat c,
+    mean and c from row_means; two-element rows have no xhat term (rows_backward says why)."""
     nisa.tensor_scalar(dst=d_sb, data=gw_sb, op0=nl.add, operand0=neg_a_hi, op1=nl.add, operand1=neg_a_lo)
     if N != 2:
         nisa.scalar_tensor_tensor(dst=d_sb, data=xhat_sb, op0=nl.multiply, operand0=neg_c, op1=nl.add, operand1=d_sb)
 
 
+def precise_bracket(d_sb, gh_sb, gl_sb, xhat_sb, m_sb, N):
+    """The bracket for float32 inputs, exact but for its last rounding wherever it cancels: the big terms
+    g w - mean(g w) and xhat c as two floats each (TwoSum with the row's mean, two_product of xhat with c),
+    their high parts added last, where they cancel exactly (Sterbenz). Measured: rounding g w - mean(g w) once
+    (~0.5 ulp of an O(|g|) term, times 1/std up to 1/sqrt(eps)) left 1.27x the tolerance (full tier, eps 1e-6,
+    x ~ 1e-3, 1/std ~ 860)."""
+    p, f = d_sb.shape
+    na_hi = m_sb[0:p, 0:1]
+    e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # the low parts, summed
+    u_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=d_sb, data=gh_sb, op0=nl.add, operand0=na_hi)  # TwoSum(gh, -a_hi)
+    nisa.tensor_tensor(dst=u_sb, data1=d_sb, data2=gh_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=e_sb, data1=d_sb, data2=u_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=e_sb, data1=gh_sb, data2=e_sb, op=nl.subtract)
+    nisa.tensor_scalar(dst=u_sb, data=u_sb, op0=nl.subtract, operand0=na_hi, reverse0=True)
+    nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=u_sb, op=nl.add)
+    nisa.scalar_tensor_tensor(dst=e_sb, data=e_sb, op0=nl.add, operand0=m_sb[0:p, 1:2], op1=nl.add, operand1=gl_sb)
+    if N != 2:
+        t_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # TwoProduct(xhat, -c): -c a [p, 1] column
+        xh_sb, xl_sb = split_halves(xhat_sb, p, f)
+        ch_sb, cl_sb = split_halves(m_sb[0:p, 2:3], p, 1)
+        nisa.tensor_scalar(dst=t_sb, data=xhat_sb, op0=nl.multiply, operand0=m_sb[0:p, 2:3])
+        nisa.tensor_scalar(dst=u_sb, data=xh_sb, op0=nl.multiply, operand0=ch_sb)
+        nisa.tensor_tensor(dst=u_sb, data1=u_sb, data2=t_sb, op=nl.subtract)
+        for a_sb, b_sb in ((xh_sb, cl_sb), (xl_sb, ch_sb), (xl_sb, cl_sb)):
+            nisa.scalar_tensor_tensor(dst=u_sb, data=a_sb, op0=nl.multiply, operand0=b_sb, op1=nl.add, operand1=u_sb)
+        nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=u_sb, op=nl.add)
+        nisa.tensor_tensor(dst=d_sb, data1=d_sb, data2=t_sb, op=nl.add)
+    nisa.tensor_tensor(dst=d_sb, data1=d_sb, data2=e_sb, op=nl.add)
+
+
 def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, stats, m_sb, k_sb):
     """Pass 3: dx = bracket * k per SUB block (k = s rstd / GW_SCALE; two-element rows: eps' s rstd^3 /
-    GW_SCALE), cast on the last instruction, one DMA per chunk. float32 elements where the two-float bracket
-    is not finite take the plain float32 one: a two-float mean of a row with inf or NaN is NaN where the
-    reference's mean is inf."""
+    GW_SCALE), cast on the last instruction, one DMA per chunk. float32 inputs take precise_bracket, and
+    where that is not finite the plain float32 bracket: a two-float mean of a row with inf or NaN is NaN
+    where the reference's mean is inf."""
     s_sb, mean_sb, rstd_sb = stats
     N = x_hbm.shape[1]
     for c in range((N + FMAX - 1) // FMAX):
@@ -341,18 +396,22 @@ def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, stat
         dx_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
         for j0 in range(0, f, SUB):
             fj = min(SUB, f - j0)
-            gw_sb = scaled_gw(g_sb[0:p, j0:j0 + fj], weight_block(w_tiles, w_hbm, c, p, j0, fj), p, fj)
+            w_sb = weight_block(w_tiles, w_hbm, c, p, j0, fj)
             xhat_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
             centred(xhat_sb, x_sb[0:p, j0:j0 + fj], s_sb, mean_sb, rstd_sb)
             d_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
-            bracket(d_sb, gw_sb, xhat_sb, m_sb[0:p, 0:1], m_sb[0:p, 1:2], m_sb[0:p, 2:3], N)
             if x_hbm.dtype == nl.float32:
+                gh_sb, gl_sb = gw_two_float(g_sb[0:p, j0:j0 + fj], w_sb, p, fj)
+                precise_bracket(d_sb, gh_sb, gl_sb, xhat_sb, m_sb, N)
                 ref_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
-                bracket(ref_sb, gw_sb, xhat_sb, m_sb[0:p, 3:4], 0.0, m_sb[0:p, 2:3], N)
+                bracket(ref_sb, gh_sb, xhat_sb, m_sb[0:p, 3:4], 0.0, m_sb[0:p, 2:3], N)
                 bad_sb = nl.ndarray((p, fj), dtype=nl.uint8, buffer=nl.sbuf)  # 1 where d is inf or NaN: d * 0 != 0
                 nisa.tensor_scalar(dst=bad_sb, data=d_sb, op0=nl.multiply, operand0=0.0, op1=nl.not_equal,
                                    operand1=0.0)
                 nisa.tensor_copy_predicated(dst=d_sb, src=ref_sb, predicate=bad_sb)
+            else:
+                gw_sb = scaled_gw(g_sb[0:p, j0:j0 + fj], w_sb, p, fj)
+                bracket(d_sb, gw_sb, xhat_sb, m_sb[0:p, 0:1], m_sb[0:p, 1:2], m_sb[0:p, 2:3], N)
             nisa.tensor_scalar(dst=dx_sb[0:p, j0:j0 + fj], data=d_sb, op0=nl.multiply, operand0=k_sb)
         nisa.dma_copy(dst=dx_hbm[r0:r0 + p, c0:c0 + f], src=dx_sb)
 
