@@ -457,13 +457,14 @@ def _layernorm_backward_kernel(g_hbm, x_hbm, w_hbm, b_hbm, eps):
     Notes:
         The row statistics are recomputed from x exactly as the forward computes them (scaled_rows'
         power-of-two row scale s, bn_stats / bn_aggr, rsqrt on ScalarE), in float32. Per block, VectorE
-        forms xhat, g w (scaled by GW_SCALE against float32 overflow) and the row sums of g w and g w xhat;
-        the bracket is two instructions and the factor one more. The bracket cancels O(|g|) terms down to
+        forms xhat, g w (scaled by GW_SCALE against float32 overflow) and the row sums of g w and g w xhat,
+        then the bracket (g w - mean(g w)) - xhat c and the factor. The bracket cancels O(|g|) terms down to
         elements that 1/std (up to 1/sqrt(eps)) magnifies: for float32 inputs the cpu kernel computes in
-        float64, here the two row sums are exact-ish two-float sums (softmax's two_product and
-        fold_two_float) and mean(g w) enters as two floats (row_means), which measured float32 errors 1.2x
-        over the tolerance had needed (hyp-116, eps 1e-5, |x| ~ 1e-3); 16-bit inputs pass with float32
-        sums. The weight and bias gradients sum g xhat and g over rows on TensorE (rmsnorm's column_sums:
+        float64, here the two row sums are exact-ish two-float sums of exact products (softmax's
+        two_product and fold_two_float), mean(g w) enters as two floats (row_means), and the bracket is
+        exact up to its last rounding where it cancels (precise_bracket); measured float32 sums and
+        brackets had left 1.2x and 1.27x the tolerance (eps 1e-5 and 1e-6, |x| ~ 1e-3). 16-bit inputs pass
+        with float32 sums and bracket. The weight and bias gradients sum g xhat and g over rows on TensorE (rmsnorm's column_sums:
         the sums land on the partitions of one PSUM bank, accumulating over all row tiles), cast once at
         the end. Rows up to GRAD_RESIDENT keep x, grad and the replicated weight in SBUF, so every tensor
         is read once and every gradient written once: the minimum traffic.
@@ -471,9 +472,9 @@ def _layernorm_backward_kernel(g_hbm, x_hbm, w_hbm, b_hbm, eps):
     Pseudocode:
         for each 128-row tile:
             s, eps' = scaled_rows(x); mean, var = bn_aggr(bn_stats(x s)); rstd = rsqrt(var + eps')
-            xhat = (x s - mean) rstd; a_hi + a_lo = mean(g w) (two floats for float32); c = mean(g w xhat)
+            xhat = (x s - mean) rstd; a = mean(g w), c = mean(g w xhat) (two-float sums for float32)
             dw += sum over rows of g xhat; db += sum over rows of g (TensorE)
-            dx = (((g w - a_hi) - a_lo) - xhat c) s rstd        (N = 2: (g w - a) eps' s rstd^3)
+            dx = ((g w - a) - xhat c) s rstd      (float32: two-float terms; N = 2: (g w - a) eps' s rstd^3)
         dw, db = cast(dw), cast(db)
     """
     R, N = x_hbm.shape
