@@ -199,6 +199,52 @@ def fast_two_sum(s_sb, lo_sb, h_sb, e_sb, p):
     nisa.tensor_tensor(dst=lo_sb, data1=e_sb, data2=lo_sb, op=nl.subtract)
 
 
+
+def two_product_col(ph_sb, pl_sb, a_sb, b_col, p, f):
+    """ph + pl = a * b exactly for a [p, f] tile and a [p, 1] column b (one value per row), as two_product."""
+    ah_sb, al_sb = split_halves(a_sb, p, f)
+    bh_sb, bl_sb = split_halves(b_col, p, 1)
+    nisa.tensor_scalar(dst=ph_sb, data=a_sb, op0=nl.multiply, operand0=b_col)
+    nisa.tensor_scalar(dst=pl_sb, data=ah_sb, op0=nl.multiply, operand0=bh_sb)
+    nisa.tensor_tensor(dst=pl_sb, data1=pl_sb, data2=ph_sb, op=nl.subtract)
+    for u_sb, v_col in ((ah_sb, bl_sb), (al_sb, bh_sb), (al_sb, bl_sb)):
+        nisa.scalar_tensor_tensor(dst=pl_sb, data=u_sb, op0=nl.multiply, operand0=v_col, op1=nl.add, operand1=pl_sb)
+
+
+def dot_two_float(h_col, e_col, a_sb, b_sb, bl_sb, p, f):
+    """h_col + e_col [p, 1] = sum over the free dim of a * (b + bl), exact products (two_product; the bl term in
+    float32, it is the small part) folded by TwoSums (fold_two_float). bl_sb may be None."""
+    h_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    two_product(h_sb, e_sb, a_sb, b_sb, p, f)
+    if bl_sb != None:  # noqa: E711 (NKI kernels compare with None by value)
+        t_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t_sb, data1=a_sb, data2=bl_sb, op=nl.multiply)
+        nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=t_sb, op=nl.add)
+    fold_two_float(h_sb, e_sb, p, f)
+    nisa.tensor_copy(dst=h_col, src=h_sb[0:p, 0:1])
+    nisa.tensor_copy(dst=e_col, src=e_sb[0:p, 0:1])
+
+
+def divide_two_float(q_sb, n_sb, d_sb, p):
+    """q [p, 2] = n / d per row, n and d [p, 2] two-float values (hi, lo): q_hi = n_hi / d_hi rounded, then
+    q_lo = (n - q_hi d) / d_hi with q_hi d_hi exact as two floats (two_product), so q carries about twice
+    float32's digits (d_hi > 0 finite)."""
+    r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=r_sb, data=d_sb[0:p, 0:1])
+    nisa.tensor_tensor(dst=q_sb[0:p, 0:1], data1=n_sb[0:p, 0:1], data2=r_sb, op=nl.multiply)
+    ph_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    pl_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    two_product(ph_sb, pl_sb, q_sb[0:p, 0:1], d_sb[0:p, 0:1], p, 1)
+    rem_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # ((n_hi - ph) - pl) + n_lo - q_hi d_lo
+    nisa.tensor_tensor(dst=rem_sb, data1=n_sb[0:p, 0:1], data2=ph_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=rem_sb, data1=rem_sb, data2=pl_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=rem_sb, data1=rem_sb, data2=n_sb[0:p, 1:2], op=nl.add)
+    nisa.tensor_tensor(dst=ph_sb, data1=q_sb[0:p, 0:1], data2=d_sb[0:p, 1:2], op=nl.multiply)
+    nisa.tensor_tensor(dst=rem_sb, data1=rem_sb, data2=ph_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=q_sb[0:p, 1:2], data1=rem_sb, data2=r_sb, op=nl.multiply)
+
+
 # --------------------------------------------------------------------------- backward
 
 GRAD_RESIDENT = 8192  # elements per partition kept in SBUF between the row sum and dx (y + g <= 64 KiB fp32)
