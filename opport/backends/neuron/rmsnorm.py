@@ -308,10 +308,11 @@ def precise_sums(sums_sb, x_sb, g_sb, w_tiles, w_hbm, c, s_sb, p):
         j = (c * FMAX + j0) // SUB
         xs_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)  # x s: exact (s a power of two)
         nisa.tensor_scalar(dst=xs_sb, data=x_sb[0:p, j0:j0 + fj], op0=nl.multiply, operand0=s_sb)
-        dot_two_float(sums_sb[0:p, j:j + 1], sums_sb[0:p, 2 * n_sub + j:2 * n_sub + j + 1], xs_sb, xs_sb, None, p, fj)
+        dot_two_float(sums_sb[0:p, j:j + 1], sums_sb[0:p, 2 * n_sub + j:2 * n_sub + j + 1], xs_sb, None, xs_sb, None,
+                      p, fj)
         gh_sb, gl_sb = gw_parts(g_sb[0:p, j0:j0 + fj], weight_cols(w_tiles, w_hbm, c, p, j0, fj), p, fj)
         dot_two_float(sums_sb[0:p, n_sub + j:n_sub + j + 1], sums_sb[0:p, 3 * n_sub + j:3 * n_sub + j + 1], xs_sb,
-                      gh_sb, gl_sb, p, fj)
+                      None, gh_sb, gl_sb, p, fj)
 
 
 def grad_projection(dw_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, k_sb, s_sb, resident):

@@ -200,6 +200,17 @@ def fast_two_sum(s_sb, lo_sb, h_sb, e_sb, p):
 
 
 
+def two_sum_col(s_sb, e_sb, a_sb, b_col, p, f):
+    """s + e = a + b exactly for a [p, f] tile and a [p, 1] column b (Knuth's TwoSum, as two_sum)."""
+    u_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=s_sb, data=a_sb, op0=nl.add, operand0=b_col)
+    nisa.tensor_tensor(dst=u_sb, data1=s_sb, data2=a_sb, op=nl.subtract)  # bb
+    nisa.tensor_tensor(dst=e_sb, data1=s_sb, data2=u_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=e_sb, data1=a_sb, data2=e_sb, op=nl.subtract)
+    nisa.tensor_scalar(dst=u_sb, data=u_sb, op0=nl.subtract, operand0=b_col, reverse0=True)  # b - bb
+    nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=u_sb, op=nl.add)
+
+
 def two_product_col(ph_sb, pl_sb, a_sb, b_col, p, f):
     """ph + pl = a * b exactly for a [p, f] tile and a [p, 1] column b (one value per row), as two_product."""
     ah_sb, al_sb = split_halves(a_sb, p, f)
@@ -211,16 +222,18 @@ def two_product_col(ph_sb, pl_sb, a_sb, b_col, p, f):
         nisa.scalar_tensor_tensor(dst=pl_sb, data=u_sb, op0=nl.multiply, operand0=v_col, op1=nl.add, operand1=pl_sb)
 
 
-def dot_two_float(h_col, e_col, a_sb, b_sb, bl_sb, p, f):
-    """h_col + e_col [p, 1] = sum over the free dim of a * (b + bl), exact products (two_product; the bl term in
-    float32, it is the small part) folded by TwoSums (fold_two_float). bl_sb may be None."""
+def dot_two_float(h_col, e_col, a_sb, al_sb, b_sb, bl_sb, p, f):
+    """h_col + e_col [p, 1] = sum over the free dim of (a + al) (b + bl): a b as exact products (two_product), the
+    cross terms a bl + al b in float32 (they are the small parts), folded by TwoSums (fold_two_float). al_sb and
+    bl_sb may be None (a, b exact as they are)."""
     h_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
     e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
     two_product(h_sb, e_sb, a_sb, b_sb, p, f)
-    if bl_sb != None:  # noqa: E711 (NKI kernels compare with None by value)
-        t_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=t_sb, data1=a_sb, data2=bl_sb, op=nl.multiply)
-        nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=t_sb, op=nl.add)
+    t_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    for u_sb, v_sb in ((a_sb, bl_sb), (al_sb, b_sb)):
+        if v_sb != None and u_sb != None:  # noqa: E711 (NKI kernels compare with None by value)
+            nisa.tensor_tensor(dst=t_sb, data1=u_sb, data2=v_sb, op=nl.multiply)
+            nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=t_sb, op=nl.add)
     fold_two_float(h_sb, e_sb, p, f)
     nisa.tensor_copy(dst=h_col, src=h_sb[0:p, 0:1])
     nisa.tensor_copy(dst=e_col, src=e_sb[0:p, 0:1])
