@@ -333,16 +333,16 @@ def grad_projection(dw_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, k_sb,
         if resident:
             g_tiles.append(g_sb)
         x_sb = chunk(x_tiles, x_hbm, r0, p, c)
+        if sums_sb != None:  # noqa: E711 (NKI kernels compare with None by value); first: its scratch is freed
+            precise_sums(sums_sb, x_sb, g_sb, w_tiles, w_hbm, c, s_sb, p)
         xhat_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=xhat_sb, data=x_sb, op0=nl.multiply, operand0=k_sb)
         prod_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod_sb, data1=weighted(g_sb, w_tiles, w_hbm, c, p, f), data2=xhat_sb, op=nl.multiply)
         nisa.tensor_reduce(dst=c_parts_sb[0:p, c:c + 1], op=nl.add, data=prod_sb, axis=1, keepdims=True)
-        if w_hbm != None:  # noqa: E711 (NKI kernels compare with None by value)
+        if w_hbm != None:  # noqa: E711
             nisa.tensor_tensor(dst=prod_sb, data1=g_sb, data2=xhat_sb, op=nl.multiply)
             column_sums(dw_psum, prod_sb, p, c0, f)
-        if sums_sb != None:  # noqa: E711
-            precise_sums(sums_sb, x_sb, g_sb, w_tiles, w_hbm, c, s_sb, p)
     mc_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=mc_sb, op=nl.add, data=c_parts_sb, axis=1, keepdims=True)
     nisa.tensor_scalar(dst=mc_sb, data=mc_sb, op0=nl.multiply, operand0=-1.0 / N)
@@ -399,35 +399,43 @@ def precise_bracket(d_sb, x_sb, g_sb, w_sb, s_sb, pf_sb, p, f):
         nisa.tensor_tensor(dst=d_sb, data1=d_sb, data2=tl_sb, op=nl.subtract)
 
 
+def plain_bracket(d_sb, x_sb, g_sb, w_sb, k_sb, mc_sb, N):
+    """d = g w + xhat * (-mean(g w xhat)) in float32, xhat = x k (one-element rows: g w + x * 0, which keeps a
+    non-finite x's NaN; their k holds the exact form's factor, see rows_backward). w_sb may be None."""
+    gw_sb = g_sb
+    if w_sb != None:  # noqa: E711 (NKI kernels compare with None by value)
+        gw_sb = nl.ndarray(d_sb.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=gw_sb, data1=g_sb, data2=w_sb, op=nl.multiply)
+    if N == 1:
+        nisa.scalar_tensor_tensor(dst=d_sb, data=x_sb, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=gw_sb)
+    else:
+        nisa.tensor_scalar(dst=d_sb, data=x_sb, op0=nl.multiply, operand0=k_sb)  # xhat
+        nisa.scalar_tensor_tensor(dst=d_sb, data=d_sb, op0=nl.multiply, operand0=mc_sb, op1=nl.add, operand1=gw_sb)
+
+
 def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb, precise):
-    """Pass 3: dx = (g w + xhat * (-mean(g w xhat))) * k per chunk (one-element rows: k already holds
-    eps' r^2 k and the bracket is g w + x * 0, which keeps a non-finite x's NaN), cast on the last multiply.
-    precise = (s, pf) for float32 inputs: precise_bracket per SUB block, the float32 bracket where that is not
-    finite (a row holding inf or NaN)."""
+    """Pass 3: dx = bracket * k per SUB block (plain_bracket), cast on the last multiply, one DMA per chunk.
+    precise = (s, pf) for float32 inputs: precise_bracket, and the float32 bracket where that is not finite
+    (a row holding inf or NaN)."""
     N = x_hbm.shape[1]
     for c in range((N + FMAX - 1) // FMAX):
         c0 = c * FMAX
         f = min(FMAX, N - c0)
         x_sb = chunk(x_tiles, x_hbm, r0, p, c)
         g_sb = chunk(g_tiles, g_hbm, r0, p, c)
-        gw_sb = weighted(g_sb, w_tiles, w_hbm, c, p, f)
-        d_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-        if N == 1:
-            nisa.scalar_tensor_tensor(dst=d_sb, data=x_sb, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=gw_sb)
-        else:
-            nisa.tensor_scalar(dst=d_sb, data=x_sb, op0=nl.multiply, operand0=k_sb)  # xhat
-            nisa.scalar_tensor_tensor(dst=d_sb, data=d_sb, op0=nl.multiply, operand0=mc_sb, op1=nl.add, operand1=gw_sb)
-        if precise != None:  # noqa: E711 (NKI kernels compare with None by value)
-            for j0 in range(0, f, SUB):
-                fj = min(SUB, f - j0)
+        dx_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
+        for j0 in range(0, f, SUB):
+            fj = min(SUB, f - j0)
+            w_sb = weight_cols(w_tiles, w_hbm, c, p, j0, fj)
+            d_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
+            plain_bracket(d_sb, x_sb[0:p, j0:j0 + fj], g_sb[0:p, j0:j0 + fj], w_sb, k_sb, mc_sb, N)
+            if precise != None:  # noqa: E711 (NKI kernels compare with None by value)
                 pd_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
-                precise_bracket(pd_sb, x_sb[0:p, j0:j0 + fj], g_sb[0:p, j0:j0 + fj],
-                                weight_cols(w_tiles, w_hbm, c, p, j0, fj), precise[0], precise[1], p, fj)
+                precise_bracket(pd_sb, x_sb[0:p, j0:j0 + fj], g_sb[0:p, j0:j0 + fj], w_sb, precise[0], precise[1], p, fj)
                 ok_sb = nl.ndarray((p, fj), dtype=nl.uint8, buffer=nl.sbuf)  # 1 where finite: pd * 0 == 0
                 nisa.tensor_scalar(dst=ok_sb, data=pd_sb, op0=nl.multiply, operand0=0.0, op1=nl.equal, operand1=0.0)
-                nisa.tensor_copy_predicated(dst=d_sb[0:p, j0:j0 + fj], src=pd_sb, predicate=ok_sb)
-        dx_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=dx_sb, data=d_sb, op0=nl.multiply, operand0=k_sb)
+                nisa.tensor_copy_predicated(dst=d_sb, src=pd_sb, predicate=ok_sb)
+            nisa.tensor_scalar(dst=dx_sb[0:p, j0:j0 + fj], data=d_sb, op0=nl.multiply, operand0=k_sb)
         nisa.dma_copy(dst=dx_hbm[r0:r0 + p, c0:c0 + f], src=dx_sb)
 
 
