@@ -382,6 +382,12 @@ def test_backward_other_generations(target):
         for name in NORM_ACT_BACKWARD:
             spec = get_op(name)
             check_backward_kernel(spec, next(iter(spec.backward_op.get_cases("bfloat16"))), "bfloat16", "neuron")
+        if target == "trn1":  # the smallest SBUF: float32 norm rows of GRAD_RESIDENT (8192) kept, two-float scratch
+            r = np.random.default_rng(5)
+            x, g = (r.standard_normal((2, 8192)).astype(np.float32) for _ in range(2))
+            w = r.uniform(-2, 2, 8192).astype(np.float32)
+            problems = _judge_grads("rmsnorm", "float32", (g, x, w)) + _judge_grads("layernorm", "float32", (g, x, w, w))
+            assert not problems, problems
 
 
 def test_activation_backward_limits_and_precision():
