@@ -386,3 +386,176 @@ def test_training_kernels_move_the_minimum_bytes(capsys):
         lines.append(f"{name}_backward: {st.hbm_bytes} B = minimum, {st.dma_transfers} transfers, {st.instructions}")
     with capsys.disabled():
         print("\n  " + "\n  ".join(lines), end="")
+
+
+# --------------------------------------------------------------------------- backward kernels: norms, softmax, activations
+# The NKI backward kernels of softmax, rmsnorm, layernorm, gelu, silu and swiglu (docs/neuron.md, "Backward kernels:
+# norms, softmax, activations"); the conformance suite checks them on every derived case, these pin what it cannot.
+
+NORM_ACT_BACKWARD = ("softmax", "rmsnorm", "layernorm", "gelu", "silu", "swiglu")
+
+
+def _grads(name, *args, **kwargs):
+    """The neuron backward kernel's gradients (strict: no cpu fallback; SBUF/PSUM capacity checked)."""
+    with opport.strict(), capacity_checked():
+        return function(get_op(name).backward_op)(*args, backend="neuron", **kwargs)
+
+
+def _judge_grads(name, dtype, args, kwargs=None) -> list:
+    """[why not] per gradient of the neuron kernel against the float64 VJP, judged as the conformance suite does."""
+    bwd = get_op(name).backward_op
+    kwargs = kwargs or {}
+    outs = _grads(name, *args, **kwargs)
+    refs = bwd.run_reference(*args, **kwargs)
+    problems = []
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        if r is None:
+            assert o is None
+            continue
+        verdict = cmp.compare(o, np.asarray(r, np.float64), bwd.tolerance_for(dtype, i), dtype)
+        if not verdict.ok:
+            problems.append(f"{name} d{bwd.wrt[i]} {dtype} {args[0].shape}: {verdict.message}")
+    return problems
+
+
+def test_backward_kernels_are_registered_for_the_nki_dtypes():
+    b = get_backend("neuron")
+    for name in NORM_ACT_BACKWARD:
+        ks = kernels(get_op(name).backward_op, b)
+        assert [k.name for k in ks] == [f"neuron.{name}_backward"], name
+        assert ks[0].dtypes == ("float32", "float16", "bfloat16"), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", NORM_ACT_BACKWARD)
+def test_backward_fixed_cases(name, dtype):
+    """Every fixed backward case (derived from the forward's, plus the backward-only edges) with SBUF/PSUM
+    capacity checked, each gradient judged like a conformance output."""
+    from tests.ops._grad import check_backward_kernel
+
+    spec = get_op(name)
+    with capacity_checked():
+        for case in spec.backward_op.get_cases(dtype):
+            if "large" not in case.tags:
+                check_backward_kernel(spec, case, dtype, "neuron")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_long_rows_and_many_row_tiles(dtype):
+    """Paths the conformance cases do not reach: softmax rows longer than GRAD_RESIDENT spread over the partitions
+    (with and without an N % 128 rest), norm rows streamed from HBM, row tiles past the first (PSUM accumulation of
+    dweight / dbias over tiles), a constant grad (softmax's dx is then only the rounding of y: the two-float sum)."""
+    import ml_dtypes
+
+    dt = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    r = np.random.default_rng(7)
+    problems = []
+    for shape in ((2, 9001), (1, 128 * 70)):
+        y = get_op("softmax").run_reference(r.standard_normal(shape) * 3, -1).astype(dt)
+        for g in (r.standard_normal(shape).astype(dt), np.full(shape, -7.0).astype(dt)):
+            problems += _judge_grads("softmax", dtype, (g, y), {"axis": -1})
+    for shape in ((130, 700), (2, 9000)):
+        x, g = (r.standard_normal(shape) + 0.3).astype(dt), r.standard_normal(shape).astype(dt)
+        w, b = r.uniform(-2, 2, shape[1]).astype(dt), r.standard_normal(shape[1]).astype(dt)
+        problems += _judge_grads("rmsnorm", dtype, (g, x, w), {"eps": 1e-5})
+        problems += _judge_grads("layernorm", dtype, (g, x, w, b), {"eps": 1e-5})
+    assert not problems, "\n".join(problems)
+
+
+def test_backward_dma_bytes_at_the_minimum():
+    """Every tensor read once and every gradient written once (rows kept in SBUF between the passes, the weight
+    replicated on TensorE), and the norms' parameter gradients summed on TensorE, not on the host."""
+    if not nki_compat.EMULATED:
+        pytest.skip("DMA counters are collected by the emulator")
+    import ml_dtypes
+
+    r = np.random.default_rng(3)
+    x = r.standard_normal((300, 1024)).astype(ml_dtypes.bfloat16)
+    g = r.standard_normal((300, 1024)).astype(ml_dtypes.bfloat16)
+    w, b = x[0].copy(), x[1].copy()
+    y = get_op("softmax").run_reference(x, -1).astype(ml_dtypes.bfloat16)
+    long_y = get_op("softmax").run_reference(r.standard_normal((1, 128256)), -1).astype(np.float32)
+    calls = [("softmax", (g, y, -1)), ("softmax", (np.ones_like(long_y), long_y, -1)), ("rmsnorm", (g, x, w, 1e-6)),
+             ("layernorm", (g, x, w, b, 1e-5)), ("gelu", (g, x, "none")), ("gelu", (g, x, "tanh")), ("silu", (g, x)),
+             ("swiglu", (g, x, y))]
+    for name, args in calls:
+        bwd = get_op(name).backward_op
+        with nki_compat.collect_stats() as stats, opport.strict():
+            function(bwd)(*args, backend="neuron")
+        least = bwd.get_cost(*metas_of(bwd, bwd.bind(*args))).bytes
+        assert stats.hbm_bytes == least, (name, stats.hbm_bytes, least)
+        if name in ("rmsnorm", "layernorm"):
+            assert stats.instructions.get("tensor", 0) > 0, name
+
+
+def _fails(bwd, outs, case) -> bool:
+    """Whether some gradient in `outs` fails case's float32 tolerance against the float64 VJP."""
+    refs = bwd.run_reference(*case.args, **case.kwargs)
+    return any(r is not None and not cmp.compare(o, np.asarray(r, np.float64), bwd.tolerance_for("float32", i, case),
+                                                 "float32").ok for i, (o, r) in enumerate(zip(outs, refs)))
+
+
+def test_backward_declared_mutants_are_caught_on_neuron():
+    """Each backward's declared mutant (a dropped term, a gradient not summed over rows) fails a fixed float32 case
+    that the neuron kernel passes."""
+    from opport.conformance.mutants import _as_kernel
+
+    survivors = []
+    for name in NORM_ACT_BACKWARD:
+        bwd = get_op(name).backward_op
+        cases = [c for c in bwd.get_cases("float32") if "large" not in c.tags]
+        for mutant, fn in bwd.mutants.items():
+            kernel = _as_kernel(bwd, fn)
+            if not any(_fails(bwd, kernel(*bwd.bind(*c.args, **c.kwargs)), c)
+                       and not _fails(bwd, _grads(name, *c.args, **c.kwargs), c) for c in cases):
+                survivors.append(f"{name}: {mutant}")
+    assert not survivors, survivors
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn3"])
+def test_backward_other_generations(target):
+    """One bfloat16 backward case per op on NeuronCore-v2 and -v4 (the fixed cases run on trn2)."""
+    if not nki_compat.EMULATED:
+        pytest.skip("target selection is an emulator feature")
+    from tests.ops._grad import check_backward_kernel
+
+    with nki_compat.nki.use_target(target):
+        for name in NORM_ACT_BACKWARD:
+            spec = get_op(name)
+            check_backward_kernel(spec, next(iter(spec.backward_op.get_cases("bfloat16"))), "bfloat16", "neuron")
+        if target == "trn1":  # the smallest SBUF: float32 norm rows of GRAD_RESIDENT (8192) kept, two-float scratch
+            r = np.random.default_rng(5)
+            x, g = (r.standard_normal((2, 8192)).astype(np.float32) for _ in range(2))
+            w = r.uniform(-2, 2, 8192).astype(np.float32)
+            problems = _judge_grads("rmsnorm", "float32", (g, x, w)) + _judge_grads("layernorm", "float32", (g, x, w, w))
+            assert not problems, problems
+
+
+def test_activation_backward_limits_and_precision():
+    """Infinite grads against a derivative float32 rounds to 0 but float64 does not give the reference's
+    infinity (not inf * 0 = NaN); silu' stays within a few float32 ulps through its root x0 = -1.27846."""
+    from opport.ops.silu import silu_grad64
+
+    x = np.array([-200.0, -30.0, -21.0, -800.0, -np.inf, np.inf], np.float32)
+    g = np.full_like(x, np.inf)
+    (dx,) = _grads("silu", g, x)
+    assert dx[:2].tolist() == [-np.inf, -np.inf] and np.isnan(dx[3:5]).all() and dx[5] == np.inf
+    for form in ("none", "tanh"):
+        (dx,) = _grads("gelu", g, x, approximate=form)
+        ref = get_op("gelu").backward_op.run_reference(g, x, form)[0]
+        assert np.array_equal(np.isnan(dx), np.isnan(ref)) and np.array_equal(dx[~np.isnan(dx)], ref[~np.isnan(ref)])
+    xs = (-1.2784645 + np.linspace(-2e-3, 2e-3, 4001)).astype(np.float32)
+    (d,) = _grads("silu", np.ones_like(xs), xs)
+    want = silu_grad64(xs.astype(np.float64))
+    assert (np.abs(d - want) / np.spacing(np.abs(want).astype(np.float32))).max() < 4
+
+
+def test_backward_kernel_file_layout():
+    """docs/style.md 8: each backward kernel is a private @nki.jit `_<op>_backward_kernel` with the template docstring."""
+    for name in NORM_ACT_BACKWARD:
+        tree = ast.parse((KERNEL_DIR / f"{name}.py").read_text())
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == f"_{name}_backward_kernel")
+        assert any(ast.unparse(d) == "nki.jit" for d in fn.decorator_list), name
+        doc = ast.get_docstring(fn)
+        positions = [doc.find(s) for s in DOC_SECTIONS]
+        assert all(p > 0 for p in positions) and positions == sorted(positions), (name, positions)

@@ -12,7 +12,7 @@ import pytest
 
 import opport
 from opport.accuracy import compare
-from opport.dispatch import backends, get_backend, kernels
+from opport.dispatch import backends, get_backend, impl, kernels
 from opport.integrations import small_cases
 from opport.ops import builtin_ops
 from opport.public import function
@@ -255,15 +255,21 @@ def test_dropping_a_norm_weight_gradient_breaks_the_convergence_check(monkeypatc
 
 
 def test_a_backend_without_backward_kernels_falls_back_once_or_refuses_in_strict_mode():
-    """The backward is dispatched like any op: the neuron backend (emulator here) has forward kernels only."""
+    """The backward is dispatched like any op: a backend with a forward kernel only falls back to cpu for the
+    backward, with one warning, and strict mode refuses."""
+    from tests.conftest import fake_backend
+
     x, w, dy = (np.random.default_rng(2).standard_normal((4, 16)).astype(np.float32),
-                      np.ones(16, np.float32), np.ones((4, 16), np.float32))
-    with pytest.warns(opport.FallbackWarning, match="rmsnorm_backward: falling back from neuron to cpu"):
-        out, pullback = opport.vjp("rmsnorm", x, w, backend="neuron")
-        dx, dw = pullback(dy)
-    want = opport.vjp("rmsnorm", x, w, backend="cpu")[1](dy)
-    np.testing.assert_array_equal(dx, want[0])
-    assert "neuron" in str(opport.explain(opport.get_op("rmsnorm_backward"), dy, x, w, backend="neuron"))
-    with opport.strict(), pytest.raises(opport.UnsupportedError) as info:
-        opport.vjp("rmsnorm", x, w, backend="neuron")[1](dy)
+                np.ones(16, np.float32), np.ones((4, 16), np.float32))
+    cpu_forward = kernels(opport.get_op("rmsnorm"), get_backend("cpu"))[0].fn
+    with fake_backend("fwdonly"):
+        impl(opport.get_op("rmsnorm"), "fwdonly")(cpu_forward)
+        with pytest.warns(opport.FallbackWarning, match="rmsnorm_backward: falling back from fwdonly to cpu"):
+            out, pullback = opport.vjp("rmsnorm", x, w, backend="fwdonly")
+            dx, dw = pullback(dy)
+        want = opport.vjp("rmsnorm", x, w, backend="cpu")[1](dy)
+        np.testing.assert_array_equal(dx, want[0])
+        assert "fwdonly" in str(opport.explain(opport.get_op("rmsnorm_backward"), dy, x, w, backend="fwdonly"))
+        with opport.strict(), pytest.raises(opport.UnsupportedError) as info:
+            opport.vjp("rmsnorm", x, w, backend="fwdonly")[1](dy)
     assert info.value.op == "rmsnorm_backward"

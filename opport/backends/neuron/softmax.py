@@ -126,3 +126,335 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
         return np.empty(x.shape, x.dtype)
     out = _host.as_dtype(_host.run(_softmax_kernel, _host.rows(last)), x.dtype.name, last.shape)
     return np.ascontiguousarray(np.moveaxis(out, -1, axis))
+
+
+# --------------------------------------------------------------------------- two-float sums (VectorE)
+# float32 has no wider accumulator on any engine, so exact sums are built from error-free transformations:
+# a product as the sum of two floats (Dekker), a sum of two floats as a rounded sum plus its exact error (Knuth).
+
+SPLIT_MASK = -4096  # 0xFFFFF000 as int32: sign, exponent and the top 12 significand bits, so halves multiply exactly
+
+
+def split_halves(v_sb, p, f):
+    """(hi, lo) with v = hi + lo exactly, each of at most 12 significant bits (hi: v's top bits by a mask on
+    its int32 view, lo = v - hi exact): products of two halves fit float32's 24 bits."""
+    hi_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=hi_sb.view(nl.int32), data=v_sb.view(nl.int32), op0=nl.bitwise_and, operand0=SPLIT_MASK)
+    lo_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=lo_sb, data1=v_sb, data2=hi_sb, op=nl.subtract)
+    return hi_sb, lo_sb
+
+
+def two_product(ph_sb, pl_sb, a_sb, b_sb, p, f):
+    """ph + pl = a * b exactly (Dekker's TwoProduct, halves from split_halves): ph = fl(a b) and pl its rounding
+    error (((ah bh - ph) + ah bl) + al bh) + al bl, every step exact for finite products clear of underflow."""
+    ah_sb, al_sb = split_halves(a_sb, p, f)
+    bh_sb, bl_sb = split_halves(b_sb, p, f)
+    nisa.tensor_tensor(dst=ph_sb, data1=a_sb, data2=b_sb, op=nl.multiply)
+    t_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=pl_sb, data1=ah_sb, data2=bh_sb, op=nl.multiply)
+    nisa.tensor_tensor(dst=pl_sb, data1=pl_sb, data2=ph_sb, op=nl.subtract)
+    for u_sb, v_sb in ((ah_sb, bl_sb), (al_sb, bh_sb), (al_sb, bl_sb)):
+        nisa.tensor_tensor(dst=t_sb, data1=u_sb, data2=v_sb, op=nl.multiply)
+        nisa.tensor_tensor(dst=pl_sb, data1=pl_sb, data2=t_sb, op=nl.add)
+
+
+def two_sum(s_sb, e_sb, a_sb, b_sb, u_sb):
+    """s + e = a + b exactly (Knuth's TwoSum, any magnitudes): s = fl(a + b), e = (a - (s - bb)) + (b - bb) with
+    bb = s - a. u is scratch; s, e, u must not alias a or b."""
+    nisa.tensor_tensor(dst=s_sb, data1=a_sb, data2=b_sb, op=nl.add)
+    nisa.tensor_tensor(dst=u_sb, data1=s_sb, data2=a_sb, op=nl.subtract)  # bb
+    nisa.tensor_tensor(dst=e_sb, data1=s_sb, data2=u_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=e_sb, data1=a_sb, data2=e_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=u_sb, data1=b_sb, data2=u_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=u_sb, op=nl.add)
+
+
+def fold_two_float(h_sb, e_sb, p, n):
+    """Sums the two-float values h[:, j] + e[:, j], j < n, into h[:, 0] + e[:, 0] per partition: a pairwise
+    tree of TwoSums on halves of the free dim (log2 n levels), each level's exact errors added into e. h
+    alone is then the plain pairwise float32 sum (inf and NaN as a float32 sum has them); h + e carries the
+    digits float32 drops, to about n 2^-48 relative of sum |h| (the e's own float32 rounding)."""
+    half_max = max(n // 2, 1)
+    s_sb = nl.ndarray((p, half_max), dtype=nl.float32, buffer=nl.sbuf)
+    d_sb = nl.ndarray((p, half_max), dtype=nl.float32, buffer=nl.sbuf)
+    u_sb = nl.ndarray((p, half_max), dtype=nl.float32, buffer=nl.sbuf)
+    size = n
+    while size > 1:
+        half = size // 2
+        two_sum(s_sb[0:p, 0:half], d_sb[0:p, 0:half], h_sb[0:p, 0:half], h_sb[0:p, half:2 * half], u_sb[0:p, 0:half])
+        nisa.tensor_tensor(dst=e_sb[0:p, 0:half], data1=e_sb[0:p, 0:half], data2=e_sb[0:p, half:2 * half], op=nl.add)
+        nisa.tensor_tensor(dst=e_sb[0:p, 0:half], data1=e_sb[0:p, 0:half], data2=d_sb[0:p, 0:half], op=nl.add)
+        nisa.tensor_copy(dst=h_sb[0:p, 0:half], src=s_sb[0:p, 0:half])
+        if size % 2:  # the odd last pair member moves down to the end of the next level
+            nisa.tensor_copy(dst=h_sb[0:p, half:half + 1], src=h_sb[0:p, size - 1:size])
+            nisa.tensor_copy(dst=e_sb[0:p, half:half + 1], src=e_sb[0:p, size - 1:size])
+        size = half + size % 2
+
+
+def fast_two_sum(s_sb, lo_sb, h_sb, e_sb, p):
+    """s + lo = h + e with s = fl(h + e) and lo = e - (s - h) (exact for |h| >= |e|, as a folded sum's parts are)."""
+    nisa.tensor_tensor(dst=s_sb, data1=h_sb, data2=e_sb, op=nl.add)
+    nisa.tensor_tensor(dst=lo_sb, data1=s_sb, data2=h_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=lo_sb, data1=e_sb, data2=lo_sb, op=nl.subtract)
+
+
+
+def two_sum_col(s_sb, e_sb, a_sb, b_col, p, f):
+    """s + e = a + b exactly for a [p, f] tile and a [p, 1] column b (Knuth's TwoSum, as two_sum)."""
+    u_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=s_sb, data=a_sb, op0=nl.add, operand0=b_col)
+    nisa.tensor_tensor(dst=u_sb, data1=s_sb, data2=a_sb, op=nl.subtract)  # bb
+    nisa.tensor_tensor(dst=e_sb, data1=s_sb, data2=u_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=e_sb, data1=a_sb, data2=e_sb, op=nl.subtract)
+    nisa.tensor_scalar(dst=u_sb, data=u_sb, op0=nl.subtract, operand0=b_col, reverse0=True)  # b - bb
+    nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=u_sb, op=nl.add)
+
+
+def two_product_col(ph_sb, pl_sb, a_sb, b_col, p, f):
+    """ph + pl = a * b exactly for a [p, f] tile and a [p, 1] column b (one value per row), as two_product."""
+    ah_sb, al_sb = split_halves(a_sb, p, f)
+    bh_sb, bl_sb = split_halves(b_col, p, 1)
+    nisa.tensor_scalar(dst=ph_sb, data=a_sb, op0=nl.multiply, operand0=b_col)
+    nisa.tensor_scalar(dst=pl_sb, data=ah_sb, op0=nl.multiply, operand0=bh_sb)
+    nisa.tensor_tensor(dst=pl_sb, data1=pl_sb, data2=ph_sb, op=nl.subtract)
+    for u_sb, v_col in ((ah_sb, bl_sb), (al_sb, bh_sb), (al_sb, bl_sb)):
+        nisa.scalar_tensor_tensor(dst=pl_sb, data=u_sb, op0=nl.multiply, operand0=v_col, op1=nl.add, operand1=pl_sb)
+
+
+def dot_two_float(h_col, e_col, a_sb, al_sb, b_sb, bl_sb, p, f):
+    """h_col + e_col [p, 1] = sum over the free dim of (a + al) (b + bl): a b as exact products (two_product), the
+    cross terms a bl + al b in float32 (they are the small parts), folded by TwoSums (fold_two_float). al_sb and
+    bl_sb may be None (a, b exact as they are)."""
+    h_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    two_product(h_sb, e_sb, a_sb, b_sb, p, f)
+    t_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    for u_sb, v_sb in ((a_sb, bl_sb), (al_sb, b_sb)):
+        if v_sb != None and u_sb != None:  # noqa: E711 (NKI kernels compare with None by value)
+            nisa.tensor_tensor(dst=t_sb, data1=u_sb, data2=v_sb, op=nl.multiply)
+            nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=t_sb, op=nl.add)
+    fold_two_float(h_sb, e_sb, p, f)
+    nisa.tensor_copy(dst=h_col, src=h_sb[0:p, 0:1])
+    nisa.tensor_copy(dst=e_col, src=e_sb[0:p, 0:1])
+
+
+def divide_two_float(q_sb, n_sb, d_sb, p):
+    """q [p, 2] = n / d per row, n and d [p, 2] two-float values (hi, lo): q_hi = n_hi / d_hi rounded, then
+    q_lo = (n - q_hi d) / d_hi with q_hi d_hi exact as two floats (two_product), so q carries about twice
+    float32's digits (d_hi > 0 finite)."""
+    r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=r_sb, data=d_sb[0:p, 0:1])
+    nisa.tensor_tensor(dst=q_sb[0:p, 0:1], data1=n_sb[0:p, 0:1], data2=r_sb, op=nl.multiply)
+    ph_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    pl_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    two_product(ph_sb, pl_sb, q_sb[0:p, 0:1], d_sb[0:p, 0:1], p, 1)
+    rem_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # ((n_hi - ph) - pl) + n_lo - q_hi d_lo
+    nisa.tensor_tensor(dst=rem_sb, data1=n_sb[0:p, 0:1], data2=ph_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=rem_sb, data1=rem_sb, data2=pl_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=rem_sb, data1=rem_sb, data2=n_sb[0:p, 1:2], op=nl.add)
+    nisa.tensor_tensor(dst=ph_sb, data1=q_sb[0:p, 0:1], data2=d_sb[0:p, 1:2], op=nl.multiply)
+    nisa.tensor_tensor(dst=rem_sb, data1=rem_sb, data2=ph_sb, op=nl.subtract)
+    nisa.tensor_tensor(dst=q_sb[0:p, 1:2], data1=rem_sb, data2=r_sb, op=nl.multiply)
+
+
+# --------------------------------------------------------------------------- backward
+
+GRAD_RESIDENT = 8192  # elements per partition kept in SBUF between the row sum and dx (y + g <= 64 KiB fp32)
+FMAX_2F = 1024  # free-dim chunk of the two-float passes: y, g and ~12 fp32 temporaries <= 64 KiB per partition
+
+
+def load_block(t_hbm, base, stride, p, c0, f):
+    """t_hbm's elements base + i * stride + c0 + j (i < p on partitions, j < f) DMA'd into a new SBUF tile: a
+    row tile (stride = the row length) or one row spread over the partitions (stride = its share)."""
+    t_sb = nl.ndarray((p, f), dtype=t_hbm.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t_sb, src=t_hbm.ap(pattern=[[stride, p], [1, f]], offset=base + c0))
+    return t_sb
+
+
+def block_dot(y_hbm, g_hbm, base, stride, p, n, keep):
+    """Pass 1 over a [p, n] block (load_block's addressing): sum(y * g) per partition as two floats h + e.
+
+    Each chunk's products are exact as two floats (two_product; 16-bit products are exact in float32
+    already, their error part 0), folded to one (fold_two_float), and the chunks' sums folded in turn.
+    Returns (y tiles, g tiles: kept for the dx pass when `keep`, else [] and that pass reads them again;
+    h [p, 1]; e [p, 1])."""
+    n_chunks = (n + FMAX_2F - 1) // FMAX_2F
+    h_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
+    e_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
+    y_tiles = []
+    g_tiles = []
+    for c in range(n_chunks):
+        c0 = c * FMAX_2F
+        f = min(FMAX_2F, n - c0)
+        y_sb = load_block(y_hbm, base, stride, p, c0, f)
+        g_sb = load_block(g_hbm, base, stride, p, c0, f)
+        ph_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        pl_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        if y_hbm.dtype == nl.float32:
+            two_product(ph_sb, pl_sb, y_sb, g_sb, p, f)
+        else:
+            nisa.tensor_tensor(dst=ph_sb, data1=y_sb, data2=g_sb, op=nl.multiply)
+            nisa.memset(dst=pl_sb, value=0.0)
+        fold_two_float(ph_sb, pl_sb, p, f)
+        nisa.tensor_copy(dst=h_sb[0:p, c:c + 1], src=ph_sb[0:p, 0:1])
+        nisa.tensor_copy(dst=e_sb[0:p, c:c + 1], src=pl_sb[0:p, 0:1])
+        if keep:
+            y_tiles.append(y_sb)
+            g_tiles.append(g_sb)
+    fold_two_float(h_sb, e_sb, p, n_chunks)
+    return y_tiles, g_tiles, h_sb[0:p, 0:1], e_sb[0:p, 0:1]
+
+
+def block_dx(dx_hbm, y_hbm, g_hbm, base, stride, p, n, s_sb, y_tiles, g_tiles):
+    """Pass 2 over the block with s_sb [p, 3] = (h, s_hi, s_lo): the row sum in float32 and as two floats.
+
+    dx = ((g - s_hi) - s_lo) * y, the cpu kernel's form: where g_i is close to s (dx_i cancels) g - s_hi is
+    exact, so dx keeps its relative accuracy where y (g - s) with a float32 s would err by y |s| 2^-24 (a
+    constant grad's dx is only the rounding of the saved y: c y (1 - sum y)). Elements where that is not
+    finite take the reference's form y * g - y * h (g - s can overflow where dx does not; 0 * inf at
+    y = 0; a row with inf or NaN has them in h as the reference's sum has)."""
+    for c in range((n + FMAX_2F - 1) // FMAX_2F):
+        c0 = c * FMAX_2F
+        f = min(FMAX_2F, n - c0)
+        if y_tiles:
+            y_sb = y_tiles[c]
+            g_sb = g_tiles[c]
+        else:
+            y_sb = load_block(y_hbm, base, stride, p, c0, f)
+            g_sb = load_block(g_hbm, base, stride, p, c0, f)
+        d_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=d_sb, data=g_sb, op0=nl.subtract, operand0=s_sb[0:p, 1:2], op1=nl.subtract,
+                           operand1=s_sb[0:p, 2:3])
+        nisa.tensor_tensor(dst=d_sb, data1=d_sb, data2=y_sb, op=nl.multiply)
+        yg_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=yg_sb, data1=y_sb, data2=g_sb, op=nl.multiply)
+        ref_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=ref_sb, data=y_sb, op0=nl.multiply, operand0=s_sb[0:p, 0:1], op1=nl.subtract,
+                                  operand1=yg_sb, reverse1=True)
+        bad_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # 1 where d is inf or NaN: d * 0 != 0
+        nisa.tensor_scalar(dst=bad_sb, data=d_sb, op0=nl.multiply, operand0=0.0, op1=nl.not_equal, operand1=0.0)
+        nisa.tensor_copy_predicated(dst=d_sb, src=ref_sb, predicate=bad_sb)
+        dx_sb = nl.ndarray((p, f), dtype=dx_hbm.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=dx_sb, src=d_sb)
+        nisa.dma_copy(dst=dx_hbm.ap(pattern=[[stride, p], [1, f]], offset=base + c0), src=dx_sb)
+
+
+def row_sums(s_sb, h_sb, e_sb, p):
+    """s_sb [p, 3] = (h, s_hi, s_lo) from a folded sum h + e: the dx pass's row statistics."""
+    nisa.tensor_copy(dst=s_sb[0:p, 0:1], src=h_sb)
+    fast_two_sum(s_sb[0:p, 1:2], s_sb[0:p, 2:3], h_sb, e_sb, p)
+
+
+def spread_row_sums(s_sb, parts):
+    """s_sb [128, 3]: a spread row's statistics (row_sums) on every partition, from its partitions' two-float
+    sums `parts` ((h, e) of the [128, 1] share and of the [t, 1] rest). A float32 matmul across partitions
+    would round, so the partials are transposed onto one partition (TensorE, bit-exact), folded there
+    (fold_two_float), and the [1, 3] statistics broadcast back by a K = 1 matmul against a ones row (one term
+    per output: exact)."""
+    PMAX = nl.tile_size.pmax
+    n = 0
+    for h_sb, _ in parts:
+        n += h_sb.shape[0]
+    h_row_sb = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
+    e_row_sb = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
+    j0 = 0
+    for h_sb, e_sb in parts:
+        k = h_sb.shape[0]
+        for src_sb, dst_sb in ((h_sb, h_row_sb), (e_sb, e_row_sb)):
+            t_psum = nl.ndarray((1, k), dtype=nl.float32, buffer=nl.psum)
+            nisa.nc_transpose(dst=t_psum, data=src_sb)
+            nisa.tensor_copy(dst=dst_sb[0:1, j0:j0 + k], src=t_psum)
+        j0 += k
+    fold_two_float(h_row_sb, e_row_sb, 1, n)
+    stat_sb = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.sbuf)
+    row_sums(stat_sb, h_row_sb[0:1, 0:1], e_row_sb[0:1, 0:1], 1)
+    ones_sb = nl.ndarray((1, PMAX), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_sb, value=1.0)
+    stat_psum = nl.ndarray((PMAX, 3), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=stat_psum, stationary=ones_sb, moving=stat_sb)
+    nisa.tensor_copy(dst=s_sb, src=stat_psum)
+
+
+def row_tile_backward(dx_hbm, y_hbm, g_hbm, r0, p):
+    """dx of rows r0:r0+p, kept in SBUF between the passes (a function: its tiles are dead once it returns)."""
+    N = y_hbm.shape[1]
+    y_tiles, g_tiles, h_sb, e_sb = block_dot(y_hbm, g_hbm, r0 * N, N, p, N, True)
+    s_sb = nl.ndarray((p, 3), dtype=nl.float32, buffer=nl.sbuf)
+    row_sums(s_sb, h_sb, e_sb, p)
+    block_dx(dx_hbm, y_hbm, g_hbm, r0 * N, N, p, N, s_sb, y_tiles, g_tiles)
+
+
+def spread_row_backward(dx_hbm, y_hbm, g_hbm, r):
+    """dx of row r spread over the partitions: [128, N // 128] and the [N % 128, 1] rest, summed across the
+    partitions by spread_row_sums."""
+    PMAX = nl.tile_size.pmax
+    N = y_hbm.shape[1]
+    m = N // PMAX
+    t = N - m * PMAX
+    y_tiles, g_tiles, h_sb, e_sb = block_dot(y_hbm, g_hbm, r * N, m, PMAX, m, m <= GRAD_RESIDENT)
+    parts = [(h_sb, e_sb)]
+    if t > 0:
+        ty_tiles, tg_tiles, th_sb, te_sb = block_dot(y_hbm, g_hbm, r * N + m * PMAX, 1, t, 1, True)
+        parts.append((th_sb, te_sb))
+    s_sb = nl.ndarray((PMAX, 3), dtype=nl.float32, buffer=nl.sbuf)
+    spread_row_sums(s_sb, parts)
+    block_dx(dx_hbm, y_hbm, g_hbm, r * N, m, PMAX, m, s_sb, y_tiles, g_tiles)
+    if t > 0:
+        block_dx(dx_hbm, y_hbm, g_hbm, r * N + m * PMAX, 1, t, 1, s_sb[0:t, 0:3], ty_tiles, tg_tiles)
+
+
+@nki.jit
+def _softmax_backward_kernel(g_hbm, y_hbm):
+    """Gradient of row softmax from its output, dx = y * (g - sum(g * y)), of [R, N] tensors.
+
+    Dimensions:
+        R: rows; N: softmax length. Rows up to GRAD_RESIDENT go 128 to a tile on the partitions (N on the
+        free dim, in chunks); a longer row is spread over the 128 partitions itself ([128, N // 128], the
+        N % 128 rest one element per partition).
+
+    Args:
+        g_hbm: [R, N] upstream gradient in HBM, float32/float16/bfloat16.
+        y_hbm: [R, N] the forward's output (saved), same dtype.
+
+    Returns:
+        dx_hbm: [R, N] in y's dtype.
+
+    Notes:
+        Where dx cancels (a constant grad: dx = y c (1 - sum y)) the row sum needs more digits than a
+        float32 sum keeps, for 16-bit inputs too (their small dx lands in subnormals), as the cpu kernel's
+        float64 sum has: pass 1 sums y * g exactly as two floats on VectorE (two_product for float32,
+        fold_two_float), pass 2 writes ((g - s_hi) - s_lo) * y (block_dx). A spread row's partials meet
+        on one partition through TensorE transposes (spread_row_sums). Rows (or a spread row's share) up
+        to GRAD_RESIDENT elements stay in SBUF, so y and g are read once and dx written once: the minimum
+        traffic.
+
+    Pseudocode:
+        for each 128-row tile (or each spread row):
+            s_hi + s_lo = sum(y * g) per row, exact products and TwoSum folds (partials across partitions
+                          on one partition for a spread row)
+            dx = ((g - s_hi) - s_lo) * y     (y * g - y * s where that is not finite)
+    """
+    R, N = y_hbm.shape
+    dx_hbm = nl.ndarray((R, N), dtype=y_hbm.dtype, buffer=nl.shared_hbm)
+    PMAX = nl.tile_size.pmax
+    if N <= GRAD_RESIDENT:
+        for r0 in range(0, R, PMAX):
+            row_tile_backward(dx_hbm, y_hbm, g_hbm, r0, min(PMAX, R - r0))
+    else:
+        for r in range(R):
+            spread_row_backward(dx_hbm, y_hbm, g_hbm, r)
+    return dx_hbm
+
+
+@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+def softmax_backward(grad: np.ndarray, out: np.ndarray, axis: int):
+    """Host side: move `axis` last (a copy when it is not already last), flatten to rows, launch."""
+    if out.ndim == 0:
+        dx = _host.run(_softmax_backward_kernel, grad.reshape(1, 1), out.reshape(1, 1))
+        return (_host.as_dtype(dx, out.dtype.name, ()),)
+    g, y = np.moveaxis(grad, axis, -1), np.moveaxis(out, axis, -1)
+    if y.size == 0:
+        return (np.zeros(out.shape, out.dtype),)
+    dx = _host.as_dtype(_host.run(_softmax_backward_kernel, _host.rows(g), _host.rows(y)), out.dtype.name, y.shape)
+    return (np.ascontiguousarray(np.moveaxis(dx, -1, axis)),)

@@ -8,6 +8,7 @@ import numpy as np
 
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.backends.neuron.silu import clipped, deep_factor, infinite_limit, silu_grad
 from opport.dispatch import impl
 from opport.ops.swiglu import swiglu as spec
 
@@ -104,3 +105,128 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """
     deep = bool((gate.astype(np.float32) < -DEEP).any())
     return _host.run_elementwise(_swiglu_kernel, (gate, up), gate.dtype.name, bool(np.isinf(up).any()), deep)
+
+
+# --------------------------------------------------------------------------- backward
+
+GRAD_FMAX = 1024  # backward free-dim chunk: three inputs, two outputs and ~12 fp32 temporaries <= 80 KiB per partition
+EXP_NEG_HALF_DEEP = 1.2664165549094176e-14  # exp(-DEEP / 2): the deep tail's exp(-DEEP), in two halves around up
+SWIGLU_GRAD_ZERO64 = -745.1332397460938  # float32 gate at and below which float64 silu'(gate) is 0: inf * 0 = NaN there
+
+
+def swiglu_product(du_sb, gate_sb, g_sb, sp_sb, eg_sb, is_deep_sb, p, f):
+    """du = swiglu(gate, g) = gate * (sigmoid(gate) * g) with the forward kernel's rules, into du (the output
+    dtype): sigmoid(gate) * g recomputed as (exp(gate + DEEP) * g) * exp(-DEEP) below -DEEP (eg_sb holds
+    exp(gate + DEEP) * g), gate = -inf taken as -FLT_MAX (silu(-inf) * g = -0.0 * g), and gate * g where g is
+    infinite and gate > -inf (silu(gate) != 0 there, even where sigmoid(gate) underflows float32)."""
+    su_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=su_sb, data1=sp_sb, data2=g_sb, op=nl.multiply)
+    deep_su_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=deep_su_sb, data=eg_sb, op0=nl.multiply, operand0=EXP_NEG_DEEP)
+    nisa.tensor_copy_predicated(dst=su_sb, src=deep_su_sb, predicate=is_deep_sb)
+    nisa.scalar_tensor_tensor(dst=du_sb, data=gate_sb, op0=nl.maximum, operand0=NEG_BIG, op1=nl.multiply,
+                              operand1=su_sb)
+    ginf_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # 1.0 where |g| = inf
+    nisa.tensor_scalar(dst=ginf_sb, data=g_sb, op0=nl.abs, operand0=0.0, op1=nl.equal, operand1=math.inf)
+    pick_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # ... and gate > -inf
+    nisa.scalar_tensor_tensor(dst=pick_sb, data=gate_sb, op0=nl.greater, operand0=-math.inf, op1=nl.multiply,
+                              operand1=ginf_sb)
+    lim_sb = nl.ndarray((p, f), dtype=du_sb.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=lim_sb, data1=gate_sb, data2=g_sb, op=nl.multiply)
+    nisa.tensor_copy_predicated(dst=du_sb, src=lim_sb, predicate=pick_sb)
+
+
+def gate_grad(dg_sb, gate_sb, gc_sb, g_sb, u_sb, sp_sb, eg_sb, is_deep_sb, p, f):
+    """dg = (g * silu'(gate)) * up in float32. silu' is at most 1.0998, so g * silu' may pass FLT_MAX where
+    the reference's float64 product times a |up| < 1 does not: g * (silu' / 2), times up, times 2 keeps every
+    intermediate finite unless the result overflows. Below -DEEP it is (((g exp(gate + DEEP)) (1 + gate))
+    exp(-DEEP/2)) up exp(-DEEP/2) (silu's deep_factor), the tiny factor split around up so that neither a
+    huge up (to FLT_MAX) overflows nor a moderate one meets a product already subnormal; and an infinite g or
+    up that met a silu' float32 rounds to 0 takes the reference's infinite limit (infinite_limit)."""
+    d_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    silu_grad(d_sb, sp_sb, gate_sb, gc_sb, p, f)
+    nisa.scalar_tensor_tensor(dst=d_sb, data=d_sb, op0=nl.multiply, operand0=0.5, op1=nl.multiply, operand1=g_sb)
+    nisa.tensor_tensor(dst=d_sb, data1=d_sb, data2=u_sb, op=nl.multiply)
+    nisa.tensor_scalar(dst=dg_sb, data=d_sb, op0=nl.multiply, operand0=2.0)
+    deep_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # (1 + gate) clipped: -inf gives g * 0
+    nisa.scalar_tensor_tensor(dst=deep_sb, data=gc_sb, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=eg_sb)
+    nisa.tensor_scalar(dst=deep_sb, data=deep_sb, op0=nl.multiply, operand0=EXP_NEG_HALF_DEEP)
+    nisa.tensor_tensor(dst=deep_sb, data1=deep_sb, data2=u_sb, op=nl.multiply)
+    nisa.tensor_scalar(dst=deep_sb, data=deep_sb, op0=nl.multiply, operand0=EXP_NEG_HALF_DEEP)
+    nisa.tensor_copy_predicated(dst=dg_sb, src=deep_sb, predicate=is_deep_sb)
+    lim_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # -(g * up): silu' < 0 in the deep tail
+    nisa.scalar_tensor_tensor(dst=lim_sb, data=g_sb, op0=nl.multiply, operand0=-1.0, op1=nl.multiply, operand1=u_sb)
+    infinite_limit(dg_sb, gate_sb, lim_sb, SWIGLU_GRAD_ZERO64, p, f)
+
+
+@nki.jit
+def _swiglu_backward_kernel(g_hbm, gate_hbm, up_hbm):
+    """Gradients of silu(gate) * up for gate and up, of [R, C] tensors, R on partitions, C on the free dimension.
+
+    Dimensions:
+        R: partitions in use (tiled by 128); C: elements per partition (chunks of GRAD_FMAX).
+
+    Args:
+        g_hbm: [R, C] upstream gradient in HBM, float32/float16/bfloat16.
+        gate_hbm: [R, C] the forward's gate (saved), same dtype.
+        up_hbm: [R, C] the forward's up (saved), same dtype.
+
+    Returns:
+        dgate_hbm, dup_hbm: [R, C] each, in gate's dtype.
+
+    Notes:
+        dup = swiglu(gate, grad) and dgate = (grad * silu'(gate)) * up share one ScalarE sigmoid(gate) and
+        one exp(gate + DEEP) (the scaled deep tail: below -DEEP sigmoid(gate) is subnormal or 0 in float32);
+        silu'(gate) = sigmoid(gate) (1 + gate sigmoid(-gate)) takes a second sigmoid. Everything else is
+        VectorE, float32 inside, cast once on the way out (swiglu_product, gate_grad say which special
+        values need which rule). Pure streaming: grad, gate and up read once, both gradients written once.
+
+    Pseudocode:
+        for each [128, GRAD_FMAX] tile:
+            s = sigmoid(gate); eg = exp(gate + DEEP) * g
+            dup = swiglu(gate, g)                          (forward's rules, deep tail from eg)
+            dgate = ((g * silu'(gate) / 2) * up) * 2
+            dgate[gate < -DEEP] = (((eg * (1 + gate)) * exp(-DEEP/2)) * up) * exp(-DEEP/2)
+            dgate[dgate NaN, |g * up| = inf, gate > -745.13] = -(g * up)
+    """
+    R, C = gate_hbm.shape
+    dgate_hbm = nl.ndarray((R, C), dtype=gate_hbm.dtype, buffer=nl.shared_hbm)
+    dup_hbm = nl.ndarray((R, C), dtype=gate_hbm.dtype, buffer=nl.shared_hbm)
+    PMAX = nl.tile_size.pmax
+    for r0 in range(0, R, PMAX):
+        p = min(PMAX, R - r0)
+        for c0 in range(0, C, GRAD_FMAX):
+            f = min(GRAD_FMAX, C - c0)
+            gate_sb = nl.ndarray((p, f), dtype=gate_hbm.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=gate_sb, src=gate_hbm[r0:r0 + p, c0:c0 + f])
+            u_sb = nl.ndarray((p, f), dtype=up_hbm.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=u_sb, src=up_hbm[r0:r0 + p, c0:c0 + f])
+            g_sb = nl.ndarray((p, f), dtype=g_hbm.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=g_sb, src=g_hbm[r0:r0 + p, c0:c0 + f])
+            sp_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=sp_sb, op=nl.sigmoid, data=gate_sb)
+            eg_sb, is_deep_sb = deep_factor(gate_sb, g_sb, p, f)
+
+            du_sb = nl.ndarray((p, f), dtype=gate_hbm.dtype, buffer=nl.sbuf)
+            swiglu_product(du_sb, gate_sb, g_sb, sp_sb, eg_sb, is_deep_sb, p, f)
+            nisa.dma_copy(dst=dup_hbm[r0:r0 + p, c0:c0 + f], src=du_sb)
+
+            dg_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+            gate_grad(dg_sb, gate_sb, clipped(gate_sb, p, f), g_sb, u_sb, sp_sb, eg_sb, is_deep_sb, p, f)
+            dgate_sb = nl.ndarray((p, f), dtype=gate_hbm.dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=dgate_sb, src=dg_sb)
+            nisa.dma_copy(dst=dgate_hbm[r0:r0 + p, c0:c0 + f], src=dgate_sb)
+    return dgate_hbm, dup_hbm
+
+
+@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+def swiglu_backward(grad: np.ndarray, gate: np.ndarray, up: np.ndarray):
+    """Host side: lay grad, gate and up onto the partitions ([128, n/128] plus a [tail, 1] tail), launch per part."""
+    flats = [_host.contiguous(a).reshape(-1) for a in (grad, gate, up)]
+    dgate, dup = (np.empty(gate.size, gate.dtype) for _ in range(2))
+    for start, parts, per in _host.elementwise_parts(gate.size):
+        views = [a[start:start + parts * per].reshape(parts, per) for a in flats]
+        outs = _host.run(_swiglu_backward_kernel, *views)
+        for dst, out in zip((dgate, dup), outs):
+            dst[start:start + parts * per] = _host.as_dtype(out, gate.dtype.name, (parts * per,))
+    return dgate.reshape(gate.shape), dup.reshape(gate.shape)
