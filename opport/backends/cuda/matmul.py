@@ -65,34 +65,32 @@ def _matmul_kernel(
         rows_in_band = tl.minimum(tiles_m - first_m, GROUP_M)
         pid_m = first_m + (t % (GROUP_M * tiles_n)) % rows_in_band
         pid_n = (t % (GROUP_M * tiles_n)) // rows_in_band
+        z0, z1, z2 = lead_index(z, n1, n2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if REDUCE_BATCH:
             for zr in range(0, n_batch):  # z + zr: z is 0 here, and a tensor (the interpreter's range gives ints)
-                acc = _k_loop(acc, a_ptr, b_ptr, z + zr, n1, n2, a_s0, a_s1, a_s2, a_sm, a_sk, b_s0, b_s1, b_s2, b_sk, b_sn,
-                              offs_m, offs_n, M, N, K, PRECISION, BLOCK_K)
+                r0, r1, r2 = lead_index(z + zr, n1, n2)
+                acc = _k_loop(acc, a_ptr + (r0 * a_s0 + r1 * a_s1 + r2 * a_s2), b_ptr + (r0 * b_s0 + r1 * b_s1 + r2 * b_s2),
+                              a_sm, a_sk, b_sk, b_sn, offs_m, offs_n, M, N, K, PRECISION, BLOCK_K)
         else:
-            acc = _k_loop(acc, a_ptr, b_ptr, z, n1, n2, a_s0, a_s1, a_s2, a_sm, a_sk, b_s0, b_s1, b_s2, b_sk, b_sn,
-                          offs_m, offs_n, M, N, K, PRECISION, BLOCK_K)
+            acc = _k_loop(acc, a_ptr + (z0 * a_s0 + z1 * a_s1 + z2 * a_s2), b_ptr + (z0 * b_s0 + z1 * b_s1 + z2 * b_s2),
+                          a_sm, a_sk, b_sk, b_sn, offs_m, offs_n, M, N, K, PRECISION, BLOCK_K)
         if HAS_BIAS:
             acc += f32(tl.load(bias_ptr + offs_n.to(tl.int64) * bias_s, mask=offs_n < N, other=0.0))[None, :]
-        z0, z1, z2 = lead_index(z, n1, n2)
         o_ptrs = (out_ptr + (z0 * o_s0 + z1 * o_s1 + z2 * o_s2) + offs_m.to(tl.int64)[:, None] * o_sm
                   + offs_n.to(tl.int64)[None, :] * o_sn)
         tl.store(o_ptrs, narrow(acc, out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @triton.jit
-def _k_loop(acc, a_ptr, b_ptr, z, n1, n2, a_s0, a_s1, a_s2, a_sm, a_sk, b_s0, b_s1, b_s2, b_sk, b_sn,
-            offs_m, offs_n, M, N, K, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + a[z][offs_m, :] @ b[z][:, offs_n], over K in BLOCK_K steps."""
-    z0, z1, z2 = lead_index(z, n1, n2)
+def _k_loop(acc, a_base, b_base, a_sm, a_sk, b_sk, b_sn, offs_m, offs_n, M, N, K,
+            PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a[offs_m, :] @ b[:, offs_n] for one batch entry's a and b (their base pointers), in BLOCK_K steps."""
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = (a_ptr + (z0 * a_s0 + z1 * a_s1 + z2 * a_s2) + offs_m.to(tl.int64)[:, None] * a_sm
-              + offs_k.to(tl.int64)[None, :] * a_sk)
-    b_ptrs = (b_ptr + (z0 * b_s0 + z1 * b_s1 + z2 * b_s2) + offs_k.to(tl.int64)[:, None] * b_sk
-              + offs_n.to(tl.int64)[None, :] * b_sn)
+    a_ptrs = a_base + offs_m.to(tl.int64)[:, None] * a_sm + offs_k.to(tl.int64)[None, :] * a_sk
+    b_ptrs = b_base + offs_k.to(tl.int64)[:, None] * b_sk + offs_n.to(tl.int64)[None, :] * b_sn
     for k in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K - k), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < K - k) & (offs_n[None, :] < N), other=0.0)
