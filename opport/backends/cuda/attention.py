@@ -21,7 +21,7 @@ MIN_SPLIT_BLOCKS = 4  # key blocks per split-KV program at least: its partial wr
 @triton.jit
 def _attention_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, out_ptr, flag_ptr, part_ptr, ml_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, flag_ptr, part_ptr, ml_ptr, lse_ptr,
     # shapes, strides
     n_kv_heads, group, sq, sk, d, dv, split_len,
     q_sb, q_sh, q_ss, q_sd,
@@ -30,14 +30,14 @@ def _attention_kernel(
     o_sb, o_sh, o_ss, o_sd,
     qk_scale, flag_block,
     # meta-parameters
-    CAUSAL: tl.constexpr, EXACT: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, EXACT: tl.constexpr, SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """out = softmax(q k^T * scale, masked) v for BLOCK_M query rows of one (batch, KV head).
 
     Dimensions: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], out [B, Hq, Sq, Dv]; all strided;
     flags [B * Hkv, cdiv(group * Sq, flag_block)] int32; with SPLIT, part [splits, B * Hkv, group * Sq, Dv]
-    and ml [splits, B * Hkv, group * Sq, 2] float32.
+    and ml [splits, B * Hkv, group * Sq, 2] float32; with STORE_LSE (the training forward), lse [B, Hq, Sq] float32.
     Notes: scores are scaled by scale*log2(e) and exponentiated with exp2. Keys are visited in two
     stages: blocks every row of the tile sees in full (no score masking), then the blocks that need
     the causal/tail mask (bottom-right: key j is visible to query i iff j <= i + Sk - Sq). A running max
@@ -51,6 +51,7 @@ def _attention_kernel(
     them. Keeping that path out of the fast kernel keeps its registers and shared memory in budget.
     SPLIT (flash-decoding, non-causal only): program (., ., s) covers keys [s * split_len, (s + 1) * split_len)
     and writes its unnormalised accumulator, running max and denominator; `_combine_kernel` merges the splits.
+    STORE_LSE: each row's log-sum-exp from the running max and denominator (`_store_lse`), for the backward.
     Pseudocode: for each key block: s = q k^T; m' = max(m, rowmax s); p = exp2(s - m'); l = l*exp2(m - m') + sum p;
                 acc = acc*exp2(m - m') + p v.  out = acc / l (0 where l == 0)
     """
@@ -108,16 +109,18 @@ def _attention_kernel(
         else:
             _store_out(out_ptr, acc, l_sum, b, head, i, offs_dv, row_ok[:, None] & (offs_dv[None, :] < dv),
                        o_sb, o_sh, o_ss, o_sd)
+            if STORE_LSE:
+                _store_lse(lse_ptr, m, l_sum, (b * n_kv_heads * group + head) * sq + i, row_ok)
         if not EXACT and CAUSAL:
             tl.store(flag, hidden)
 
 
 @triton.jit
 def _combine_kernel(
-    part_ptr, ml_ptr, out_ptr,
+    part_ptr, ml_ptr, out_ptr, lse_ptr,
     n_kv_heads, group, sq, dv, n_splits,
     o_sb, o_sh, o_ss, o_sd,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Merge split-KV partials: out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M the largest m_s.
 
@@ -145,7 +148,18 @@ def _combine_kernel(
         acc = acc * alpha[:, None] + a_s * beta[:, None]
         m = m_new
     head = (bh % n_kv_heads).to(tl.int64) * group + (r // sq)
-    _store_out(out_ptr, acc, l_sum, (bh // n_kv_heads).to(tl.int64), head, r % sq, cols, mask, o_sb, o_sh, o_ss, o_sd)
+    b = (bh // n_kv_heads).to(tl.int64)
+    _store_out(out_ptr, acc, l_sum, b, head, r % sq, cols, mask, o_sb, o_sh, o_ss, o_sd)
+    if STORE_LSE:
+        _store_lse(lse_ptr, m, l_sum, (b * n_kv_heads * group + head) * sq + r % sq, row_ok)
+
+
+@triton.jit
+def _store_lse(lse_ptr, m, l_sum, at_row, mask):
+    """lse = (m + log2(l)) ln 2 per row (m: the running max of the log2-scaled scores): the natural-log
+    log-sum-exp of the scaled scores; -inf for a row that saw no key or only -inf scores (l = 0)."""
+    lse = tl.where(l_sum == 0.0, float("-inf"), (m + tl.log2(l_sum)) * 0.6931471805599453)
+    tl.store(lse_ptr + at_row, lse, mask=mask)
 
 
 @triton.jit
@@ -273,12 +287,25 @@ def _kv_splits(programs: int, sk: int, block_n: int, device) -> int:
 
 @impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale) -> torch.Tensor:
+    return _forward(q, k, v, causal, scale, None)
+
+
+@impl(spec.train_forward, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale):
+    """The forward plus each row's log-sum-exp [B, Hq, Sq] (float32) from the same launch's running max and sum."""
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return _forward(q, k, v, causal, scale, lse), lse
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, lse) -> torch.Tensor:
     bsz, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty((bsz, hq, sq, dv), dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
+    if bsz * hq * sq == 0 or (out.numel() == 0 and lse is None):
         return out
     if sk == 0:
+        if lse is not None:
+            lse.fill_(float("-inf"))
         return out.zero_()
     causal = causal and sq > 1  # bottom-right alignment: a single query row sees every key
     group = hq // hkv
@@ -292,18 +319,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     part, ml = ((torch.empty((splits, bsz * hkv, rows, dv), **fp32), torch.empty((splits, bsz * hkv, rows, 2), **fp32))
                 if splits > 1 else (out, out))
     flags = torch.empty((bsz * hkv, tiles), dtype=torch.int32, device=q.device) if causal else out
-    qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
-    args = (q, k, v, out, flags, part, ml, hkv, group, sq, sk, d, dv, split_len, *q.stride(), *k.stride(),
-            *v.stride(), *out.stride(), qk_scale, cfg["BLOCK_M"])
+    qk_scale = _softmax_scale(scale, d) * LOG2E
+    store_lse = lse is not None
+    args = (q, k, v, out, flags, part, ml, lse if store_lse else out, hkv, group, sq, sk, d, dv, split_len,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), qk_scale, cfg["BLOCK_M"])
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _attention_kernel[(tiles, bsz * hkv, splits)](*args, CAUSAL=causal, EXACT=False, SPLIT=splits > 1,
-                                                  PRECISION=precision, **cfg)
+                                                  STORE_LSE=store_lse and splits == 1, PRECISION=precision, **cfg)
     if splits > 1:
         bm = min(64, next_pow2(rows))
-        _combine_kernel[(cdiv(rows, bm), bsz * hkv)](part, ml, out, hkv, group, sq, dv, splits, *out.stride(),
-                                                     BLOCK_M=bm, BLOCK_DV=cfg["BLOCK_DV"], num_warps=4)
+        _combine_kernel[(cdiv(rows, bm), bsz * hkv)](part, ml, out, lse if store_lse else out, hkv, group, sq, dv,
+                                                     splits, *out.stride(), STORE_LSE=store_lse, BLOCK_M=bm,
+                                                     BLOCK_DV=cfg["BLOCK_DV"], num_warps=4)
     if causal:  # recompute the tiles whose diagonal blocks hid NaN/inf in v (programs of unflagged tiles exit at once)
         fix = _exact_config(cfg)
         _attention_kernel[(cdiv(rows, fix["BLOCK_M"]), bsz * hkv, 1)](*args, CAUSAL=True, EXACT=True, SPLIT=False,
-                                                                      PRECISION=precision, **fix)
+                                                                      STORE_LSE=store_lse, PRECISION=precision, **fix)
     return out
+
+
+def _softmax_scale(scale, d: int) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
