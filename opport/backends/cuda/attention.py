@@ -340,3 +340,391 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
 
 def _softmax_scale(scale, d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+# --------------------------------------------------------------------------- backward
+#
+# FlashAttention-2's backward in two launches, no S x S storage and no atomics:
+#   1. `_attention_dq_kernel`, one program per (query block, batch, query head): D = rowsum(dO * O) in its
+#      prologue (the preprocessing step, below), then one pass over the visible key blocks recomputing
+#      P = exp2(s - lse) and dP = dO V^T; writes dq and D.
+#   2. `_attention_dkdv_kernel`, one program per (key block, batch, KV head): one pass over every query block
+#      of each of the group's query heads that sees the key block (causal blocks skipped), so GQA's dk/dv
+#      sums over the group in a fixed order inside one program.
+#
+# dS = P (dP - D) cancels: where attention sits on one key, O = v_j and dP_j - D is a difference of two
+# float32 dot products of size |dO| |v|, whose rounding (eps |dO| |v|) would be the whole result; a row with
+# one visible key must get dS = 0 exactly (the cpu backend forms dP - D in float64). Here D = rowsum(dO * O)
+# is computed the way dP is: as the diagonal of the tile product dO O^T, through the same tl.dot (same
+# operand dtypes, the [BLOCK_M, BLOCK_N] shape with BLOCK_M = BLOCK_N, the same precision) that forms
+# dP = dO V^T. A dot's element (i, j) depends only on row i of its first operand and column j of its second
+# (a k-ordered sum of exact products, on the MMA units as in a sequential BLAS loop), so where O_i = v_j
+# bit for bit, D_i and dP_ij are the same bits and dS_ij is exactly 0; elsewhere D has a float32 dot's
+# accuracy, as dP. The dq pass computes D in its prologue and stores it for the dk/dv pass.
+#
+# NaN/inf under the causal mask: masked P and dS are zeroed, but 0 * NaN inside a dot would still carry a
+# non-finite k (into dq), q or dO (into dk, dv) past the mask. As in the forward, the fast launch zeroes such
+# operand entries in its diagonal blocks and raises its tile's flag; an EXACT launch (small tiles) recomputes
+# flagged tiles and adds exactly what those entries contribute to the pairs that see them.
+
+
+@triton.jit
+def _attention_dq_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, delta_ptr, flag_ptr,
+    # shapes, strides
+    n_heads, group, sq, sk, d, dv,
+    q_sb, q_sh, q_ss, q_sd,
+    k_sb, k_sh, k_ss, k_sd,
+    v_sb, v_sh, v_ss, v_sd,
+    o_sb, o_sh, o_ss, o_sd,
+    g_sb, g_sh, g_ss, g_sd,
+    l_sb, l_sh, l_ss,
+    qk_scale, scale, flag_block,
+    # meta-parameters
+    CAUSAL: tl.constexpr, EXACT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """dq and D = rowsum(dO * O) for BLOCK_M query rows of one (batch, query head).
+
+    Dimensions: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], o and do [B, Hq, Sq, Dv], lse
+    [B, Hq, Sq], all strided; dq [B, Hq, Sq, D], delta [B, Hq, Sq] and flags [B * Hq, cdiv(Sq, flag_block)]
+    contiguous.
+    Notes: rows with lse = -inf (no visible key, or only -inf scores) take no part: q and dO are zeroed
+    (their NaN cannot reach a sum) and P = exp2(s - inf) = 0; their dq is written 0. Key blocks every row
+    sees in full run unmasked; the causal/tail blocks mask P and dS. D comes from a tile product, as dP
+    (see the section comment).
+    Pseudocode: D = diag(dO O^T); for key block: P = exp2(s - lse); dS = P (dO V^T - D); A += dS k.
+                dq = scale A
+    """
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    flag = flag_ptr + bh.to(tl.int64) * tl.cdiv(sq, flag_block) + (pid_m * BLOCK_M) // flag_block
+    if EXACT:
+        run = tl.load(flag) != 0
+    else:
+        run = True
+    if run:
+        b = (bh // n_heads).to(tl.int64)
+        head = (bh % n_heads).to(tl.int64)
+        hkv = head // group
+        i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = i < sq
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        q, do, lse2, dead = _query_rows(q_ptr + b * q_sb + head * q_sh, do_ptr + b * g_sb + head * g_sh,
+                                        lse_ptr + b * l_sb + head * l_sh, i, row_ok, d, dv, q_ss, q_sd, g_ss, g_sd,
+                                        l_ss, offs_d, offs_dv)
+        q_op, do_op = dot_operand(q), dot_operand(do)
+        o_rows = o_ptr + b * o_sb + head * o_sh + i.to(tl.int64)[:, None] * o_ss + offs_dv[None, :] * o_sd
+        o = tl.load(o_rows, mask=row_ok[:, None] & (offs_dv[None, :] < dv), other=0.0)
+        delta = tl.where(dead, 0.0, _diagonal(tl.dot(do_op, tl.trans(dot_operand(o)), input_precision=PRECISION)))
+        k_base = k_ptr + b * k_sb + hkv * k_sh
+        v_base = v_ptr + b * v_sb + hkv * v_sh
+        off = sk - sq
+        i_lo = pid_m * BLOCK_M
+        i_hi = tl.minimum(i_lo + BLOCK_M, sq) - 1
+        if CAUSAL:
+            full_end = tl.minimum(tl.maximum(i_lo + off + 1, 0), sk) // BLOCK_N * BLOCK_N
+            end = tl.minimum(tl.maximum(i_hi + off + 1, 0), sk)
+        else:
+            full_end = sk // BLOCK_N * BLOCK_N
+            end = sk
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        if EXACT:
+            nan_cols = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)  # visible non-finite k per (row, column)
+        else:
+            nan_cols = tl.zeros((1, 1), tl.float32)
+        hidden = 0
+        for start in range(0, full_end, BLOCK_N):
+            acc, nan_cols, _ = _dq_block(acc, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
+                                         d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, False, False, False,
+                                         PRECISION, BLOCK_N)
+        for start in range(full_end, end, BLOCK_N):
+            acc, nan_cols, bad = _dq_block(acc, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
+                                           d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT,
+                                           PRECISION, BLOCK_N)
+            hidden += bad
+        dq = acc * scale
+        if EXACT:
+            dq = tl.where(nan_cols > 0.0, float("nan"), dq)
+        dq = tl.where(dead[:, None], 0.0, dq)
+        at_row = bh.to(tl.int64) * sq + i
+        dq_rows = dq_ptr + at_row[:, None] * d + offs_d[None, :]
+        tl.store(dq_rows, narrow(dq, dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < d))
+        tl.store(delta_ptr + at_row, delta, mask=row_ok)
+        if not EXACT and CAUSAL:
+            tl.store(flag, hidden)
+
+
+@triton.jit
+def _diagonal(x):
+    """The diagonal of a square tile (a masked sum: off-diagonal NaN or inf never enters)."""
+    r = tl.arange(0, x.shape[0])
+    return tl.sum(tl.where(r[:, None] == r[None, :], x, 0.0), 1)
+
+
+@triton.jit
+def _query_rows(q_base, do_base, lse_base, i, row_ok, d, dv, q_ss, q_sd, g_ss, g_sd, l_ss, offs_d, offs_dv):
+    """One block of query rows: (q, dO, lse * log2(e), dead). Dead rows (lse = -inf; also rows past Sq) get
+    q = dO = 0 and a log2 lse of +inf, so their P is exactly 0 and nothing of theirs reaches a dot."""
+    rows = i.to(tl.int64)[:, None]
+    q = tl.load(q_base + rows * q_ss + offs_d[None, :] * q_sd, mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
+    do = tl.load(do_base + rows * g_ss + offs_dv[None, :] * g_sd, mask=row_ok[:, None] & (offs_dv[None, :] < dv),
+                 other=0.0)
+    lse = tl.load(lse_base + i.to(tl.int64) * l_ss, mask=row_ok, other=float("-inf"))
+    dead = lse == float("-inf")
+    q = tl.where(dead[:, None], tl.zeros_like(q), q)
+    do = tl.where(dead[:, None], tl.zeros_like(do), do)
+    return q, do, tl.where(dead, float("inf"), lse * 1.4426950408889634), dead
+
+
+@triton.jit
+def _nonfinite(x):
+    """Where x is NaN or +-inf (compared in float32: the interpreter holds bfloat16 as raw bits, where NaN == NaN)."""
+    xf = f32(x)
+    return (xf != xf) | (tl.abs(xf) == float("inf"))
+
+
+@triton.jit
+def _dq_block(acc, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd, v_ss,
+              v_sd, qk_scale, offs_d, offs_dv, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXACT: tl.constexpr,
+              PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key block of the dq pass; returns the updated sums and whether k held non-finite entries under
+    the causal mask (which the fast launch zeroed in the dot operand; see the section comment)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    k = tl.load(k_base + keys.to(tl.int64)[:, None] * k_ss + offs_d[None, :] * k_sd,
+                mask=(keys[:, None] < sk) & (offs_d[None, :] < d), other=0.0)
+    v = tl.load(v_base + keys.to(tl.int64)[:, None] * v_ss + offs_dv[None, :] * v_sd,
+                mask=(keys[:, None] < sk) & (offs_dv[None, :] < dv), other=0.0)
+    s = tl.dot(q_op, tl.trans(dot_operand(k)), input_precision=PRECISION) * qk_scale
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do_op, tl.trans(dot_operand(v)), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    hidden = 0
+    if MASKED:
+        vis = keys[None, :] < sk
+        if CAUSAL:
+            vis = vis & (keys[None, :] <= i[:, None] + off)
+        ds = tl.where(vis, ds, 0.0)  # (exp2 of a masked NaN score, 0 * inf of a masked v's dP)
+        if CAUSAL:  # beyond-the-tail keys load as 0: only the causal mask can hide NaN/inf
+            bad = _nonfinite(k)
+            hidden = tl.max(tl.max(bad.to(tl.int32), 1), 0)
+            if hidden > 0:  # rare
+                if EXACT:  # a visible non-finite k[j, c] makes dq[i, c] NaN (its score is +-inf or NaN: P or dS is 0 or NaN)
+                    nan_cols += tl.dot(vis.to(tl.float32), bad.to(tl.float32), input_precision="ieee")
+                k = tl.where(bad, tl.zeros_like(k), k)
+    acc = _dot_split(ds, k, acc, PRECISION)
+    return acc, nan_cols, hidden
+
+
+@triton.jit
+def _dot_split(x, y, acc, PRECISION: tl.constexpr):
+    """acc + x @ y for a float32 x (P or dS) and an input tile y.
+
+    16-bit y: x = hi + lo, each rounded to y's dtype, through two tensor-core dots. One rounding of x alone
+    (FlashAttention's) errs by 2^-9 (bfloat16) or 2^-12 (float16) of each term, and dV = P^T dO, dK = dS^T q
+    and dq = dS k sum terms of both signs: where they cancel (two query rows with opposite dO, one visible
+    key), that error is the whole result. hi + lo carries x to 2^-17 (2^-23) of each term. float32: one IEEE
+    dot. A non-finite hi (x is inf or NaN) has lo = 0, so inf - inf cannot turn an infinite term into NaN.
+    """
+    if y.dtype == tl.float32:
+        return tl.dot(x, y, acc, input_precision=PRECISION)
+    else:
+        hi = narrow(x, y.dtype)
+        hi32 = f32(hi)
+        lo = narrow(tl.where(tl.abs(hi32) < float("inf"), x - hi32, 0.0), y.dtype)
+        y_op = dot_operand(y)
+        acc = tl.dot(dot_operand(hi), y_op, acc, input_precision=PRECISION)
+        return tl.dot(dot_operand(lo), y_op, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _attention_dkdv_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, flag_ptr,
+    # shapes, strides
+    n_kv_heads, group, sq, sk, d, dv,
+    q_sb, q_sh, q_ss, q_sd,
+    k_sb, k_sh, k_ss, k_sd,
+    v_sb, v_sh, v_ss, v_sd,
+    g_sb, g_sh, g_ss, g_sd,
+    l_sb, l_sh, l_ss,
+    qk_scale, scale, flag_block,
+    # meta-parameters
+    CAUSAL: tl.constexpr, EXACT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """dk, dv for BLOCK_N keys of one (batch, KV head), summed over the group's query heads in order.
+
+    Dimensions: as `_attention_dq_kernel`; delta is its output; dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv]
+    and flags [B * Hkv, cdiv(Sk, flag_block)] contiguous.
+    Notes: causal: query blocks before the first row that sees a key of the block are skipped; blocks whose
+    every row sees every key run unmasked. Keys past Sk load as 0 and only reach rows of dk, dv that are not
+    stored. P and dS are rounded to the inputs' dtype for the 16-bit dots, as FlashAttention does.
+    Pseudocode: for head in group: for query block: P = exp2(s - lse); dS = P (dO V^T - D);
+                dV += P^T dO; dK += dS^T q.  dk = scale dK
+    """
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    j0 = pid_n * BLOCK_N
+    flag = flag_ptr + bh.to(tl.int64) * tl.cdiv(sk, flag_block) + j0 // flag_block
+    if EXACT:
+        run = tl.load(flag) != 0
+    else:
+        run = True
+    if run:
+        b = (bh // n_kv_heads).to(tl.int64)
+        hkv = (bh % n_kv_heads).to(tl.int64)
+        keys = j0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        k = tl.load(k_ptr + b * k_sb + hkv * k_sh + keys.to(tl.int64)[:, None] * k_ss + offs_d[None, :] * k_sd,
+                    mask=(keys[:, None] < sk) & (offs_d[None, :] < d), other=0.0)
+        v = tl.load(v_ptr + b * v_sb + hkv * v_sh + keys.to(tl.int64)[:, None] * v_ss + offs_dv[None, :] * v_sd,
+                    mask=(keys[:, None] < sk) & (offs_dv[None, :] < dv), other=0.0)
+        kt_op, vt_op = tl.trans(dot_operand(k)), tl.trans(dot_operand(v))
+        off = sk - sq
+        if CAUSAL:  # query i sees key j iff j <= i + off
+            j_last = tl.minimum(j0 + BLOCK_N, sk) - 1
+            first = tl.maximum(j0 - off, 0) // BLOCK_M * BLOCK_M
+            full = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(j_last - off, 0), BLOCK_M) * BLOCK_M, first),
+                              tl.cdiv(sq, BLOCK_M) * BLOCK_M)
+        else:
+            first = 0
+            full = 0
+        acc_k = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        acc_v = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+        if EXACT:
+            nan_k = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)  # visible non-finite q per (key, column)
+        else:
+            nan_k = tl.zeros((1, 1), tl.float32)
+        hidden = 0
+        for g in range(0, group):
+            head = hkv * group + g
+            q_base = q_ptr + b * q_sb + head * q_sh
+            do_base = do_ptr + b * g_sb + head * g_sh
+            lse_base = lse_ptr + b * l_sb + head * l_sh
+            delta_base = delta_ptr + (b * n_kv_heads * group + head) * sq  # ours, contiguous
+            for start in range(first, full, BLOCK_M):
+                acc_k, acc_v, nan_k, bad = _dkdv_block(
+                    acc_k, acc_v, nan_k, kt_op, vt_op, q_base, do_base, lse_base, delta_base,
+                    start, keys, off, sq, d, dv, q_ss, q_sd, g_ss, g_sd, l_ss, qk_scale, offs_d, offs_dv,
+                    True, EXACT, PRECISION, BLOCK_M)
+                hidden += bad
+            for start in range(full, sq, BLOCK_M):
+                acc_k, acc_v, nan_k, _ = _dkdv_block(
+                    acc_k, acc_v, nan_k, kt_op, vt_op, q_base, do_base, lse_base, delta_base,
+                    start, keys, off, sq, d, dv, q_ss, q_sd, g_ss, g_sd, l_ss, qk_scale, offs_d, offs_dv,
+                    False, False, PRECISION, BLOCK_M)
+        dk = acc_k * scale
+        if EXACT:
+            dk = tl.where(nan_k > 0.0, float("nan"), dk)
+        at_key = bh.to(tl.int64) * sk + keys
+        tl.store(dk_ptr + at_key[:, None] * d + offs_d[None, :], narrow(dk, dk_ptr.dtype.element_ty),
+                 mask=(keys[:, None] < sk) & (offs_d[None, :] < d))
+        tl.store(dv_ptr + at_key[:, None] * dv + offs_dv[None, :], narrow(acc_v, dv_ptr.dtype.element_ty),
+                 mask=(keys[:, None] < sk) & (offs_dv[None, :] < dv))
+        if not EXACT and CAUSAL:
+            tl.store(flag, hidden)
+
+
+@triton.jit
+def _dkdv_block(acc_k, acc_v, nan_k, kt_op, vt_op, q_base, do_base, lse_base, delta_base, start, keys, off, sq,
+                d, dv, q_ss, q_sd, g_ss, g_sd, l_ss, qk_scale, offs_d, offs_dv, MASKED: tl.constexpr,
+                EXACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One query block of the dk/dv pass (MASKED: causally masked); returns the updated sums and whether q or
+    dO held non-finite entries in rows the mask hides from some key (zeroed in the fast launch's dots)."""
+    i = start + tl.arange(0, BLOCK_M)
+    row_ok = i < sq
+    q, do, lse2, dead = _query_rows(q_base, do_base, lse_base, i, row_ok, d, dv, q_ss, q_sd, g_ss, g_sd, l_ss,
+                                    offs_d, offs_dv)
+    delta = tl.load(delta_base + i, mask=row_ok, other=0.0)
+    s = tl.dot(dot_operand(q), kt_op, input_precision=PRECISION) * qk_scale
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(dot_operand(do), vt_op, input_precision=PRECISION)  # same dot as D's (see the section comment)
+    ds = p * (dp - delta[:, None])
+    hidden = 0
+    if MASKED:
+        vis = keys[None, :] <= i[:, None] + off
+        p = tl.where(vis, p, 0.0)
+        ds = tl.where(vis, ds, 0.0)
+        bad_q, bad_do = _nonfinite(q), _nonfinite(do)
+        hidden = tl.maximum(tl.max(tl.max(bad_q.to(tl.int32), 1), 0), tl.max(tl.max(bad_do.to(tl.int32), 1), 0))
+        if hidden > 0:  # rare
+            if EXACT:
+                vis_t = tl.trans(vis)
+                # a visible non-finite q[i, c] makes dk[j, c] NaN (the score is +-inf or NaN: P or dS is 0 or NaN)
+                nan_k += tl.dot(vis_t.to(tl.float32), bad_q.to(tl.float32), input_precision="ieee")
+                acc_v += _nonfinite_part(vis_t, tl.trans(p), do)
+            q = tl.where(bad_q, tl.zeros_like(q), q)
+            do = tl.where(bad_do, tl.zeros_like(do), do)
+    acc_v = _dot_split(tl.trans(p), do, acc_v, PRECISION)
+    acc_k = _dot_split(tl.trans(ds), q, acc_k, PRECISION)
+    return acc_k, acc_v, nan_k, hidden
+
+
+def _backward_supports(grad, q, k, v, out, lse, causal, scale):
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"head dims D={q.shape[-1]}, Dv={v.shape[-1]}: the Triton kernels take D, Dv <= {MAX_HEAD_DIM}"
+    if q.shape[0] * q.shape[1] > MAX_GRID_Y:
+        return f"B * Hq = {q.shape[0] * q.shape[1]} exceeds the grid's {MAX_GRID_Y} (axis 1)"
+    return None
+
+
+def _backward_config(sq: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> dict:
+    """Tiles of both backward launches, square (BLOCK_M = BLOCK_N), so that D's tile product dO O^T is the
+    same dot as dP = dO V^T (see the section comment). GPU numbers are design choices for Hopper, not
+    timed: 64 x 64 keeps dk/dv's two float32 accumulators at 64 registers a thread over 8 warps for D = 128."""
+    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+    dims = {"BLOCK_D": block_d, "BLOCK_DV": block_dv}
+    if INTERPRET:  # few, large programs (tl.dot needs every dim >= 16)
+        b = max(16, min(128, next_pow2(max(sq, sk))))
+        return {"BLOCK_M": b, "BLOCK_N": b, **dims, "num_warps": 4, "num_stages": 1}
+    wide = max(block_d, block_dv)
+    if dtype == torch.float32:  # IEEE FMA dots: small tiles
+        b = 32 if wide <= 128 else 16
+        return {"BLOCK_M": b, "BLOCK_N": b, **dims, "num_warps": 8, "num_stages": 2}
+    if wide <= 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, **dims, "num_warps": 4 if wide <= 64 else 8, "num_stages": 2}
+    return {"BLOCK_M": 32, "BLOCK_N": 32, **dims, "num_warps": 4, "num_stages": 1}
+
+
+def _backward_exact_config(cfg: dict) -> dict:
+    """Tiles of the launches that recompute flagged tiles (square, and dividing the fast launch's)."""
+    if INTERPRET:
+        return cfg
+    b = min(cfg["BLOCK_M"], 32)
+    return {**cfg, "BLOCK_M": b, "BLOCK_N": b, "num_warps": 4, "num_stages": 1}
+
+
+@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_backward_supports)
+def attention_backward(grad, q, k, v, out, lse, causal: bool, scale):
+    """dq, dk, dv: the dq pass (with D), then the dk/dv pass; each followed, when causal, by its
+    exact re-run of flagged tiles. Deterministic: fixed tiles and orders, no atomics."""
+    bsz, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv_ = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if bsz * hq * sq == 0 or sk == 0:  # no query or no key: nothing sees anything
+        return dq.zero_(), dk.zero_(), dv_.zero_()
+    causal = causal and sq > 1  # as the forward: a single query row sees every key
+    cfg = _backward_config(sq, sk, d, dv, q.dtype)
+    delta = torch.empty((bsz, hq, sq), dtype=torch.float32, device=q.device)
+    sm_scale = _softmax_scale(scale, d)
+    common = (hq // hkv, sq, sk, d, dv, *q.stride(), *k.stride(), *v.stride())
+    tail = (*grad.stride(), *lse.stride(), sm_scale * LOG2E, sm_scale)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    launches = ((cfg, False), (_backward_exact_config(cfg), True)) if causal else ((cfg, False),)
+    flags = torch.empty((bsz * hq, cdiv(sq, cfg["BLOCK_M"])), dtype=torch.int32, device=q.device) if causal else delta
+    for c, exact in launches:
+        _attention_dq_kernel[(cdiv(sq, c["BLOCK_M"]), bsz * hq)](
+            q, k, v, out, grad, lse, dq, delta, flags, hq, *common, *out.stride(), *tail, cfg["BLOCK_M"],
+            CAUSAL=causal, EXACT=exact, PRECISION=precision, **c)
+    flags = torch.empty((bsz * hkv, cdiv(sk, cfg["BLOCK_N"])), dtype=torch.int32, device=q.device) if causal else delta
+    for c, exact in launches:
+        _attention_dkdv_kernel[(cdiv(sk, c["BLOCK_N"]), bsz * hkv)](
+            q, k, v, grad, lse, delta, dk, dv_, flags, hkv, *common, *tail, cfg["BLOCK_N"],
+            CAUSAL=causal, EXACT=exact, PRECISION=precision, **c)
+    return dq, dk, dv_
