@@ -345,22 +345,28 @@ def _softmax_scale(scale, d: int) -> float:
 # --------------------------------------------------------------------------- backward
 #
 # FlashAttention-2's backward in two launches, no S x S storage and no atomics:
-#   1. `_attention_dq_kernel`, one program per (query block, batch, query head): D = rowsum(dO * O) in its
-#      prologue (the preprocessing step, below), then one pass over the visible key blocks recomputing
-#      P = exp2(s - lse) and dP = dO V^T; writes dq and D.
-#   2. `_attention_dkdv_kernel`, one program per (key block, batch, KV head): one pass over every query block
-#      of each of the group's query heads that sees the key block (causal blocks skipped), so GQA's dk/dv
-#      sums over the group in a fixed order inside one program.
+#   1. `_attention_dq_kernel`, one program per (query block, batch, KV head), GQA-packed as the forward:
+#      D = rowsum(dO * O) in its prologue (FlashAttention's preprocessing step), then one pass over the
+#      visible key blocks recomputing P = exp2(s - lse) and dP = dO V^T; writes dq, D and each row's
+#      max-key terms (below).
+#   2. `_attention_dkdv_kernel`, one program per (key block, batch, KV head): one pass over the group's
+#      packed query rows that see the key block (causal blocks skipped), so GQA's dk/dv sums over the group
+#      in a fixed order inside one program.
 #
-# dS = P (dP - D) cancels: where attention sits on one key, O = v_j and dP_j - D is a difference of two
-# float32 dot products of size |dO| |v|, whose rounding (eps |dO| |v|) would be the whole result; a row with
-# one visible key must get dS = 0 exactly (the cpu backend forms dP - D in float64). Here D = rowsum(dO * O)
-# is computed the way dP is: as the diagonal of the tile product dO O^T, through the same tl.dot (same
-# operand dtypes, the [BLOCK_M, BLOCK_N] shape with BLOCK_M = BLOCK_N, the same precision) that forms
-# dP = dO V^T. A dot's element (i, j) depends only on row i of its first operand and column j of its second
-# (a k-ordered sum of exact products, on the MMA units as in a sequential BLAS loop), so where O_i = v_j
-# bit for bit, D_i and dP_ij are the same bits and dS_ij is exactly 0; elsewhere D has a float32 dot's
-# accuracy, as dP. The dq pass computes D in its prologue and stores it for the dk/dv pass.
+# dS = P (dP - D) cancels: where attention sits on one key j, O = v_j and dP_j - D = dO.v_j - dO.O is a
+# difference of two float32 dot products of size |dO| |v|, whose rounding (eps |dO| |v|) is then the whole
+# result, while the reference's dS is 0 (a row with one visible key: dq = dk = 0 exactly; the cpu backend
+# forms dP - D in float64, at 1.5x its cost). No reordering of float32 dots cancels it reliably: two
+# elements of one tl.dot holding the same sum of the same products already differ in their last bits
+# (NumPy's BLAS under the interpreter gives column j and j + 1 different roundings). So the one pair that
+# can carry weight ~1, (row i, its max-score key j*), is formed without the cancellation:
+#     dS_ij* = P_ij* (dO_i . (v_j* - O_i))
+# the difference taken element by element before the product (exact where v_j* and O_i are close), which
+# is 0 when O_i = v_j*. Every other key has P_ij <= 1/2 wherever the row concentrates, so its dP - D error
+# is weighted down by P. The dq pass tracks j* (first key of the largest visible score) and the plain dS it
+# put in for that pair, and after its sweep swaps the one for the other in dq (a [BLOCK_M, D] correction
+# with k_j* gathered once per tile); it stores j* and dO_i . (v_j* - O_i) for the dk/dv pass, which uses
+# them in place of dP - D for that pair.
 #
 # NaN/inf under the causal mask: masked P and dS are zeroed, but 0 * NaN inside a dot would still carry a
 # non-finite k (into dq), q or dO (into dk, dv) past the mask. As in the forward, the fast launch zeroes such
@@ -371,9 +377,9 @@ def _softmax_scale(scale, d: int) -> float:
 @triton.jit
 def _attention_dq_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, delta_ptr, flag_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, delta_ptr, star_ptr, jstar_ptr, flag_ptr,
     # shapes, strides
-    n_heads, group, sq, sk, d, dv,
+    n_kv_heads, group, sq, sk, d, dv,
     q_sb, q_sh, q_ss, q_sd,
     k_sb, k_sh, k_ss, k_sd,
     v_sb, v_sh, v_ss, v_sd,
@@ -385,45 +391,45 @@ def _attention_dq_kernel(
     CAUSAL: tl.constexpr, EXACT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """dq and D = rowsum(dO * O) for BLOCK_M query rows of one (batch, query head).
+    """dq, D = rowsum(dO * O) and the max-key terms for BLOCK_M query rows of one (batch, KV head),
+    GQA-packed as the forward.
 
     Dimensions: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], o and do [B, Hq, Sq, Dv], lse
-    [B, Hq, Sq], all strided; dq [B, Hq, Sq, D], delta [B, Hq, Sq] and flags [B * Hq, cdiv(Sq, flag_block)]
-    contiguous.
+    [B, Hq, Sq], all strided; dq [B, Hq, Sq, D], delta and delta_star [B, Hq, Sq] float32, j_star [B, Hq, Sq]
+    int32 and flags [B * Hkv, cdiv(group * Sq, flag_block)] contiguous.
     Notes: rows with lse = -inf (no visible key, or only -inf scores) take no part: q and dO are zeroed
     (their NaN cannot reach a sum) and P = exp2(s - inf) = 0; their dq is written 0. Key blocks every row
-    sees in full run unmasked; the causal/tail blocks mask P and dS. D comes from a tile product, as dP
-    (see the section comment).
-    Pseudocode: D = diag(dO O^T); for key block: P = exp2(s - lse); dS = P (dO V^T - D); A += dS k.
-                dq = scale A
+    sees in full run unmasked; the causal/tail blocks mask the scores and dS. See the section comment for
+    the max key j*.
+    Pseudocode: D = rowsum(dO O); for key block: P = exp2(s - lse); dS = P (dO V^T - D); A += dS k;
+                track j*. A += (P_j* dO.(v_j* - O) - dS_j*) k_j*; dq = scale A
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    flag = flag_ptr + bh.to(tl.int64) * tl.cdiv(sq, flag_block) + (pid_m * BLOCK_M) // flag_block
+    flag = flag_ptr + bh.to(tl.int64) * tl.cdiv(group * sq, flag_block) + (pid_m * BLOCK_M) // flag_block
     if EXACT:
         run = tl.load(flag) != 0
     else:
         run = True
     if run:
-        b = (bh // n_heads).to(tl.int64)
-        head = (bh % n_heads).to(tl.int64)
-        hkv = head // group
-        i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = i < sq
+        b = (bh // n_kv_heads).to(tl.int64)
+        hkv = (bh % n_kv_heads).to(tl.int64)
+        row_ok, head, i, at_row = _packed_rows(pid_m * BLOCK_M, b, hkv, n_kv_heads, group, sq, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        q, do, lse2, dead = _query_rows(q_ptr + b * q_sb + head * q_sh, do_ptr + b * g_sb + head * g_sh,
-                                        lse_ptr + b * l_sb + head * l_sh, i, row_ok, d, dv, q_ss, q_sd, g_ss, g_sd,
-                                        l_ss, offs_d, offs_dv)
+        q, do, lse2, dead = _query_rows(q_ptr + b * q_sb + head * q_sh + i * q_ss, do_ptr + b * g_sb + head * g_sh + i * g_ss,
+                                        lse_ptr + b * l_sb + head * l_sh + i * l_ss, row_ok, d, dv, q_sd, g_sd, offs_d,
+                                        offs_dv)
         q_op, do_op = dot_operand(q), dot_operand(do)
-        o_rows = o_ptr + b * o_sb + head * o_sh + i.to(tl.int64)[:, None] * o_ss + offs_dv[None, :] * o_sd
-        o = tl.load(o_rows, mask=row_ok[:, None] & (offs_dv[None, :] < dv), other=0.0)
-        delta = tl.where(dead, 0.0, _diagonal(tl.dot(do_op, tl.trans(dot_operand(o)), input_precision=PRECISION)))
+        o_rows = o_ptr + b * o_sb + head * o_sh + i * o_ss
+        o = f32(tl.load(o_rows[:, None] + offs_dv[None, :] * o_sd, mask=row_ok[:, None] & (offs_dv[None, :] < dv),
+                        other=0.0))
+        delta = tl.where(dead, 0.0, tl.sum(f32(do) * o, 1))
         k_base = k_ptr + b * k_sb + hkv * k_sh
         v_base = v_ptr + b * v_sb + hkv * v_sh
         off = sk - sq
-        i_lo = pid_m * BLOCK_M
-        i_hi = tl.minimum(i_lo + BLOCK_M, sq) - 1
+        i_lo = tl.min(tl.where(row_ok, i, sq), 0)
+        i_hi = tl.max(tl.where(row_ok, i, 0), 0)
         if CAUSAL:
             full_end = tl.minimum(tl.maximum(i_lo + off + 1, 0), sk) // BLOCK_N * BLOCK_N
             end = tl.minimum(tl.maximum(i_hi + off + 1, 0), sk)
@@ -431,48 +437,73 @@ def _attention_dq_kernel(
             full_end = sk // BLOCK_N * BLOCK_N
             end = sk
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        star_score = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # the max key so far: see _track_max_key
+        star_key = tl.full((BLOCK_M,), -1, tl.int32)
+        star_ds = tl.zeros((BLOCK_M,), tl.float32)
         if EXACT:
             nan_cols = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)  # visible non-finite k per (row, column)
         else:
             nan_cols = tl.zeros((1, 1), tl.float32)
         hidden = 0
         for start in range(0, full_end, BLOCK_N):
-            acc, nan_cols, _ = _dq_block(acc, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
-                                         d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, False, False, False,
-                                         PRECISION, BLOCK_N)
+            acc, star_score, star_key, star_ds, nan_cols, _ = _dq_block(
+                acc, star_score, star_key, star_ds, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
+                d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION, BLOCK_N)
         for start in range(full_end, end, BLOCK_N):
-            acc, nan_cols, bad = _dq_block(acc, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
-                                           d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT,
-                                           PRECISION, BLOCK_N)
+            acc, star_score, star_key, star_ds, nan_cols, bad = _dq_block(
+                acc, star_score, star_key, star_ds, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
+                d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION, BLOCK_N)
             hidden += bad
+        acc, delta_star = _max_key_fix(acc, star_score, star_key, star_ds, do, o, lse2, k_base, v_base, row_ok, sk, d,
+                                       dv, k_ss, k_sd, v_ss, v_sd, offs_d, offs_dv)
         dq = acc * scale
         if EXACT:
             dq = tl.where(nan_cols > 0.0, float("nan"), dq)
         dq = tl.where(dead[:, None], 0.0, dq)
-        at_row = bh.to(tl.int64) * sq + i
-        dq_rows = dq_ptr + at_row[:, None] * d + offs_d[None, :]
-        tl.store(dq_rows, narrow(dq, dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < d))
+        tl.store(dq_ptr + at_row[:, None] * d + offs_d[None, :], narrow(dq, dq_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_d[None, :] < d))
         tl.store(delta_ptr + at_row, delta, mask=row_ok)
+        tl.store(star_ptr + at_row, delta_star, mask=row_ok)
+        tl.store(jstar_ptr + at_row, star_key, mask=row_ok)
         if not EXACT and CAUSAL:
             tl.store(flag, hidden)
 
 
 @triton.jit
-def _diagonal(x):
-    """The diagonal of a square tile (a masked sum: off-diagonal NaN or inf never enters)."""
-    r = tl.arange(0, x.shape[0])
-    return tl.sum(tl.where(r[:, None] == r[None, :], x, 0.0), 1)
+def _max_key_fix(acc, star_score, star_key, star_ds, do, o, lse2, k_base, v_base, row_ok, sk, d, dv, k_ss, k_sd, v_ss,
+                 v_sd, offs_d, offs_dv):
+    """Swap the plain dS of each row's max key j* in dq's sum A for P_j* (dO . (v_j* - O)) (section comment);
+    returns (A, dO . (v_j* - O)). Rows with no visible finite score (j* = -1) are left alone."""
+    found = row_ok & (star_key >= 0)
+    j = tl.minimum(tl.maximum(star_key, 0), sk - 1).to(tl.int64)  # (clamped: never an address outside k, v)
+    v_star = f32(tl.load(v_base + j[:, None] * v_ss + offs_dv[None, :] * v_sd,
+                         mask=found[:, None] & (offs_dv[None, :] < dv), other=0.0))
+    k_star = f32(tl.load(k_base + j[:, None] * k_ss + offs_d[None, :] * k_sd,
+                         mask=found[:, None] & (offs_d[None, :] < d), other=0.0))
+    delta_star = tl.where(found, tl.sum(f32(do) * (v_star - o), 1), 0.0)
+    ds_star = tl.exp2(star_score - lse2) * delta_star
+    fix = tl.where(found, ds_star - star_ds, 0.0)
+    return acc + fix[:, None] * k_star, delta_star
 
 
 @triton.jit
-def _query_rows(q_base, do_base, lse_base, i, row_ok, d, dv, q_ss, q_sd, g_ss, g_sd, l_ss, offs_d, offs_dv):
-    """One block of query rows: (q, dO, lse * log2(e), dead). Dead rows (lse = -inf; also rows past Sq) get
-    q = dO = 0 and a log2 lse of +inf, so their P is exactly 0 and nothing of theirs reaches a dot."""
-    rows = i.to(tl.int64)[:, None]
-    q = tl.load(q_base + rows * q_ss + offs_d[None, :] * q_sd, mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
-    do = tl.load(do_base + rows * g_ss + offs_dv[None, :] * g_sd, mask=row_ok[:, None] & (offs_dv[None, :] < dv),
-                 other=0.0)
-    lse = tl.load(lse_base + i.to(tl.int64) * l_ss, mask=row_ok, other=float("-inf"))
+def _packed_rows(r0, b, hkv, n_kv_heads, group, sq, BLOCK_M: tl.constexpr):
+    """Rows r0 .. r0 + BLOCK_M of a KV head's packed query rows (row g * Sq + i is query head hkv * group + g,
+    position i): (in range, query head, position, row index in [B, Hq, Sq] arrays), int64."""
+    r = r0 + tl.arange(0, BLOCK_M)
+    head = hkv * group + (r // sq).to(tl.int64)
+    i = (r % sq).to(tl.int64)
+    return r < group * sq, head, i, (b * n_kv_heads * group + head) * sq + i
+
+
+@triton.jit
+def _query_rows(q_rows, do_rows, lse_rows, row_ok, d, dv, q_sd, g_sd, offs_d, offs_dv):
+    """One block of query rows from their row pointers: (q, dO, lse * log2(e), dead). Dead rows (lse = -inf;
+    also rows out of range) get q = dO = 0 and a log2 lse of +inf, so their P is exactly 0 and nothing of
+    theirs reaches a dot."""
+    q = tl.load(q_rows[:, None] + offs_d[None, :] * q_sd, mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
+    do = tl.load(do_rows[:, None] + offs_dv[None, :] * g_sd, mask=row_ok[:, None] & (offs_dv[None, :] < dv), other=0.0)
+    lse = tl.load(lse_rows, mask=row_ok, other=float("-inf"))
     dead = lse == float("-inf")
     q = tl.where(dead[:, None], tl.zeros_like(q), q)
     do = tl.where(dead[:, None], tl.zeros_like(do), do)
@@ -487,11 +518,11 @@ def _nonfinite(x):
 
 
 @triton.jit
-def _dq_block(acc, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd, v_ss,
-              v_sd, qk_scale, offs_d, offs_dv, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXACT: tl.constexpr,
-              PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One key block of the dq pass; returns the updated sums and whether k held non-finite entries under
-    the causal mask (which the fast launch zeroed in the dot operand; see the section comment)."""
+def _dq_block(acc, star_score, star_key, star_ds, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
+              d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              EXACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key block of the dq pass; returns the updated sums, the rows' max key so far, and whether k held
+    non-finite entries under the causal mask (which the fast launch zeroed in the dot operand)."""
     keys = start + tl.arange(0, BLOCK_N)
     k = tl.load(k_base + keys.to(tl.int64)[:, None] * k_ss + offs_d[None, :] * k_sd,
                 mask=(keys[:, None] < sk) & (offs_d[None, :] < d), other=0.0)
@@ -506,6 +537,7 @@ def _dq_block(acc, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i,
         vis = keys[None, :] < sk
         if CAUSAL:
             vis = vis & (keys[None, :] <= i[:, None] + off)
+        s = tl.where(vis, s, float("-inf"))
         ds = tl.where(vis, ds, 0.0)  # (exp2 of a masked NaN score, 0 * inf of a masked v's dP)
         if CAUSAL:  # beyond-the-tail keys load as 0: only the causal mask can hide NaN/inf
             bad = _nonfinite(k)
@@ -515,7 +547,19 @@ def _dq_block(acc, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i,
                     nan_cols += tl.dot(vis.to(tl.float32), bad.to(tl.float32), input_precision="ieee")
                 k = tl.where(bad, tl.zeros_like(k), k)
     acc = _dot_split(ds, k, acc, PRECISION)
-    return acc, nan_cols, hidden
+    star_score, star_key, star_ds = _track_max_key(star_score, star_key, star_ds, s, ds, start)
+    return acc, star_score, star_key, star_ds, nan_cols, hidden
+
+
+@triton.jit
+def _track_max_key(star_score, star_key, star_ds, s, ds, start):
+    """Per row, the max key after one more block: (largest visible score so far, log2-scaled; its key, -1 while
+    there is none; the plain dS the dq sum took for that pair). A strictly larger score moves it, so ties keep
+    the first key."""
+    top, col = tl.max(s, 1, return_indices=True)
+    ds_top = tl.sum(tl.where(tl.arange(0, s.shape[1])[None, :] == col[:, None], ds, 0.0), 1)
+    new = top > star_score
+    return tl.where(new, top, star_score), tl.where(new, start + col, star_key), tl.where(new, ds_top, star_ds)
 
 
 @triton.jit
@@ -542,7 +586,7 @@ def _dot_split(x, y, acc, PRECISION: tl.constexpr):
 @triton.jit
 def _attention_dkdv_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, flag_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, star_ptr, jstar_ptr, dk_ptr, dv_ptr, flag_ptr,
     # shapes, strides
     n_kv_heads, group, sq, sk, d, dv,
     q_sb, q_sh, q_ss, q_sd,
@@ -555,14 +599,14 @@ def _attention_dkdv_kernel(
     CAUSAL: tl.constexpr, EXACT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """dk, dv for BLOCK_N keys of one (batch, KV head), summed over the group's query heads in order.
+    """dk, dv for BLOCK_N keys of one (batch, KV head), summed over the group's query rows in a fixed order.
 
-    Dimensions: as `_attention_dq_kernel`; delta is its output; dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv]
-    and flags [B * Hkv, cdiv(Sk, flag_block)] contiguous.
-    Notes: causal: query blocks before the first row that sees a key of the block are skipped; blocks whose
-    every row sees every key run unmasked. Keys past Sk load as 0 and only reach rows of dk, dv that are not
-    stored. P and dS are rounded to the inputs' dtype for the 16-bit dots, as FlashAttention does.
-    Pseudocode: for head in group: for query block: P = exp2(s - lse); dS = P (dO V^T - D);
+    Dimensions: as `_attention_dq_kernel`; delta, delta_star, j_star are its outputs; dk [B, Hkv, Sk, D],
+    dv [B, Hkv, Sk, Dv] and flags [B * Hkv, cdiv(Sk, flag_block)] contiguous.
+    Notes: the group's query rows are packed as in the dq pass (g * Sq + i), BLOCK_M at a time. Causal:
+    a block none of whose rows sees a key of this block is skipped; a block whose every row sees every key
+    runs unmasked. Keys past Sk load as 0 and only reach rows of dk, dv that are not stored.
+    Pseudocode: for query block: P = exp2(s - lse); dS = P (dO V^T - D), at (i, j*_i) P dO.(v_j* - O);
                 dV += P^T dO; dK += dS^T q.  dk = scale dK
     """
     pid_n = tl.program_id(0)
@@ -584,15 +628,8 @@ def _attention_dkdv_kernel(
         v = tl.load(v_ptr + b * v_sb + hkv * v_sh + keys.to(tl.int64)[:, None] * v_ss + offs_dv[None, :] * v_sd,
                     mask=(keys[:, None] < sk) & (offs_dv[None, :] < dv), other=0.0)
         kt_op, vt_op = tl.trans(dot_operand(k)), tl.trans(dot_operand(v))
-        off = sk - sq
-        if CAUSAL:  # query i sees key j iff j <= i + off
-            j_last = tl.minimum(j0 + BLOCK_N, sk) - 1
-            first = tl.maximum(j0 - off, 0) // BLOCK_M * BLOCK_M
-            full = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(j_last - off, 0), BLOCK_M) * BLOCK_M, first),
-                              tl.cdiv(sq, BLOCK_M) * BLOCK_M)
-        else:
-            first = 0
-            full = 0
+        off = sk - sq  # query i sees key j iff j <= i + off (causal)
+        j_last = tl.minimum(j0 + BLOCK_N, sk) - 1
         acc_k = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         acc_v = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
         if EXACT:
@@ -600,23 +637,29 @@ def _attention_dkdv_kernel(
         else:
             nan_k = tl.zeros((1, 1), tl.float32)
         hidden = 0
-        for g in range(0, group):
-            head = hkv * group + g
-            q_base = q_ptr + b * q_sb + head * q_sh
-            do_base = do_ptr + b * g_sb + head * g_sh
-            lse_base = lse_ptr + b * l_sb + head * l_sh
-            delta_base = delta_ptr + (b * n_kv_heads * group + head) * sq  # ours, contiguous
-            for start in range(first, full, BLOCK_M):
-                acc_k, acc_v, nan_k, bad = _dkdv_block(
-                    acc_k, acc_v, nan_k, kt_op, vt_op, q_base, do_base, lse_base, delta_base,
-                    start, keys, off, sq, d, dv, q_ss, q_sd, g_ss, g_sd, l_ss, qk_scale, offs_d, offs_dv,
-                    True, EXACT, PRECISION, BLOCK_M)
-                hidden += bad
-            for start in range(full, sq, BLOCK_M):
+        for r0 in range(0, group * sq, BLOCK_M):
+            row_ok, head, i, at_row = _packed_rows(r0, b, hkv, n_kv_heads, group, sq, BLOCK_M)
+            q_rows = q_ptr + b * q_sb + head * q_sh + i * q_ss
+            do_rows = do_ptr + b * g_sb + head * g_sh + i * g_ss
+            lse_rows = lse_ptr + b * l_sb + head * l_sh + i * l_ss
+            stats = (delta_ptr + at_row, star_ptr + at_row, jstar_ptr + at_row)
+            if CAUSAL:
+                i_lo = tl.min(tl.where(row_ok, i, sq), 0)
+                i_hi = tl.max(tl.where(row_ok, i, -1), 0)
+                if i_hi + off >= j0:  # some row sees some key of the block
+                    if i_lo + off >= j_last:  # every row sees every key
+                        acc_k, acc_v, nan_k, _ = _dkdv_block(
+                            acc_k, acc_v, nan_k, kt_op, vt_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off,
+                            d, dv, q_sd, g_sd, qk_scale, offs_d, offs_dv, False, False, PRECISION)
+                    else:
+                        acc_k, acc_v, nan_k, bad = _dkdv_block(
+                            acc_k, acc_v, nan_k, kt_op, vt_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off,
+                            d, dv, q_sd, g_sd, qk_scale, offs_d, offs_dv, True, EXACT, PRECISION)
+                        hidden += bad
+            else:
                 acc_k, acc_v, nan_k, _ = _dkdv_block(
-                    acc_k, acc_v, nan_k, kt_op, vt_op, q_base, do_base, lse_base, delta_base,
-                    start, keys, off, sq, d, dv, q_ss, q_sd, g_ss, g_sd, l_ss, qk_scale, offs_d, offs_dv,
-                    False, False, PRECISION, BLOCK_M)
+                    acc_k, acc_v, nan_k, kt_op, vt_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off, d, dv,
+                    q_sd, g_sd, qk_scale, offs_d, offs_dv, False, False, PRECISION)
         dk = acc_k * scale
         if EXACT:
             dk = tl.where(nan_k > 0.0, float("nan"), dk)
@@ -630,20 +673,20 @@ def _attention_dkdv_kernel(
 
 
 @triton.jit
-def _dkdv_block(acc_k, acc_v, nan_k, kt_op, vt_op, q_base, do_base, lse_base, delta_base, start, keys, off, sq,
-                d, dv, q_ss, q_sd, g_ss, g_sd, l_ss, qk_scale, offs_d, offs_dv, MASKED: tl.constexpr,
-                EXACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+def _dkdv_block(acc_k, acc_v, nan_k, kt_op, vt_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off, d, dv,
+                q_sd, g_sd, qk_scale, offs_d, offs_dv, MASKED: tl.constexpr, EXACT: tl.constexpr,
+                PRECISION: tl.constexpr):
     """One query block of the dk/dv pass (MASKED: causally masked); returns the updated sums and whether q or
     dO held non-finite entries in rows the mask hides from some key (zeroed in the fast launch's dots)."""
-    i = start + tl.arange(0, BLOCK_M)
-    row_ok = i < sq
-    q, do, lse2, dead = _query_rows(q_base, do_base, lse_base, i, row_ok, d, dv, q_ss, q_sd, g_ss, g_sd, l_ss,
-                                    offs_d, offs_dv)
-    delta = tl.load(delta_base + i, mask=row_ok, other=0.0)
+    q, do, lse2, dead = _query_rows(q_rows, do_rows, lse_rows, row_ok, d, dv, q_sd, g_sd, offs_d, offs_dv)
+    delta_rows, star_rows, jstar_rows = stats  # the dq pass's per-row outputs
+    delta = tl.load(delta_rows, mask=row_ok, other=0.0)
+    delta_star = tl.load(star_rows, mask=row_ok, other=0.0)
+    j_star = tl.load(jstar_rows, mask=row_ok, other=-1)
     s = tl.dot(dot_operand(q), kt_op, input_precision=PRECISION) * qk_scale
     p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(dot_operand(do), vt_op, input_precision=PRECISION)  # same dot as D's (see the section comment)
-    ds = p * (dp - delta[:, None])
+    dp = tl.dot(dot_operand(do), vt_op, input_precision=PRECISION)
+    ds = p * tl.where(keys[None, :] == j_star[:, None], delta_star[:, None], dp - delta[:, None])  # (section comment)
     hidden = 0
     if MASKED:
         vis = keys[None, :] <= i[:, None] + off
@@ -665,22 +708,18 @@ def _dkdv_block(acc_k, acc_v, nan_k, kt_op, vt_op, q_base, do_base, lse_base, de
 
 
 def _backward_supports(grad, q, k, v, out, lse, causal, scale):
-    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
-        return f"head dims D={q.shape[-1]}, Dv={v.shape[-1]}: the Triton kernels take D, Dv <= {MAX_HEAD_DIM}"
-    if q.shape[0] * q.shape[1] > MAX_GRID_Y:
-        return f"B * Hq = {q.shape[0] * q.shape[1]} exceeds the grid's {MAX_GRID_Y} (axis 1)"
-    return None
+    return _supports(q, k, v, causal, scale)  # the same grid (axis 1: B * Hkv) and head-dim limits
 
 
-def _backward_config(sq: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> dict:
-    """Tiles of both backward launches, square (BLOCK_M = BLOCK_N), so that D's tile product dO O^T is the
-    same dot as dP = dO V^T (see the section comment). GPU numbers are design choices for Hopper, not
-    timed: 64 x 64 keeps dk/dv's two float32 accumulators at 64 registers a thread over 8 warps for D = 128."""
+def _backward_config(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> dict:
+    """Tiles of both backward launches: BLOCK_M packed query rows, BLOCK_N keys. GPU numbers are design
+    choices for Hopper, not timed: 64 x 64 keeps the dk/dv pass's two float32 accumulators at 64 registers a
+    thread over 8 warps for D = 128."""
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+    fit = lambda n, cap: max(16, min(cap, next_pow2(n)))  # noqa: E731 (tl.dot needs every dim >= 16)
     dims = {"BLOCK_D": block_d, "BLOCK_DV": block_dv}
-    if INTERPRET:  # few, large programs (tl.dot needs every dim >= 16)
-        b = max(16, min(128, next_pow2(max(sq, sk))))
-        return {"BLOCK_M": b, "BLOCK_N": b, **dims, "num_warps": 4, "num_stages": 1}
+    if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
+        return {"BLOCK_M": fit(rows, 128), "BLOCK_N": fit(sk, 128), **dims, "num_warps": 4, "num_stages": 1}
     wide = max(block_d, block_dv)
     if dtype == torch.float32:  # IEEE FMA dots: small tiles
         b = 32 if wide <= 128 else 16
@@ -691,11 +730,12 @@ def _backward_config(sq: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> d
 
 
 def _backward_exact_config(cfg: dict) -> dict:
-    """Tiles of the launches that recompute flagged tiles (square, and dividing the fast launch's)."""
+    """Tiles of the launches that recompute flagged tiles: small (the exact path's extra dots), and dividing
+    the fast launch's, so each lies inside one flagged tile."""
     if INTERPRET:
         return cfg
-    b = min(cfg["BLOCK_M"], 32)
-    return {**cfg, "BLOCK_M": b, "BLOCK_N": b, "num_warps": 4, "num_stages": 1}
+    return {**cfg, "BLOCK_M": min(cfg["BLOCK_M"], 32), "BLOCK_N": min(cfg["BLOCK_N"], 32), "num_warps": 4,
+            "num_stages": 1}
 
 
 @impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_backward_supports)
@@ -710,21 +750,24 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale):
     if bsz * hq * sq == 0 or sk == 0:  # no query or no key: nothing sees anything
         return dq.zero_(), dk.zero_(), dv_.zero_()
     causal = causal and sq > 1  # as the forward: a single query row sees every key
-    cfg = _backward_config(sq, sk, d, dv, q.dtype)
-    delta = torch.empty((bsz, hq, sq), dtype=torch.float32, device=q.device)
+    group = hq // hkv
+    rows = group * sq  # a KV head's packed query rows
+    cfg = _backward_config(rows, sk, d, dv, q.dtype)
+    delta = torch.empty((2, bsz, hq, sq), dtype=torch.float32, device=q.device)  # D and dO . (v_j* - O) per row
+    j_star = torch.empty((bsz, hq, sq), dtype=torch.int32, device=q.device)
     sm_scale = _softmax_scale(scale, d)
-    common = (hq // hkv, sq, sk, d, dv, *q.stride(), *k.stride(), *v.stride())
+    common = (hkv, group, sq, sk, d, dv, *q.stride(), *k.stride(), *v.stride())
     tail = (*grad.stride(), *lse.stride(), sm_scale * LOG2E, sm_scale)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     launches = ((cfg, False), (_backward_exact_config(cfg), True)) if causal else ((cfg, False),)
-    flags = torch.empty((bsz * hq, cdiv(sq, cfg["BLOCK_M"])), dtype=torch.int32, device=q.device) if causal else delta
+    flags = torch.empty((bsz * hkv, cdiv(rows, cfg["BLOCK_M"])), dtype=torch.int32, device=q.device) if causal else delta
     for c, exact in launches:
-        _attention_dq_kernel[(cdiv(sq, c["BLOCK_M"]), bsz * hq)](
-            q, k, v, out, grad, lse, dq, delta, flags, hq, *common, *out.stride(), *tail, cfg["BLOCK_M"],
+        _attention_dq_kernel[(cdiv(rows, c["BLOCK_M"]), bsz * hkv)](
+            q, k, v, out, grad, lse, dq, delta[0], delta[1], j_star, flags, *common, *out.stride(), *tail, cfg["BLOCK_M"],
             CAUSAL=causal, EXACT=exact, PRECISION=precision, **c)
     flags = torch.empty((bsz * hkv, cdiv(sk, cfg["BLOCK_N"])), dtype=torch.int32, device=q.device) if causal else delta
     for c, exact in launches:
         _attention_dkdv_kernel[(cdiv(sk, c["BLOCK_N"]), bsz * hkv)](
-            q, k, v, grad, lse, delta, dk, dv_, flags, hkv, *common, *tail, cfg["BLOCK_N"],
+            q, k, v, grad, lse, delta[0], delta[1], j_star, dk, dv_, flags, *common, *tail, cfg["BLOCK_N"],
             CAUSAL=causal, EXACT=exact, PRECISION=precision, **c)
     return dq, dk, dv_
