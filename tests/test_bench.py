@@ -316,21 +316,18 @@ def test_torch_kernel_path_checks_against_a_torch_float64_reference(name, dtype)
 @pytest.mark.parametrize("name", ["rmsnorm", "softmax"])  # autograd reference; torch_vjp_reference on the saved output
 def test_torch_kernel_path_times_training_passes(name, dtype):
     """The training passes on a torch backend (cuda, under Triton's interpreter): torch inputs, the torch float64
-    reference, torch eager's autograd beside opport's. cuda has no backward kernels yet, so a temporary one runs
-    the cpu kernel; without it the op gets no training rows."""
+    reference, torch eager's autograd beside opport's, through the cuda backward kernels."""
     spec = get_op(name)
     wl = get_workload(spec)
     st = Settings("cuda", "torch", "cpu", HostTimer(budget_ms=2, warmup_ms=0, min_samples=2),
                   Ceilings(20.0, {"float32": 0.2, "bfloat16": 0.2}, "float32"), rounds=1, passes=("fwd+bwd", "bwd"))
-    assert run_shape(spec, wl, wl.shapes_for("smoke")[0], dtype, st) == []
-    with _temporary_backward(name, "cuda"):
-        rows = run_shape(spec, wl, wl.shapes_for("smoke")[0], dtype, st)
+    rows = run_shape(spec, wl, wl.shapes_for("smoke")[0], dtype, st)
     by = {(r["pass"], r["impl"]): r for r in rows}
     assert set(by) == {(p, i) for p in ("fwd+bwd", "bwd") for i in ("opport", "torch_eager")}
     for p in ("fwd+bwd", "bwd"):
         mine, eager = by[(p, "opport")], by[(p, "torch_eager")]
         assert mine["correct"] is True and eager["correct"] is True, (mine, eager)
-        assert f"cuda.test_{name}_backward" in mine["call"] and mine["vs"]["torch_eager"] > 0
+        assert f"cuda.{name}_backward" in mine["call"] and mine["vs"]["torch_eager"] > 0
     assert f"cuda.{name} + " in by[("fwd+bwd", "opport")]["call"]  # the cuda forward kernel, then the backward
 
 

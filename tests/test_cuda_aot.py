@@ -44,11 +44,14 @@ def test_every_kernel_compiles_for_sm90_within_its_limits(sm90):
 
 
 def test_every_op_with_cuda_kernels_and_the_llm_shapes_were_compiled(sm90):
+    """Every op, and every derived op (`<op>_backward`, `<op>_forward`) the cuda backend has a kernel for."""
     from opport.ops import builtin_ops
 
     _, report = sm90
     compiled = {p.split()[0] for b in report["builds"] for p in b["problems"]}
-    assert compiled == set(_tool().cuda_ops()) >= set(builtin_ops())  # ops without cuda kernels run on cpu there
+    tool = _tool()
+    assert compiled == {s.name for s in tool.cuda_specs(tool.cuda_ops())}
+    assert compiled >= set(builtin_ops())  # ops without cuda kernels run on cpu there
     llm = [p for b in report["builds"] for p in b["problems"] if "bench" in p and "S16384x16384" in p]
     assert llm, "the 16K-token attention shape of the llm tier was not compiled"
 
@@ -60,6 +63,35 @@ def test_the_llm_tier_fast_kernels_do_not_spill(sm90):
                if b["dtype"] == "bf16" and b["spill_bytes"] and not b["constexprs"].get("EXACT")
                and any(" bench " in p for p in b["problems"])]
     assert spilled == []
+
+
+@pytest.mark.parametrize("op, expect", [
+    ("softmax_backward", [("grad", (64, 512), "bfloat16"), ("out", (64, 512), "bfloat16"), ("axis", -1)]),
+    ("cross_entropy_backward", [("grad", (), "float32"), ("logits", (64, 512), "bfloat16"), ("target", (64,), "int64"),
+                                ("lse", (64,), "float32")]),
+])
+def test_bench_shapes_become_what_training_hands_the_backward(op, expect):
+    """A backward's bench problem: grad and the forward's output like the output, statistics in float32 (meta
+    tensors: no data, no float64 reference)."""
+    from opport.ops import get_op
+
+    tool, bwd = _tool(), get_op(op)
+    fwd = {"softmax_backward": {"x": tool._empty((64, 512), "bfloat16"), "axis": -1},
+           "cross_entropy_backward": {"logits": tool._empty((64, 512), "bfloat16"),
+                                      "target": tool._empty((64,), "int64")}}[op]
+    kw = tool._backward_kw(bwd, lambda: fwd)
+    assert list(kw) == list(bwd.params)
+    for name, *want in expect:
+        got = kw[name]
+        assert ((tuple(got.shape), str(got.dtype).removeprefix("torch.")) if hasattr(got, "shape") else (got,)) == tuple(want)
+        assert not hasattr(got, "device") or got.device.type == "meta"
+
+
+def test_a_derived_op_name_selects_that_op_alone():
+    tool = _tool()
+    assert [s.name for s in tool.cuda_specs(["rmsnorm_backward"])] == ["rmsnorm_backward"]
+    names = [s.name for s in tool.cuda_specs(["rmsnorm", "rmsnorm_backward"])]
+    assert names[0] == "rmsnorm" and len(names) == len(set(names))
 
 
 def _fake_kernel(shared: int):
@@ -118,6 +150,17 @@ MEMORY_BOUND = ("rmsnorm", "layernorm", "softmax", "gelu", "silu", "swiglu", "ro
 def test_memory_bound_llm_kernels_load_16_bytes_at_a_time(sm90, op):
     """Contiguous bf16 rows must compile to 16-byte vector loads; narrower ones leave HBM bandwidth unused."""
     _, report = sm90
+    widths = {b["load_bytes"] for b in report["builds"] if b["dtype"] == "bf16"
+              and any(p.startswith(f"{op} bench ") and p.endswith(" bfloat16") for p in b["problems"])}
+    assert widths == {16}, widths
+
+
+@pytest.mark.parametrize("op", [f"{name}_backward" for name in MEMORY_BOUND])
+def test_memory_bound_llm_backward_kernels_load_16_bytes_at_a_time(sm90, op):
+    """The same for the backward kernels, where the cuda backend has one (else the op's backward runs on cpu)."""
+    _, report = sm90
+    if not any(p.startswith(f"{op} ") for b in report["builds"] for p in b["problems"]):
+        pytest.skip(f"no cuda kernel for {op}")
     widths = {b["load_bytes"] for b in report["builds"] if b["dtype"] == "bf16"
               and any(p.startswith(f"{op} bench ") and p.endswith(" bfloat16") for p in b["problems"])}
     assert widths == {16}, widths

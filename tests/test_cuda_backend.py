@@ -307,3 +307,85 @@ def test_cuda_tensors_select_the_triton_kernel():
     x = torch.ones((4, 64), device="cuda")
     d = opport.explain("rmsnorm", x)
     assert (d.backend, d.kernel) == ("cuda", "cuda.rmsnorm")
+
+
+# ------------------------------------------------------------------- backward kernels: norms, softmax, activations (cudaA)
+# `opport conformance --backend cuda` runs every backward case; in the interpreter its tiles hold whole rows of up
+# to 64K elements, so the paths below (chunked rows, several programs each summing several row tiles into its
+# partial row) are reached here, with the tiles shrunk.
+
+from opport.ops import get_op  # noqa: E402
+from opport.spec import Case  # noqa: E402
+
+NORM_BACKWARDS = ("rmsnorm_backward", "layernorm_backward")
+
+
+def _backward_case(name, dtype, shape, affine=True, seed=0):
+    """A backward case of `name` (its forward's arguments with seeded values, a seeded upstream gradient)."""
+    bwd = get_op(name)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * 3 + 1
+    w = rng.uniform(-2, 2, shape[-1:])
+    args = {"rmsnorm_backward": (x, w if affine else None), "layernorm_backward": (x, w, w[::-1] if affine else None),
+            "softmax_backward": (x,)}[name]
+    args = tuple(None if a is None else a.astype(np_dtype(dtype)) for a in args)
+    return bwd, bwd.from_forward(Case(f"{name}-{shape}", args, {}), dtype)
+
+
+def _run_backward(bwd, case, dtype):
+    """The cuda kernel's gradients against the reference VJP on the case's values, each with its tolerance."""
+    args = [to_torch(a) for a in case.args]
+    with opport.strict():
+        got = function(bwd)(*args, backend="cuda", **case.kwargs)
+    ref = bwd.run_reference(*case.args, **case.kwargs)
+    for i, (out, r) in enumerate(zip(got, ref)):
+        assert (out is None) == (r is None), f"{bwd.name} gradient {i}"
+        if out is not None:
+            assert_close(bwd, dtype, out, r, bwd.tolerance_for(dtype, i, case), f"{bwd.name}/{dtype}/{case.name}/{i}")
+    return got
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", [*NORM_BACKWARDS, "softmax_backward"])
+def test_backward_chunked_rows(name, dtype, monkeypatch):
+    """Rows longer than one tile take the multi-pass backward (GPUs do past 16K columns, 4K for float32 layernorm)."""
+    from opport.backends.cuda import _launch
+
+    monkeypatch.setattr(_launch, "INTERP_TILE", 128)
+    monkeypatch.setattr(_launch, "ROW_MAX", 128)
+    for shape in ((6, 300), (3, 2, 129)):
+        _run_backward(*_backward_case(name, dtype, shape), dtype)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("name", NORM_BACKWARDS)
+def test_norm_weight_grads_from_many_programs(name, chunked, affine, monkeypatch):
+    """Several programs, each summing several row tiles into its own partial row, reduced in a fixed order:
+    right, and the same bits on every call."""
+    from opport.backends.cuda import _launch
+
+    monkeypatch.setattr(_launch, "INTERP_TILE", 16 if chunked else 64)
+    monkeypatch.setattr(_launch, "ROW_MAX", 16 if chunked else 64)
+    monkeypatch.setattr(importlib.import_module(f"opport.backends.cuda.{name.removesuffix('_backward')}"),
+                        "partial_programs", lambda n_tiles, device: min(n_tiles, 3))
+    bwd, case = _backward_case(name, "float32", (50, 37), affine)
+    first = _run_backward(bwd, case, "float32")
+    again = _run_backward(bwd, case, "float32")
+    for a, b in zip(first, again):
+        assert a is None or torch.equal(a, b)
+
+
+def test_activation_backward_infinite_grads_keep_the_reference_signs():
+    """Where float32's derivative underflows but float64's does not (silu' below -87, gelu' below -13), an infinite
+    grad gives the reference's signed inf, not inf * 0 = NaN; where float64's is 0 too (x = -inf), NaN."""
+    x = np.array([-90.0, -200.0, -700.0, -20.0, -30.0, -800.0, -np.inf], np.float32)
+    g = np.full_like(x, np.inf)
+    for name, kwargs in (("silu_backward", {}), ("gelu_backward", {"approximate": "none"}),
+                         ("gelu_backward", {"approximate": "tanh"}), ("swiglu_backward", {})):
+        bwd = get_op(name)
+        args = (g, x, np.ones_like(x)) if name == "swiglu_backward" else (g, x)
+        for dtype in ("float32", "bfloat16"):
+            case = Case("inf-grads", tuple(a.astype(np_dtype(dtype)) for a in args), kwargs)
+            with np.errstate(invalid="ignore"):  # inf - inf where both are inf: compared as special values
+                _run_backward(bwd, case, dtype)

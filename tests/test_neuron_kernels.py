@@ -245,3 +245,144 @@ def test_constants_say_why():
                 if "#" not in line and not (i and lines[i - 1].lstrip().startswith("#")):
                     missing.append(f"{name}.py:{i + 1}: {line}")
     assert not missing, missing
+
+
+# --------------------------------------------------------------------------- training kernels: rope, matmul,
+# cross_entropy, attention (their training forwards and backwards; issue 17 part 1)
+
+TRAINED = ("rope", "matmul", "cross_entropy", "attention")
+
+
+def _derived(name: str) -> list:
+    """The op's derived specs with neuron kernels: its training forward (if it saves statistics) and its backward."""
+    spec = get_op(name)
+    return [s for s in (spec.train_forward, spec.backward_op) if s is not None]
+
+
+def _judge_outputs(spec, case, dtype: str) -> list:
+    """Each output of a derived op (training forward or backward) on neuron against the float64 reference,
+    capacity-checked, with the conformance suite's per-output tolerance; the problems found."""
+    from opport.conformance.execute import output_tolerance
+
+    with opport.strict(), capacity_checked():
+        outs = _on_neuron(spec, case.args, case.kwargs)
+    refs = spec.run_reference(*case.args, **case.kwargs)
+    metas = spec.out_metas(metas_of(spec, spec.bind(*case.args, **case.kwargs)))
+    problems = []
+    for i, (out, ref, meta) in enumerate(zip(outs, refs, metas)):
+        if meta is None:
+            continue
+        ref = np.asarray(ref)
+        why = cmp.contract(np.asarray(out), ref, meta[1])
+        verdict = None if why else cmp.compare(out, ref, output_tolerance(spec, dtype, i, case), meta[1])
+        if why or not verdict.ok:
+            problems.append(f"{spec.name}/{dtype}/{case.name} output {i}: {why or verdict.message}")
+    return problems
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", TRAINED)
+def test_training_kernels_fixed_cases(name, dtype):
+    """Every fixed case of the training forward and the backward, on the neuron kernels with SBUF/PSUM capacity
+    enforced (conformance runs them without): a kernel over capacity or off the reference fails here."""
+    problems = []
+    for spec in _derived(name):
+        for case in spec.get_cases(dtype):
+            problems += _judge_outputs(spec, case, dtype)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn3"])
+def test_training_kernels_other_generations(target):
+    """The first bfloat16 case of each training forward and backward on NeuronCore-v2 and -v4 (the fixed cases
+    above run on the default, trn2)."""
+    if not nki_compat.EMULATED:
+        pytest.skip("target selection is an emulator feature")
+    problems = []
+    with nki_compat.nki.use_target(target):
+        for name in TRAINED:
+            for spec in _derived(name):
+                problems += _judge_outputs(spec, next(iter(spec.get_cases("bfloat16"))), "bfloat16")
+    assert not problems, "\n".join(problems)
+
+
+def test_training_kernels_are_neuron_kernels():
+    """The four ops' training forwards and backwards have neuron kernels for the NKI dtypes (no cpu fallback)."""
+    backend = get_backend("neuron")
+    for name in TRAINED:
+        for spec in _derived(name):
+            found = kernels(spec, backend)
+            assert found and set(DTYPES) <= set(found[0].dtypes), (spec.name, found)
+
+
+def _on_neuron(spec, args: tuple, kwargs: dict | None = None):
+    """A derived op's outputs from its neuron kernel, called as autograd calls it (through the dispatcher)."""
+    from opport.dispatch import call
+
+    return call(spec, spec.bind(*args, **(kwargs or {})), "neuron")
+
+
+def _backward_case(name: str, case_name: str, dtype: str = "float32"):
+    return next(c for c in get_op(name).backward_op.get_cases(dtype) if c.name == case_name)
+
+
+@pytest.mark.parametrize("module, knobs", [("attention", ("BWD_KEYS_RESIDENT", "BWD_ROWS_RESIDENT")),
+                                           ("matmul", ("ROWS_BUDGET",))])
+def test_streamed_backward_matches_resident(module, knobs, monkeypatch):
+    """With the SBUF residency budgets at 0 the backward kernels re-read their inputs where they use them
+    (the path for shapes too large to keep): the same gradients as the resident path, bit for bit."""
+    mod = importlib.import_module(f"opport.backends.neuron.{module}")
+    names = {"attention": ("gqa-8-2-causal", "dead-rows-nonfinite", "one-key-large-v", "strided-grad"),
+             "matmul": ("zero-grad", "strided-grad")}[module]
+    spec = get_op(module).backward_op
+    for case_name in names:
+        case = _backward_case(module, case_name, "bfloat16")
+        with opport.strict():
+            resident = _on_neuron(spec, case.args, case.kwargs)
+            for knob in knobs:
+                monkeypatch.setattr(mod, knob, 0)
+            streamed = _on_neuron(spec, case.args, case.kwargs)
+            monkeypatch.undo()
+        for r, s in zip(resident, streamed):
+            assert (r is None and s is None) or np.array_equal(np.asarray(r), np.asarray(s), equal_nan=True), case_name
+
+
+def test_attention_backward_one_visible_key_is_exactly_zero():
+    """dq and dk are exactly 0 where every row sees one key (P = 1, O = v): D is formed as dP[:, key 0] +
+    rowsum(dO (O - v_0)), so dP - D cancels exactly; two float32 dot products of |dO| |v| ~ 4e4 would leave
+    ~1e-3 there, 100x the norm-wise bound of a zero reference."""
+    spec = get_op("attention").backward_op
+    case = _backward_case("attention", "one-key-large-v")
+    dq, dk, _ = _on_neuron(spec, case.args, case.kwargs)
+    assert not np.asarray(dq).any() and not np.asarray(dk).any()
+
+
+def test_training_kernels_move_the_minimum_bytes(capsys):
+    """The backward kernels read each input once and write each output once on shapes whose working set fits
+    SBUF (the bench rows of docs/performance.md): HBM bytes == the backward's cost model minimum."""
+    if not nki_compat.EMULATED:
+        pytest.skip("DMA counters are collected by the emulator")
+    f32 = np.float32
+    g = rng.standard_normal
+    problems = {
+        "rope": (g((2, 4, 64, 64)).astype(f32), g((64, 32)).astype(f32), g((64, 32)).astype(f32), False),
+        "matmul": (g((300, 384)).astype(f32), g((300, 256)).astype(f32), g((256, 384)).astype(f32),
+                   g(384).astype(f32)),
+        "cross_entropy": (np.ones((), f32), g((200, 1000)).astype(f32), rng.integers(0, 1000, 200), g(200).astype(f32),
+                          -100, "mean", 0.1),
+        "attention": (g((1, 4, 200, 32)).astype(f32), g((1, 4, 200, 32)).astype(f32), g((1, 2, 150, 32)).astype(f32),
+                      g((1, 2, 150, 32)).astype(f32), g((1, 4, 200, 32)).astype(f32), g((1, 4, 200)).astype(f32), True,
+                      None),
+    }
+    lines = []
+    for name, args in problems.items():
+        spec = get_op(name).backward_op
+        with nki_compat.collect_stats() as st, opport.strict():
+            _on_neuron(spec, args)
+        least = spec.get_cost(*metas_of(spec, spec.bind(*args))).bytes
+        if name == "cross_entropy":  # targets travel as int32, the cost model counts the caller's int64
+            least -= 4 * args[2].size
+        assert st.hbm_bytes == least, (name, st.hbm_bytes, least)
+        lines.append(f"{name}_backward: {st.hbm_bytes} B = minimum, {st.dma_transfers} transfers, {st.instructions}")
+    with capsys.disabled():
+        print("\n  " + "\n  ".join(lines), end="")

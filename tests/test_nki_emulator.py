@@ -366,6 +366,28 @@ def _k_lnc_grid():
     nki.jit(lambda: None)[2, 2]
 
 
+def _k_raw_int_dge_mode():
+    a = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=sb((4, 4)), src=a, dge_mode=2)
+
+
+def _k_raw_int_engine():
+    nisa.tensor_copy(dst=sb((4, 4)), src=sb((4, 4)), engine=5)
+
+
+def _k_raw_int_reduce_cmd():
+    nisa.activation(dst=sb((4, 4)), op=nl.exp, data=sb((4, 4)), reduce_op=nl.add, reduce_res=sb((4, 1)), reduce_cmd=3)
+
+
+def _k_raw_int_perf_mode():
+    nisa.nc_matmul(ps((4, 4)), sb((4, 4)), sb((4, 4)), perf_mode=1)
+
+
+def _k_dma_engine_without_hwdge():
+    a = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=sb((4, 4)), src=a, engine=nisa.engine.sync)
+
+
 NEGATIVE = [
     (_k_partition_alloc, "partition dimension 256 exceeds maximum 128"),
     (_k_partition_operand, "src must be in SBUF or PSUM"),
@@ -439,6 +461,11 @@ NEGATIVE = [
     (_k_lnc_grid, "launch grid is one integer"),
     (_k_predicate_dtype, "predicate must be uint8, uint16 or uint32"),
     (_k_select_reduce_op, "reduce_op must be nl.maximum"),
+    (_k_raw_int_dge_mode, r"dge_mode=2 is a raw integer enum constant"),
+    (_k_raw_int_engine, r"engine=5 is a raw integer enum constant"),
+    (_k_raw_int_reduce_cmd, r"reduce_cmd=3 is a raw integer enum constant"),
+    (_k_raw_int_perf_mode, r"perf_mode=1 is a raw integer enum constant"),
+    (_k_dma_engine_without_hwdge, "only valid with dge_mode=hwdge"),
 ]
 
 
@@ -1134,3 +1161,596 @@ def test_no_warnings_for_legal_kernel():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         test_stats_count_dma_bytes_and_instructions()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fidelity to the documented NKI API (issue 17 part 2): each feature runs on a small kernel against NumPy, and
+# each rule the hardware/compiler enforces rejects an illegal kernel with a message naming the rule.
+# --------------------------------------------------------------------------------------------------------------
+nt = nki.typing
+FP32_MIN = float(np.finfo(np.float32).min)
+
+
+def _k_placed_partitions_out_of_range():
+    nl.ndarray((64, 4), dtype=nl.float32, buffer=nl.sbuf, address=(100, 0))
+
+
+def _k_placed_bytes_out_of_range():
+    nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum, address=(0, 15 * 1024))
+
+
+def _k_placed_psum_misaligned():
+    nl.ndarray((128, 4), dtype=nl.float32, buffer=nl.psum, address=(0, 2))
+
+
+def _k_placed_bad_address():
+    nl.ndarray((128, 4), dtype=nl.float32, buffer=nl.sbuf, address=(0,))
+
+
+def _k_placed_matmul_crosses_bank():
+    acc = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum, address=(0, 1024))
+    nisa.nc_matmul(acc, sb((128, 128)), sb((128, 512)))
+
+
+def _k_fp8_e4m3fn_matmul_trn2():
+    nisa.nc_matmul(ps((4, 4)), sb((4, 4), nl.float8_e4m3fn), sb((4, 4), nl.float8_e4m3fn))
+
+
+def _k_fp8_mixed_matmul():
+    with nki.use_target("trn3"):
+        nisa.nc_matmul(ps((4, 4)), sb((4, 4), nl.float8_e4m3), sb((4, 4), nl.float8_e4m3fn))
+
+
+def _k_rsqrt_psum():
+    nl.rsqrt(ps((4, 4)))
+
+
+def _k_scan_both_psum():
+    nisa.tensor_tensor_scan(sb((4, 8)), ps((4, 8)), ps((4, 8)), 0.0, nl.multiply, nl.add)
+
+
+def _k_scan_bitvec():
+    t = sb((4, 8), nl.int32)
+    nisa.tensor_tensor_scan(t, t, t, 0.0, nl.bitwise_and, nl.add)
+
+
+def _k_shuffle_mask_length():
+    nisa.nc_stream_shuffle(sb((32, 4)), sb((32, 4)), list(range(16)))
+
+
+def _k_shuffle_start_partition():
+    t = sb((64, 4))
+    nisa.nc_stream_shuffle(t[16:48], t[0:32], list(range(32)))
+
+
+def _k_shuffle_dtype():
+    nisa.nc_stream_shuffle(sb((32, 4), nl.bfloat16), sb((32, 4)), list(range(32)))
+
+
+def _k_max8_too_few():
+    nisa.max8(sb((4, 8)), sb((4, 4)))
+
+
+def _k_max8_dst_shape():
+    nisa.max8(sb((4, 4)), sb((4, 16)))
+
+
+def _k_find_index8_dtype():
+    nisa.nc_find_index8(sb((4, 8)), sb((4, 16)), sb((4, 8)))
+
+
+def _k_match_replace8_vals():
+    nisa.nc_match_replace8(sb((4, 16)), sb((4, 16)), sb((4, 4)), 0.0)
+
+
+def _k_nonzero_trn1():
+    with nki.use_target("trn1"):
+        nisa.nonzero_with_count(sb((16, 9), nl.int32), sb((16, 8), nl.int32))
+
+
+def _k_nonzero_dst_dtype():
+    nisa.nonzero_with_count(sb((16, 9)), sb((16, 8)))
+
+
+def _k_range_select_on_false():
+    nisa.range_select(sb((4, 8)), sb((4, 8)), nl.greater_equal, nl.less, sb((4, 1)), sb((4, 1)),
+                      on_false_value=-np.inf)
+
+
+def _k_range_select_cmp():
+    nisa.range_select(sb((4, 8)), sb((4, 8)), nl.add, nl.less, sb((4, 1)), sb((4, 1)))
+
+
+def _k_range_select_trn1():
+    with nki.use_target("trn1"):
+        nisa.range_select(sb((4, 8)), sb((4, 8)), nl.greater_equal, nl.less, sb((4, 1)), sb((4, 1)))
+
+
+def _k_n_gather_index_dtype():
+    nisa.nc_n_gather(sb((4, 2)), sb((4, 8)), sb((4, 2), nl.int32))
+
+
+def _k_n_gather_psum():
+    nisa.nc_n_gather(sb((4, 2)), ps((4, 8)), sb((4, 2), nl.uint32))
+
+
+def _k_local_gather_partitions():
+    nisa.local_gather(sb((8, 4)), sb((8, 16)), sb((8, 2), nl.uint16))
+
+
+def _k_local_gather_elem():
+    nisa.local_gather(sb((16, 96)), sb((16, 64)), sb((16, 2), nl.uint16), num_elem_per_idx=3)
+
+
+def _k_dma_compute_op():
+    a = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_compute(sb((4, 4)), [a, a], nl.multiply)
+
+
+def _k_dma_compute_scales():
+    a = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_compute(sb((4, 4)), [a, a], nl.add, scales=[2.0, 1.0])
+
+
+def _k_memset_packed_nonzero():
+    nisa.memset(sb((4, 4), nl.float8_e4m3fn_x4), 1)
+
+
+def _k_ap_dtype_misaligned():
+    t = sb((4, 8), nl.bfloat16)
+    t[0:4, 1:3].ap([[4, 4], [1, 1]], dtype=nl.float32)
+
+
+def _k_ds_out_of_bounds():
+    sb((4, 4))[0:4, nl.ds(5, 0)]
+
+
+FIDELITY_NEGATIVE = [
+    (_k_placed_partitions_out_of_range, "address partitions 100..163 run past the 128 partitions"),
+    (_k_placed_bytes_out_of_range, "address bytes 15360..17407 of each partition run past the 16384 bytes"),
+    (_k_placed_psum_misaligned, "not 4-byte aligned"),
+    (_k_placed_bad_address, r"address must be a \(partition_offset, free_offset\) pair"),
+    (_k_placed_matmul_crosses_bank, r"dst spans bytes 1024..3071 of each partition, crossing a 2 KiB PSUM bank"),
+    (_k_fp8_e4m3fn_matmul_trn2, "float8_e4m3fn .* only from NeuronCore-v4"),
+    (_k_fp8_mixed_matmul, "float8_e4m3 and OCP float8_e4m3fn cannot be mixed"),
+    (_k_rsqrt_psum, "nl.rsqrt: runs on the GpSimd engine since NKI 0.5 and no longer accepts PSUM"),
+    (_k_scan_both_psum, "data0 and data1 cannot both be in PSUM"),
+    (_k_scan_bitvec, "op0=nl.bitwise_and is not an ALU operator|must be a binary arithmetic operator"),
+    (_k_shuffle_mask_length, "shuffle_mask must be 32 ints"),
+    (_k_shuffle_start_partition, "dst starts at partition 16; with 32 active partitions it must start at 0 or 32"),
+    (_k_shuffle_dtype, "dst dtype bfloat16 must equal src dtype float32"),
+    (_k_max8_too_few, "8 to 16384 elements per partition, got 4"),
+    (_k_max8_dst_shape, r"dst must be a 2-D \[P, 8\] tile"),
+    (_k_find_index8_dtype, "dst must be uint16 or uint32"),
+    (_k_match_replace8_vals, "vals must hold 8 elements"),
+    (_k_nonzero_trn1, "nonzero_with_count needs NeuronCore-v3"),
+    (_k_nonzero_dst_dtype, "dst must be int32"),
+    (_k_range_select_on_false, "on_false_value must be FP32_MIN"),
+    (_k_range_select_cmp, "comp_op0 must be one of"),
+    (_k_range_select_trn1, "range_select needs NeuronCore-v3"),
+    (_k_n_gather_index_dtype, "indices must be uint32"),
+    (_k_n_gather_psum, "GpSimd engine cannot access PSUM"),
+    (_k_local_gather_partitions, "multiple of 16"),
+    (_k_local_gather_elem, "num_elem_per_idx must be 1, 2, 4, 8, 16 or 32"),
+    (_k_dma_compute_op, "reduce_op must be nl.add"),
+    (_k_dma_compute_scales, "scales must be None or one 1.0 per source"),
+    (_k_memset_packed_nonzero, "x4 packed types .* only take value=0"),
+    (_k_ap_dtype_misaligned, "not on a float32 boundary"),
+    (_k_ds_out_of_bounds, r"nl.ds\(5, 0\) out of bounds"),
+]
+
+
+@pytest.mark.parametrize("body, message", FIDELITY_NEGATIVE, ids=[f.__name__[3:] for f, _ in FIDELITY_NEGATIVE])
+def test_fidelity_rule_is_enforced(body, message):
+    with pytest.raises(nki.NkiValidationError, match=message):
+        nki.jit(body)()
+
+
+# -- 1. explicit placement ----------------------------------------------------------------------------------------
+def test_placed_psum_banks_reused_through_addresses_pass_strict_capacity():
+    a, b = f32(128, 4), f32(128, 512)
+
+    def body(a_hbm, b_hbm):
+        at, bt = loaded(a_hbm), loaded(b_hbm)
+        out = sb((4, 512))
+        accs = []  # 12 accumulators stay alive: only the 8 banks their addresses name are booked
+        for i in range(12):
+            acc = nl.ndarray((4, 512), dtype=nl.float32, buffer=nl.psum, address=(0, (i % 8) * 2048))
+            nisa.nc_matmul(acc, at, bt)
+            accs.append(acc)
+        nisa.tensor_copy(dst=out, src=accs[-1])
+        return out
+
+    with nki.strict():
+        got = run(body, a, b)
+    np.testing.assert_allclose(got, a.T @ b, rtol=1e-5, atol=1e-5)
+    assert nki.last_stats().peak_psum_bytes == 8 * 2048
+
+
+def test_placed_tiles_alias_and_count_with_allocated_ones():
+    x = f32(4, 8)
+
+    def body(x_hbm):
+        first = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf, address=(0, 64))
+        nisa.dma_copy(dst=first, src=x_hbm)
+        alias = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf, address=(0, 64))  # the same bytes
+        out = sb((4, 8))
+        nisa.tensor_scalar(dst=out, data=alias, op0=nl.multiply, operand0=2.0)
+        return out
+
+    np.testing.assert_array_equal(run(body, x), 2 * x)
+
+    def over():
+        placed = nl.ndarray((128, 2048), dtype=nl.float32, buffer=nl.psum, address=(0, 4 * 2048))  # banks 4-7
+        tiles = [ps((128, 512)) for _ in range(5)]  # 5 allocated banks + 4 placed > 8
+        del placed, tiles
+
+    with nki.strict(), pytest.raises(nki.NkiValidationError, match=r"\(10240 allocated, 8192 placed by address\)"):
+        nki.jit(over)()
+
+
+def test_placed_hbm_is_not_emulated():
+    with pytest.raises(NotImplementedError, match="explicit HBM placement is not emulated"):
+        nki.jit(lambda: nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm, address=(0,)))()
+
+
+# -- 2. import-time names -----------------------------------------------------------------------------------------
+KERNEL_MODULE = '''
+import nki
+import nki.isa as nisa
+import nki.language as nl
+import nki.typing as nt
+from nki.dtype import float8_e4m3fn_x4
+from nki.isa.constants import dge_mode, oob_mode
+
+
+@nki.jit
+def gather_rows(data: nt.tensor[8, 4], idx):
+    p = idx.shape[0]
+    i = nl.ndarray((p, 1), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=i, src=idx, dge_mode=dge_mode.none)
+    rows = nl.ndarray((p, 4), dtype=data.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=rows, src=data.ap(pattern=[[4, p], [1, 4]], vector_offset=i, indirect_dim=0),
+                  oob_mode=oob_mode.skip)
+    out = nl.ndarray((p, 4), dtype=data.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=rows)
+    return out
+
+
+PACKED = float8_e4m3fn_x4
+'''
+
+
+def test_aws_style_module_imports_and_runs_under_as_nki():
+    data, idx = f32(8, 4), np.array([[5], [0], [7]], np.uint32)
+    before = sys.modules.get("nki")
+    with nki.as_nki():
+        namespace: dict = {}
+        exec(compile(KERNEL_MODULE, "aws_kernel.py", "exec"), namespace)
+    assert sys.modules.get("nki") is before and namespace["PACKED"] == nl.float8_e4m3fn_x4
+    np.testing.assert_array_equal(namespace["gather_rows"](data, idx), data[[5, 0, 7]])
+    with pytest.raises(nki.NkiValidationError, match=r"annotated nki.typing.tensor\[8, 4\] but has shape \(6, 4\)"):
+        namespace["gather_rows"](f32(6, 4), idx)
+    assert nisa.constants.oob_mode is nisa.oob_mode and nki.dtype.float8_e8m0fnu == ml_dtypes.float8_e8m0fnu
+
+
+def test_packed_mx_types_move_bit_exact_and_refuse_math():
+    words = rng.integers(0, 2 ** 32, size=(4, 6), dtype=np.uint32)
+
+    def body(w):
+        t = sb((4, 6), nl.float8_e4m3fn_x4)
+        nisa.dma_copy(dst=t, src=w.view(nl.float8_e4m3fn_x4), dge_mode=nisa.dge_mode.hwdge)
+        z = sb((4, 2), nl.float8_e4m3fn_x4)
+        nisa.memset(z, 0)
+        nisa.tensor_copy(dst=t[0:4, 4:6], src=z)
+        return t.view(nl.uint32)
+
+    want = words.copy()
+    want[:, 4:6] = 0
+    np.testing.assert_array_equal(run(body, words), want)
+    x4 = sb((4, 4), nl.float8_e5m2_x4)
+    with pytest.raises(NotImplementedError, match="float8_e5m2_x4: arithmetic and dtype conversion"):
+        nisa.tensor_tensor(dst=sb((4, 4)), data1=x4, data2=x4, op=nl.add)
+    with pytest.raises(NotImplementedError, match="nc_matmul_mx"):
+        nisa.nc_matmul(ps((4, 4)), x4, x4)
+    with pytest.raises(NotImplementedError, match="MXFP8/MXFP4 matmul"):
+        nisa.nc_matmul_mx(ps((4, 4)), x4, x4, sb((4, 1), nl.uint8), sb((4, 1), nl.uint8))
+
+
+# -- 3. .ap(dtype=...) ------------------------------------------------------------------------------------------
+def test_ap_reinterprets_bytes_as_another_dtype_from_the_view_base():
+    x = f32(64, 8)
+    bits = x.view(ml_dtypes.bfloat16)  # (64, 16)
+
+    def body(x_hbm):
+        t = loaded(x_hbm)
+        out = sb((2, 16), nl.bfloat16)  # partitions 32..33: the pattern starts at the view's base offset
+        nisa.tensor_copy(dst=out, src=t[32:34].ap(pattern=[[16, 2], [1, 16]], dtype=nl.bfloat16))
+        return out
+
+    np.testing.assert_array_equal(run(body, x).view(np.uint16), bits[32:34].view(np.uint16))
+    x = x[:4]
+
+    def hbm_body(x_hbm):
+        out = sb((4, 8), nl.int32)
+        nisa.dma_copy(dst=out, src=x_hbm.ap(pattern=[[8, 4], [1, 8]], dtype=nl.int32))
+        return out
+
+    np.testing.assert_array_equal(run(hbm_body, x), x.view(np.int32))
+
+
+# -- 4. shared_identity_matrix -----------------------------------------------------------------------------------
+def test_shared_identity_matrix_is_an_sbuf_tile():
+    x = f32(8, 8)
+
+    def body(x_hbm):
+        eye = nl.shared_identity_matrix(8, dtype=nl.float32)
+        assert eye.buffer is nl.sbuf and eye.shape == (8, 8)
+        acc = ps((8, 8))
+        nisa.nc_matmul(acc, loaded(x_hbm), eye)  # x.T @ I
+        out = sb((8, 8))
+        nisa.tensor_copy(dst=out, src=acc)
+        return out
+
+    np.testing.assert_array_equal(run(body, x), x.T)
+    assert nki.last_stats().instructions["dma"] == 3  # input, the identity constant, output
+
+
+# -- 5. instructions --------------------------------------------------------------------------------------------
+def _scan_ref(d0, d1, init, f0, f1):
+    out, state = np.empty_like(d0), np.asarray(init, np.float32).reshape(-1)
+    for i in range(d0.shape[1]):
+        state = out[:, i] = f1(f0(d0[:, i], state), d1[:, i]).astype(np.float32)
+    return out
+
+
+def test_tensor_tensor_scan():
+    d0, d1, init = f32(4, 16), f32(4, 16), f32(4, 1)
+
+    def body(a, b, c):
+        out = sb((4, 16))
+        nisa.tensor_tensor_scan(out, loaded(a), loaded(b), loaded(c), nl.multiply, nl.add)
+        rev = sb((4, 16))
+        nisa.tensor_tensor_scan(rev, loaded(a), loaded(b), 0.5, nl.subtract, nl.subtract, reverse0=True, reverse1=True)
+        both = sb((8, 16))
+        nisa.tensor_copy(dst=both[0:4], src=out)
+        nisa.dma_copy(dst=both[4:8], src=rev)
+        return both
+
+    got = run(body, d0, d1, init)
+    np.testing.assert_allclose(got[:4], _scan_ref(d0, d1, init, np.multiply, np.add), rtol=1e-6)
+    rev = _scan_ref(d0, d1, np.full(4, 0.5, np.float32), lambda a, s: s - a, lambda t, b: b - t)
+    np.testing.assert_allclose(got[4:], rev, rtol=1e-6)
+
+
+def test_nc_stream_shuffle_within_quadrants():
+    x = f32(64, 4)
+    mask = [31 - i for i in range(32)]
+    mask[3] = 255  # partition 3 of each quadrant keeps dst
+
+    def body(a):
+        out = sb((64, 4))
+        nisa.memset(out, -1.0)
+        nisa.nc_stream_shuffle(out, loaded(a), mask)
+        return out
+
+    want = np.concatenate([x[31::-1], x[63:31:-1]])
+    want[[3, 35]] = -1.0
+    np.testing.assert_array_equal(run(body, x), want)
+
+
+def test_max8_find_index8_match_replace8_documented_example():
+    data = np.array([[1, 2, 3, 4, 8, 8, 8, 8, 8, 8, 8]], np.float32)
+    vals = np.array([[3, 8, 8, 8, 8, 8, 8, 8]], np.float32)
+
+    def body(d, v):
+        dt_, vt = loaded(d), loaded(v)
+        top, idx, rep, ridx = sb((1, 8)), sb((1, 8), nl.uint32), sb((1, 11)), sb((1, 8), nl.uint16)
+        nisa.max8(top, dt_)
+        nisa.nc_find_index8(idx, dt_, vt)
+        nisa.nc_match_replace8(rep, dt_, vt, -5.0, dst_idx=ridx)
+        out = sb((1, 35))
+        for k, (t, w) in enumerate(((top, 8), (idx, 8), (rep, 11), (ridx, 8))):
+            lo = (0, 8, 16, 27)[k]
+            nisa.tensor_copy(dst=out[0:1, lo:lo + w], src=t)
+        return out
+
+    got = run(body, data, vals)[0]
+    np.testing.assert_array_equal(got[0:8], [8] * 7 + [4])
+    np.testing.assert_array_equal(got[8:16], [2, 4, 5, 6, 7, 8, 9, 10])  # duplicates: ascending positions
+    np.testing.assert_array_equal(got[16:27], [1, 2, -5, 4] + [-5] * 7)
+    np.testing.assert_array_equal(got[27:35], [2, 10, 9, 8, 7, 6, 5, 4])  # duplicates: descending (documented)
+
+
+def test_find_index8_missing_value_gives_all_ones():
+    x = f32(2, 16)
+
+    def body(d):
+        t = loaded(d)
+        vals, idx = sb((2, 8)), sb((2, 8), nl.uint16)
+        nisa.tensor_copy(dst=vals, src=t[0:2, 0:8])
+        nisa.memset(vals[0:2, 7:8], 1e30)  # not in data
+        nisa.nc_find_index8(idx, t, vals)
+        return idx
+
+    got = run(body, x)
+    np.testing.assert_array_equal(got[:, :7], np.tile(np.arange(7), (2, 1)))
+    assert (got[:, 7] == 0xFFFF).all()
+
+
+def test_nonzero_with_count_on_core_partitions_only():
+    x = (rng.random((32, 8)) < 0.5).astype(np.int32) * rng.integers(1, 9, (32, 8), dtype=np.int32)
+
+    def body(a):
+        out = sb((32, 9), nl.int32)
+        nisa.memset(out, -7)
+        nisa.nonzero_with_count(out, loaded(a), index_offset=16, padding_val=-1)
+        return out
+
+    got = run(body, x)
+    for r in range(32):
+        if r % 16:
+            assert (got[r] == -7).all()
+            continue
+        nz = np.flatnonzero(x[r])
+        np.testing.assert_array_equal(got[r], [*(nz + 16), *[-1] * (8 - nz.size), nz.size])
+
+
+def test_range_select_and_its_max_reduction():
+    x = f32(4, 16)
+    lo, hi = np.array([[2], [0], [5], [15]], np.float32), np.array([[6], [16], [5], [16]], np.float32)
+
+    def body(a, b0, b1):
+        out, red = sb((4, 16)), sb((4, 1))
+        nisa.range_select(out, loaded(a), nl.greater_equal, nl.less, loaded(b0), loaded(b1), reduce_res=red,
+                          range_start=0)
+        both = sb((4, 17))
+        nisa.tensor_copy(dst=both[0:4, 0:16], src=out)
+        nisa.tensor_copy(dst=both[0:4, 16:17], src=red)
+        return both
+
+    got = run(body, x, lo, hi)
+    i = np.arange(16)
+    want = np.where((i >= lo) & (i < hi), x, FP32_MIN)
+    np.testing.assert_array_equal(got[:, :16], want)
+    np.testing.assert_array_equal(got[:, 16], want.max(axis=1))
+
+
+def test_nc_n_gather_and_local_gather():
+    data, ids = f32(4, 2, 8), rng.integers(0, 16, (4, 5)).astype(np.uint32)
+
+    def body(d, i):
+        out = sb((4, 5))
+        nisa.nc_n_gather(out, loaded(d), loaded(i))
+        return out
+
+    np.testing.assert_array_equal(run(body, data, ids), np.take_along_axis(data.reshape(4, 16), ids.astype(int), 1))
+
+    src, n, valid = f32(32, 64), 4, 24
+    chunks = rng.integers(0, 16, (16, 2)).astype(np.uint16)
+    index = np.tile(chunks * n, (2, 1))  # element offsets, the same for both cores
+
+    def gather(s, i):
+        out = sb((32, valid * n))
+        nisa.local_gather(out, loaded(s), loaded(i), num_elem_per_idx=n, num_valid_indices=valid)
+        return out
+
+    order = chunks.flatten(order="F")[:valid]
+    want = src.reshape(32, 16, n)[:, order, :].reshape(32, -1)  # the docstring's NumPy equivalent
+    np.testing.assert_array_equal(run(gather, src, index), want)
+
+
+def test_dma_compute_sums_and_scatter_read_modify_write():
+    a, b, c = f32(4, 8), f32(4, 8), f32(4, 8)
+
+    def body(x, y, z):
+        out = sb((4, 8))
+        nisa.dma_compute(out, [x, y, z], nl.add)
+        return out
+
+    np.testing.assert_allclose(run(body, a, b, c), a + b + c, rtol=1e-6)
+    table, upd, idx = f32(8, 4), f32(3, 4), np.array([[6], [1], [3]], np.int32)
+
+    def scatter(t, u, i):
+        it, ut = loaded(i), loaded(u)
+        rows = t.ap(pattern=[[4, 3], [1, 4]], vector_offset=it, indirect_dim=0)
+        nisa.dma_compute(rows, [rows, ut], nl.add)
+        return ut
+
+    want = table.copy()
+    want[[6, 1, 3]] += upd
+    run(scatter, table, upd, idx)  # the kernel writes its input table in place
+    np.testing.assert_allclose(table, want, rtol=1e-6)
+
+
+# -- 6. zero-size slices, NKIObject, shared_constant --------------------------------------------------------------
+def test_zero_size_ds_is_an_empty_view_and_issues_nothing():
+    x = f32(4, 8)
+
+    def body(x_hbm):
+        t = loaded(x_hbm)
+        empty = t[0:4, nl.ds(8, 0)]
+        assert empty.shape == (4, 0) and x_hbm[nl.ds(2, 0)].shape == (0, 8)
+        nisa.tensor_scalar(dst=empty, data=empty, op0=nl.add, operand0=1.0)
+        nisa.dma_copy(dst=x_hbm[nl.ds(4, 0)], src=t[nl.ds(0, 0)])
+        return t
+
+    np.testing.assert_array_equal(run(body, x), x)
+    assert nki.last_stats().instructions == {"tensor": 0, "vector": 0, "scalar": 0, "gpsimd": 0, "dma": 2}
+    with pytest.raises(nki.NkiValidationError, match="size must be >= 0"):
+        nl.ds(0, -1)
+
+
+def test_nkiobject_keyword_construction():
+    cfg = nl.NKIObject(tile=128, dtype=nl.bfloat16)
+    assert (cfg.tile, cfg.dtype) == (128, nl.bfloat16)
+    with pytest.raises(TypeError):
+        nl.NKIObject(128)
+
+
+def test_shared_constant_from_array_and_npy_path(tmp_path):
+    const = f32(4, 8)
+    path = tmp_path / "const.npy"
+    np.save(path, const)
+
+    def body(x_hbm):
+        out = sb((4, 8))
+        nisa.dma_copy(dst=out, src=nl.shared_constant(str(path)))
+        nisa.tensor_tensor(dst=out, data1=out, data2=loaded(nl.shared_constant(const)), op=nl.add)
+        return out
+
+    np.testing.assert_array_equal(run(body, const), 2 * const)
+    with pytest.raises(nki.NkiValidationError, match="must name a .npy file"):
+        nl.shared_constant(str(tmp_path / "const.txt"))
+
+
+# -- 7. hardware rules (the negative kernels are in FIDELITY_NEGATIVE) --------------------------------------------
+def test_fp8_e4m3fn_matmul_on_trn3_and_rsqrt_paths():
+    x = rng.standard_normal((4, 4)).astype(ml_dtypes.float8_e4m3fn)
+
+    def body(a):
+        acc, out = ps((4, 4)), sb((4, 4))
+        nisa.nc_matmul(acc, loaded(a), loaded(a))
+        nisa.tensor_copy(dst=out, src=acc)
+        return out
+
+    with nki.use_target("trn3"):
+        got = run(body, x)
+    xf = x.astype(np.float32)
+    np.testing.assert_allclose(got, xf.T @ xf, rtol=1e-6)
+    y = (np.abs(f32(4, 8)) + 0.5).astype(np.float32)
+
+    def rsqrt(a):
+        t, p = loaded(a), ps((4, 8))
+        out = nl.rsqrt(t)
+        nisa.activation(dst=p, op=nl.rsqrt, data=t)  # the ScalarE activation still reads/writes PSUM
+        nisa.tensor_tensor(dst=out, data1=out, data2=p, op=nl.add)
+        return out
+
+    np.testing.assert_allclose(run(rsqrt, y), 2 / np.sqrt(y), rtol=1e-6)
+    assert nki.last_stats().instructions["gpsimd"] == 1
+
+
+def test_gpsimd_activation_is_not_emulated():
+    with pytest.raises(NotImplementedError, match="GpSimd activation"):
+        nisa.activation(dst=sb((4, 4)), op=nl.exp, data=sb((4, 4)), engine=nisa.engine.gpsimd)
+
+
+def test_keyword_only_kernel_signature_is_rejected():
+    def kernel(x, *, flag=True):
+        return None
+
+    with pytest.raises(nki.NkiValidationError, match=r"keyword-only parameters \(flag\) after `\*`"):
+        nki.jit(kernel)(f32(2, 2))
+
+
+def test_view_queries_and_tensor_indirection():
+    t = sb((4, 6, 8))
+    assert t.is_contiguous() and not t[0:4, 0:6, 0:8:2].is_contiguous() and not t.is_indirect()
+    assert t[0:4, 1:3].get_pattern() == [[48, 4], [8, 2], [1, 8]]
+    placed = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf, address=(0, 0))
+    assert placed.get_pattern() == [[8, 4], [1, 8]]
+    h = nl.ndarray((8, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    assert h.ap([[4, 2], [1, 4]], vector_offset=sb((2, 1), nl.int32)).is_indirect()
+    with pytest.raises(NotImplementedError, match="Tensor Indirection"):
+        t.indirect(sb((4, 1), nl.uint32))

@@ -5,8 +5,11 @@
 Each problem (the bench's shapes of the chosen tiers and every conformance case, in float32, float16
 and bfloat16) goes through the kernel's host code on torch meta tensors, so tiles, layouts, grids and
 specialisations are picked exactly as on a GPU; each launch is then compiled by Triton for the target
-(default sm_90, the H200) down to a cubin with the bundled ptxas, instead of running. The interpreter
-that runs the conformance suite on CPUs checks none of what this does:
+(default sm_90, the H200) down to a cubin with the bundled ptxas, instead of running. Derived ops
+(`<op>_backward`, `<op>_forward`) with a cuda kernel are problems of their own: their conformance cases, and
+the bench's shapes turned into what training hands them (`--op rmsnorm` covers rmsnorm and its derived ops,
+`--op rmsnorm_backward` that one alone). The interpreter that runs the conformance suite on CPUs checks none
+of what this does:
 
 - the kernel compiles (tl.dot tile minimums, dtype rules, constexpr misuse);
 - its shared memory fits the SM (`Required: X, Hardware limit: Y` at launch otherwise);
@@ -255,17 +258,23 @@ def _meta_like(a):
 
 
 def problems(specs, tiers, cases: bool, dtypes=DTYPES):
-    """(label, spec, make) for the bench shapes and the conformance cases; make() binds meta tensors."""
+    """(label, spec, make) for the bench shapes and the conformance cases; make() binds meta tensors.
+
+    A derived op takes its forward's bench shapes: a training forward the same arguments, a backward what
+    training hands it after that forward (`_backward_kw`)."""
     from opport.bench.workloads import get_workload
 
     for spec in specs:
-        wl = get_workload(spec)
+        fwd = spec.parent or spec
+        wl = get_workload(fwd)
         for dtype in dtypes:
             if dtype not in spec.dtypes:
                 continue
             for shape in wl.shapes:
                 if set(shape.tiers) & set(tiers):
                     kw = functools.partial(wl.make, shape.dims, dtype, _MetaMaker())
+                    if spec is fwd.backward_op:
+                        kw = functools.partial(_backward_kw, spec, kw)
                     yield f"{spec.name} bench {shape.label} {dtype}", spec, functools.partial(_bind_kw, spec, kw)
             for case in spec.get_cases(dtype) if cases else ():
                 yield f"{spec.name} case {case.name} {dtype}", spec, functools.partial(_bind_case, spec, case)
@@ -273,6 +282,23 @@ def problems(specs, tiers, cases: bool, dtypes=DTYPES):
 
 def _bind_kw(spec, make_kwargs):
     return spec.bind(**make_kwargs())
+
+
+def _backward_kw(bwd, make_forward_kwargs) -> dict:
+    """A backward's arguments for a forward problem of meta tensors: an upstream gradient and the forward's
+    output shaped like the output, saved statistics in float32, arranged by `autodiff.saved_values` as
+    training hands them over. (`BackwardSpec.from_forward` builds the same from data, running the float64
+    reference for the output and statistics: the llm tier's shapes would need gigabytes for that.)"""
+    from opport.autodiff import saved_values
+
+    fwd = bwd.parent
+    bound = fwd.bind(**make_forward_kwargs())
+    (shape, dtype), = fwd.out_metas(bound)
+    out = _empty(shape, str(dtype).removeprefix("torch."))
+    stats = ()
+    if fwd.train_forward is not None:
+        stats = tuple(_empty(s, str(d).removeprefix("torch.")) for s, d in fwd.train_forward.out_metas(bound)[1:])
+    return dict(zip(bwd.params, (_empty(shape, str(out.dtype).removeprefix("torch.")), *saved_values(fwd, bound, out, stats))))
 
 
 def _bind_case(spec, case):
@@ -289,8 +315,7 @@ def check(report: Report, recorder: _Recorder, label: str, spec, make):
     try:
         bound = make()
         report.grids[label] = {"bytes": spec.get_cost(*metas_of(spec, bound)).bytes, "programs": 0}
-        dtype = next(bound[i].dtype for i in spec.array_pos if hasattr(bound[i], "dtype"))
-        dtype = str(dtype).removeprefix("torch.")
+        dtype = str(spec.dtype_of(bound)).removeprefix("torch.")  # a backward's: its first input's, not grad's
         reasons = []
         for k in kernels(spec, get_backend("cuda")):
             why = k.check(dtype, bound)
@@ -313,14 +338,12 @@ def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = T
     cuda.compile_only()
     import triton
 
-    from opport.ops import get_op
-
     triton.runtime.driver.set_active(_CompileOnlyDriver(arch))
     triton.knobs.nvidia.dump_ptxas_log = True  # Triton's own ptxas run reports registers and spills
     report = Report(arch)
     recorder = _Recorder(report, progress)
     recorder.install()
-    specs = [get_op(n) for n in ops or cuda_ops()]
+    specs = cuda_specs(ops or cuda_ops())
     for label, spec, make in problems(specs, tiers, cases, dtypes):
         check(report, recorder, label, spec, make)
     return report
@@ -360,11 +383,28 @@ def cuda_ops() -> list:
     return [name for name, spec in all_ops().items() if has_kernel_module(spec, get_backend("cuda"))]
 
 
+def cuda_specs(names) -> list:
+    """The specs `names` select: an op and those of its derived ops (`<op>_forward`, `<op>_backward`) that the cuda
+    backend has a kernel for, or a derived op alone. Imports the ops' cuda kernel modules (nothing compiles)."""
+    from opport.dispatch.registry import get_backend, kernels
+    from opport.ops import get_op, with_derived
+
+    cuda = get_backend("cuda")
+    specs = []
+    for name in names:
+        spec = get_op(name)
+        for d in [spec] if spec.parent else with_derived([spec]):
+            if (d is spec or kernels(d, cuda)) and d not in specs:
+                specs.append(d)
+    return specs
+
+
 def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES) -> Report:
-    """`run` in fresh processes, at most `jobs` at a time, one per op (per op and dtype for the ops heavy
-    in _COST, so that attention does not hold up the rest); their JSON reports merged."""
-    units = [(n, dts) for n in sorted(ops or cuda_ops(), key=lambda n: -_COST.get(n, 1))
-             for dts in ([(d,) for d in dtypes] if n in _COST else [tuple(dtypes)])]
+    """`run` in fresh processes, at most `jobs` at a time, one per op with its derived ops (per op and dtype for
+    the ops heavy in _COST, so that attention does not hold up the rest); their JSON reports merged."""
+    cost = {n: _COST.get(n.removesuffix("_backward").removesuffix("_forward"), 1) for n in ops or cuda_ops()}
+    units = [(n, dts) for n in sorted(cost, key=lambda n: -cost[n])
+             for dts in ([(d,) for d in dtypes] if cost[n] > 1 else [tuple(dtypes)])]
     report = Report(arch)
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         def one(i, op, dts):
@@ -391,7 +431,9 @@ def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES) -
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python tools/cuda_aot.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
-    p.add_argument("--op", action="append", default=[], help="only this op (repeatable; default: every op with cuda kernels)")
+    p.add_argument("--op", action="append", default=[],
+                   help="only this op and its derived ops, or one derived op such as rmsnorm_backward "
+                   "(repeatable; default: every op with cuda kernels)")
     p.add_argument("--tier", action="append", default=[], help="bench shape tiers (default: smoke, small, llm)")
     p.add_argument("--no-cases", action="store_true", help="skip the conformance cases (bench shapes only)")
     p.add_argument("--dtype", action="append", default=[], choices=DTYPES, help="only this dtype (repeatable)")

@@ -68,13 +68,7 @@ class SubclassAdapter(NumpyAdapter):
     """ndarray subclasses (np.matrix, np.memmap, ...): computed on as the plain ndarray they view, on every
     backend; the output is a plain ndarray. (Masked arrays are refused instead: see `array_type_error`.)"""
 
-    @staticmethod
-    def key(a):
-        return (a.dtype, a.shape, a.strides)
-
-    @staticmethod
-    def to_numpy(a):
-        return np.asarray(a)
+    to_numpy = staticmethod(np.asarray)
 
     @staticmethod
     def to_torch(a, device: str):
@@ -162,13 +156,8 @@ class JaxAdapter:
         device = "cpu" if platform == "cpu" else f"{platform}:{dev.id}"
         return Meta("jax", np.dtype(a.dtype).name, a.shape, None, device)
 
-    @staticmethod
-    def to_numpy(a):
-        return np.asarray(a)
-
-    @staticmethod
-    def to_torch(a, device: str):
-        return NumpyAdapter.to_torch(np.asarray(a), device)
+    to_numpy = staticmethod(np.asarray)
+    to_torch = staticmethod(SubclassAdapter.to_torch)  # through a NumPy view, as ndarray subclasses
 
     @staticmethod
     def from_native(out, like):

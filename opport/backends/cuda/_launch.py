@@ -325,3 +325,110 @@ def silu_f32(x):
 def neg_zero_like(x):
     """-0.0 in x's shape. A -0.0 literal loses its sign in Triton 3.6's interpreter; 0 * -1 keeps it."""
     return tl.zeros_like(x) * -1.0
+
+
+# --------------------------------------------------------------------------- backward helpers (cudaA)
+# Row-wise backward kernels that sum a weight or bias gradient over rows do it without atomics: a fixed grid of
+# programs, each looping over row tiles pid, pid + P, ... and keeping its own partial sums, written to row pid
+# of a [P, n_cols] buffer that `sum_partials` adds up in a fixed order. Same inputs, same device: same bits.
+
+PARTIALS_PER_SM = 2  # programs per SM for a row-wise backward with partial sums: two keep each SM's loads in flight
+
+
+def bwd_row_config(n_rows: int, n_cols: int, wide: bool = False, spread: int = 2) -> RowConfig:
+    """Tile for a row-wise backward: the forward's (`row_config`) with the warps of a tile `spread` times as large,
+    since a backward keeps more row-long arrays live (grad, x, xhat, the weight, partial sums, float64
+    temporaries): 8K-column bf16 rmsnorm rows took 253 registers at the forward's 8 warps. `wide` (float64
+    arithmetic throughout, two registers a value): half the elements per tile, chunked rows past half of ROW_MAX,
+    in quarter-ROW_MAX chunks (8K-column float64 chunks spilled)."""
+    cfg = row_config(n_rows, n_cols)
+    if wide and cfg.block_m * cfg.block_n > 1024:
+        if cfg.block_m > 1:
+            cfg = RowConfig(cfg.block_m // 2, cfg.block_n, cfg.single, cfg.num_warps)
+        else:
+            cap = (INTERP_TILE if INTERPRET else ROW_MAX) // 4
+            cfg = RowConfig(1, min(cfg.block_n // 2, cap), False, cfg.num_warps)
+    return RowConfig(cfg.block_m, cfg.block_n, cfg.single, warps_for(cfg.block_m * cfg.block_n * spread))
+
+
+def partial_programs(n_tiles: int, device) -> int:
+    """Programs of a row-wise backward that keeps per-program partial sums (and rows of the [P, n_cols] buffer)."""
+    return max(1, min(n_tiles, PARTIALS_PER_SM * sm_count(device)))
+
+
+@triton.jit
+def _sum_partials_kernel(p_ptr, out_ptr, n_parts, n_cols, o_s, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[c] = sum over p of partial[p, c], in the partials' dtype, always in the same order, rounded once.
+
+    Dimensions: partial [n_parts, n_cols] contiguous; out [n_cols] with stride o_s.
+    """
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    acc = tl.zeros((BLOCK_P, BLOCK_N), p_ptr.dtype.element_ty)
+    for start in range(0, n_parts, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts < n_parts)[:, None] & col_ok[None, :]
+        acc += tl.load(p_ptr + parts.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, 0)
+    tl.store(out_ptr + cols.to(tl.int64) * o_s, narrow(total.to(tl.float32), out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def sum_partials(partial, out):
+    """Reduce a [P, n_cols] buffer of per-program partial sums into `out` [n_cols] (its dtype), deterministically."""
+    n_parts, n_cols = partial.shape
+    if n_cols == 0:
+        return out
+    block_n = min(next_pow2(n_cols), 256 if not INTERPRET else INTERP_TILE)
+    block_p = max(1, min(next_pow2(n_parts), tile_elements() // block_n))
+    _sum_partials_kernel[(cdiv(n_cols, block_n),)](partial, out, n_parts, n_cols, out.stride(0),
+                                                    BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+@triton.jit
+def is_finite(x):
+    return (x == x) & (tl.abs(x) != float("inf"))
+
+
+DEEP = tl.constexpr(64.0)  # below -DEEP, exp(x) heads for float32 subnormals (few significant bits, flushed on GPUs)
+EXP_NEG_DEEP = tl.constexpr(1.603810890548638e-28)  # exp(-DEEP)
+SHIFTED_MIN = tl.constexpr(-150.0)  # exp(x + DEEP) is a float32 normal down to here (x + DEEP >= -86)
+EXP64_ZERO_BELOW = tl.constexpr(-745.1331787109375)  # the most negative float32 whose float64 exp is not 0
+
+
+@triton.jit
+def exp_wide(a, PRECISE: tl.constexpr):
+    """exp(a) for float32 a <= 0 as float64, from one float32 exp: float32's relative accuracy down to a = -150 (past
+    where float32's own exp underflows, -103, or is flushed on a GPU, -87), and exactly 0 where float64's exp is.
+
+    a >= -DEEP: exp(a). a in [-150, -DEEP): exp(a + DEEP) exp(-DEEP); the argument a + DEEP is exact there (same
+    binade or Sterbenz). Below: exp(a / 9)^9, accurate to ~9 float32 roundings of a / 9 (5e-5 relative): enough
+    for the values it gives, at most ~1e-65 of whatever they multiply, and for the sign of inf times them.
+    """
+    arg = tl.where(a < SHIFTED_MIN, a * (1.0 / 9.0), tl.where(a < -DEEP, a + DEEP, a))
+    e = exp_f32(arg, PRECISE).to(tl.float64)
+    e3 = e * e * e
+    e = tl.where(a < SHIFTED_MIN, e3 * e3 * e3, tl.where(a < -DEEP, e * EXP_NEG_DEEP, e))
+    return tl.where(a < EXP64_ZERO_BELOW, 0.0, e)
+
+
+@triton.jit
+def silu_grad_wide(x, PRECISE: tl.constexpr):
+    """silu'(x) = sigmoid(x) (1 + x sigmoid(-x)) as float64, written q (num + x e q) with e = exp(-|x|),
+    q = 1 / (1 + e), num = 1 (x >= 0) or e: no overflow, no 1 - sigmoid(x) cancellation for x >> 0, and the limits
+    silu'(-inf) = 0, silu'(+inf) = 1 (x e is taken as 0 where e is 0, not inf * 0). NaN propagates.
+
+    float32 x: e from `exp_wide` and q in float32 (float32 accuracy, no float64 exp or division per element), but
+    nonzero down to float64's underflow at -745 like the reference's, so inf * silu'(x) keeps its sign there.
+    float64 x: float64 throughout, the reference's own arithmetic (libdevice's exp on a GPU).
+    """
+    if x.dtype == tl.float64:
+        e = tl.exp(-tl.abs(x)) if INTERPRETED else libdevice.exp(-tl.abs(x))
+        q = 1.0 / (1.0 + e)
+        xw = x
+    else:
+        e = exp_wide(-tl.abs(x), PRECISE)
+        q = (1.0 / (1.0 + e.to(tl.float32))).to(tl.float64)
+        xw = x.to(tl.float64)
+    xe = tl.where(e == 0.0, 0.0, xw * e)
+    return q * (tl.where(xw >= 0, 1.0, e) + xe * q)

@@ -1,8 +1,23 @@
-"""rmsnorm in Triton: one program normalises BLOCK_M rows, statistics in float32."""
+"""rmsnorm in Triton: one program normalises BLOCK_M rows, statistics in float32. Its backward recomputes them,
+and sums dweight without atomics: per-program partial sums, added up in a fixed order (`sum_partials`)."""
 
 import torch
 
-from opport.backends.cuda._launch import at, cdiv, f32, lead_index, narrow, pow2_scale, row_config, rows_layout, tl, triton
+from opport.backends.cuda._launch import (
+    at,
+    bwd_row_config,
+    cdiv,
+    f32,
+    lead_index,
+    narrow,
+    partial_programs,
+    pow2_scale,
+    row_config,
+    rows_layout,
+    sum_partials,
+    tl,
+    triton,
+)
 from opport.dispatch import impl
 from opport.ops.rmsnorm import rmsnorm as spec
 
@@ -82,3 +97,145 @@ def rmsnorm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
         HAS_WEIGHT=weight is not None, **cfg.meta, num_warps=cfg.num_warps,
     )
     return out
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(
+    # pointers
+    g_ptr, x_ptr, w_ptr, dx_ptr, part_ptr,
+    # shapes, strides
+    n_rows, n_cols, n1, n2,
+    g_s0, g_s1, g_s2, g_sc,
+    x_s0, x_s1, x_s2, x_sc,
+    d_s0, d_s1, d_s2, d_sc,
+    w_s, eps,
+    # meta-parameters
+    HAS_WEIGHT: tl.constexpr, ONE_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE: tl.constexpr,
+):
+    """dx = r (gw - xhat mean(gw xhat)) per row, gw = grad * w, xhat = x r, r = 1/rms(x); dweight partials.
+
+    Dimensions: grad, x, dx [n_rows, n_cols] strided views; w [n_cols]; part [programs, n_cols] float32.
+    Notes: a fixed grid of programs, each taking row tiles pid, pid + programs, ...; its sum of grad * xhat over
+    them goes to row pid of `part` (no atomics: the same bits every run). r is recomputed from x (the saved
+    tensors are the inputs), of x / s with s the forward's power of two near max|x| (exact), so float32 squares
+    do not overflow. SINGLE holds whole rows in registers (one read of grad and x) and the program's dweight
+    partial too; otherwise pass 1 sums squares and gw * x chunk by chunk (rescaled when s grows, as the
+    forward's), pass 2 re-reads to write dx and adds each chunk's dweight sum into the program's partial row.
+    ONE_COL: a one-element row's bracket is gw eps r^2 exactly (the general form cancels to float32 noise).
+    Pseudocode: s = pow2_scale(max|x|); r = rsqrt(mean((x/s)^2) + eps/s^2); xhat = (x/s) r;
+                dx = (gw - xhat mean(gw xhat)) r / s; part[pid] += sum over rows of grad * xhat
+    """
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    if SINGLE:
+        w = _weight(w_ptr, w_s, cols, cols < n_cols, HAS_WEIGHT)
+        dw = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            i0, i1, i2 = lead_index(rows, n1, n2)
+            i0, i1, i2 = i0[:, None], i1[:, None], i2[:, None]
+            mask = (rows < n_rows)[:, None] & (cols < n_cols)
+            g = f32(tl.load(g_ptr + at(i0, i1, i2, cols, g_s0, g_s1, g_s2, g_sc), mask=mask, other=0.0))
+            x = f32(tl.load(x_ptr + at(i0, i1, i2, cols, x_s0, x_s1, x_s2, x_sc), mask=mask, other=0.0))
+            s = pow2_scale(tl.max(tl.abs(x), 1))[:, None]
+            xs = x / s
+            eps_s = eps / (s * s)
+            r = tl.rsqrt(tl.sum(xs * xs, 1)[:, None] / n_cols + eps_s)
+            xhat = xs * r
+            dw += g * xhat
+            gw = g * w
+            dx = _bracket(gw, x, xhat, tl.sum(gw * xhat, 1)[:, None] / n_cols, eps_s, r, ONE_COL) * (r / s)
+            tl.store(dx_ptr + at(i0, i1, i2, cols, d_s0, d_s1, d_s2, d_sc), narrow(dx, dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            tl.store(part_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, 0)[None, :], mask=cols < n_cols)
+    else:
+        for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+            _rmsnorm_bwd_chunked(g_ptr, x_ptr, w_ptr, dx_ptr, part_ptr + pid.to(tl.int64) * n_cols, tile, n_rows, n_cols,
+                                 n1, n2, g_s0, g_s1, g_s2, g_sc, x_s0, x_s1, x_s2, x_sc, d_s0, d_s1, d_s2, d_sc, w_s, eps,
+                                 HAS_WEIGHT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _rmsnorm_bwd_chunked(g_ptr, x_ptr, w_ptr, dx_ptr, part_ptr, tile, n_rows, n_cols, n1, n2,
+                         g_s0, g_s1, g_s2, g_sc, x_s0, x_s1, x_s2, x_sc, d_s0, d_s1, d_s2, d_sc, w_s, eps,
+                         HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One row tile of rows longer than a chunk: two passes over L2-resident chunks (see the kernel)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = (rows < n_rows)[:, None]
+    i0, i1, i2 = lead_index(rows, n1, n2)
+    i0, i1, i2 = i0[:, None], i1[:, None], i2[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    ss = tl.zeros((BLOCK_M, 1), tl.float32)  # per-row sums, not [BLOCK_M, BLOCK_N] tiles: 16K-column chunks spilled
+    gx = tl.zeros((BLOCK_M, 1), tl.float32)
+    s = tl.full((BLOCK_M, 1), 1.0, tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + cols
+        mask = row_ok & (c < n_cols)
+        g = f32(tl.load(g_ptr + at(i0, i1, i2, c, g_s0, g_s1, g_s2, g_sc), mask=mask, other=0.0))
+        x = f32(tl.load(x_ptr + at(i0, i1, i2, c, x_s0, x_s1, x_s2, x_sc), mask=mask, other=0.0))
+        s_new = tl.maximum(s, pow2_scale(tl.max(tl.abs(x), 1))[:, None])
+        ratio = s / s_new  # a power of two <= 1: exact rescale of the running sums
+        xs = x / s_new
+        ss = ss * (ratio * ratio) + tl.sum(xs * xs, 1)[:, None]
+        gx = gx * ratio + tl.sum(g * _weight(w_ptr, w_s, c, mask, HAS_WEIGHT) * xs, 1)[:, None]
+        s = s_new
+    r = tl.rsqrt(ss / n_cols + eps / (s * s))
+    mean_gx = gx * r / n_cols  # mean(gw xhat)
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + cols
+        mask = row_ok & (c < n_cols)
+        g = f32(tl.load(g_ptr + at(i0, i1, i2, c, g_s0, g_s1, g_s2, g_sc), mask=mask, other=0.0))
+        x = f32(tl.load(x_ptr + at(i0, i1, i2, c, x_s0, x_s1, x_s2, x_sc), mask=mask, other=0.0))
+        xhat = (x / s) * r
+        dx = (g * _weight(w_ptr, w_s, c, mask, HAS_WEIGHT) - xhat * mean_gx) * (r / s)
+        tl.store(dx_ptr + at(i0, i1, i2, c, d_s0, d_s1, d_s2, d_sc), narrow(dx, dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            col_ok = start + tl.arange(0, BLOCK_N) < n_cols
+            p = part_ptr + start + tl.arange(0, BLOCK_N)
+            tl.store(p, tl.load(p, mask=col_ok, other=0.0) + tl.sum(g * xhat, 0), mask=col_ok)
+
+
+@triton.jit
+def _weight(w_ptr, w_s, cols, mask, HAS_WEIGHT: tl.constexpr):
+    """The weight at `cols` in float32 (masked columns 0), or 1.0 without one."""
+    if HAS_WEIGHT:
+        return f32(tl.load(w_ptr + cols.to(tl.int64) * w_s, mask=mask, other=0.0))
+    else:
+        return 1.0
+
+
+@triton.jit
+def _bracket(gw, x, xhat, mean_gx, eps_s, r, ONE_COL: tl.constexpr):
+    """gw - xhat mean(gw xhat); for one-element rows gw (1 - xhat^2) = gw eps_s r^2 exactly, + x * 0 for the NaN
+    of a non-finite x (the general form would cancel to ~6e-8 x^2 / eps relative)."""
+    if ONE_COL:
+        return gw * eps_s * r * r + x * 0.0
+    else:
+        return gw - xhat * mean_gx
+
+
+@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+def rmsnorm_backward(grad: torch.Tensor, x: torch.Tensor, weight, eps: float):
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dw = None if weight is None else torch.zeros(x.shape[-1], dtype=weight.dtype, device=x.device)
+    if dx.numel() == 0:
+        return dx, dw  # dweight: a sum over no rows
+    lay, (grad, x) = rows_layout([grad, x], dx)
+    cfg = bwd_row_config(lay.n_rows, lay.n_cols)
+    programs = partial_programs(cdiv(lay.n_rows, cfg.block_m), x.device)
+    # chunked rows add into their program's partial row, whole rows write it once
+    part = (torch.empty if cfg.single else torch.zeros)((programs, lay.n_cols) if weight is not None else (1, 1),
+                                                        dtype=torch.float32, device=x.device)
+    w, w_s = (weight, weight.stride(0)) if weight is not None else (x, 0)
+    _rmsnorm_bwd_kernel[(programs,)](
+        grad, x, w, dx, part, lay.n_rows, lay.n_cols, lay.sizes[1], lay.sizes[2], *lay.args(0), *lay.args(1),
+        *lay.args(2), w_s, eps, HAS_WEIGHT=weight is not None, ONE_COL=lay.n_cols == 1, **cfg.meta,
+        num_warps=cfg.num_warps,
+    )
+    if weight is not None:
+        sum_partials(part, dw)
+    return dx, dw

@@ -62,6 +62,38 @@ def _cross_entropy_kernel(logits_hbm, target_hbm, ignore_index, reduction, label
             none: out[rows] = loss; else acc += [sum(loss), count(t != ignore_index)]
         sum: out = acc[0]; mean: out = acc[0] / acc[1]
     """
+    return _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, False)
+
+
+@nki.jit
+def _cross_entropy_forward_kernel(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing):
+    """The training forward: _cross_entropy_kernel's loss plus each row's logsumexp, saved for the backward.
+
+    Dimensions:
+        N, V as in _cross_entropy_kernel.
+
+    Args:
+        as _cross_entropy_kernel.
+
+    Returns:
+        (out_hbm, lse_hbm): the loss as _cross_entropy_kernel's, and lse_hbm float32 [N, 1], the logsumexp of
+        every row (whatever its target: -inf for a row of -inf logits, NaN for one holding NaN or +inf).
+
+    Notes:
+        The same single pass over the logits: the row's logsumexp is M + log(r e^(m - M) + e^(x_t - M)) with
+        M = max(m, x_t), from the running max m and sum r that leave the target column out and the gathered
+        target logit x_t, which the smoothed loss already forms. A target outside [0, V) masks no column and
+        its clamped x_t is one the sum already holds, so its term is multiplied by 0 (in range: by 1, exact).
+        The extra traffic is the [N] float32 lse, which the backward reads instead of a second pass.
+
+    Pseudocode:
+        as _cross_entropy_kernel, and per row tile: lse = M + log(r e^(m - M) + [0 <= t < V] e^(x_t - M))
+    """
+    return _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, True)
+
+
+def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, with_lse):
+    """Both kernels' body: the loss of every row tile, and its logsumexp when with_lse."""
     N, V = logits_hbm.shape
     PMAX = nl.tile_size.pmax
     n_chunks = (V + FMAX - 1) // FMAX
@@ -70,6 +102,8 @@ def _cross_entropy_kernel(logits_hbm, target_hbm, ignore_index, reduction, label
     per_row = reduction == "none"
     p_all = min(PMAX, N)
     out_hbm = nl.ndarray((N, 1) if per_row else (1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    if with_lse:
+        lse_hbm = nl.ndarray((N, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     cols_sb = nl.ndarray((p_all, F0), dtype=nl.float32, buffer=nl.sbuf)  # 0..F0-1 on every partition
     nisa.iota(dst=cols_sb, pattern=[[1, F0]], offset=0, channel_multiplier=0)
     if not per_row:
@@ -134,28 +168,23 @@ def _cross_entropy_kernel(logits_hbm, target_hbm, ignore_index, reduction, label
         nisa.tensor_tensor(dst=gap_sb, data1=m_sb, data2=xt_sb, op=nl.subtract)
         loss_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=loss_sb, op=nl.softplus, data=log_r_sb, bias=gap_sb)
+        if eps > 0.0 or with_lse:  # the whole row's logsumexp is log_rall + M
+            log_rall_sb, mt_sb = _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p)
         if eps > 0.0:  # (1 - eps) nll + eps (logsumexp - mean(x)): both terms >= 0, no inf - inf
             sumx_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_reduce(dst=sumx_sb, op=nl.add, data=sums_sb, axis=1, keepdims=True)
-            mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # M = max(m, x_t): the whole row's max
-            nisa.tensor_tensor(dst=mt_sb, data1=m_sb, data2=xt_sb, op=nl.maximum)
-            neg_mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=neg_mt_sb, data=mt_sb, op0=nl.multiply, operand0=-1.0)
-            rall_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # r e^(m - M) + e^(x_t - M)
-            nisa.activation(dst=rall_sb, op=nl.exp, data=m_sb, bias=neg_mt_sb)
-            et_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=et_sb, op=nl.exp, data=xt_sb, bias=neg_mt_sb)
-            nisa.scalar_tensor_tensor(dst=rall_sb, data=rall_sb, op0=nl.multiply, operand0=r_sb, op1=nl.add,
-                                      operand1=et_sb)
-            smooth_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # log(r_all) + M - mean(x)
-            nisa.activation(dst=smooth_sb, op=nl.log, data=rall_sb)
             spread_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # M - mean(x)
             nisa.scalar_tensor_tensor(dst=spread_sb, data=sumx_sb, op0=nl.multiply, operand0=-1.0 / V, op1=nl.add,
                                       operand1=mt_sb)
-            nisa.tensor_tensor(dst=smooth_sb, data1=smooth_sb, data2=spread_sb, op=nl.add)
+            smooth_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # log(r_all) + M - mean(x)
+            nisa.tensor_tensor(dst=smooth_sb, data1=log_rall_sb, data2=spread_sb, op=nl.add)
             nisa.tensor_scalar(dst=smooth_sb, data=smooth_sb, op0=nl.multiply, operand0=eps)
             nisa.scalar_tensor_tensor(dst=loss_sb, data=loss_sb, op0=nl.multiply, operand0=1.0 - eps, op1=nl.add,
                                       operand1=smooth_sb)
+        if with_lse:
+            lse_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=lse_sb, data1=log_rall_sb, data2=mt_sb, op=nl.add)
+            nisa.dma_copy(dst=lse_hbm[r0:r0 + p, 0:1], src=lse_sb)
 
         # NaN for a target outside [0, V) that is not ignore_index, 0 for ignored rows (in that order)
         below_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
@@ -187,7 +216,37 @@ def _cross_entropy_kernel(logits_hbm, target_hbm, ignore_index, reduction, label
             nisa.reciprocal(dst=inv_sb, data=acc_sb[0:1, 1:2])
             nisa.tensor_tensor(dst=res_sb, data1=acc_sb[0:1, 0:1], data2=inv_sb, op=nl.multiply)
         nisa.dma_copy(dst=out_hbm, src=res_sb)
-    return out_hbm
+    return (out_hbm, lse_hbm) if with_lse else out_hbm
+
+
+def _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p):
+    """(log(r e^(m - M) + [0 <= t < V] e^(x_t - M)), M) with M = max(m, x_t): the row's logsumexp is their sum.
+
+    m and r leave the target column out (where the target is in range), x_t is the gathered target logit."""
+    mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # M = max(m, x_t): the whole row's max
+    nisa.tensor_tensor(dst=mt_sb, data1=m_sb, data2=xt_sb, op=nl.maximum)
+    neg_mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg_mt_sb, data=mt_sb, op0=nl.multiply, operand0=-1.0)
+    rall_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # r e^(m - M) + e^(x_t - M) [t in range]
+    nisa.activation(dst=rall_sb, op=nl.exp, data=m_sb, bias=neg_mt_sb)
+    et_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=et_sb, op=nl.exp, data=xt_sb, bias=neg_mt_sb)
+    inr_sb = _in_range(t_f_sb, V, p)
+    nisa.tensor_tensor(dst=et_sb, data1=et_sb, data2=inr_sb, op=nl.multiply)
+    nisa.scalar_tensor_tensor(dst=rall_sb, data=rall_sb, op0=nl.multiply, operand0=r_sb, op1=nl.add, operand1=et_sb)
+    log_rall_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=log_rall_sb, op=nl.log, data=rall_sb)
+    return log_rall_sb, mt_sb
+
+
+def _in_range(t_f_sb, V, p):
+    """1.0 where 0 <= t < V, else 0.0 (float32 [p, 1])."""
+    ge_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ge_sb, data=t_f_sb, op0=nl.greater_equal, operand0=0.0)
+    inr_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=inr_sb, data=t_f_sb, op0=nl.less, operand0=float(V))
+    nisa.tensor_tensor(dst=inr_sb, data1=inr_sb, data2=ge_sb, op=nl.multiply)
+    return inr_sb
 
 
 def _supports(logits, target, ignore_index, reduction, label_smoothing):
@@ -211,3 +270,169 @@ def cross_entropy(logits: np.ndarray, target: np.ndarray, ignore_index: int, red
     out = _host.run(_cross_entropy_kernel, _host.contiguous(logits), t32, int(ignore_index), reduction,
                     float(label_smoothing))
     return _host.as_dtype(out, "float32", (n,) if reduction == "none" else ())
+
+
+@impl(spec.train_forward, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+def cross_entropy_forward(logits: np.ndarray, target: np.ndarray, ignore_index: int, reduction: str,
+                          label_smoothing: float) -> tuple:
+    """Host side of the training forward: as cross_entropy's, plus the per-row logsumexp [N] (float32)."""
+    n = logits.shape[0]
+    if n == 0:
+        return cross_entropy(logits, target, ignore_index, reduction, label_smoothing), np.empty(0, np.float32)
+    out, lse = _host.run(_cross_entropy_forward_kernel, _host.contiguous(logits), _targets32(target), int(ignore_index),
+                         reduction, float(label_smoothing))
+    return (_host.as_dtype(out, "float32", (n,) if reduction == "none" else ()), _host.as_dtype(lse, "float32", (n,)))
+
+
+def _targets32(target: np.ndarray) -> np.ndarray:
+    """Targets as int32, clipped so that out-of-range stays out of range (and != ignore_index)."""
+    return np.clip(target.astype(np.int64), -TARGET_CLIP, TARGET_CLIP).astype(np.int32)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@nki.jit
+def _cross_entropy_backward_kernel(grad_hbm, logits_hbm, target_hbm, lse_hbm, ignore_index, reduction,
+                                   label_smoothing):
+    """The gradient of cross_entropy for the logits: c (exp(x - lse) - eps/V - (1 - eps) onehot(t)) per row.
+
+    Dimensions:
+        N: rows (tiled by 128 onto the partitions); V: vocabulary (free dim, chunks of FMAX).
+
+    Args:
+        grad_hbm: float32 upstream gradient, [N] for "none", else [1].
+        logits_hbm: [N, V] in HBM, float32/float16/bfloat16.
+        target_hbm: [N] int32 class indices (clipped to +-(2^24 + 1) by the host).
+        lse_hbm: [N] float32, the training forward's per-row logsumexp.
+        ignore_index, reduction, label_smoothing: compile-time, as in the forward.
+
+    Returns:
+        dx_hbm: [N, V] in the logits' dtype; ignored rows exactly 0, rows with a target outside [0, V) NaN.
+
+    Notes:
+        One pass over the logits: the softmax comes from the saved lse (one ScalarE exp per chunk with -lse
+        as its bias), so the vocabulary is read once and the gradient written once, the minimum traffic. The
+        one-hot term is the forward's iota/is_equal column test, folded in by one VectorE instruction, and
+        (y - eps/V) * c with the cast to the logits' dtype is one more. Each row's coefficient c is grad[i],
+        grad, or grad / (rows not ignored) for "mean": that count sums over every row tile, on TensorE (an
+        all-ones stationary against the kept flags accumulates in one PSUM entry on every partition), from
+        the targets loaded once before the main loop. A target out of range makes c NaN (the row's loss is
+        NaN); ignored rows are overwritten with 0 by a predicated copy, so NaN or inf logits there cannot leak.
+
+    Pseudocode:
+        c_all = grad, or grad / max(1, sum over rows of [t != ignore_index])        (TensorE)
+        for each 128-row tile:
+            c = grad[rows] or c_all; c[t outside [0, V)] = NaN
+            for chunk: e = exp(x - lse); y = e - (1 - eps) [col == t]; dx = (y - eps/V) c; dx[ignored] = 0
+    """
+    N, V = logits_hbm.shape
+    PMAX = nl.tile_size.pmax
+    F0 = min(FMAX, V)
+    p_all = min(PMAX, N)
+    dx_hbm = nl.ndarray((N, V), dtype=logits_hbm.dtype, buffer=nl.shared_hbm)
+    cols_sb = nl.ndarray((p_all, F0), dtype=nl.float32, buffer=nl.sbuf)  # 0..F0-1 on every partition
+    nisa.iota(dst=cols_sb, pattern=[[1, F0]], offset=0, channel_multiplier=0)
+    t_tiles = []  # the targets as float32 [p, 1] per row tile, loaded once (exact: |t| <= 2^24 + 1)
+    for r0 in range(0, N, PMAX):
+        t_tiles.append(_target_tile(target_hbm, r0, min(PMAX, N - r0)))
+    if reduction != "none":
+        c_all_sb = _shared_coefficient(grad_hbm, t_tiles, reduction == "mean", ignore_index, p_all)
+    for i in range(len(t_tiles)):
+        r0 = i * PMAX
+        p = min(PMAX, N - r0)
+        c_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if reduction == "none":
+            nisa.dma_copy(dst=c_sb, src=grad_hbm[r0:r0 + p])
+        else:
+            nisa.tensor_copy(dst=c_sb, src=c_all_sb[0:p, 0:1])
+        ign_sb = _mark_rows(c_sb, t_tiles[i], ignore_index, V, p)
+        lse_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=lse_sb, src=lse_hbm[r0:r0 + p])
+        neg_lse_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=neg_lse_sb, data=lse_sb, op0=nl.multiply, operand0=-1.0)
+        for c0 in range(0, V, FMAX):
+            f = min(FMAX, V - c0)
+            _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_tiles[i], c_sb, neg_lse_sb, ign_sb, r0, p, c0, f,
+                            float(label_smoothing))
+    return dx_hbm
+
+
+def _target_tile(target_hbm, r0, p):
+    """Targets r0:r0+p as a float32 [p, 1] tile (VectorE compares in float32)."""
+    t_i_sb = nl.ndarray((p, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t_i_sb, src=target_hbm[r0:r0 + p])
+    t_f_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=t_f_sb, src=t_i_sb)
+    return t_f_sb
+
+
+def _shared_coefficient(grad_hbm, t_tiles, mean, ignore_index, p_all):
+    """The upstream gradient of a reduced loss on every partition [p_all, 1], divided by the rows kept for "mean".
+
+    Both cross partitions on TensorE: grad by a K = 1 matmul against a ones row, the kept count by an all-ones
+    stationary against each tile's kept flags, accumulated over the row tiles in one PSUM entry."""
+    g_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=g_sb, src=grad_hbm[0:1])
+    ones_sb = nl.ndarray((p_all, p_all), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_sb, value=1.0)
+    g_psum = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=g_psum, stationary=ones_sb[0:1, 0:p_all], moving=g_sb)
+    c_sb = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=c_sb, src=g_psum)
+    if mean:
+        cnt_psum = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.psum)
+        for t_f_sb in t_tiles:
+            p = t_f_sb.shape[0]
+            kept_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=kept_sb, data=t_f_sb, op0=nl.not_equal, operand0=float(ignore_index))
+            nisa.nc_matmul(dst=cnt_psum, stationary=ones_sb[0:p, 0:p_all], moving=kept_sb)
+        inv_sb = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.sbuf)  # 1 / max(kept, 1): none kept, all rows 0
+        nisa.tensor_scalar(dst=inv_sb, data=cnt_psum, op0=nl.maximum, operand0=1.0)
+        nisa.reciprocal(dst=inv_sb, data=inv_sb)
+        nisa.tensor_tensor(dst=c_sb, data1=c_sb, data2=inv_sb, op=nl.multiply)
+    return c_sb
+
+
+def _mark_rows(c_sb, t_f_sb, ignore_index, V, p):
+    """c = NaN for a target outside [0, V) (its loss is NaN); returns the ignored-row predicate (uint8 [p, 1])."""
+    for op, bound in ((nl.less, 0.0), (nl.greater_equal, float(V))):
+        out_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=out_sb, data=t_f_sb, op0=op, operand0=bound)
+        nisa.tensor_copy_predicated(dst=c_sb, src=math.nan, predicate=out_sb)
+    ign_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ign_sb, data=t_f_sb, op0=nl.equal, operand0=float(ignore_index))
+    return ign_sb
+
+
+def _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_lse_sb, ign_sb, r0, p, c0, f, eps):
+    """dx[rows, c0:c0+f] = (exp(x - lse) - (1 - eps) [col == t] - eps/V) * c, ignored rows 0."""
+    V = logits_hbm.shape[1]
+    x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
+    e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_lse_sb)
+    hit_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # 1.0 at column c0 + i == t
+    nisa.tensor_scalar(dst=hit_sb, data=cols_sb[0:p, 0:f], op0=nl.add, operand0=float(c0), op1=nl.equal,
+                       operand1=t_f_sb)
+    nisa.scalar_tensor_tensor(dst=e_sb, data=hit_sb, op0=nl.multiply, operand0=eps - 1.0, op1=nl.add, operand1=e_sb)
+    dx_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=dx_sb, data=e_sb, op0=nl.subtract, operand0=eps / V, op1=nl.multiply, operand1=c_sb)
+    nisa.tensor_copy_predicated(dst=dx_sb, src=0.0, predicate=ign_sb.broadcast(1, f))
+    nisa.dma_copy(dst=dx_hbm[r0:r0 + p, c0:c0 + f], src=dx_sb)
+
+
+def _supports_backward(grad, logits, target, lse, ignore_index, reduction, label_smoothing):
+    return _supports(logits, target, ignore_index, reduction, label_smoothing)
+
+
+@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports_backward)
+def cross_entropy_backward(grad: np.ndarray, logits: np.ndarray, target: np.ndarray, lse: np.ndarray,
+                           ignore_index: int, reduction: str, label_smoothing: float) -> tuple:
+    """Host side: grad as a float32 vector ([N], or [1] for a reduced loss), targets to int32, launch."""
+    if logits.shape[0] == 0:
+        return (np.empty(logits.shape, logits.dtype),)
+    g = _host.contiguous(np.asarray(grad, np.float32).reshape(-1))
+    dx = _host.run(_cross_entropy_backward_kernel, g, _host.contiguous(logits), _targets32(target),
+                   _host.contiguous(lse), int(ignore_index), reduction, float(label_smoothing))
+    return (_host.as_dtype(dx, logits.dtype.name, logits.shape),)

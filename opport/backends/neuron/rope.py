@@ -31,17 +31,51 @@ def _rope_kernel(x_hbm, cos_hbm, sin_hbm, interleaved):
 
     Notes:
         One DMA per (batch, position tile, head group) brings x in as [positions, heads, D] through an
-        HBM access pattern (no host transpose). The cos/sin rows of the tile are loaded once and
-        broadcast over the heads with stride-0 views (expand_dim + broadcast), as nki-library's RoPE
-        does. Pair members are strided views of the same tile (halves, or step-2 slices when
-        interleaved), so the rotation is six VectorE tensor_tensor instructions per tile, in float32
-        with one rounding to x's dtype on the write.
+        HBM access pattern (no host transpose). The cos/sin rows of the tile are loaded once (once for
+        every batch entry when the table is shared) and broadcast over the heads with stride-0 views
+        (expand_dim + broadcast), as nki-library's RoPE does. Pair members are strided views of the
+        same tile (halves, or step-2 slices when interleaved), so the rotation is six VectorE
+        tensor_tensor instructions per tile, in float32 with one rounding to x's dtype on the write.
 
     Pseudocode:
-        for b, each 128-position tile, each head group:
-            c, s = cos[b?, pos], sin[b?, pos] broadcast over heads
+        for each 128-position tile, b, each head group:
+            c, s = cos[b?, pos], sin[b?, pos] broadcast over heads (a shared table's tile loaded once)
             out1 = x1 * c - x2 * s; out2 = x2 * c + x1 * s
     """
+    return _rotate(x_hbm, cos_hbm, sin_hbm, interleaved, False)
+
+
+@nki.jit
+def _rope_backward_kernel(grad_hbm, cos_hbm, sin_hbm, interleaved):
+    """The gradient of rope for x: grad [B, H, S, D] rotated back by the same angles (the inverse rotation).
+
+    Dimensions:
+        B, H, S, D as in _rope_kernel: positions tiled by 128 onto the partitions, (heads, D) on the free dim.
+
+    Args:
+        grad_hbm: [B, H, S, D] upstream gradient in HBM, float32/float16/bfloat16 (x's dtype).
+        cos_hbm, sin_hbm: the forward's tables, [S, D/2] or [B, S, D/2].
+        interleaved: compile-time bool, as in the forward.
+
+    Returns:
+        dx_hbm: [B, H, S, D] in grad's dtype: (g1 cos + g2 sin, g2 cos - g1 sin) per pair.
+
+    Notes:
+        The rotation is orthogonal, so its transpose is the rotation by -angle: the forward's tile loop
+        (_rotate) with the subtract and the add swapped, which is bit for bit the forward run on -sin
+        (negation is exact) without negating a table anywhere. Traffic is the forward's: grad and the
+        tables read once, dx written once.
+
+    Pseudocode:
+        for each 128-position tile, b, each head group:
+            c, s = cos[b?, pos], sin[b?, pos] broadcast over heads (a shared table's tile loaded once)
+            dx1 = g1 * c + g2 * s; dx2 = g2 * c - g1 * s
+    """
+    return _rotate(grad_hbm, cos_hbm, sin_hbm, interleaved, True)
+
+
+def _rotate(x_hbm, cos_hbm, sin_hbm, interleaved, inverse):
+    """The tile loop of both kernels: rotate x's pairs by +angle (forward) or -angle (inverse, the backward)."""
     B, H, S, D = x_hbm.shape
     half = D // 2
     out_hbm = nl.ndarray((B, H, S, D), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
@@ -49,17 +83,18 @@ def _rope_kernel(x_hbm, cos_hbm, sin_hbm, interleaved):
     HB = max(1, min(H, HD_MAX // D))
     per_batch = len(cos_hbm.shape) == 3
 
-    for b in range(B):
-        for s0 in range(0, S, PMAX):
-            p = min(PMAX, S - s0)
-            c_sb = nl.ndarray((p, half), dtype=cos_hbm.dtype, buffer=nl.sbuf)
-            s_sb = nl.ndarray((p, half), dtype=sin_hbm.dtype, buffer=nl.sbuf)
-            if per_batch:
-                nisa.dma_copy(dst=c_sb, src=cos_hbm[b, s0:s0 + p, 0:half])
-                nisa.dma_copy(dst=s_sb, src=sin_hbm[b, s0:s0 + p, 0:half])
-            else:
-                nisa.dma_copy(dst=c_sb, src=cos_hbm[s0:s0 + p, 0:half])
-                nisa.dma_copy(dst=s_sb, src=sin_hbm[s0:s0 + p, 0:half])
+    for s0 in range(0, S, PMAX):  # positions outside, batch inside: a shared table tile is loaded once, not B times
+        p = min(PMAX, S - s0)
+        for b in range(B):
+            if per_batch or b == 0:
+                c_sb = nl.ndarray((p, half), dtype=cos_hbm.dtype, buffer=nl.sbuf)
+                s_sb = nl.ndarray((p, half), dtype=sin_hbm.dtype, buffer=nl.sbuf)
+                if per_batch:
+                    nisa.dma_copy(dst=c_sb, src=cos_hbm[b, s0:s0 + p, 0:half])
+                    nisa.dma_copy(dst=s_sb, src=sin_hbm[b, s0:s0 + p, 0:half])
+                else:
+                    nisa.dma_copy(dst=c_sb, src=cos_hbm[s0:s0 + p, 0:half])
+                    nisa.dma_copy(dst=s_sb, src=sin_hbm[s0:s0 + p, 0:half])
             for h0 in range(0, H, HB):
                 hb = min(HB, H - h0)
                 base = ((b * H + h0) * S + s0) * D
@@ -79,12 +114,12 @@ def _rope_kernel(x_hbm, cos_hbm, sin_hbm, interleaved):
                 t2_sb = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.tensor_tensor(dst=t1_sb, data1=x1, data2=cb, op=nl.multiply)
                 nisa.tensor_tensor(dst=t2_sb, data1=x2, data2=sb, op=nl.multiply)
-                nisa.tensor_tensor(dst=o1, data1=t1_sb, data2=t2_sb, op=nl.subtract)
+                nisa.tensor_tensor(dst=o1, data1=t1_sb, data2=t2_sb, op=nl.add if inverse else nl.subtract)
                 t3_sb = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
                 t4_sb = nl.ndarray((p, hb, half), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.tensor_tensor(dst=t3_sb, data1=x2, data2=cb, op=nl.multiply)
                 nisa.tensor_tensor(dst=t4_sb, data1=x1, data2=sb, op=nl.multiply)
-                nisa.tensor_tensor(dst=o2, data1=t3_sb, data2=t4_sb, op=nl.add)
+                nisa.tensor_tensor(dst=o2, data1=t3_sb, data2=t4_sb, op=nl.subtract if inverse else nl.add)
                 nisa.dma_copy(dst=out_hbm.ap(pattern=[[D, p], [S * D, hb], [1, D]], offset=base), src=out_sb)
     return out_hbm
 
@@ -99,3 +134,16 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> 
         cos, sin = cos[0], sin[0]
     out = _host.run(_rope_kernel, _host.contiguous(x), _host.float32_table(cos), _host.float32_table(sin), bool(interleaved))
     return _host.as_dtype(out, x.dtype.name, x.shape)
+
+
+@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+def rope_backward(grad: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool):
+    """Host side, as the forward's: contiguous grad (a strided upstream gradient is copied), tables in a dtype NKI
+    has, a [1, S, D/2] table as the [S, D/2] one, launch."""
+    if grad.size == 0:
+        return (np.empty(grad.shape, grad.dtype),)
+    if cos.ndim == 3 and cos.shape[0] == 1:
+        cos, sin = cos[0], sin[0]
+    dx = _host.run(_rope_backward_kernel, _host.contiguous(grad), _host.float32_table(cos), _host.float32_table(sin),
+                   bool(interleaved))
+    return (_host.as_dtype(dx, grad.dtype.name, grad.shape),)

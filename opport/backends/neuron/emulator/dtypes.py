@@ -16,13 +16,27 @@ bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)  # [U] docs/nki.md 2.8: Neuron's legacy E4M3 mapped to IEEE-style e4m3
 float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
 float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
+float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)  # MX scale type (NKI 0.5): power-of-two exponent, NaN = 0xFF
 tfloat32 = "tfloat32"  # no NumPy storage type: rejected with a clear message where used
 
-FLOATS = (float32, float16, bfloat16, float8_e4m3, float8_e5m2, float8_e4m3fn)
+
+def _packed(name: str, nbytes: int) -> np.dtype:
+    """An x4 packed MX type: opaque bytes (a one-field structured dtype, so each name is a distinct dtype)."""
+    return np.dtype([(name, np.uint8, (nbytes,))])
+
+
+# four fp8 values in 32 bits, four fp4 values in 16 bits (nki.language dtype docs; NKI 0.3 update guide's
+# `uint16.view(nl.float4_e2m1fn_x4)`); only data movement and nc_matmul_mx / quantize_mx (trn3) use them
+float8_e4m3fn_x4 = _packed("float8_e4m3fn_x4", 4)
+float8_e5m2_x4 = _packed("float8_e5m2_x4", 4)
+float4_e2m1fn_x4 = _packed("float4_e2m1fn_x4", 2)
+
+FLOATS = (float32, float16, bfloat16, float8_e4m3, float8_e5m2, float8_e4m3fn, float8_e8m0fnu)
 INTS = (int8, int16, int32, uint8, uint16, uint32, bool_)
-ALL = FLOATS + INTS
+PACKED = (float8_e4m3fn_x4, float8_e5m2_x4, float4_e2m1fn_x4)
+ALL = FLOATS + INTS + PACKED
 MATMUL_INPUTS = (float32, float16, bfloat16, float8_e4m3, float8_e5m2, float8_e4m3fn)
-_NAMES = {str(d): d for d in ALL} | {"bool_": bool_, "bfloat16": bfloat16}
+_NAMES = {str(d): d for d in FLOATS + INTS} | {d.names[0]: d for d in PACKED} | {"bool_": bool_, "bfloat16": bfloat16}
 
 
 def as_dtype(dtype, op: str = "nl") -> np.dtype:
@@ -43,6 +57,22 @@ def as_dtype(dtype, op: str = "nl") -> np.dtype:
     return d
 
 
+def name(d: np.dtype) -> str:
+    """The NKI name of a dtype (packed types are structured dtypes whose str() is not their name)."""
+    return d.names[0] if d in PACKED else str(d)
+
+
+def is_packed(d) -> bool:
+    return d in PACKED
+
+
+def _no_packed_math(d: np.dtype, what: str):
+    if d in PACKED:
+        raise NotImplementedError(f"{what} {name(d)}: arithmetic and dtype conversion of packed x4 MX types are not "
+                                  "emulated (NKI uses them in nisa.quantize_mx / nc_matmul_mx on NeuronCore-v4); "
+                                  "copies between equal dtypes and .view() work")
+
+
 def is_float(d: np.dtype) -> bool:
     return d in FLOATS
 
@@ -56,6 +86,7 @@ def cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     values = np.asarray(values)
     if dtype == values.dtype:
         return values
+    _no_packed_math(dtype, "casting to")
     if is_int(dtype) and values.dtype.kind == "f":
         if dtype == bool_:
             return values != 0
@@ -68,7 +99,9 @@ def cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def to_f32(values: np.ndarray) -> np.ndarray:
     """What the engines compute in: float32 (integers converted by value)."""
-    return np.asarray(values).astype(np.float32)
+    values = np.asarray(values)
+    _no_packed_math(values.dtype, "reading")
+    return values.astype(np.float32)
 
 
 def sentinel(dtype: np.dtype):

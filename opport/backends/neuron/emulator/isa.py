@@ -5,69 +5,34 @@ Every instruction counts itself on its engine in the current run's statistics (r
 
 from __future__ import annotations
 
+import functools
 import math
-from enum import Enum, IntEnum
 
 import numpy as np
 
+from opport.backends.neuron.emulator import constants, runtime
 from opport.backends.neuron.emulator import dtypes as dt
-from opport.backends.neuron.emulator import runtime
+from opport.backends.neuron.emulator.constants import (
+    dge_mode,
+    dma_engine,
+    engine,
+    enum_arg,
+    matmul_perf_mode,
+    nc_version,
+    oob_mode,
+    reduce_cmd,
+)
 from opport.backends.neuron.emulator.errors import NkiValidationError, check, warn
 from opport.backends.neuron.emulator.ops import ALU_UNARY, OPS, Op, resolve
 from opport.backends.neuron.emulator.target import PMAX, PSUM_BANK_BYTES
 from opport.backends.neuron.emulator.tensor import NkiTensor, psum, sbuf
 
-__all__ = ["NkiValidationError"]
-
-
-class engine(Enum):
-    tensor = "tensor"
-    vector = "vector"
-    scalar = "scalar"
-    gpsimd = "gpsimd"
-    dma = "dma"
-    sync = "sync"
-    unknown = "unknown"
+__all__ = ["NkiValidationError", "constants", "dma_engine", "dge_mode", "engine", "matmul_perf_mode", "nc_version",
+           "oob_mode", "reduce_cmd"]
 
 
 tensor_engine, vector_engine, scalar_engine = engine.tensor, engine.vector, engine.scalar
 gpsimd_engine, unknown_engine = engine.gpsimd, engine.unknown
-
-
-class reduce_cmd(Enum):
-    idle = "idle"
-    reset = "reset"
-    reduce = "reduce"
-    reset_reduce = "reset_reduce"
-    load_reduce = "load_reduce"
-
-
-class dge_mode(Enum):
-    unknown = "unknown"
-    swdge = "swdge"
-    hwdge = "hwdge"
-    none = "none"
-
-
-class oob_mode(Enum):
-    error = "error"
-    skip = "skip"
-
-
-class matmul_perf_mode(Enum):
-    none = "none"
-    double_row = "double_row"
-
-
-class nc_version(IntEnum):
-    gen2 = 2
-    gen3 = 3
-    gen4 = 4
-
-
-class dma_engine(Enum):
-    dma = "dma"
-    gpsimd_dma = "gpsimd_dma"
 
 
 def get_nc_version() -> nc_version:
@@ -132,7 +97,7 @@ def _same_count(op, **tiles):
 
 
 def _engine(value, op, default: str, allowed) -> str:
-    name = value.value if isinstance(value, engine) else str(value)
+    name = enum_arg(value, engine, op, "engine").value
     name = default if name == "unknown" else name
     check(name in allowed, op, f"cannot run on the {name} engine (allowed: {', '.join(allowed)})")
     return name
@@ -193,7 +158,7 @@ def _dma_move(op, dst: NkiTensor, src: NkiTensor, values: np.ndarray, skip_mask=
 
 def _indirect_read(src: NkiTensor, mode, op):
     """Read a (possibly indirect) DMA source; returns values and a mask of skipped elements."""
-    if src.indirect is None:
+    if src.indirection is None:
         return src.read(), None
     idx = src._flat_index()
     bad = (idx < 0) | (idx >= src._st.data.size)
@@ -203,19 +168,33 @@ def _indirect_read(src: NkiTensor, mode, op):
     return src._st.data[np.where(bad, 0, idx)], (bad if bad.any() else None)
 
 
+def _dma_modes(op, oob, dge):
+    return enum_arg(oob, oob_mode, op, "oob_mode"), enum_arg(dge, dge_mode, op, "dge_mode")
+
+
+def _dma_engine(op, eng, dge):
+    """`engine` picks the HWDGE trigger engine: sync or scalar, with dge_mode=hwdge only."""
+    eng = enum_arg(eng, engine, op, "engine")
+    if eng is not engine.unknown:
+        check(dge is dge_mode.hwdge and eng in (engine.sync, engine.scalar), op,
+              f"engine={eng} is only valid with dge_mode=hwdge, as nisa.engine.sync or nisa.engine.scalar")
+
+
 def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
              name=None):
     op = "dma_copy"
+    oob_mode, dge_mode = _dma_modes(op, oob_mode, dge_mode)
+    _dma_engine(op, engine, dge_mode)
     _dma_side(dst, op, "dst")
     _dma_side(src, op, "src")
     check(dst.size == src.size, op, f"element counts differ: dst {dst.shape} has {dst.size}, src {src.shape} has {src.size}")
-    if dge_mode is globals()["dge_mode"].hwdge:
+    if dge_mode is constants.dge_mode.hwdge:
         check(runtime.current().target.version >= 3, op, "hardware DGE needs NeuronCore-v3 or newer")
         check(dst.dtype == src.dtype, op, f"dge_mode=hwdge cannot convert dtypes ({src.dtype} -> {dst.dtype})")
-    if dst.indirect is not None:  # scatter
+    if dst.indirection is not None:  # scatter
         idx = dst._flat_index()
         bad = (idx < 0) | (idx >= dst._st.data.size)
-        check(not bad.any() or oob_mode is globals()["oob_mode"].skip, op, "indirect DMA destination index out of bounds")
+        check(not bad.any() or oob_mode is constants.oob_mode.skip, op, "indirect DMA destination index out of bounds")
         vals = dt.cast(src.read() if src.dtype == dst.dtype else _fp32_in(src), dst.dtype)
         dst._st.data[idx[~bad]] = np.broadcast_to(vals.reshape(dst.shape), dst.shape)[~bad]
         runtime.current().dma(dst.size * dst.itemsize, 0 if src.onchip else src.size * src.itemsize, dst.size * dst.itemsize)
@@ -226,6 +205,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode=oob_mode.error, name=None):
     op = "dma_transpose"
+    oob_mode, dge_mode = _dma_modes(op, oob_mode, dge_mode)
     check(runtime.current().target.version >= 3, op, "DMA transpose needs NeuronCore-v3 or newer")
     _dma_side(dst, op, "dst")
     _dma_side(src, op, "src")
@@ -262,6 +242,11 @@ def memset(dst, value, engine=engine.unknown, name=None):
     op = "memset"
     eng = _engine(engine, op, "vector", ("vector", "gpsimd"))
     _tile(dst, op, "dst", eng)
+    if dt.is_packed(dst.dtype):  # the instruction fills one u32 with no notion of the packed lanes (NKI 0.3 guide)
+        check(value == 0, op, f"x4 packed types ({dt.name(dst.dtype)}) only take value=0, got {value!r}")
+        dst.write(np.zeros(dst.shape, dst.dtype))
+        _count(eng)
+        return
     if dt.is_int(dst.dtype):
         check(float(value) == int(value), op, f"value {value!r} does not match the integer dtype {dst.dtype}")
     dst.write(np.full(dst.shape, value, np.float64 if dt.is_float(dst.dtype) else np.int64))
@@ -507,7 +492,11 @@ def _accumulate(regs, cmd, partial, p, op_name, init=None):
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
-               name=None):
+               engine=engine.scalar, name=None):
+    if enum_arg(engine, constants.engine, "activation", "engine") is not constants.engine.scalar:
+        # SDK 2.33 documents GpSimd activations on NeuronCore-v4; their function set is not modelled here
+        raise NotImplementedError(f"activation: engine={engine} (GpSimd activation, NeuronCore-v4) is not emulated; "
+                                  "use the default Scalar engine")
     _activation("activation", dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd)
 
 
@@ -516,6 +505,7 @@ def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0
 
 
 def _activation(name_, dst, op, data, bias, scale, reduce_op, reduce_res, cmd):
+    cmd = enum_arg(cmd, reduce_cmd, name_, "reduce_cmd")
     o = resolve(op, name_)
     check(o.kind == "act", name_, f"op={o!r} is not an activation function (nl.exp, nl.copy, nl.gelu, ...)")
     _tile(dst, name_, "dst", "scalar")
@@ -557,6 +547,7 @@ def _activation(name_, dst, op, data, bias, scale, reduce_op, reduce_res, cmd):
 def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res, reverse0=False,
                          reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, name=None):
     name_ = "tensor_scalar_reduce"
+    enum_arg(reduce_cmd, constants.reduce_cmd, name_, "reduce_cmd")
     o0, r = resolve(op0, name_), resolve(reduce_op, name_)
     _tile(dst, name_, "dst", "vector")
     _tile(data, name_, "data", "vector")
@@ -566,7 +557,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res, revers
     check(not _arith_or_bitvec(o0, name_, "op0", ()), name_, "op0 must be an arithmetic operator")
     check(r.name in ("add", "multiply", "maximum", "minimum"), name_, f"reduce_op must be add, multiply, max or min, got {r!r}")
     check(reduce_res.per_partition() == 1, name_, f"reduce_res must be a ({data.shape[0]}, 1) tile, got {reduce_res.shape}")
-    check((reduce_init is not None) == (reduce_cmd is globals()["reduce_cmd"].load_reduce), name_,
+    check((reduce_init is not None) == (reduce_cmd is constants.reduce_cmd.load_reduce), name_,
           "reduce_init is given exactly when reduce_cmd is load_reduce")
     val = _vector_operand(operand0, data, name_, "operand0")
     y = _ts_apply(o0, _fp32_in(data), val, reverse0, False)
@@ -581,6 +572,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res, revers
 
 def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=reduce_cmd.idle, reduce_init=0.0, name=None):
     name_ = "exponential"
+    enum_arg(reduce_cmd, constants.reduce_cmd, name_, "reduce_cmd")
     run = runtime.current()
     check(run.target.version >= 4, name_, "nisa.exponential is available on NeuronCore-v4 (trn3) only")
     _tile(dst, name_, "dst", "vector")
@@ -610,7 +602,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     _tile(dst, op, "dst")
     check(stationary.buffer is sbuf and moving.buffer is sbuf, op, "stationary and moving must be in SBUF")
     check(dst.buffer is psum, op, f"dst must be in PSUM, got {dst.buffer}")
-    double = perf_mode is matmul_perf_mode.double_row
+    double = enum_arg(perf_mode, matmul_perf_mode, op, "perf_mode") is matmul_perf_mode.double_row
     rows_per_k = 2 if double else 1  # double_row: K split as [partition, 2] in both operands
     if double:
         check(run.target.version >= 3, op, "perf_mode=double_row needs NeuronCore-v3 or newer")
@@ -626,10 +618,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     check(k <= rows, op, f"contraction size K={k} exceeds {rows}")
     check(m <= PMAX, op, f"stationary free size M={m} exceeds 128 (nl.tile_size.gemm_stationary_fmax)")
     check(dst.shape[0] == m and dst.per_partition() == n, op, f"dst must be [M={m}, N={n}], got {dst.shape}")
-    for role, t in (("stationary", stationary), ("moving", moving)):
-        check(t.dtype in dt.MATMUL_INPUTS, op, f"{role} dtype {t.dtype} is not a matmul input type (fp8, bf16, fp16, fp32)")
-    fp32 = [t.dtype == dt.float32 for t in (stationary, moving)]
-    check(all(fp32) or not any(fp32), op, f"float32 may only pair with float32, got {stationary.dtype} x {moving.dtype}")
+    _matmul_dtypes(stationary, moving, op, run)
     if is_transpose:
         check(dst.dtype == stationary.dtype, op, f"a transpose keeps the dtype: dst {dst.dtype}, stationary {stationary.dtype}")
     else:
@@ -649,6 +638,23 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     run.count("tensor")
 
 
+def _matmul_dtypes(stationary, moving, op, run):
+    """Input dtype rules of nc_matmul (docs/nki.md 2.6; the nc_matmul docstring's "Data types")."""
+    for role, t in (("stationary", stationary), ("moving", moving)):
+        if dt.is_packed(t.dtype):
+            raise NotImplementedError(f"{op}: {role} is {dt.name(t.dtype)}; packed x4 MX types feed nisa.nc_matmul_mx "
+                                      "(NeuronCore-v4), which the opport emulator does not emulate")
+        check(t.dtype in dt.MATMUL_INPUTS, op, f"{role} dtype {t.dtype} is not a matmul input type (fp8, bf16, fp16, fp32)")
+        check(t.dtype != dt.float8_e4m3fn or run.target.version >= 4, op,
+              f"{role} is float8_e4m3fn (OCP FP8), a matmul input only from NeuronCore-v4 (trn3); {run.target.name} "
+              "takes float8_e4m3 / float8_e5m2")
+    kinds = {stationary.dtype, moving.dtype}
+    check(not {dt.float8_e4m3, dt.float8_e4m3fn} <= kinds, op,
+          "legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed in one matmul")
+    fp32 = [t.dtype == dt.float32 for t in (stationary, moving)]
+    check(all(fp32) or not any(fp32), op, f"float32 may only pair with float32, got {stationary.dtype} x {moving.dtype}")
+
+
 def _tiling(tile_position, tile_size, op) -> int:
     if not tile_position and not tile_size:
         return PMAX
@@ -664,15 +670,15 @@ def _tiling(tile_position, tile_size, op) -> int:
 
 
 def _check_bank(dst: NkiTensor, op, run):
-    """v2/v3: a matmul writes within one 2 KiB PSUM bank (allocations start on a bank boundary)."""
+    """v2/v3: a matmul writes within one 2 KiB PSUM bank (emulator-allocated tiles start on a bank boundary,
+    placed ones where their address says)."""
     if run.target.version >= 4:
         return
-    pf = dst._st.pfree
-    first = dst.offset % pf
-    last = first + sum((n - 1) * s for n, s in zip(dst.shape[1:], dst.strides[1:]))
     item = dst.itemsize
-    check(first * item // PSUM_BANK_BYTES == (last * item + item - 1) // PSUM_BANK_BYTES, op,
-          f"dst spans bytes {first * item}..{last * item + item - 1} of each partition, crossing a 2 KiB PSUM bank")
+    first = dst.free_byte_offset
+    last = first + sum((n - 1) * s for n, s in zip(dst.shape[1:], dst.strides[1:])) * item + item - 1
+    check(first // PSUM_BANK_BYTES == last // PSUM_BANK_BYTES, op,
+          f"dst spans bytes {first}..{last} of each partition, crossing a 2 KiB PSUM bank")
 
 
 def _exact_transpose_product(stationary, moving, op):
@@ -753,6 +759,7 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
                   reduce_op=OPS["maximum"], reverse_pred=False, name=None):
     """dst = where(predicate, on_true, on_false); optionally max-reduce dst into the VectorE accumulators."""
     op = "select_reduce"
+    enum_arg(reduce_cmd, constants.reduce_cmd, op, "reduce_cmd")
     for role, t in (("dst", dst), ("predicate", predicate), ("on_true", on_true)):
         _tile(t, op, role, "vector")
     check(not (on_true.buffer is psum and predicate.buffer is psum), op, "on_true and predicate cannot both be in PSUM")
@@ -776,7 +783,54 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
         _tile(reduce_res, op, "reduce_res", "vector")
         check(reduce_res.shape[0] == p and reduce_res.per_partition() == 1, op, f"reduce_res must be a ({p}, 1) tile")
         check(dt.is_float(reduce_res.dtype), op, "reduce_res must have a float dtype")
-        if reduce_cmd is globals()["reduce_cmd"].idle:
+        if reduce_cmd is constants.reduce_cmd.idle:
             warn(op, "reduce_res with reduce_cmd=idle reads stale accumulators; pass reduce_cmd=nisa.reduce_cmd.reset_reduce")
         reduce_res.write(run.vec_regs[:p].reshape(reduce_res.shape))
     run.count("vector")
+
+
+# -- the rest of the documented instruction set, and empty operands ------------------------------------------------
+from opport.backends.neuron.emulator.isa_more import (  # noqa: E402  (isa_more builds on the helpers above)
+    dma_compute,
+    local_gather,
+    max8,
+    nc_find_index8,
+    nc_match_replace8,
+    nc_matmul_mx,
+    nc_n_gather,
+    nc_stream_shuffle,
+    nonzero_with_count,
+    quantize_mx,
+    range_select,
+    tensor_tensor_scan,
+)
+
+INSTRUCTIONS = (
+    "dma_copy", "dma_transpose", "dma_compute", "tensor_copy", "memset", "iota", "affine_select", "tensor_tensor",
+    "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_partition_reduce", "reciprocal", "bn_stats",
+    "bn_aggr", "activation", "activation_reduce", "tensor_scalar_reduce", "exponential", "nc_matmul", "nc_transpose",
+    "tensor_copy_predicated", "select_reduce", "tensor_tensor_scan", "nc_stream_shuffle", "max8", "nc_find_index8",
+    "nc_match_replace8", "nonzero_with_count", "range_select", "nc_n_gather", "local_gather",
+)
+
+
+def _is_empty(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_is_empty(v) for v in value)
+    return isinstance(value, NkiTensor) and value.size == 0
+
+
+def _skips_empty(fn):
+    """An instruction given an empty view (from nl.ds(start, 0)) moves nothing: the emulator issues nothing for it."""
+    @functools.wraps(fn)
+    def instruction(*args, **kwargs):
+        if any(_is_empty(v) for v in (*args, *kwargs.values())):
+            return None
+        return fn(*args, **kwargs)
+    return instruction
+
+
+for _name in INSTRUCTIONS:
+    globals()[_name] = _skips_empty(globals()[_name])
+__all__ += ["dma_compute", "local_gather", "max8", "nc_find_index8", "nc_match_replace8", "nc_matmul_mx", "nc_n_gather",
+            "nc_stream_shuffle", "nonzero_with_count", "quantize_mx", "range_select", "tensor_tensor_scan"]

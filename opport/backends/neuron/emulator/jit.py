@@ -8,10 +8,12 @@ tensors must be shared_hbm and come back as NumPy arrays (a tuple stays a tuple)
 from __future__ import annotations
 
 import functools
+import inspect
 
 import numpy as np
 
 from opport.backends.neuron.emulator import runtime
+from opport.backends.neuron.emulator import typing as nki_typing
 from opport.backends.neuron.emulator.errors import NkiValidationError
 from opport.backends.neuron.emulator.tensor import NkiTensor, shared_hbm, wrap_hbm
 
@@ -32,6 +34,8 @@ class Kernel:
 
     def __call__(self, *args, **kwargs):
         name = self.func.__name__
+        _check_signature(self.func)
+        _check_annotations(self.func, args, kwargs)
         if isinstance(self.grid, int) and self.grid == 2 and runtime.current().target.version < 3:
             raise NkiValidationError(f"{name}: LNC=2 needs Trn2 or Trn3")
         programs = self.grid or 1
@@ -46,6 +50,26 @@ class Kernel:
         stats.calls = 1
         runtime.record(stats)
         return _outputs(out, name)
+
+
+def _check_signature(func):
+    """NKI >= 0.3 rejects the keyword-only separator `*` in kernel signatures (NKI 0.3.0 update guide)."""
+    kw_only = [p.name for p in inspect.signature(func).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    if kw_only:
+        raise NkiValidationError(f"{func.__name__}: keyword-only parameters ({', '.join(kw_only)}) after `*` are not "
+                                 "supported in NKI kernel signatures; move them to the end as ordinary parameters")
+
+
+def _check_annotations(func, args, kwargs):
+    """Parameters annotated `nki.typing.tensor[shape]` must receive arrays of that shape."""
+    try:
+        hints = inspect.get_annotations(func, eval_str=True)
+    except Exception:  # annotations naming things the emulator cannot resolve declare nothing it can check
+        return
+    bound = inspect.signature(func).bind_partial(*args, **kwargs).arguments
+    for name, hint in hints.items():
+        if isinstance(hint, nki_typing.TensorType) and name in bound:
+            hint.check(bound[name], f"{func.__name__}: argument {name}")
 
 
 def _arg(a, name):

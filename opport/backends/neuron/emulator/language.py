@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import numpy as np
 
@@ -17,9 +18,13 @@ from opport.backends.neuron.emulator import runtime as _rt
 from opport.backends.neuron.emulator.dtypes import (  # noqa: F401  (re-exported NKI names)
     bfloat16,
     bool_,
+    float4_e2m1fn_x4,
     float8_e4m3,
     float8_e4m3fn,
+    float8_e4m3fn_x4,
     float8_e5m2,
+    float8_e5m2_x4,
+    float8_e8m0fnu,
     float16,
     float32,
     int8,
@@ -47,7 +52,12 @@ from opport.backends.neuron.emulator.tensor import (  # noqa: F401
 
 
 class NKIObject:
-    """Base class of user classes the compiler may trace (no behaviour needed in the emulator)."""
+    """Base class of kernel dataclasses and configuration objects; `NKIObject(**fields)` sets the fields
+    (the documented `__init__(self, **kwargs)`); dataclass subclasses bring their own __init__."""
+
+    def __init__(self, **kwargs):
+        for key, value in kwargs.items():
+            setattr(self, key, value)
 
 
 # -- tile sizes (per target) --------------------------------------------------------------------------------
@@ -85,9 +95,10 @@ tile_size = _TileSize()
 # -- creation -------------------------------------------------------------------------------------------------
 
 
-def ndarray(shape, dtype, buffer=None, name=""):
-    """A new, uninitialised tensor (NaN-filled in the emulator so stray reads show)."""
-    return _track_shared(allocate(shape, dtype, buffer, name))
+def ndarray(shape, dtype, buffer=None, name="", address=None):
+    """A new, uninitialised tensor (NaN-filled in the emulator so stray reads show); `address` =
+    (partition_offset, free_offset in bytes) places an SBUF/PSUM tile explicitly (tensor._placed)."""
+    return _track_shared(allocate(shape, dtype, buffer, name, address=address))
 
 
 def _track_shared(t: NkiTensor) -> NkiTensor:
@@ -136,15 +147,27 @@ def empty_like(a, dtype=None, buffer=None, name=""):
 
 
 def shared_constant(constant, dtype=None):
-    """An HBM tensor holding trace-time constant data."""
+    """A shared_hbm tensor holding trace-time constant data: a NumPy array or the path of a `.npy` file."""
+    if isinstance(constant, (str, os.PathLike)):
+        check(str(constant).endswith(".npy"), "nl.shared_constant", f"a path must name a .npy file, got {constant!r}")
+        constant = np.load(constant, allow_pickle=False)
     arr = np.asarray(constant)
     t = allocate(arr.shape, dtype or arr.dtype, shared_hbm, op="nl.shared_constant")
-    t.write(arr.astype(np.float64) if _dt.is_float(t.dtype) else arr)
+    t.write(arr if arr.dtype == t.dtype else arr.astype(np.float64) if _dt.is_float(t.dtype) else arr)
     return t
 
 
-def shared_identity_matrix(n, dtype="uint8"):
-    return shared_constant(np.eye(int(n)), dtype)
+def shared_identity_matrix(n, dtype=uint8, dst=None):
+    """An n x n identity in SBUF (documented since NKI 0.3; into `dst` when given), loaded by one DMA."""
+    n, op = int(n), "nl.shared_identity_matrix"
+    if dst is None:
+        dst = allocate((n, n), dtype, sbuf, op=op)
+    check(isinstance(dst, NkiTensor) and dst.buffer is sbuf and dst.shape == (n, n), op,
+          f"dst must be an SBUF ({n}, {n}) tile, got {dst!r}")
+    dst.write(np.eye(n))
+    item = dst.itemsize  # the constant is embedded in the binary and DMAed in: count that transfer
+    _rt.current().dma(n * n * item, n * n * item, 0)
+    return dst
 
 
 # -- program / control -----------------------------------------------------------------------------------------
@@ -233,6 +256,18 @@ for _op in OPS.values():
     _op.nl_impl = _nl_binary(_op) if _op.arity == 2 and _op.kind != "act" else _nl_unary(_op) \
         if _op.kind == "act" else None
     globals()[_op.name] = _op
+
+
+def _nl_rsqrt(x, dtype=None):
+    """nl.rsqrt runs on the GpSimd engine since NKI 0.5 (for precision) and so refuses PSUM inputs."""
+    check(isinstance(x, NkiTensor) and x.buffer is not psum, "nl.rsqrt", "runs on the GpSimd engine since NKI 0.5 "
+          "and no longer accepts PSUM inputs; use nisa.activation(op=nl.rsqrt) for PSUM data")
+    out = _result(x, dtype)
+    _isa.tensor_scalar(out, x, OPS["rsqrt"], None, engine=_isa.engine.gpsimd)
+    return out
+
+
+OPS["rsqrt"].nl_impl = _nl_rsqrt
 
 
 def _nl_reduce(op_name, token_alias=None):

@@ -71,6 +71,11 @@ class Run:
         self.vec_regs = np.full(PMAX, np.nan, np.float32)
         self.sbuf_live = 0
         self.psum_live = 0
+        # explicit placement (nl.ndarray(address=...)): physical bytes per buffer, and the rectangles
+        # (p0, p1, f0, f1) claimed, counted by address range for the rest of the run (not by object lifetime)
+        self._physical: dict = {}
+        self._placed: dict = {"sbuf": set(), "psum": set()}
+        self._claimed = {"sbuf": 0, "psum": 0}
         self.shared_allocs: list = []  # shared_hbm tensors in allocation order (LNC programs share them)
         self.shared_from: list | None = None
 
@@ -93,20 +98,41 @@ class Run:
     def allocate(self, owner, buffer_name: str, bytes_per_partition: int):
         """Book a new on-chip tile; freed when its storage is garbage collected."""
         if buffer_name == "psum":
-            banks = -(-bytes_per_partition // PSUM_BANK_BYTES)
-            booked = banks * PSUM_BANK_BYTES
+            booked = -(-bytes_per_partition // PSUM_BANK_BYTES) * PSUM_BANK_BYTES  # bank-granular
             self.psum_live += booked
-            self.stats.peak_psum_bytes = max(self.stats.peak_psum_bytes, self.psum_live)
-            cap, live = self.target.psum_partition_bytes, self.psum_live
         else:
             booked = bytes_per_partition
             self.sbuf_live += booked
-            self.stats.peak_sbuf_bytes = max(self.stats.peak_sbuf_bytes, self.sbuf_live)
-            cap, live = self.target.sbuf_partition_bytes, self.sbuf_live
         weakref.finalize(owner, self._free, buffer_name, booked)
+        self._check_capacity(buffer_name)
+
+    def physical(self, buffer_name: str, partition_bytes: int) -> np.ndarray:
+        """The run's physical SBUF/PSUM bytes (partition-major), created on first explicit placement as 0xFF."""
+        if buffer_name not in self._physical:
+            self._physical[buffer_name] = np.full(PMAX * partition_bytes, 0xFF, np.uint8)
+        return self._physical[buffer_name]
+
+    def place(self, buffer_name: str, p0: int, parts: int, f0: int, nbytes: int):
+        """Claim an explicitly placed rectangle; tiles at the same or overlapping addresses share the bytes."""
+        lo, hi = f0, f0 + nbytes
+        if buffer_name == "psum":  # PSUM is booked bank-granular, like emulator-allocated tiles
+            lo, hi = lo // PSUM_BANK_BYTES * PSUM_BANK_BYTES, -(-hi // PSUM_BANK_BYTES) * PSUM_BANK_BYTES
+        rect = (p0, p0 + parts, lo, hi)
+        if rect not in self._placed[buffer_name]:
+            self._placed[buffer_name].add(rect)
+            self._claimed[buffer_name] = _claimed_bytes(self._placed[buffer_name])
+        self._check_capacity(buffer_name)
+
+    def _check_capacity(self, buffer_name: str):
+        auto = self.psum_live if buffer_name == "psum" else self.sbuf_live
+        placed = self._claimed[buffer_name]
+        live = auto + placed
+        peak = "peak_psum_bytes" if buffer_name == "psum" else "peak_sbuf_bytes"
+        setattr(self.stats, peak, max(getattr(self.stats, peak), live))
+        cap = self.target.psum_partition_bytes if buffer_name == "psum" else self.target.sbuf_partition_bytes
         if live > cap:
-            msg = (f"live {buffer_name.upper()} tiles need {live} bytes per partition, more than the {cap} bytes "
-                   f"{self.target.name} has")
+            msg = (f"live {buffer_name.upper()} tiles need {live} bytes per partition ({auto} allocated, {placed} "
+                   f"placed by address), more than the {cap} bytes {self.target.name} has")
             if strict_enabled():
                 raise NkiValidationError(f"nl.ndarray: {msg}")
             warn("nl.ndarray", msg + " (an error under emulator.strict())", NkiCapacityWarning)
@@ -116,6 +142,20 @@ class Run:
             self.psum_live -= booked
         else:
             self.sbuf_live -= booked
+
+
+def _claimed_bytes(rects) -> int:
+    """Most bytes any one partition has claimed: per band of partitions, the union of the free-byte ranges."""
+    bounds = sorted({b for p0, p1, _, _ in rects for b in (p0, p1)})
+    best = 0
+    for lo, hi in zip(bounds, bounds[1:]):
+        spans = sorted((f0, f1) for p0, p1, f0, f1 in rects if p0 <= lo and hi <= p1)
+        total, end = 0, -1
+        for f0, f1 in spans:
+            total += max(0, f1 - max(f0, end))
+            end = max(end, f1)
+        best = max(best, total)
+    return best
 
 
 _local = threading.local()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 PMAX = 128
 PSUM_BANKS = 8
 PSUM_BANK_BYTES = 2048
+PSUM_MIN_ALIGN = 4  # nl.tile_size.psum_min_align: byte alignment of a PSUM free-dim address
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from numpy.lib.stride_tricks import as_strided
 from opport.backends.neuron.emulator import dtypes as dt
 from opport.backends.neuron.emulator import runtime
 from opport.backends.neuron.emulator.errors import NkiValidationError, check
-from opport.backends.neuron.emulator.target import PMAX
+from opport.backends.neuron.emulator.target import PMAX, PSUM_MIN_ALIGN
 
 
 class Buffer:
@@ -36,23 +36,56 @@ BUFFERS = (sbuf, psum, private_hbm, shared_hbm)
 
 
 class Storage:
-    """One allocation: a flat NumPy array; `pfree` = elements per partition for on-chip buffers."""
+    """One allocation: a flat NumPy array; `pfree` = elements per partition for on-chip buffers.
 
-    __slots__ = ("data", "buffer", "pfree", "partitions", "mm_written", "name", "__weakref__")
+    Element (p, f) of an on-chip storage lives at data[p * pstride + f]. A tile allocated by the emulator is
+    dense (pstride == pfree); one placed with `nl.ndarray(address=...)` is a window onto the run's physical
+    SBUF/PSUM bytes, so pstride is the physical partition size and tiles placed at overlapping addresses
+    share bytes, as on hardware. `base_partition` / `base_bytes` locate element (0, 0) physically
+    (0 for emulator-allocated tiles, which are assumed to start on a partition-0 bank boundary).
+    """
 
-    def __init__(self, data: np.ndarray, buffer: Buffer, pfree: int | None, partitions: int, name: str = ""):
+    __slots__ = ("data", "buffer", "pfree", "partitions", "mm_written", "name", "pstride", "base_partition",
+                 "base_bytes", "__weakref__")
+
+    def __init__(self, data: np.ndarray, buffer: Buffer, pfree: int | None, partitions: int, name: str = "",
+                 pstride: int | None = None, base_partition: int = 0, base_bytes: int = 0):
         self.data, self.buffer, self.pfree, self.partitions, self.name = data, buffer, pfree, partitions, name
+        self.pstride = pfree if pstride is None else pstride
+        self.base_partition, self.base_bytes = base_partition, base_bytes
         # PSUM only: which elements the last write came from a matmul (accumulate=None auto-detection)
         self.mm_written = np.zeros(data.shape, bool) if buffer is psum else None
 
+    def as_dtype(self, new: np.dtype, op: str) -> Storage:
+        """The same bytes seen as `new` (partition sizes rescaled by the itemsize ratio)."""
+        num, den = self.data.dtype.itemsize, new.itemsize
+        sizes = [n for n in (self.pfree, self.pstride) if n is not None] + [self.data.size]
+        check(all(n * num % den == 0 for n in sizes), op,
+              f"a partition of {self.pfree} x {dt.name(self.data.dtype)} is not a whole number of {dt.name(new)}")
+        scale = (lambda n: None if n is None else n * num // den)
+        return Storage(self.data.view(new), self.buffer, scale(self.pfree), self.partitions, self.name,
+                       scale(self.pstride), self.base_partition, self.base_bytes)
+
+    def to_physical(self, logical: int) -> int:
+        """Element offset in a dense [partition, pfree] layout -> offset in data."""
+        if not self.buffer.onchip or self.pstride == self.pfree:
+            return logical
+        return (logical // self.pfree) * self.pstride + logical % self.pfree
+
+    def to_logical(self, physical: int) -> int:
+        if not self.buffer.onchip or self.pstride == self.pfree:
+            return physical
+        return (physical // self.pstride) * self.pfree + physical % self.pstride
+
 
 class DynSlice:
-    """nl.ds(start, size): `size` elements from `start`."""
+    """nl.ds(start, size): `size` elements from `start` (size 0 gives an empty view; see NkiTensor.__getitem__)."""
 
     __slots__ = ("start", "size")
 
     def __init__(self, start, size):
         self.start, self.size = int(start), int(size)
+        check(self.size >= 0, "nl.ds", f"size must be >= 0, got {self.size}")
 
     def __repr__(self):
         return f"nl.ds({self.start}, {self.size})"
@@ -70,33 +103,80 @@ def _row_major(shape, last=1):
     return tuple(reversed(strides))
 
 
-def allocate(shape, dtype, buffer=None, name="", fill=None, op="nl.ndarray") -> NkiTensor:
-    """A new tensor; filled with the NaN/4 sentinel unless `fill` is given."""
+def allocate(shape, dtype, buffer=None, name="", fill=None, op="nl.ndarray", address=None) -> NkiTensor:
+    """A new tensor; filled with the NaN/4 sentinel unless `fill` is given or it is placed at an `address`."""
     buffer = sbuf if buffer is None else buffer
     if not isinstance(buffer, Buffer):
         raise NkiValidationError(f"{op}: buffer must be nl.sbuf, nl.psum, nl.hbm, nl.private_hbm or nl.shared_hbm, "
                                  f"got {buffer!r} (strings are rejected since NKI 0.3)")
     dtype = dt.as_dtype(dtype, op)
     shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    # NkiTensor docs: "shape: tuple of positive integers" (empty views come from slicing, never allocation)
     check(all(n > 0 for n in shape), op, f"every dimension must be positive, got shape {shape}")
-    size = math.prod(shape)
-    data = np.empty(size, dtype)
-    data[...] = dt.sentinel(dtype) if fill is None else fill
-    if buffer.onchip:
-        check(len(shape) >= 2, op, f"on-chip tiles are at least 2-D (partition, free...), got shape {shape}")
-        check(len(shape) <= 5, op, f"on-chip tiles have at most 4 free dims, got shape {shape}")
-        check(shape[0] <= PMAX, op, f"partition dimension {shape[0]} exceeds maximum {PMAX}")
-        pfree = size // shape[0]
-        per_partition = pfree * dtype.itemsize
-        cap = runtime.current().target.psum_partition_bytes if buffer is psum else \
-            runtime.current().target.sbuf_partition_bytes
-        check(per_partition <= cap, op, f"a {buffer.name.upper()} tile of {per_partition} bytes per partition "
-                                        f"exceeds the {cap} bytes a partition has")
-        st = Storage(data, buffer, pfree, shape[0], name)
+    if not buffer.onchip:
+        if address is not None:
+            raise NotImplementedError(f"{op}: address={address!r} on {buffer}: explicit HBM placement is not emulated")
+        st = Storage(_filled_array(math.prod(shape), dtype, fill), buffer, None, shape[0] if shape else 1, name)
+        return NkiTensor(st, 0, shape, _row_major(shape), dtype)
+    check(len(shape) >= 2, op, f"on-chip tiles are at least 2-D (partition, free...), got shape {shape}")
+    check(len(shape) <= 5, op, f"on-chip tiles have at most 4 free dims, got shape {shape}")
+    check(shape[0] <= PMAX, op, f"partition dimension {shape[0]} exceeds maximum {PMAX}")
+    pfree = math.prod(shape[1:])
+    per_partition = pfree * dtype.itemsize
+    cap = _capacity(buffer)
+    check(per_partition <= cap, op, f"a {buffer.name.upper()} tile of {per_partition} bytes per partition "
+                                    f"exceeds the {cap} bytes a partition has")
+    if address is None:
+        st = Storage(_filled_array(math.prod(shape), dtype, fill), buffer, pfree, shape[0], name)
         runtime.current().allocate(st, buffer.name, per_partition)
+        strides = _row_major(shape)
     else:
-        st = Storage(data, buffer, None, shape[0] if shape else 1, name)
-    return NkiTensor(st, 0, shape, _row_major(shape), dtype)
+        check(fill is None, op, "a tile placed at an address keeps the bytes there; fill it with an instruction")
+        st = _placed(shape, dtype, buffer, name, address, op)
+        strides = (st.pstride,) + _row_major(shape[1:])
+    return NkiTensor(st, 0, shape, strides, dtype)
+
+
+def _capacity(buffer: Buffer) -> int:
+    t = runtime.current().target
+    return t.psum_partition_bytes if buffer is psum else t.sbuf_partition_bytes
+
+
+def _filled_array(size: int, dtype: np.dtype, fill) -> np.ndarray:
+    data = np.empty(size, dtype)
+    if fill is not None:
+        data[...] = fill
+    elif dt.is_packed(dtype):
+        data.view(np.uint8)[...] = 0xFF  # NaN in every packed fp8 lane
+    else:
+        data[...] = dt.sentinel(dtype)
+    return data
+
+
+def _placed(shape, dtype, buffer, name, address, op) -> Storage:
+    """A tile at an explicit (partition_offset, free_offset) address: a window onto the run's physical memory.
+
+    The bytes are not reset: tiles placed at overlapping addresses alias, which is how AWS kernels reuse PSUM
+    banks. Physical memory starts as 0xFF bytes (NaN in every float dtype) so never-written reads show.
+    """
+    check(isinstance(address, (tuple, list)) and len(address) == 2 and all(
+        isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in address), op,
+        f"address must be a (partition_offset, free_offset) pair of ints for {buffer}, got {address!r}")
+    p0, f0 = (int(a) for a in address)
+    parts, nbytes, cap = shape[0], math.prod(shape[1:]) * dtype.itemsize, _capacity(buffer)
+    check(p0 >= 0 and p0 + parts <= PMAX, op, f"address partitions {p0}..{p0 + parts - 1} run past the {PMAX} "
+                                               "partitions")
+    check(f0 >= 0 and f0 + nbytes <= cap, op, f"address bytes {f0}..{f0 + nbytes - 1} of each partition run past the "
+                                              f"{cap} bytes a {buffer.name.upper()} partition has")
+    if buffer is psum:  # nl.tile_size.psum_min_align: minimum byte alignment of a PSUM free address
+        check(f0 % PSUM_MIN_ALIGN == 0, op, f"PSUM free address {f0} is not {PSUM_MIN_ALIGN}-byte aligned "
+                                            "(nl.tile_size.psum_min_align)")
+    item = dtype.itemsize
+    phys = runtime.current().physical(buffer.name, cap)
+    start = p0 * cap + f0
+    data = phys[start:start + (parts - 1) * cap + nbytes].view(dtype)
+    runtime.current().place(buffer.name, p0, parts, f0, nbytes)
+    return Storage(data, buffer, nbytes // item, parts, name, cap // item, p0, f0)
 
 
 def wrap_hbm(array: np.ndarray, name: str = "") -> NkiTensor:
@@ -116,11 +196,11 @@ def wrap_hbm(array: np.ndarray, name: str = "") -> NkiTensor:
 class NkiTensor:
     """A view of a storage. Shape, dtype and buffer follow the real API; data moves only through nl/nisa."""
 
-    __slots__ = ("_st", "offset", "shape", "strides", "dtype", "indirect")
+    __slots__ = ("_st", "offset", "shape", "strides", "dtype", "indirection")
 
     def __init__(self, st: Storage, offset: int, shape, strides, dtype, indirect=None):
         self._st, self.offset, self.shape, self.strides, self.dtype = st, int(offset), tuple(shape), tuple(strides), dtype
-        self.indirect = indirect  # ("vector", idx_tensor, dim) / ("scalar", offset, dim) from .ap()
+        self.indirection = indirect  # ("vector", idx_tensor, dim) / ("scalar", offset, dim) from .ap()
         self._check_bounds()
 
     # -- metadata -------------------------------------------------------------------------------------
@@ -150,7 +230,15 @@ class NkiTensor:
 
     @property
     def partition_start(self) -> int:
-        return self.offset // self._st.pfree if self.onchip else 0
+        """The physical partition of dim 0's first element (start-partition rules use it)."""
+        st = self._st
+        return st.base_partition + self.offset // st.pstride if self.onchip else 0
+
+    @property
+    def free_byte_offset(self) -> int:
+        """Byte offset of the first element inside its partition (PSUM bank checks use it)."""
+        st = self._st
+        return st.base_bytes + (self.offset % st.pstride) * self.itemsize
 
     def per_partition(self) -> int:
         """Elements per partition (on-chip) = product of the free dims."""
@@ -173,7 +261,7 @@ class NkiTensor:
         raise NkiValidationError("NKI tensors are not iterable; index them with ints, slices or nl.ds")
 
     def _check_bounds(self):
-        if self.indirect is not None or not self.shape:
+        if self.indirection is not None or not self.shape or not self.size:
             return
         st = self._st
         hi = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.strides))
@@ -181,11 +269,11 @@ class NkiTensor:
               f"out-of-bounds access: view {self.shape} at element offset {self.offset} with strides {self.strides} "
               f"exceeds the tensor's {st.data.size} elements")
         if st.buffer.onchip:
-            pf = st.pfree
+            pf, ps = st.pfree, st.pstride
             if self.shape[0] > 1:
-                check(self.strides[0] == pf, "index", "an on-chip view must cover contiguous partitions "
+                check(self.strides[0] == ps, "index", "an on-chip view must cover contiguous partitions "
                       f"(partition stride {self.strides[0]} elements, partition size {pf}); dim 0 is the partition dim")
-            free_hi = self.offset % pf + sum((n - 1) * s for n, s in zip(self.shape[1:], self.strides[1:]))
+            free_hi = self.offset % ps + sum((n - 1) * s for n, s in zip(self.shape[1:], self.strides[1:]))
             check(free_hi < pf, "index", f"free-dim access of view {self.shape} runs past the end of the partition "
                   f"({pf} elements)")
 
@@ -195,8 +283,8 @@ class NkiTensor:
         grids = np.indices(self.shape, sparse=True) if self.shape else ()
         flat = np.full((1,) * len(self.shape), self.offset, np.int64)
         for d, (g, s) in enumerate(zip(grids, self.strides)):
-            if self.indirect is not None and d == self.indirect[2]:
-                kind, src, _ = self.indirect
+            if self.indirection is not None and d == self.indirection[2]:
+                kind, src, _ = self.indirection
                 if kind == "vector":
                     idx = _vector_index(src, self.shape[d])
                     g = idx.reshape(g.shape)
@@ -211,7 +299,7 @@ class NkiTensor:
 
     def read(self) -> np.ndarray:
         """The elements as a NumPy array of this tensor's dtype (a copy for indirect views)."""
-        if self.indirect is not None:
+        if self.indirection is not None:
             idx = self._flat_index()
             check(idx.min() >= 0 and idx.max() < self._st.data.size, "dma", "indirect access out of bounds")
             return self._st.data[idx]
@@ -222,7 +310,7 @@ class NkiTensor:
         check(all(s or n == 1 for n, s in zip(self.shape[1:], self.strides[1:])), "dst",
               "cannot write through a broadcast (stride-0) view")
         values = dt.cast(np.asarray(values).reshape(self.shape), self.dtype)
-        if self.indirect is not None:
+        if self.indirection is not None:
             self._st.data[self._flat_index()] = values
             return
         self._view()[...] = values
@@ -236,7 +324,7 @@ class NkiTensor:
 
     # -- indexing ------------------------------------------------------------------------------------------
     def __getitem__(self, key) -> NkiTensor:
-        if self.indirect is not None:
+        if self.indirection is not None:
             raise NkiValidationError("index: an .ap() view with an indirect offset cannot be indexed further")
         key = key if isinstance(key, tuple) else (key,)
         if any(k is Ellipsis for k in key):
@@ -247,7 +335,10 @@ class NkiTensor:
         off, shape, strides = self.offset, [], []
         for d, (k, n, s) in enumerate(zip(key, self.shape, self.strides)):
             if isinstance(k, DynSlice):
-                check(k.size > 0, "index", f"nl.ds size must be positive, got {k.size}")
+                if k.size == 0:  # an empty view: instructions given one issue nothing (isa._instruction)
+                    check(0 <= k.start <= n, "index", f"nl.ds({k.start}, 0) out of bounds for dim {d} of size {n}")
+                    off, shape, strides = off + max(min(k.start, n - 1), 0) * s, shape + [0], strides + [s]
+                    continue
                 k = slice(k.start, k.start + k.size)
             if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
                 i = int(k) + (n if k < 0 else 0)
@@ -270,27 +361,43 @@ class NkiTensor:
         return NkiTensor(self._st, off, shape, strides, self.dtype)
 
     # -- view methods ------------------------------------------------------------------------------------
-    def ap(self, pattern, offset=0, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None) -> NkiTensor:
-        """Access pattern [[stride, count], ...] over this tensor's storage (not composable with other views)."""
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None) -> NkiTensor:
+        """Access pattern [[stride, count], ...] over this tensor's storage, starting at the view's base offset.
+
+        As documented for NkiTensor.ap: `offset=None` keeps the view's base offset and an int is added to it;
+        `dtype` reinterprets the storage's bytes first, so pattern strides and offset count elements of it.
+        """
         check(scalar_offset is None or vector_offset is None, "ap", "scalar_offset and vector_offset are exclusive")
         pattern = [tuple(int(v) for v in p) for p in pattern]
         check(all(len(p) == 2 for p in pattern) and pattern, "ap", f"pattern must be [[stride, count], ...], got {pattern}")
         check(all(c > 0 and s >= 0 for s, c in pattern), "ap", f"counts must be positive and strides >= 0: {pattern}")
-        st = self._st
+        st, base, new = self._st, self._st.to_logical(self.offset), self.dtype
         if dtype is not None and dt.as_dtype(dtype, "ap") != self.dtype:
-            raise NkiValidationError("ap: reinterpreting dtype through .ap is not supported by the emulator; use .view")
+            st, base, new = self._reinterpreted(dt.as_dtype(dtype, "ap"), base)
+        strides = [s for s, _ in pattern]
         if st.buffer.onchip:
             check(pattern[0][0] == st.pfree or pattern[0][1] == 1, "ap",
                   f"on-chip pattern's first (partition) stride must be the partition size {st.pfree}, got {pattern[0][0]}")
-        indirect = None
+            strides[0] = st.pstride
+        start = st.to_physical(base + (0 if offset is None else int(offset)))
+        return NkiTensor(st, start, [c for _, c in pattern], strides, new, self._indirection(
+            pattern, scalar_offset, vector_offset, indirect_dim))
+
+    def _reinterpreted(self, new, base):
+        """(storage, base offset, dtype) of this view's bytes seen as `new` (for .ap(dtype=...))."""
+        num, den = self.itemsize, new.itemsize
+        check(base * num % den == 0, "ap", f"the view starts at byte {base * num}, not on a {dt.name(new)} boundary")
+        return self._st.as_dtype(new, "ap"), base * num // den, new
+
+    def _indirection(self, pattern, scalar_offset, vector_offset, indirect_dim):
         if vector_offset is not None:
-            check(not st.buffer.onchip, "ap", "vector_offset indirection indexes an HBM tensor")
+            check(not self.onchip, "ap", "vector_offset indirection indexes an HBM tensor")
             check(vector_offset.onchip and vector_offset.shape[0] == pattern[indirect_dim][1], "ap",
                   f"vector_offset must be an on-chip [{pattern[indirect_dim][1]}, 1] tile, got {vector_offset.shape}")
-            indirect = ("vector", vector_offset, indirect_dim)
-        elif scalar_offset is not None:
-            indirect = ("scalar", scalar_offset, indirect_dim)
-        return NkiTensor(st, offset, [c for _, c in pattern], [s for s, _ in pattern], self.dtype, indirect)
+            return ("vector", vector_offset, indirect_dim)
+        if scalar_offset is not None:
+            return ("scalar", scalar_offset, indirect_dim)
+        return None
 
     def reshape(self, shape) -> NkiTensor:
         shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
@@ -314,19 +421,15 @@ class NkiTensor:
         new = dt.as_dtype(dtype, "view")
         old = self.dtype
         if new.itemsize == old.itemsize:
-            st = self._st
-            alias = Storage(st.data.view(new), st.buffer, st.pfree, st.partitions, st.name)
-            return NkiTensor(alias, self.offset, self.shape, self.strides, new)
+            return NkiTensor(self._st.as_dtype(new, "view"), self.offset, self.shape, self.strides, new)
         check(self.strides[-1] == 1, "view", "a dtype view needs a contiguous last dim")
-        st = self._st
         num, den = (old.itemsize, new.itemsize)
         check(all((s * num) % den == 0 for s in self.strides[:-1]) and (self.offset * num) % den == 0
-              and (self.shape[-1] * num) % den == 0, "view", f"{self.shape} {old} cannot be viewed as {new}")
-        pfree = st.pfree * num // den if st.pfree else None
-        check(st.data.size * num % den == 0, "view", "storage size not divisible by the new itemsize")
-        alias = Storage(st.data.view(new), st.buffer, pfree, st.partitions, st.name)
+              and (self.shape[-1] * num) % den == 0, "view", f"{self.shape} {dt.name(old)} cannot be viewed as "
+              f"{dt.name(new)}")
         strides = tuple(s * num // den for s in self.strides[:-1]) + (1,)
-        return NkiTensor(alias, self.offset * num // den, self.shape[:-1] + (self.shape[-1] * num // den,), strides, new)
+        return NkiTensor(self._st.as_dtype(new, "view"), self.offset * num // den,
+                         self.shape[:-1] + (self.shape[-1] * num // den,), strides, new)
 
     def slice(self, dim, start, end, step=1) -> NkiTensor:
         key = [slice(None)] * self.ndim
@@ -400,6 +503,26 @@ class NkiTensor:
         n = math.prod(self.shape[start:end + 1])
         return NkiTensor(self._st, self.offset, self.shape[:start] + (n,) + self.shape[end + 1:],
                          self.strides[:start] + (self.strides[end],) + self.strides[end + 1:], self.dtype)
+
+    def is_indirect(self) -> bool:
+        return self.indirection is not None
+
+    def is_contiguous(self) -> bool:
+        """Row-major over the free dims (on chip the partition dim is skipped, as documented)."""
+        dims = list(zip(self.shape, self.strides))[1 if self.onchip else 0:]
+        want = _row_major([n for n, _ in dims])
+        return all(s == w for (n, s), w in zip(dims, want) if n > 1)
+
+    def get_pattern(self) -> list:
+        """[[stride, count], ...] of this view, in the units .ap() takes (on chip: dense partition stride)."""
+        strides = list(self.strides)
+        if self.onchip:
+            strides[0] = self._st.pfree
+        return [[s, n] for s, n in zip(strides, self.shape)]
+
+    def indirect(self, index, num_elem=None):
+        raise NotImplementedError("NkiTensor.indirect: Tensor Indirection (TI, NeuronCore-v4) is not emulated; "
+                                  "gather with nisa.nc_n_gather / local_gather or an indirect DMA")
 
     def assert_shape(self, shape):
         check(tuple(shape) == self.shape, "assert_shape", f"expected shape {tuple(shape)}, got {self.shape}")
