@@ -363,10 +363,11 @@ def _softmax_scale(scale, d: int) -> float:
 #     dS_ij* = P_ij* (dO_i . (v_j* - O_i))
 # the difference taken element by element before the product (exact where v_j* and O_i are close), which
 # is 0 when O_i = v_j*. Every other key has P_ij <= 1/2 wherever the row concentrates, so its dP - D error
-# is weighted down by P. The dq pass tracks j* (first key of the largest visible score) and the plain dS it
-# put in for that pair, and after its sweep swaps the one for the other in dq (a [BLOCK_M, D] correction
-# with k_j* gathered once per tile); it stores j* and dO_i . (v_j* - O_i) for the dk/dv pass, which uses
-# them in place of dP - D for that pair.
+# is weighted down by P. The dq pass tracks j* (first key of the largest visible score) and the plain dP - D
+# of that pair, and after its sweep swaps the plain dS for the exact one in dq (a [BLOCK_M, D] correction with
+# k_j* gathered once per tile); it stores j* and dO_i . (v_j* - O_i) for the dk/dv pass, which uses them in
+# place of dP - D for that pair. Where the plain dP - D is not finite (inf or NaN in dO, v or O) both passes
+# keep it, so special values come out as the reference's.
 #
 # NaN/inf under the causal mask: masked P and dS are zeroed, but 0 * NaN inside a dot would still carry a
 # non-finite k (into dq), q or dO (into dk, dv) past the mask. As in the forward, the fast launch zeroes such
@@ -439,22 +440,22 @@ def _attention_dq_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         star_score = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # the max key so far: see _track_max_key
         star_key = tl.full((BLOCK_M,), -1, tl.int32)
-        star_ds = tl.zeros((BLOCK_M,), tl.float32)
+        star_x = tl.zeros((BLOCK_M,), tl.float32)
         if EXACT:
             nan_cols = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)  # visible non-finite k per (row, column)
         else:
             nan_cols = tl.zeros((1, 1), tl.float32)
         hidden = 0
         for start in range(0, full_end, BLOCK_N):
-            acc, star_score, star_key, star_ds, nan_cols, _ = _dq_block(
-                acc, star_score, star_key, star_ds, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
+            acc, star_score, star_key, star_x, nan_cols, _ = _dq_block(
+                acc, star_score, star_key, star_x, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
                 d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION, BLOCK_N)
         for start in range(full_end, end, BLOCK_N):
-            acc, star_score, star_key, star_ds, nan_cols, bad = _dq_block(
-                acc, star_score, star_key, star_ds, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
+            acc, star_score, star_key, star_x, nan_cols, bad = _dq_block(
+                acc, star_score, star_key, star_x, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
                 d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION, BLOCK_N)
             hidden += bad
-        acc, delta_star = _max_key_fix(acc, star_score, star_key, star_ds, do, o, lse2, k_base, v_base, row_ok, sk, d,
+        acc, delta_star = _max_key_fix(acc, star_score, star_key, star_x, do, o, lse2, k_base, v_base, row_ok, sk, d,
                                        dv, k_ss, k_sd, v_ss, v_sd, offs_d, offs_dv)
         dq = acc * scale
         if EXACT:
@@ -470,19 +471,20 @@ def _attention_dq_kernel(
 
 
 @triton.jit
-def _max_key_fix(acc, star_score, star_key, star_ds, do, o, lse2, k_base, v_base, row_ok, sk, d, dv, k_ss, k_sd, v_ss,
+def _max_key_fix(acc, star_score, star_key, star_x, do, o, lse2, k_base, v_base, row_ok, sk, d, dv, k_ss, k_sd, v_ss,
                  v_sd, offs_d, offs_dv):
-    """Swap the plain dS of each row's max key j* in dq's sum A for P_j* (dO . (v_j* - O)) (section comment);
-    returns (A, dO . (v_j* - O)). Rows with no visible finite score (j* = -1) are left alone."""
-    found = row_ok & (star_key >= 0)
+    """Swap the plain dS = P (dP - D) of each row's max key j* in dq's sum A for P (dO . (v_j* - O)) (section
+    comment); returns (A, dO . (v_j* - O)). Left alone: rows with no visible finite score (j* = -1), and rows
+    whose plain dP - D is not finite (inf or NaN in dO, v or O), which keep the reference's special values."""
     j = tl.minimum(tl.maximum(star_key, 0), sk - 1).to(tl.int64)  # (clamped: never an address outside k, v)
+    found = row_ok & (star_key >= 0)
     v_star = f32(tl.load(v_base + j[:, None] * v_ss + offs_dv[None, :] * v_sd,
                          mask=found[:, None] & (offs_dv[None, :] < dv), other=0.0))
     k_star = f32(tl.load(k_base + j[:, None] * k_ss + offs_d[None, :] * k_sd,
                          mask=found[:, None] & (offs_d[None, :] < d), other=0.0))
-    delta_star = tl.where(found, tl.sum(f32(do) * (v_star - o), 1), 0.0)
-    ds_star = tl.exp2(star_score - lse2) * delta_star
-    fix = tl.where(found, ds_star - star_ds, 0.0)
+    delta_star = tl.sum(f32(do) * (v_star - o), 1)
+    p_star = tl.exp2(star_score - lse2)  # the bits of P at j* in the sweep (same operands, same formula)
+    fix = tl.where(found & (tl.abs(star_x) < float("inf")), p_star * delta_star - p_star * star_x, 0.0)
     return acc + fix[:, None] * k_star, delta_star
 
 
@@ -518,7 +520,7 @@ def _nonfinite(x):
 
 
 @triton.jit
-def _dq_block(acc, star_score, star_key, star_ds, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
+def _dq_block(acc, star_score, star_key, star_x, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
               d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               EXACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """One key block of the dq pass; returns the updated sums, the rows' max key so far, and whether k held
@@ -531,7 +533,8 @@ def _dq_block(acc, star_score, star_key, star_ds, nan_cols, q_op, do_op, delta, 
     s = tl.dot(q_op, tl.trans(dot_operand(k)), input_precision=PRECISION) * qk_scale
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do_op, tl.trans(dot_operand(v)), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
+    x = dp - delta[:, None]
+    ds = p * x
     hidden = 0
     if MASKED:
         vis = keys[None, :] < sk
@@ -547,19 +550,18 @@ def _dq_block(acc, star_score, star_key, star_ds, nan_cols, q_op, do_op, delta, 
                     nan_cols += tl.dot(vis.to(tl.float32), bad.to(tl.float32), input_precision="ieee")
                 k = tl.where(bad, tl.zeros_like(k), k)
     acc = _dot_split(ds, k, acc, PRECISION)
-    star_score, star_key, star_ds = _track_max_key(star_score, star_key, star_ds, s, ds, start)
-    return acc, star_score, star_key, star_ds, nan_cols, hidden
+    star_score, star_key, star_x = _track_max_key(star_score, star_key, star_x, s, x, start)
+    return acc, star_score, star_key, star_x, nan_cols, hidden
 
 
 @triton.jit
-def _track_max_key(star_score, star_key, star_ds, s, ds, start):
+def _track_max_key(star_score, star_key, star_x, s, x, start):
     """Per row, the max key after one more block: (largest visible score so far, log2-scaled; its key, -1 while
-    there is none; the plain dS the dq sum took for that pair). A strictly larger score moves it, so ties keep
-    the first key."""
+    there is none; its plain dP - D). A strictly larger score moves it, so ties keep the first key."""
     top, col = tl.max(s, 1, return_indices=True)
-    ds_top = tl.sum(tl.where(tl.arange(0, s.shape[1])[None, :] == col[:, None], ds, 0.0), 1)
+    x_top = tl.sum(tl.where(tl.arange(0, s.shape[1])[None, :] == col[:, None], x, 0.0), 1)
     new = top > star_score
-    return tl.where(new, top, star_score), tl.where(new, start + col, star_key), tl.where(new, ds_top, star_ds)
+    return tl.where(new, top, star_score), tl.where(new, start + col, star_key), tl.where(new, x_top, star_x)
 
 
 @triton.jit
@@ -686,7 +688,11 @@ def _dkdv_block(acc_k, acc_v, nan_k, kt_op, vt_op, q_rows, do_rows, lse_rows, st
     s = tl.dot(dot_operand(q), kt_op, input_precision=PRECISION) * qk_scale
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(dot_operand(do), vt_op, input_precision=PRECISION)
-    ds = p * tl.where(keys[None, :] == j_star[:, None], delta_star[:, None], dp - delta[:, None])  # (section comment)
+    x = dp - delta[:, None]
+    ds = p * tl.where((keys[None, :] == j_star[:, None]) & (tl.abs(x) < float("inf")), delta_star[:, None], x)
+    # dead rows (zeroed q and dO) meet a non-finite k or v as 0 * inf = NaN in s or dP: they must add nothing
+    p = tl.where(dead[:, None], 0.0, p)
+    ds = tl.where(dead[:, None], 0.0, ds)
     hidden = 0
     if MASKED:
         vis = keys[None, :] <= i[:, None] + off
