@@ -418,14 +418,13 @@ def _attention_dq_kernel(
         row_ok, head, i, at_row = _packed_rows(pid_m * BLOCK_M, b, hkv, n_kv_heads, group, sq, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        q, do, lse2, dead = _query_rows(q_ptr + b * q_sb + head * q_sh + i * q_ss, do_ptr + b * g_sb + head * g_sh + i * g_ss,
+        do_rows = do_ptr + b * g_sb + head * g_sh + i * g_ss
+        q, do, lse2, dead = _query_rows(q_ptr + b * q_sb + head * q_sh + i * q_ss, do_rows,
                                         lse_ptr + b * l_sb + head * l_sh + i * l_ss, row_ok, d, dv, q_sd, g_sd, offs_d,
                                         offs_dv)
         q_op, do_op = dot_operand(q), dot_operand(do)
         o_rows = o_ptr + b * o_sb + head * o_sh + i * o_ss
-        o = f32(tl.load(o_rows[:, None] + offs_dv[None, :] * o_sd, mask=row_ok[:, None] & (offs_dv[None, :] < dv),
-                        other=0.0))
-        delta = tl.where(dead, 0.0, tl.sum(f32(do) * o, 1))
+        delta = tl.where(dead, 0.0, tl.sum(f32(do) * _load_rows(o_rows, row_ok, dv, o_sd, offs_dv), 1))
         k_base = k_ptr + b * k_sb + hkv * k_sh
         v_base = v_ptr + b * v_sb + hkv * v_sh
         off = sk - sq
@@ -455,8 +454,8 @@ def _attention_dq_kernel(
                 acc, star_score, star_key, star_x, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
                 d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION, BLOCK_N)
             hidden += bad
-        acc, delta_star = _max_key_fix(acc, star_score, star_key, star_x, do, o, lse2, k_base, v_base, row_ok, sk, d,
-                                       dv, k_ss, k_sd, v_ss, v_sd, offs_d, offs_dv)
+        acc, delta_star = _max_key_fix(acc, star_score, star_key, star_x, do_rows, g_sd, o_rows, o_sd, lse2, k_base,
+                                       v_base, row_ok, sk, d, dv, k_ss, k_sd, v_ss, v_sd, offs_d, offs_dv)
         dq = acc * scale
         if EXACT:
             dq = tl.where(nan_cols > 0.0, float("nan"), dq)
@@ -471,8 +470,8 @@ def _attention_dq_kernel(
 
 
 @triton.jit
-def _max_key_fix(acc, star_score, star_key, star_x, do, o, lse2, k_base, v_base, row_ok, sk, d, dv, k_ss, k_sd, v_ss,
-                 v_sd, offs_d, offs_dv):
+def _max_key_fix(acc, star_score, star_key, star_x, do_rows, g_sd, o_rows, o_sd, lse2, k_base, v_base, row_ok, sk, d, dv,
+                 k_ss, k_sd, v_ss, v_sd, offs_d, offs_dv):
     """Swap the plain dS = P (dP - D) of each row's max key j* in dq's sum A for P (dO . (v_j* - O)) (section
     comment); returns (A, dO . (v_j* - O)). Left alone: rows with no visible finite score (j* = -1), and rows
     whose plain dP - D is not finite (inf or NaN in dO, v or O), which keep the reference's special values."""
@@ -482,10 +481,19 @@ def _max_key_fix(acc, star_score, star_key, star_x, do, o, lse2, k_base, v_base,
                          mask=found[:, None] & (offs_dv[None, :] < dv), other=0.0))
     k_star = f32(tl.load(k_base + j[:, None] * k_ss + offs_d[None, :] * k_sd,
                          mask=found[:, None] & (offs_d[None, :] < d), other=0.0))
-    delta_star = tl.sum(f32(do) * (v_star - o), 1)
+    # dO and O read again: keeping their float32 values in registers through the sweep spilled (dead rows'
+    # unzeroed dO does not matter: their dq is written 0 and the dk/dv pass zeroes their dS)
+    do = _load_rows(do_rows, row_ok, dv, g_sd, offs_dv)
+    delta_star = tl.sum(do * (v_star - _load_rows(o_rows, row_ok, dv, o_sd, offs_dv)), 1)
     p_star = tl.exp2(star_score - lse2)  # the bits of P at j* in the sweep (same operands, same formula)
     fix = tl.where(found & (tl.abs(star_x) < float("inf")), p_star * delta_star - p_star * star_x, 0.0)
     return acc + fix[:, None] * k_star, delta_star
+
+
+@triton.jit
+def _load_rows(rows, row_ok, n, s_col, cols):
+    """Rows of a [.., n] tensor from their row pointers, widened to float32 (0 outside)."""
+    return f32(tl.load(rows[:, None] + cols[None, :] * s_col, mask=row_ok[:, None] & (cols[None, :] < n), other=0.0))
 
 
 @triton.jit
@@ -561,7 +569,7 @@ def _track_max_key(star_score, star_key, star_x, s, x, start):
     top, col = tl.max(s, 1, return_indices=True)
     x_top = tl.sum(tl.where(tl.arange(0, s.shape[1])[None, :] == col[:, None], x, 0.0), 1)
     new = top > star_score
-    return tl.where(new, top, star_score), tl.where(new, start + col, star_key), tl.where(new, x_top, star_x)
+    return tl.where(new, top, star_score), tl.where(new, (start + col).to(tl.int32), star_key), tl.where(new, x_top, star_x)
 
 
 @triton.jit
@@ -607,7 +615,9 @@ def _attention_dkdv_kernel(
     dv [B, Hkv, Sk, Dv] and flags [B * Hkv, cdiv(Sk, flag_block)] contiguous.
     Notes: the group's query rows are packed as in the dq pass (g * Sq + i), BLOCK_M at a time. Causal:
     a block none of whose rows sees a key of this block is skipped; a block whose every row sees every key
-    runs unmasked. Keys past Sk load as 0 and only reach rows of dk, dv that are not stored.
+    runs unmasked. Keys past Sk load as 0 and only reach rows of dk, dv that are not stored. Tiles are
+    computed transposed (keys x rows: s^T = k q^T, dP^T = v dO^T), so P^T and dS^T enter the dk/dv dots as the
+    first operand straight from registers, with the keys on the MMA's M dimension.
     Pseudocode: for query block: P = exp2(s - lse); dS = P (dO V^T - D), at (i, j*_i) P dO.(v_j* - O);
                 dV += P^T dO; dK += dS^T q.  dk = scale dK
     """
@@ -629,7 +639,7 @@ def _attention_dkdv_kernel(
                     mask=(keys[:, None] < sk) & (offs_d[None, :] < d), other=0.0)
         v = tl.load(v_ptr + b * v_sb + hkv * v_sh + keys.to(tl.int64)[:, None] * v_ss + offs_dv[None, :] * v_sd,
                     mask=(keys[:, None] < sk) & (offs_dv[None, :] < dv), other=0.0)
-        kt_op, vt_op = tl.trans(dot_operand(k)), tl.trans(dot_operand(v))
+        k_op, v_op = dot_operand(k), dot_operand(v)
         off = sk - sq  # query i sees key j iff j <= i + off (causal)
         j_last = tl.minimum(j0 + BLOCK_N, sk) - 1
         acc_k = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -651,16 +661,16 @@ def _attention_dkdv_kernel(
                 if i_hi + off >= j0:  # some row sees some key of the block
                     if i_lo + off >= j_last:  # every row sees every key
                         acc_k, acc_v, nan_k, _ = _dkdv_block(
-                            acc_k, acc_v, nan_k, kt_op, vt_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off,
+                            acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off,
                             d, dv, q_sd, g_sd, qk_scale, offs_d, offs_dv, False, False, PRECISION)
                     else:
                         acc_k, acc_v, nan_k, bad = _dkdv_block(
-                            acc_k, acc_v, nan_k, kt_op, vt_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off,
+                            acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off,
                             d, dv, q_sd, g_sd, qk_scale, offs_d, offs_dv, True, EXACT, PRECISION)
                         hidden += bad
             else:
                 acc_k, acc_v, nan_k, _ = _dkdv_block(
-                    acc_k, acc_v, nan_k, kt_op, vt_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off, d, dv,
+                    acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off, d, dv,
                     q_sd, g_sd, qk_scale, offs_d, offs_dv, False, False, PRECISION)
         dk = acc_k * scale
         if EXACT:
@@ -675,41 +685,40 @@ def _attention_dkdv_kernel(
 
 
 @triton.jit
-def _dkdv_block(acc_k, acc_v, nan_k, kt_op, vt_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off, d, dv,
+def _dkdv_block(acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off, d, dv,
                 q_sd, g_sd, qk_scale, offs_d, offs_dv, MASKED: tl.constexpr, EXACT: tl.constexpr,
                 PRECISION: tl.constexpr):
-    """One query block of the dk/dv pass (MASKED: causally masked); returns the updated sums and whether q or
-    dO held non-finite entries in rows the mask hides from some key (zeroed in the fast launch's dots)."""
+    """One query block of the dk/dv pass (MASKED: causally masked), in keys x rows tiles; returns the updated
+    sums and whether q or dO held non-finite entries in rows the mask hides from some key (zeroed in the fast
+    launch's dots)."""
     q, do, lse2, dead = _query_rows(q_rows, do_rows, lse_rows, row_ok, d, dv, q_sd, g_sd, offs_d, offs_dv)
     delta_rows, star_rows, jstar_rows = stats  # the dq pass's per-row outputs
     delta = tl.load(delta_rows, mask=row_ok, other=0.0)
     delta_star = tl.load(star_rows, mask=row_ok, other=0.0)
     j_star = tl.load(jstar_rows, mask=row_ok, other=-1)
-    s = tl.dot(dot_operand(q), kt_op, input_precision=PRECISION) * qk_scale
-    p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(dot_operand(do), vt_op, input_precision=PRECISION)
-    x = dp - delta[:, None]
-    ds = p * tl.where((keys[None, :] == j_star[:, None]) & (tl.abs(x) < float("inf")), delta_star[:, None], x)
+    st = tl.dot(k_op, tl.trans(dot_operand(q)), input_precision=PRECISION) * qk_scale
+    pt = tl.exp2(st - lse2[None, :])
+    xt = tl.dot(v_op, tl.trans(dot_operand(do)), input_precision=PRECISION) - delta[None, :]  # dP - D
+    dst = pt * tl.where((keys[:, None] == j_star[None, :]) & (tl.abs(xt) < float("inf")), delta_star[None, :], xt)
     # dead rows (zeroed q and dO) meet a non-finite k or v as 0 * inf = NaN in s or dP: they must add nothing
-    p = tl.where(dead[:, None], 0.0, p)
-    ds = tl.where(dead[:, None], 0.0, ds)
+    pt = tl.where(dead[None, :], 0.0, pt)
+    dst = tl.where(dead[None, :], 0.0, dst)
     hidden = 0
     if MASKED:
-        vis = keys[None, :] <= i[:, None] + off
-        p = tl.where(vis, p, 0.0)
-        ds = tl.where(vis, ds, 0.0)
+        vis_t = keys[:, None] <= i[None, :] + off
+        pt = tl.where(vis_t, pt, 0.0)
+        dst = tl.where(vis_t, dst, 0.0)
         bad_q, bad_do = _nonfinite(q), _nonfinite(do)
         hidden = tl.maximum(tl.max(tl.max(bad_q.to(tl.int32), 1), 0), tl.max(tl.max(bad_do.to(tl.int32), 1), 0))
         if hidden > 0:  # rare
             if EXACT:
-                vis_t = tl.trans(vis)
                 # a visible non-finite q[i, c] makes dk[j, c] NaN (the score is +-inf or NaN: P or dS is 0 or NaN)
                 nan_k += tl.dot(vis_t.to(tl.float32), bad_q.to(tl.float32), input_precision="ieee")
-                acc_v += _nonfinite_part(vis_t, tl.trans(p), do)
+                acc_v += _nonfinite_part(vis_t, pt, do)
             q = tl.where(bad_q, tl.zeros_like(q), q)
             do = tl.where(bad_do, tl.zeros_like(do), do)
-    acc_v = _dot_split(tl.trans(p), do, acc_v, PRECISION)
-    acc_k = _dot_split(tl.trans(ds), q, acc_k, PRECISION)
+    acc_v = _dot_split(pt, do, acc_v, PRECISION)
+    acc_k = _dot_split(dst, q, acc_k, PRECISION)
     return acc_k, acc_v, nan_k, hidden
 
 
@@ -717,22 +726,28 @@ def _backward_supports(grad, q, k, v, out, lse, causal, scale):
     return _supports(q, k, v, causal, scale)  # the same grid (axis 1: B * Hkv) and head-dim limits
 
 
-def _backward_config(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> dict:
-    """Tiles of both backward launches: BLOCK_M packed query rows, BLOCK_N keys. GPU numbers are design
-    choices for Hopper, not timed: 64 x 64 keeps the dk/dv pass's two float32 accumulators at 64 registers a
-    thread over 8 warps for D = 128."""
-    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+def _backward_configs(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> tuple:
+    """Tiles of the dq pass (BLOCK_M packed query rows per program, BLOCK_N keys a step) and of the dk/dv pass
+    (BLOCK_N keys per program, BLOCK_M query rows a step). GPU numbers are design choices for Hopper, sized
+    by `tools/cuda_aot.py`'s registers and spills (docs/cuda.md), not timed."""
     fit = lambda n, cap: max(16, min(cap, next_pow2(n)))  # noqa: E731 (tl.dot needs every dim >= 16)
-    dims = {"BLOCK_D": block_d, "BLOCK_DV": block_dv}
+    dims = {"BLOCK_D": max(16, next_pow2(d)), "BLOCK_DV": max(16, next_pow2(dv))}
     if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
-        return {"BLOCK_M": fit(rows, 128), "BLOCK_N": fit(sk, 128), **dims, "num_warps": 4, "num_stages": 1}
-    wide = max(block_d, block_dv)
-    if dtype == torch.float32:  # IEEE FMA dots: small tiles
-        b = 32 if wide <= 128 else 16
-        return {"BLOCK_M": b, "BLOCK_N": b, **dims, "num_warps": 8, "num_stages": 2}
-    if wide <= 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, **dims, "num_warps": 4 if wide <= 64 else 8, "num_stages": 2}
-    return {"BLOCK_M": 32, "BLOCK_N": 32, **dims, "num_warps": 4, "num_stages": 1}
+        cfg = {"BLOCK_M": fit(rows, 128), "BLOCK_N": fit(sk, 128), **dims, "num_warps": 4, "num_stages": 1}
+        return cfg, cfg
+    wide = max(dims.values())
+    if dtype == torch.float32:  # IEEE FMA dots: small tiles (32 x 32 at D = 128 spilled 168 / 1804 bytes)
+        b = 32 if wide <= 64 else 16
+        cfg = {"BLOCK_M": b, "BLOCK_N": b, **dims, "num_warps": 8, "num_stages": 2}
+        return cfg, cfg
+    if wide <= 64:
+        return ({"BLOCK_M": 64, "BLOCK_N": 64, **dims, "num_warps": 8, "num_stages": 2},
+                {"BLOCK_M": 32, "BLOCK_N": 64, **dims, "num_warps": 8, "num_stages": 2})
+    if wide <= 128:  # dk/dv: 64 keys (wgmma) spilled 88-416 bytes; 32 keys compile to mma.sync without spills
+        return ({"BLOCK_M": 64, "BLOCK_N": 16, **dims, "num_warps": 8, "num_stages": 2},
+                {"BLOCK_M": 32, "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 1})
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, **dims, "num_warps": 4, "num_stages": 1}
+    return cfg, cfg
 
 
 def _backward_exact_config(cfg: dict) -> dict:
@@ -758,22 +773,26 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale):
     causal = causal and sq > 1  # as the forward: a single query row sees every key
     group = hq // hkv
     rows = group * sq  # a KV head's packed query rows
-    cfg = _backward_config(rows, sk, d, dv, q.dtype)
+    cfg_q, cfg_kv = _backward_configs(rows, sk, d, dv, q.dtype)
     delta = torch.empty((2, bsz, hq, sq), dtype=torch.float32, device=q.device)  # D and dO . (v_j* - O) per row
     j_star = torch.empty((bsz, hq, sq), dtype=torch.int32, device=q.device)
     sm_scale = _softmax_scale(scale, d)
     common = (hkv, group, sq, sk, d, dv, *q.stride(), *k.stride(), *v.stride())
     tail = (*grad.stride(), *lse.stride(), sm_scale * LOG2E, sm_scale)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    launches = ((cfg, False), (_backward_exact_config(cfg), True)) if causal else ((cfg, False),)
-    flags = torch.empty((bsz * hkv, cdiv(rows, cfg["BLOCK_M"])), dtype=torch.int32, device=q.device) if causal else delta
-    for c, exact in launches:
+    flags = torch.empty((bsz * hkv, cdiv(rows, cfg_q["BLOCK_M"])), dtype=torch.int32, device=q.device) if causal else dq
+    for c, exact in _launches(cfg_q, causal):
         _attention_dq_kernel[(cdiv(rows, c["BLOCK_M"]), bsz * hkv)](
-            q, k, v, out, grad, lse, dq, delta[0], delta[1], j_star, flags, *common, *out.stride(), *tail, cfg["BLOCK_M"],
-            CAUSAL=causal, EXACT=exact, PRECISION=precision, **c)
-    flags = torch.empty((bsz * hkv, cdiv(sk, cfg["BLOCK_N"])), dtype=torch.int32, device=q.device) if causal else delta
-    for c, exact in launches:
+            q, k, v, out, grad, lse, dq, delta[0], delta[1], j_star, flags, *common, *out.stride(), *tail,
+            cfg_q["BLOCK_M"], CAUSAL=causal, EXACT=exact, PRECISION=precision, **c)
+    flags = torch.empty((bsz * hkv, cdiv(sk, cfg_kv["BLOCK_N"])), dtype=torch.int32, device=q.device) if causal else dq
+    for c, exact in _launches(cfg_kv, causal):
         _attention_dkdv_kernel[(cdiv(sk, c["BLOCK_N"]), bsz * hkv)](
-            q, k, v, grad, lse, delta[0], delta[1], j_star, dk, dv_, flags, *common, *tail, cfg["BLOCK_N"],
+            q, k, v, grad, lse, delta[0], delta[1], j_star, dk, dv_, flags, *common, *tail, cfg_kv["BLOCK_N"],
             CAUSAL=causal, EXACT=exact, PRECISION=precision, **c)
     return dq, dk, dv_
+
+
+def _launches(cfg: dict, causal: bool) -> tuple:
+    """(config, EXACT) of a pass's launches: the fast one, then (causal) the exact re-run of flagged tiles."""
+    return ((cfg, False), (_backward_exact_config(cfg), True)) if causal else ((cfg, False),)
