@@ -389,3 +389,122 @@ def test_activation_backward_infinite_grads_keep_the_reference_signs():
             case = Case("inf-grads", tuple(a.astype(np_dtype(dtype)) for a in args), kwargs)
             with np.errstate(invalid="ignore"):  # inf - inf where both are inf: compared as special values
                 _run_backward(bwd, case, dtype)
+
+
+# --------------------------------------------------------------- backward kernels: rope, matmul, cross_entropy, attention (cudaB)
+# The conformance suite runs every case of these backwards (and of cross_entropy_forward, attention_forward);
+# below: paths its cases do not reach in the interpreter, and the attention backward's exactness claims.
+
+
+def _attention_grad_case(q, k, v, causal, dtype, grad=None, name="attention"):
+    """attention_backward's case for float64 q, k, v (cast to `dtype`): out and lse from the float64 reference."""
+    fwd = Case(name, tuple(a.astype(np_dtype(dtype)) for a in (q, k, v)), {"causal": causal, "scale": None})
+    g = None if grad is None else grad.astype(np_dtype(dtype))
+    return get_op("attention_backward").from_forward(fwd, dtype, grad=g)
+
+
+def _qkv(shape_q, shape_kv, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(shape_q), rng.standard_normal(shape_kv), rng.standard_normal(shape_kv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_backward_first_row_of_causal_sees_one_key_exactly(dtype):
+    """Causal, Sq = Sk: row 0 sees key 0 alone, so its dS, hence its dq, is exactly 0 however large v is (the
+    max-key form dO.(v_j* - O)); the plain dP - D would leave eps |dO| |v| there."""
+    q, k, v = _qkv((1, 4, 24, 32), (1, 2, 24, 32))
+    case = _attention_grad_case(q, k, v * (300.0 if dtype == "float16" else 1e4), True, dtype)
+    dq, _, _ = _run_backward(get_op("attention_backward"), case, dtype)
+    assert bool((dq[:, :, 0] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_backward_visible_neg_inf_key_under_causal_mask(dtype):
+    """k[20, 3] = -inf: rows from 20 on see it (score -inf, P = 0, so dq[:, 3] = 0 * -inf = NaN, as the reference);
+    rows before it must stay finite although the key sits in their diagonal block (the exact re-run)."""
+    q, k, v = _qkv((1, 2, 40, 32), (1, 1, 40, 32), seed=1)
+    q[..., 3] = np.abs(q[..., 3]) + 0.1
+    k[0, 0, 20, 3] = -np.inf
+    case = _attention_grad_case(q, k, v, True, dtype)
+    with np.errstate(invalid="ignore"):
+        dq, _, _ = _run_backward(get_op("attention_backward"), case, dtype)
+    assert bool(dq[:, :, 20:, 3].isnan().all()) and bool(dq[:, :, :20].isfinite().all())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_backward_infinite_grad_under_causal_mask(dtype):
+    """dO[17] holds +inf and -inf: dv of the keys row 17 sees gets them with their signs (P > 0), keys after 17
+    stay finite (their P for row 17 is 0, and 0 * inf must not reach their dv)."""
+    q, k, v = _qkv((1, 2, 40, 32), (1, 1, 40, 32), seed=2)
+    grad = np.random.default_rng(3).standard_normal((1, 2, 40, 32))
+    grad[0, 1, 17, 3], grad[0, 1, 17, 4] = np.inf, -np.inf
+    case = _attention_grad_case(q, k, v, True, dtype, grad)
+    with np.errstate(invalid="ignore"):
+        _, _, dv = _run_backward(get_op("attention_backward"), case, dtype)
+    assert bool((dv[0, 0, :18, 3] == np.inf).all()) and bool((dv[0, 0, :18, 4] == -np.inf).all())
+    assert bool(dv[0, 0, 18:].isfinite().all())
+
+
+def test_attention_backward_is_deterministic_across_gqa_groups():
+    """dk, dv sum a KV head's query heads inside one program, in order: the same bits on every call."""
+    q, k, v = _qkv((2, 8, 33, 16), (2, 2, 47, 16), seed=4)
+    case = _attention_grad_case(q, k, v, False, "float32")
+    first = _run_backward(get_op("attention_backward"), case, "float32")
+    again = _run_backward(get_op("attention_backward"), case, "float32")
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def _irregular_lead(t):
+    """Same values, leading dims (all but the last two) with strides that merge with nothing."""
+    n = t.dim() - 2
+    perm = [*reversed(range(n)), n, n + 1]
+    return t.permute(*perm).contiguous().permute(*perm)
+
+
+@pytest.mark.parametrize("shared_b", [True, False])
+@pytest.mark.parametrize("batch", [(2, 3), (2, 3, 2, 3, 2)])
+def test_matmul_backward_irregular_batch_dims(batch, shared_b):
+    """Batch dims that do not merge: up to three are read by strides (a shared b's db sums them inside one
+    accumulator), more are copied first (the documented copy); dbias sums every row either way."""
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((*batch, 17, 20)).astype(np.float32)
+    b = rng.standard_normal((20, 9) if shared_b else (*batch, 20, 9)).astype(np.float32)
+    bias = rng.standard_normal(9).astype(np.float32)
+    bwd = get_op("matmul_backward")
+    case = bwd.from_forward(Case("irregular", (a, b, bias), {}), "float32")
+    args = [_irregular_lead(to_torch(x)) if isinstance(x, np.ndarray) and x.ndim > 2 else to_torch(x) for x in case.args]
+    with opport.strict():
+        got = function(bwd)(*args, backend="cuda")
+    ref = bwd.run_reference(*case.args)
+    for i, (out, r) in enumerate(zip(got, ref)):
+        assert_close(bwd, "float32", out, r, bwd.tolerance_for("float32", i), f"matmul_backward/irregular/{i}")
+
+
+def test_matmul_dbias_two_stage_sum_is_deterministic():
+    """dbias over 300 rows: several row chunks of float32 partials, added in order by a second launch."""
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((300, 40)).astype(np.float32), rng.standard_normal((40, 70)).astype(np.float32)
+    bwd = get_op("matmul_backward")
+    case = bwd.from_forward(Case("rows-300", (a, b, rng.standard_normal(70).astype(np.float32)), {}), "float32")
+    first = _run_backward(bwd, case, "float32")
+    assert torch.equal(first[2], _run_backward(bwd, case, "float32")[2])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropy_training_forward_chunked_rows(dtype, monkeypatch):
+    """The training forward's lse over vocabulary chunks (the GPU path past 16K columns), then the backward."""
+    from opport.backends.cuda import _launch
+
+    monkeypatch.setattr(_launch, "INTERP_TILE", 128)
+    monkeypatch.setattr(_launch, "ROW_MAX", 128)
+    fwd = get_op("cross_entropy_forward")
+    for case in pick("cross_entropy", dtype, 3, lambda c: c.args[0].shape[-1] > 128 and _size(c) <= 20_000):
+        args = [to_torch(a) for a in case.args]
+        with opport.strict():
+            loss, lse = function(fwd)(*args, backend="cuda", **case.kwargs)
+        ref_loss, ref_lse = fwd.run_reference(*case.args, **case.kwargs)
+        assert_close(fwd, dtype, loss, ref_loss, fwd.tolerances[dtype], f"cross_entropy_forward/{case.name}/loss")
+        assert torch.allclose(lse.double(), torch.from_numpy(np.asarray(ref_lse, np.float64)), rtol=2e-6, atol=0,
+                              equal_nan=True)
+        bwd = get_op("cross_entropy_backward")
+        _run_backward(bwd, bwd.from_forward(case, dtype), dtype)

@@ -1,4 +1,8 @@
-"""rope in Triton: both pair layouts through one [rows, pairs, 2] tile, tables shared over heads."""
+"""rope in Triton: both pair layouts through one [rows, pairs, 2] tile, tables shared over heads.
+
+The backward is the same kernel rotating by the opposite angles (sin negated inside the kernel, which is
+exact), so dx = (g1 cos + g2 sin, g2 cos - g1 sin) comes out as the reference writes it.
+"""
 
 import torch
 
@@ -18,7 +22,7 @@ def _rope_kernel(
     c_sb, c_ss, c_sj, s_sb, s_ss, s_sj,
     pair_step, pair_gap,
     # meta-parameters
-    COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    COMPUTE: tl.constexpr, INVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """out pair (x1, x2) -> (x1*cos - x2*sin, x2*cos + x1*sin) for each (b, h, s) row.
 
@@ -28,6 +32,7 @@ def _rope_kernel(
     contiguous. Math runs in float32 (float64 when the tables are float64); x is read and written
     once, the tables once per row (L2-resident across the heads of one position).
     The store goes through float32 (the interpreter's float64 -> bfloat16 cast is wrong).
+    INVERSE rotates by -angle (rope's backward: x is the upstream gradient): sin is negated, exactly.
     Pseudocode: x1, x2 = split(x[row, pairs]); out[row, pairs] = join(x1*c - x2*s, x2*c + x1*s)
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -38,6 +43,8 @@ def _rope_kernel(
     c = tl.load(cos_ptr + b * c_sb + s * c_ss + j.to(tl.int64) * c_sj, mask=tmask, other=0.0)
     sn = tl.load(sin_ptr + b * s_sb + s * s_ss + j.to(tl.int64) * s_sj, mask=tmask, other=0.0)
     c, sn = _widen(c, COMPUTE), _widen(sn, COMPUTE)
+    if INVERSE:
+        sn = -sn
     cols = (j * pair_step)[:, :, None] + tl.arange(0, 2)[None, None, :] * pair_gap  # [1, BLOCK_H, 2]
     b, h, s, mask = b[:, :, None], h[:, :, None], s[:, :, None], tmask[:, :, None]
     x = tl.load(x_ptr + at(b, h, s, cols, x_sb, x_sh, x_ss, x_sd), mask=mask, other=0.0)
@@ -66,6 +73,16 @@ def _table_strides(t: torch.Tensor) -> tuple:
 
 @impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return _rotate(x, cos, sin, interleaved, inverse=False)
+
+
+@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
+    """dx: grad rotated back by the same tables (the forward kernel with -sin); strided grads read in place."""
+    return (_rotate(grad, cos, sin, interleaved, inverse=True),)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inverse: bool) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
@@ -78,6 +95,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     _rope_kernel[(cdiv(bsz * heads * seq, block_m),)](
         x, cos, sin, out, bsz * heads * seq, heads, seq, half, *x.stride(), *out.stride(),
         *_table_strides(cos), *_table_strides(sin), step, gap,
-        COMPUTE=compute, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps_for(block_m * block_h * 2),
+        COMPUTE=compute, INVERSE=inverse, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps_for(block_m * block_h * 2),
     )
     return out
