@@ -54,17 +54,19 @@ def _rescale_overflowed_rows(xf, ms, eps, y):
 @impl(spec.backward_op, "cpu")
 def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
     """dx and dweight per bounded row block; 1/rms recomputed from the rows read anyway. dweight is summed
-    per block (float32 for 16-bit inputs) and the block partials in order: the same bits for any thread count."""
+    per block (float32 for 16-bit inputs) and the block partials in order: the same bits for any thread count.
+    float32 inputs are computed in float64: g - xhat (g . xhat) / n cancels terms far larger than dx in rows
+    of small rms (measured: 3.1e-5 error on dx ~ 2.8, 2.3x its float32 tolerance, in float32 arithmetic)."""
     n = x.shape[-1]
     dx = np.empty(x.shape, x.dtype)
     rows = dx.size // n if n else 0
     x2, g2, d2 = x.reshape(rows, n), grad.reshape(rows, n), dx.reshape(rows, n)
-    w = upcast(weight) if weight is not None else None
+    w = _wide(weight) if weight is not None else None
     step = block_rows(n)
     partial = None if w is None else np.zeros((max(-(-rows // step), 1), n), w.dtype)
 
     def body(block):
-        xf, gf = upcast(x2[block]), upcast(g2[block])
+        xf, gf = _wide(x2[block]), _wide(g2[block])
         t = xf.dtype.type
         s = _row_scales(xf)  # 1, or a power of two for finite rows whose squares overflow
         xs = xf if s is None else xf * s
@@ -86,6 +88,11 @@ def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
         parallel_rows(rows, n, body)
     dw = None if w is None else np.add.reduce(partial, axis=0).astype(weight.dtype)
     return dx, dw
+
+
+def _wide(a: np.ndarray) -> np.ndarray:
+    """The backward's working dtype: float64 for float32, else the accumulation dtype."""
+    return a.astype(np.float64) if a.dtype == np.float32 else upcast(a)
 
 
 def _row_scales(xf: np.ndarray):
