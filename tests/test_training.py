@@ -7,6 +7,8 @@ opport's references; the comparison uses the op's own gradient tolerances (docs/
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -213,8 +215,10 @@ def _train(model, steps: int, loss_fn, backend=None) -> list:
     if backend is not None:
         patch(model)
     losses = []
-    ctx = opport.use_backend(backend) if backend else torch.enable_grad()
-    with ctx:
+    # strict: every forward and backward runs on `backend`'s own kernels (a fallback to cpu raises)
+    ctx = opport.use_backend(backend) if backend else contextlib.nullcontext()
+    strict = opport.strict() if backend else contextlib.nullcontext()
+    with ctx, strict:
         for _ in range(steps):
             logits = model(ids).logits[:, :-1].reshape(-1, 101)
             loss = loss_fn(logits, ids[:, 1:].reshape(-1))
