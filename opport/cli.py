@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     prog, debug = "opport", "--debug" in argv  # known before parsing, for errors while building the parser
     try:
         args = build_parser().parse_args(argv)
+        args.argv = ["opport", *argv]  # what a results store records (docs/store.md)
         prog, debug = f"opport {args.command}", args.debug
         return run(args)
     except KeyboardInterrupt:
