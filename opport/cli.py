@@ -27,6 +27,8 @@ from opport.errors import OpError
 SUBPACKAGES = {
     "conformance": ("opport.conformance.cli", "run the conformance suite against the float64 references"),
     "bench": ("opport.bench.cli", "run the performance suite"),
+    "history": ("opport.store.history", "runs in a results store (--store DB); --compare A B: what changed"),
+    "report": ("opport.store.html", "a static HTML page of a results store"),
 }
 EXIT_BUG, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 

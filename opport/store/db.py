@@ -115,7 +115,10 @@ class Store:
         except sqlite3.Error as e:
             raise StoreError(f"{path!r}: cannot be opened: {e}") from e
         try:
-            self._guard(_migrate, self.db, path)
+            _migrate(self.db, path)
+        except sqlite3.Error as e:  # not SQLite at all, corrupt, locked, read-only
+            self.db.close()
+            raise StoreError(f"{path!r}: cannot be read as a results store: {e}") from e
         except StoreError:
             self.db.close()
             raise
@@ -212,6 +215,18 @@ class Store:
         """One run's bench rows as its JSON report had them, each with "host", "backend", "verdict" and "ceilings"."""
         rows = self._select("SELECT * FROM bench_rows WHERE run_id = ? ORDER BY rowid", (run_id,))
         return [{**_item(r, ROW_KEYS), "verdict": r["verdict"]} for r in rows]
+
+    def case_counts(self, run_id: int | None = None) -> list[dict]:
+        """{run_id, op, backend, host, status, n} of every run (or one): what the matrix and the trend show."""
+        where = "" if run_id is None else "WHERE run_id = ?"
+        return self._select(f"SELECT run_id, op, backend, host, status, count(*) AS n FROM cases {where} "
+                            "GROUP BY run_id, op, backend, host, status ORDER BY run_id, op, backend, host",
+                            () if run_id is None else (run_id,))
+
+    def speed_ratios(self) -> list[dict]:
+        """{run_id, op, vs} of every opport bench row with same-run baseline ratios, oldest run first."""
+        rows = self._select("SELECT run_id, op, vs FROM bench_rows WHERE impl = 'opport' AND vs IS NOT NULL ORDER BY run_id")
+        return [{**r, "vs": json.loads(r["vs"])} for r in rows]
 
     def counts(self) -> dict:
         """{run id: {status: n}}: conformance cases by status, opport's bench rows by verdict."""
