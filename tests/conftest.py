@@ -39,3 +39,11 @@ def pytest_configure(config):
 
     for b in backends().values():
         b.unavailable()
+
+
+@pytest.fixture(scope="session")
+def stored_runs(tmp_path_factory):
+    """Three real runs in one results store (tests/store_runs.py): conformance, conformance with rmsnorm broken, bench."""
+    from tests.store_runs import make_runs
+
+    return make_runs(tmp_path_factory.mktemp("store"))

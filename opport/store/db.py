@@ -243,7 +243,7 @@ class Store:
 
 def _case_columns(case: dict) -> dict:
     cols = {col: case.get(key) for col, key in CASE_KEYS.items()}
-    cols["extra"] = {k: v for k, v in case.items() if k not in CASE_KEYS.values() and k != "host"}
+    cols["extra"] = _extra(case, CASE_KEYS)
     return _encode(cols)
 
 
@@ -253,8 +253,13 @@ def _row_columns(row: dict, report: dict, host: dict) -> dict:
             "ceilings": row.get("ceilings") or host.get("ceilings") or report.get("ceilings")}
     cols = {col: full.get(key) for col, key in ROW_KEYS.items()}
     cols["verdict"] = verdict(row)
-    cols["extra"] = {k: v for k, v in row.items() if k not in ROW_KEYS.values() and k != "host"}
+    cols["extra"] = _extra(row, ROW_KEYS)
     return _encode(cols)
+
+
+def _extra(item: dict, keys: dict) -> dict:
+    """What no column holds: other keys, and keys whose value is None (a NULL column reads back as no key)."""
+    return {k: v for k, v in item.items() if (k not in keys.values() or v is None) and k != "host"}
 
 
 def verdict(row: dict) -> str:

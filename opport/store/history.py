@@ -57,8 +57,7 @@ def compare(store: Store, run_a: int, run_b: int) -> tuple[list[str], bool]:
     if a["kind"] != b["kind"]:
         raise StoreError(f"--compare {run_a} {run_b}: run {run_a} is {a['kind']}, run {run_b} is {b['kind']}: "
                          "compare two runs of one kind")
-    lines = [f"run {a['id']} ({a['created']}, {a['git_commit'] or 'no commit'}) -> run {b['id']} "
-             f"({b['created']}, {b['git_commit'] or 'no commit'}), {a['kind']}"]
+    lines = [f"{a['kind']}: run {a['id']} ({_when(a)}) -> run {b['id']} ({_when(b)})"]
     by_host = bool(set(a["hosts"]) & set(b["hosts"]))
     if not by_host:
         lines.append(f"the runs share no host ({', '.join(a['hosts'])} / {', '.join(b['hosts'])}): matched without it")
@@ -67,6 +66,10 @@ def compare(store: Store, run_a: int, run_b: int) -> tuple[list[str], bool]:
     else:
         more, worse = _compare_rows(store.bench_rows(a["id"]), store.bench_rows(b["id"]), by_host)
     return lines + more, worse
+
+
+def _when(r: dict) -> str:
+    return f"{r['created']}, commit {(r['git_commit'] or 'none')[:10]}"
 
 
 def _where(item: dict, by_host: bool) -> str:
