@@ -1,6 +1,7 @@
 """`opport report DB --html OUT/`: one static page, OUT/index.html, of a results store (docs/store.md).
 
-The page needs no network: CSS and JavaScript are inline, plots are inline SVG drawn by matplotlib. It shows
+The page needs no network: CSS and JavaScript are inline, plots are inline SVG drawn by matplotlib, and its
+Content-Security-Policy forbids any fetch and any script but its own. It shows
 the op x backend x host matrix of a conformance run with its stored counts (a cell's link opens its cases
 and repro lines; `index.html#cases-N` opens one directly), each host's roofline from a bench run (drawn by
 opport/bench/plot.py against that host's ceilings), and a trend per op across all runs. Every stored
@@ -9,6 +10,8 @@ string is HTML-escaped.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
 import os
 from collections import defaultdict
@@ -37,6 +40,10 @@ function showPanel() {
 window.addEventListener("hashchange", showPanel);
 showPanel();
 """
+# Nothing from the network, and no script but SCRIPT (by its hash): were a stored string ever to slip through
+# escaping, the browser would refuse to run it. Style attributes stay allowed: matplotlib's SVG uses them.
+CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; "
+       f"script-src 'sha256-{base64.b64encode(hashlib.sha256(SCRIPT.encode()).digest()).decode()}'")
 MAX_CASES = 2000  # per cell: a full-tier cell can hold thousands, and the page must still open
 
 
@@ -75,6 +82,7 @@ def render(store: Store, chosen: list) -> str:
     body += _rooflines(store, shown["bench"]) if "bench" in shown else ["<p>No bench run stored.</p>"]
     body += _trend(store, runs)
     return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta http-equiv=\"Content-Security-Policy\" content=\"{CSP}\">"
             f"<title>opport results: {escape(store.path)}</title><style>{CSS}</style></head>\n<body>\n"
             + "\n".join(body) + f"\n<script>{SCRIPT}</script>\n</body></html>\n")
 
