@@ -158,9 +158,10 @@ def test_a_bad_store_is_refused_before_the_run(tmp_path, capsys, monkeypatch, cm
     assert "--store" in capsys.readouterr().err
 
 
-def test_bench_overhead_has_nothing_to_store(tmp_path, capsys):
-    assert main(["bench", "--overhead", "--store", str(tmp_path / "r.db")]) == 2
-    assert "--overhead" in capsys.readouterr().err
+@pytest.mark.parametrize("cmd", [["bench", "--overhead"], ["conformance", "--self-test"]])
+def test_commands_with_no_run_to_keep_refuse_a_store(tmp_path, capsys, cmd):
+    assert main([*cmd, "--store", str(tmp_path / "r.db")]) == 2
+    assert cmd[1] in capsys.readouterr().err and not (tmp_path / "r.db").exists()
 
 
 # --------------------------------------------------------------------------- history

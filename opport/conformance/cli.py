@@ -90,14 +90,16 @@ def check_args(args) -> str | None:
         *[_known_problem(path) for path in args.known_failures],
         _baseline_problem(args.baseline, args.update_baseline) if args.baseline else None,
         ra.writable("--json", args.json), ra.writable("--junit", args.junit), ra.writable("--markdown", args.markdown),
-        _store_problem(args.store),
+        _store_problem(args),
     )
 
 
-def _store_problem(path: str | None) -> str | None:
+def _store_problem(args) -> str | None:
     from opport.store import db
 
-    return db.problem("--store", path)
+    if args.store and args.self_test:
+        return "--store keeps suite runs; --self-test has none to keep"
+    return db.problem("--store", args.store)
 
 
 def _setup_problem(ref: str) -> str | None:

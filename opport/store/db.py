@@ -184,23 +184,27 @@ class Store:
 
     # ----------------------------------------------------------------------- reading
 
-    def runs(self) -> list[dict]:
-        """Every run, oldest first: id, created, kind, git_commit, opport_version, argv (a list), exit_code, hosts."""
-        out = self._select("SELECT id, created, kind, git_commit, opport_version, argv, exit_code FROM runs ORDER BY id")
-        hosts = self._select("SELECT run_id, host FROM hosts ORDER BY run_id, host")
+    def runs(self, run_id: int | None = None) -> list[dict]:
+        """Every run (or the one), oldest first: id, created, kind, git_commit, opport_version, argv, exit_code, hosts."""
+        where, params = ("", ()) if run_id is None else ("WHERE id = ?", (run_id,))
+        out = self._select(f"SELECT id, created, kind, git_commit, opport_version, argv, exit_code FROM runs {where} "
+                           "ORDER BY id", params)
+        hosts: dict = {}
+        for h in self._select(f"SELECT run_id, host FROM hosts {where.replace('id', 'run_id')} ORDER BY host", params):
+            hosts.setdefault(h["run_id"], []).append(h["host"])
         for r in out:
             r["argv"] = json.loads(r["argv"])
-            r["hosts"] = [h["host"] for h in hosts if h["run_id"] == r["id"]]
+            r["hosts"] = hosts.get(r["id"], [])
         return out
 
-    def run(self, run_id) -> dict:
+    def run(self, run_id: int) -> dict:
         """One run (as `runs` gives it), or a StoreError naming the id."""
-        for r in self.runs():
-            if str(r["id"]) == str(run_id).strip():
-                return r
-        ids = [r["id"] for r in self.runs()]
-        have = f"its runs are {ids[0]}..{ids[-1]}" if ids else "it holds no runs"
-        raise StoreError(f"run {run_id!r}: no such run in {self.path!r} ({have}; `opport history {self.path}` lists them)")
+        found = self.runs(run_id)
+        if found:
+            return found[0]
+        first, last = self._select("SELECT min(id) AS a, max(id) AS b FROM runs")[0].values()
+        have = f"its runs are {first}..{last}" if first is not None else "it holds no runs"
+        raise StoreError(f"run {run_id}: no such run in {self.path!r} ({have}; `opport history {self.path}` lists them)")
 
     def hosts(self, run_id: int) -> dict:
         """{host id: its record} of one run."""
