@@ -154,13 +154,13 @@ class Store:
         items = report.get("cases" if kind == "conformance" else "rows", [])
         hosts, default = _hosts(report, kind)
         top = {k: v for k, v in report.items() if k not in ("cases", "rows", "hosts")}
+        run = (_now(), kind, git_commit(), _opport_version(), json.dumps(list(argv)), exit_code, json.dumps(top))
 
         def write():
             with _transaction(self.db):
                 cur = self.db.execute(
                     "INSERT INTO runs (created, kind, git_commit, opport_version, argv, exit_code, report) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (_now(), kind, git_commit(), _opport_version(), json.dumps(list(argv)), exit_code, json.dumps(top)))
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)", run)
                 run_id = cur.lastrowid
                 self.db.executemany("INSERT INTO hosts (run_id, host, record) VALUES (?, ?, ?)",
                                     [(run_id, h, json.dumps(r)) for h, r in hosts.items()])
@@ -186,11 +186,15 @@ class Store:
 
     def runs(self, run_id: int | None = None) -> list[dict]:
         """Every run (or the one), oldest first: id, created, kind, git_commit, opport_version, argv, exit_code, hosts."""
-        where, params = ("", ()) if run_id is None else ("WHERE id = ?", (run_id,))
-        out = self._select(f"SELECT id, created, kind, git_commit, opport_version, argv, exit_code FROM runs {where} "
-                           "ORDER BY id", params)
+        cols = "id, created, kind, git_commit, opport_version, argv, exit_code"
+        if run_id is None:
+            out = self._select(f"SELECT {cols} FROM runs ORDER BY id")
+            names = self._select("SELECT run_id, host FROM hosts ORDER BY host")
+        else:
+            out = self._select(f"SELECT {cols} FROM runs WHERE id = ?", (run_id,))
+            names = self._select("SELECT run_id, host FROM hosts WHERE run_id = ? ORDER BY host", (run_id,))
         hosts: dict = {}
-        for h in self._select(f"SELECT run_id, host FROM hosts {where.replace('id', 'run_id')} ORDER BY host", params):
+        for h in names:
             hosts.setdefault(h["run_id"], []).append(h["host"])
         for r in out:
             r["argv"] = json.loads(r["argv"])
