@@ -228,3 +228,13 @@ def test_compare_needs_two_runs_of_one_kind(stored_runs, capsys):
     assert "run 42: no such run" in capsys.readouterr().err
     assert main(["history", stored_runs["db"], "--compare", "1", "x"]) == 2
     assert "invalid int value" in capsys.readouterr().err
+
+
+def test_an_empty_store_lists_and_draws_nothing(tmp_path, capsys):
+    path = str(tmp_path / "empty.db")
+    db.Store(path, create=True).db.close()
+    assert main(["history", path]) == 0
+    assert capsys.readouterr().out == f"{path}: no runs stored yet\n"
+    assert main(["report", path, "--html", str(tmp_path / "out")]) == 0
+    page = (tmp_path / "out" / "index.html").read_text()
+    assert "No conformance run stored." in page and "No bench run stored." in page and "<svg" not in page
