@@ -238,3 +238,17 @@ def test_an_empty_store_lists_and_draws_nothing(tmp_path, capsys):
     assert main(["report", path, "--html", str(tmp_path / "out")]) == 0
     page = (tmp_path / "out" / "index.html").read_text()
     assert "No conformance run stored." in page and "No bench run stored." in page and "<svg" not in page
+
+
+def test_the_documented_commands_parse():
+    """Every `opport` line in docs/store.md's and the README's code blocks is a command the CLI accepts."""
+    import shlex
+
+    from opport.cli import build_parser
+
+    lines = [ln.split("#")[0].strip() for doc in ("docs/store.md", "README.md")
+             for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S) for ln in block.splitlines()]
+    store_lines = [ln for ln in lines if ln.startswith("opport ") and re.search(r"--store|history|report", ln)]
+    assert len(store_lines) >= 10
+    for ln in store_lines:
+        build_parser().parse_args(shlex.split(ln)[1:])  # a flag the CLI lacks raises UsageError
