@@ -23,7 +23,7 @@ from opport.store.db import Store, StoreError
 CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;margin:.5em 0}
-th,td{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}
+th,td{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top} table.runs td:nth-child(2){white-space:nowrap}
 thead th{background:#f3f3f3}
 td.cell.ok{background:#e6f4e6} td.cell.bad{background:#fbe3e3} td.cell.none{background:#f6f6f6}
 td.cell a{color:inherit;text-decoration:none;display:block}
@@ -88,14 +88,14 @@ def render(store: Store, chosen: list) -> str:
 
 
 def _run_title(r: dict) -> str:
-    return (f"run {r['id']} ({escape(r['created'])}, commit {escape(r['git_commit'] or 'none')}, "
+    return (f"run {r['id']} ({escape(r['created'])}, commit {escape((r['git_commit'] or 'none')[:12])}, "
             f"hosts {escape(', '.join(r['hosts']))})")
 
 
 def _runs_table(store: Store, runs: list) -> str:
     counts = store.counts()
-    out = ["<h2>Runs</h2><table><thead><tr><th>id</th><th>created (UTC)</th><th>kind</th><th>commit</th><th>hosts</th>"
-           "<th>counts</th><th>command</th></tr></thead><tbody>"]
+    out = ['<h2>Runs</h2><table class="runs"><thead><tr><th>id</th><th>created (UTC)</th><th>kind</th><th>commit</th>'
+           "<th>hosts</th><th>counts</th><th>command</th></tr></thead><tbody>"]
     for r in runs:
         c = counts.get(r["id"], {})
         out.append(f"<tr><td>{r['id']}</td><td>{escape(r['created'])}</td><td>{escape(r['kind'])}</td>"
