@@ -202,10 +202,14 @@ def test_compare_shows_cases_that_started_failing_and_passing(stored_runs, capsy
 
 
 def test_compare_bench_rows_beyond_their_noise(stored_runs, tmp_path, capsys):
-    """A row 3x slower with its spread is reported; one 1% slower inside its p20-p80 spread is not."""
+    """A row 3x slower with its spread is reported; one 1% slower inside its p20-p80 spread is not; one that
+    errors now is reported as failed."""
     report = copy.deepcopy(stored_runs["json"][3])
     mine = [r for r in report["rows"] if r["impl"] == "opport" and r.get("ms")]
-    slow, steady = mine[0], mine[1]
+    slow, steady, broken = mine[0], mine[1], mine[2]
+    for k in ("ms", "p20_ms", "p80_ms", "vs"):
+        del broken[k]
+    broken.update(status="error", error="RuntimeError: boom")
     for k in ("ms", "p20_ms", "p80_ms"):
         slow[k] *= 3
     steady["ms"] *= 1.01
@@ -218,9 +222,12 @@ def test_compare_bench_rows_beyond_their_noise(stored_runs, tmp_path, capsys):
     assert main(["history", str(path), "--compare", "1", "2"]) == 1
     out = capsys.readouterr().out
     assert "slower beyond noise: 1\n" in out and f"  {name}" in out and "faster beyond noise: 0\n" in out
+    assert f"timed in run A, failed in run B: 1\n  {broken['op']} {broken['shape']} {broken['dtype']} {broken['pass']} " \
+           "(cpu) on " in out and out.rstrip().endswith("error RuntimeError: boom")
     assert main(["history", str(path), "--compare", "2", "1"]) == 0
     out = capsys.readouterr().out
     assert "faster beyond noise: 1\n" in out and f"  {name}" in out and "slower beyond noise: 0\n" in out
+    assert "failed in run B: 0\n" in out
 
 
 def test_compare_needs_two_runs_of_one_kind(stored_runs, capsys):

@@ -2,7 +2,7 @@
 (docs/store.md): cases that started failing or passing, bench rows slower or faster beyond their measured noise.
 
 Exit status: 0; with --compare, 1 when B has a case that started failing, a row slower beyond its noise or a
-row A timed that B no longer times; 2 for a bad store path or run id (one line, from the CLI's boundary).
+row A timed that B ran and could not time; 2 for a bad store path or run id (one line, from the CLI's boundary).
 """
 
 from __future__ import annotations
@@ -105,19 +105,19 @@ def _compare_rows(rows_a: list, rows_b: list, by_host: bool) -> tuple[list[str],
     for g in sorted({group(r) for r in rows_b if r["impl"] == "opport"}):
         here_a = [r for r in rows_a if group(r) == g and r["impl"] == "opport"]
         here_b = [r for r in rows_b if group(r) == g and r["impl"] == "opport"]
-        noisy_a, noisy_b = {rep.row_key(r): r for r in here_a}, {rep.row_key(r): r for r in here_b}
+        in_a, in_b = {rep.row_key(r): r for r in here_a}, {rep.row_key(r): r for r in here_b}
         # every row slower at all (margin 0), then those whose p20-p80 spreads do not overlap
-        slower += [(noisy_a[k], noisy_b[k]) for k in _keys(rep.regressions(here_b, here_a, 0.0))
-                   if _beyond_noise(noisy_a[k], noisy_b[k])]
-        faster += [(noisy_a[k], noisy_b[k]) for k in _keys(rep.regressions(here_a, here_b, 0.0))
-                   if _beyond_noise(noisy_b[k], noisy_a[k])]
-        gone += [noisy_a[k] for k in rep.missing_rows(here_b, here_a)]
+        slower += [(in_a[k], in_b[k]) for k in _keys(rep.regressions(here_b, here_a, 0.0)) if _beyond_noise(in_a[k], in_b[k])]
+        faster += [(in_a[k], in_b[k]) for k in _keys(rep.regressions(here_a, here_b, 0.0)) if _beyond_noise(in_b[k], in_a[k])]
+        # as `opport bench --baseline` counts them: rows B ran but could not time (a row B did not run is no change)
+        gone += [in_b[k] for k in rep.missing_rows(here_b, here_a) if k in in_b]
     lines = []
     for title, pairs in (("slower beyond noise", slower), ("faster beyond noise", faster)):
         lines.append(f"{title}: {len(pairs)}")
         lines += [f"  {_row_text(ra, rb, by_host)}" for ra, rb in pairs]
-    lines.append(f"timed in run A, not in run B: {len(gone)}")
-    lines += [f"  {r['op']} {r['shape']} {r['dtype']} {rep.pass_of(r)} ({r['backend']}){_where(r, by_host)}" for r in gone]
+    lines.append(f"timed in run A, failed in run B: {len(gone)}")
+    lines += [f"  {r['op']} {r['shape']} {r['dtype']} {rep.pass_of(r)} ({r['backend']}){_where(r, by_host)}: {r['verdict']} "
+              f"{r.get('error') or r.get('error_detail') or ''}".rstrip() for r in gone]
     return lines, bool(slower or gone)
 
 
