@@ -1,7 +1,8 @@
-"""`opport report DB --html OUT/` (docs/store.md 5), opened in a real headless browser: Debian's Chromium.
+"""`opport report DB --html OUT/` (docs/store.md 5), opened in a real headless browser: Debian's Chromium, driven
+over the DevTools protocol (tests/browser.py).
 
-The browser is required, never skipped: .ci/run installs it where it is missing. Each page is loaded with
-every host name resolving nowhere, so a resource fetched from the network would be a console error too.
+The browser is required, never skipped: .ci/run installs it where it is missing. No host name resolves in
+it, so a resource fetched from the network would be a console error too.
 """
 
 from __future__ import annotations
@@ -10,68 +11,17 @@ import copy
 import re
 import shutil
 import sqlite3
-import subprocess
-from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 
 from opport.cli import main
 from opport.conformance.gate import STATUSES
 from opport.store import db
+from tests.browser import Chromium
 
-
-def chromium(page: Path, tmp_path: Path, fragment: str = "") -> tuple[str, list[str]]:
-    """(the DOM after the page's scripts ran, the browser console's lines) for a local file."""
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.fail("Debian's chromium is needed for the HTML report's test: apt-get install -y chromium")
-    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'chromium-profile'}",
-           "--host-resolver-rules=MAP * ~NOTFOUND", "--enable-logging=stderr", "--v=0", "--dump-dom",
-           page.resolve().as_uri() + fragment]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout, [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]
-
-
-class Dom(HTMLParser):
-    """The matrix cells ({(op, backend, host): (text, panel id)}), the cases panels ({id: (hidden, text)}) and the
-    number of script elements of a page."""
-
-    def __init__(self, text: str):
-        super().__init__(convert_charrefs=True)
-        self.cells, self.panels, self.scripts, self.title = {}, {}, 0, ""
-        self._cell = self._panel = None
-        self._in_title = False
-        self.feed(text)
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        self.scripts += tag == "script"
-        self._in_title = tag == "title"
-        if tag == "td" and "data-op" in a:
-            self._cell = (a["data-op"], a["data-backend"], a["data-host"])
-            self.cells[self._cell] = ["", None]
-        elif tag == "a" and self._cell:
-            self.cells[self._cell][1] = a["href"].lstrip("#")
-        elif tag == "section" and "cases" in a.get("class", ""):
-            self._panel = a["id"]
-            self.panels[self._panel] = ["hidden" in a, ""]
-
-    def handle_endtag(self, tag):
-        self._in_title = False
-        if tag == "td":
-            self._cell = None
-        elif tag == "section":
-            self._panel = None
-
-    def handle_data(self, data):
-        if self._in_title:
-            self.title += data
-        if self._cell:
-            self.cells[self._cell][0] += data
-        if self._panel:
-            self.panels[self._panel][1] += data + "\n"
+CELLS = "[...document.querySelectorAll('td.cell[data-op]')].map(td => [td.dataset.op, td.dataset.backend, td.dataset.host, " \
+        "td.innerText.split(/\\s+/).join(' ').trim(), td.querySelector('a').getAttribute('href').slice(1)])"
+OPEN_PANELS = "[...document.querySelectorAll('section.cases')].filter(s => s.offsetParent !== null).map(s => s.id)"
 
 
 def stored_counts(path: str) -> dict:
@@ -87,47 +37,59 @@ def stored_counts(path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def page(stored_runs, tmp_path_factory) -> Path:
+def browser(tmp_path_factory):
+    try:
+        with Chromium(tmp_path_factory.mktemp("chromium-profile")) as b:
+            yield b
+    except RuntimeError as e:  # no chromium: a failure, never a skip
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="module")
+def page(stored_runs, tmp_path_factory):
     out = tmp_path_factory.mktemp("html")
     assert main(["report", stored_runs["db"], "--html", str(out)]) == 0
     return out / "index.html"
 
 
-def test_the_page_loads_without_console_errors_and_cells_show_the_stored_counts(stored_runs, page, tmp_path):
-    dom, console = chromium(page, tmp_path)
-    assert console == []
-    cells = Dom(dom).cells
+def test_the_page_loads_without_console_errors_and_cells_show_the_stored_counts(stored_runs, page, browser):
+    tab = browser.open(page)
+    cells = {(op, b, h): text for op, b, h, text, _ in tab.eval(CELLS)}
+    assert tab.console_errors() == []
     expected = stored_counts(stored_runs["db"])
-    assert {k: " ".join(v[0].split()) for k, v in cells.items()} == expected
+    assert cells == expected
     assert "fail" in expected[("rmsnorm", "cpu", db.socket.gethostname())]  # run 2 broke rmsnorm: a red cell
 
 
-def test_a_cell_opens_its_cases_with_their_repro_lines(stored_runs, page, tmp_path):
-    host = db.socket.gethostname()
-    first = Dom(page.read_text())
-    assert first.panels and all(hidden for hidden, _ in first.panels.values())  # closed until a cell is clicked
-    panel = first.cells[("rmsnorm", "cpu", host)][1]
-    dom, console = chromium(page, tmp_path, f"#{panel}")  # what the cell's link does
-    assert console == []
-    panels = Dom(dom).panels
-    assert [p for p, (hidden, _) in panels.items() if not hidden] == [panel]
-    text = panels[panel][1]
-    with db.Store(stored_runs["db"]) as store:
-        mine = [c for c in store.cases(2) if c["op"] == "rmsnorm"]
-    assert mine and all(c["id"] in text and c["repro"] in text for c in mine)
+def test_clicking_a_cell_shows_its_cases_with_their_repro_lines(stored_runs, page, browser):
+    tab = browser.open(page)
+    assert tab.eval(OPEN_PANELS) == []  # closed until a cell is clicked
+    for op, backend, host, _, panel in tab.eval(CELLS):
+        tab.eval(f"document.querySelector('td.cell a[href=\"#{panel}\"]').click()")
+        assert tab.eval(OPEN_PANELS) == [panel]
+        text = tab.eval(f"document.getElementById('{panel}').innerText")
+        with db.Store(stored_runs["db"]) as store:
+            mine = [c for c in store.cases(2) if (c["op"], c["backend"], c["host"]) == (op, backend, host)]
+        assert mine and all(c["id"] in text and c["repro"] in text for c in mine)
+    assert tab.console_errors() == []
 
 
-def test_console_errors_and_network_fetches_are_caught(page, tmp_path):
+def test_a_link_to_a_cell_opens_it(stored_runs, page, browser):
+    first = browser.open(page).eval(CELLS)[0]
+    assert browser.open(page, f"#{first[4]}").eval(OPEN_PANELS) == [first[4]]
+
+
+def test_console_errors_and_network_fetches_are_caught(page, browser, tmp_path):
     """The check the page passes can fail: a script error, a fetch from the network, a script not the page's own."""
     bad = tmp_path / "bad.html"
     bad.write_text("<!doctype html><html><body><script>notDefined()</script></body></html>")
-    assert any("notDefined" in ln for ln in chromium(bad, tmp_path)[1])
+    assert any("notDefined" in e for e in browser.open(bad).console_errors())
     for extra in ('<img src="https://example.org/x.png">', "<script>document.title = 'injected'</script>"):
         spoilt = tmp_path / "spoilt.html"
         spoilt.write_text(page.read_text().replace("</body>", extra + "</body>"))
-        dom, console = chromium(spoilt, tmp_path)
-        assert any("Content Security Policy" in ln for ln in console), extra
-        assert "injected" not in Dom(dom).title
+        tab = browser.open(spoilt)
+        assert any("Content Security Policy" in e for e in tab.console_errors()), extra
+        assert "injected" not in tab.eval("document.title")
 
 
 def test_nothing_on_the_page_comes_from_the_network(page):
@@ -135,7 +97,7 @@ def test_nothing_on_the_page_comes_from_the_network(page):
     assert not re.search(r"""(?:src|href)\s*=\s*["']?(?:https?:)?//|url\(\s*["']?(?:https?:)?//|@import""", text)
 
 
-def test_stored_strings_are_escaped(stored_runs, tmp_path):
+def test_stored_strings_are_escaped(stored_runs, browser, tmp_path):
     evil = "<script>document.title='pwned'</script>"
     report = copy.deepcopy(stored_runs["json"][1])
     report["hosts"] = {f'h"{evil}': {"note": evil}}
@@ -146,10 +108,11 @@ def test_stored_strings_are_escaped(stored_runs, tmp_path):
     with db.Store(str(path)) as store:
         store.append("conformance", report, ["opport", evil], 0)
     assert main(["report", str(path), "--html", str(tmp_path / "out")]) == 0
-    dom, console = chromium(tmp_path / "out" / "index.html", tmp_path)
-    parsed = Dom(dom)
-    assert console == [] and parsed.scripts == 1 and "pwned" not in parsed.title
-    assert ("<b>rmsnorm</b>", "cpu", f'h"{evil}') in parsed.cells
+    tab = browser.open(tmp_path / "out" / "index.html")
+    assert tab.console_errors() == [] and tab.eval("document.scripts.length") == 1
+    assert "pwned" not in tab.eval("document.title")
+    assert ["<b>rmsnorm</b>", "cpu", f'h"{evil}'] in [c[:3] for c in tab.eval(CELLS)]
+    assert evil in tab.eval("document.querySelector('section.cases').innerText")
 
 
 def test_a_roofline_per_host_against_its_own_ceilings(stored_runs, tmp_path):
