@@ -24,11 +24,12 @@ CELLS = "[...document.querySelectorAll('td.cell[data-op]')].map(td => [td.datase
 OPEN_PANELS = "[...document.querySelectorAll('section.cases')].filter(s => s.offsetParent !== null).map(s => s.id)"
 
 
-def stored_counts(path: str) -> dict:
-    """{(op, backend, host): 'pass 20 fail 3'} of the latest conformance run, straight from SQLite."""
+def stored_counts(path: str, run_id: int | None = None) -> dict:
+    """{(op, backend, host): 'pass 20 fail 3'} of a conformance run (the latest), straight from SQLite."""
     con = sqlite3.connect(path)
     rows = con.execute("SELECT op, backend, host, status, count(*) FROM cases WHERE run_id = "
-                       "(SELECT max(id) FROM runs WHERE kind = 'conformance') GROUP BY op, backend, host, status").fetchall()
+                       "coalesce(?, (SELECT max(id) FROM runs WHERE kind = 'conformance')) GROUP BY op, backend, host, status",
+                       (run_id,)).fetchall()
     con.close()
     by = {}
     for op, backend, host, status, n in rows:
@@ -72,6 +73,12 @@ def test_clicking_a_cell_shows_its_cases_with_their_repro_lines(stored_runs, pag
             mine = [c for c in store.cases(2) if (c["op"], c["backend"], c["host"]) == (op, backend, host)]
         assert mine and all(c["id"] in text and c["repro"] in text for c in mine)
     assert tab.console_errors() == []
+
+
+def test_run_picks_the_run_shown(stored_runs, browser, tmp_path):
+    assert main(["report", stored_runs["db"], "--html", str(tmp_path), "--run", "1"]) == 0
+    cells = {(op, b, h): text for op, b, h, text, _ in browser.open(tmp_path / "index.html").eval(CELLS)}
+    assert cells == stored_counts(stored_runs["db"], 1) != stored_counts(stored_runs["db"])
 
 
 def test_a_link_to_a_cell_opens_it(stored_runs, page, browser):
