@@ -242,6 +242,7 @@ def _trend_svg(share: dict, speed: dict, run_ids: list) -> str:
     import matplotlib.pyplot as plt
 
     fig, (ax_c, ax_b) = plt.subplots(1, 2, figsize=(14, 5.5))
+    ax_c.set_ylim(0, 1.05)  # a share: a small dip must not look like a collapse
     for ax, series, ylabel in ((ax_c, share, "conformance: share of cases passing"),
                                (ax_b, speed, "bench: geomean speed ratio vs same-run baselines")):
         for op, by in sorted(series.items()):
