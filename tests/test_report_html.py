@@ -11,6 +11,7 @@ import copy
 import re
 import shutil
 import sqlite3
+import sys
 
 import pytest
 
@@ -156,3 +157,9 @@ def test_bad_report_arguments_are_one_line(stored_runs, tmp_path, capsys):
         assert main(["report", *argv]) == 2
         err = capsys.readouterr().err
         assert why in err and err.count("\n") == 1
+
+
+def test_without_matplotlib_the_report_says_how_to_get_it(stored_runs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what a base install has: import fails
+    assert main(["report", stored_runs["db"], "--html", str(tmp_path)]) == 2
+    assert "pip install 'opport[bench]'" in capsys.readouterr().err and not (tmp_path / "index.html").exists()
