@@ -1,4 +1,4 @@
-"""Shared fixtures: a throwaway backend whose kernels a test registers by hand."""
+"""Shared fixtures: a throwaway backend whose kernels a test registers by hand; real runs in a results store."""
 
 from __future__ import annotations
 
