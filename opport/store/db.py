@@ -352,7 +352,8 @@ def problem(flag: str, path: str | None) -> str | None:
         return None
     if os.path.isfile(path) and os.path.getsize(path):
         try:
-            Store(path).db.close()
+            with Store(path):
+                pass
         except StoreError as e:
             return f"{flag} {e}"
         return None
