@@ -27,6 +27,8 @@ from opport.errors import OpError
 SUBPACKAGES = {
     "conformance": ("opport.conformance.cli", "run the conformance suite against the float64 references"),
     "bench": ("opport.bench.cli", "run the performance suite"),
+    "history": ("opport.store.history", "runs in a results store (--store DB); --compare A B: what changed"),
+    "report": ("opport.store.html", "a static HTML page of a results store"),
 }
 EXIT_BUG, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
     prog, debug = "opport", "--debug" in argv  # known before parsing, for errors while building the parser
     try:
         args = build_parser().parse_args(argv)
+        args.argv = ["opport", *argv]  # what a results store records (docs/store.md)
         prog, debug = f"opport {args.command}", args.debug
         return run(args)
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""Shared fixtures: a throwaway backend whose kernels a test registers by hand."""
+"""Shared fixtures: a throwaway backend whose kernels a test registers by hand; real runs in a results store."""
 
 from __future__ import annotations
 
@@ -39,3 +39,11 @@ def pytest_configure(config):
 
     for b in backends().values():
         b.unavailable()
+
+
+@pytest.fixture(scope="session")
+def stored_runs(tmp_path_factory):
+    """Three real runs in one results store (tests/store_runs.py): conformance, conformance with rmsnorm broken, bench."""
+    from tests.store_runs import make_runs
+
+    return make_runs(tmp_path_factory.mktemp("store"))

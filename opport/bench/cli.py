@@ -50,6 +50,8 @@ def add_arguments(p):
     p.add_argument("--budget-ms", type=float, default=None, help="timing budget per provider and shape, in ms")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop starting new shapes after this long (default: the backend's); skipped shapes are listed")
+    # the results store (docs/store.md)
+    p.add_argument("--store", metavar="DB", help="append this run to a SQLite results store (`opport history DB`)")
 
 
 def run(args) -> int:
@@ -105,7 +107,16 @@ def _check_args(args) -> str | None:
         ra.positive("--max-minutes", args.max_minutes),
         ra.writable("--json", args.json), ra.writable("--plot", args.plot),
         ra.json_file("--baseline", args.baseline, _baseline_shape) if args.baseline else None,
+        _store_problem(args),
     )
+
+
+def _store_problem(args) -> str | None:
+    from opport.store import db
+
+    if args.store and args.overhead:
+        return "--store keeps kernel rows; --overhead has none (use --json)"
+    return db.problem("--store", args.store)
 
 
 def _baseline_shape(data) -> str | None:
@@ -341,6 +352,12 @@ def _finish(console, report: dict, prof, settings, specs, args) -> int:
         console.print(f"plot written to {args.plot}")
     elif args.plot:
         console.print("[yellow]--plot draws timings; this backend reports counts, so no plot was written[/yellow]")
+    if args.store:
+        from opport.store import db
+
+        with db.Store(args.store, create=True) as store:
+            run_id = store.append("bench", report, args.argv, status)
+        console.print(f"stored as run {run_id} in {args.store}", highlight=False)
     return status
 
 

@@ -96,3 +96,22 @@ def matplotlib_formatter():
     from matplotlib.ticker import FuncFormatter
 
     return FuncFormatter(lambda v, _: f"{v:g}x" if v >= 0.01 and math.isfinite(v) else "")
+
+
+def write_roofline(report: dict, out, fmt: str = "png"):
+    """The roofline chart alone, one per pass of `report`'s rows, to a path or file (`opport report` draws one
+    host's rows against that host's ceilings this way)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from opport.bench.report import pass_of
+
+    passes = list(dict.fromkeys(pass_of(r) for r in report["rows"] if r.get("ms"))) or ["fwd"]
+    fig, axes = plt.subplots(1, len(passes), figsize=(7.5 * len(passes), 6.5), squeeze=False)
+    for ax, p in zip(axes[0], passes):
+        _roofline(ax, report, p)
+    fig.tight_layout()
+    fig.savefig(out, format=fmt, metadata={"Date": None} if fmt == "svg" else None)
+    plt.close(fig)

@@ -48,6 +48,8 @@ def add_arguments(p):
     p.add_argument("--self-test", action="store_true",
                    help="check the gate itself: 5 mutant kernels per op must be caught, a crashing backend isolated")
     p.add_argument("-q", "--quiet", action="store_true", help="no live progress")
+    # the results store (docs/store.md)
+    p.add_argument("--store", metavar="DB", help="append this run to a SQLite results store (`opport history DB`)")
 
 
 def run(args) -> int:
@@ -88,7 +90,16 @@ def check_args(args) -> str | None:
         *[_known_problem(path) for path in args.known_failures],
         _baseline_problem(args.baseline, args.update_baseline) if args.baseline else None,
         ra.writable("--json", args.json), ra.writable("--junit", args.junit), ra.writable("--markdown", args.markdown),
+        _store_problem(args),
     )
+
+
+def _store_problem(args) -> str | None:
+    from opport.store import db
+
+    if args.store and args.self_test:
+        return "--store keeps suite runs; --self-test has none to keep"
+    return db.problem("--store", args.store)
 
 
 def _setup_problem(ref: str) -> str | None:
@@ -174,6 +185,12 @@ def _write(report, args):
         old = gate.load_baseline(args.baseline) if os.path.exists(args.baseline) else {}
         gate.write_baseline(args.baseline, report.cases, old)
         Console().print(f"baseline written: {args.baseline} ({len(report.cases)} cases)")
+    if args.store:
+        from opport.store import db
+
+        with db.Store(args.store, create=True) as store:
+            run_id = store.append("conformance", rep.to_json(report), args.argv, report.exit_code)
+        Console().print(f"stored as run {run_id} in {args.store}", highlight=False)
 
 
 def self_test(args) -> int:
