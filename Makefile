@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # torch is pinned to the CPU build that ships on this machine image; the [cuda] extra adds triton==3.6.0.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv run test lint pytest conformance aot bench clean
+.PHONY: venv chromium run test lint pytest conformance aot bench clean
 
 venv: $(STAMP)
 
@@ -25,12 +25,17 @@ run: venv
 	@echo "That was the smoke tier, a sample. The CI gate (every backend, ~3 min): make conformance;"
 	@echo "everything CI runs: make test; thousands of examples: $(BIN)/opport conformance --backend all --tier full"
 
-test: venv lint pytest conformance
+test: venv chromium lint pytest conformance
+
+# tests/test_report_html.py opens the HTML report in Debian's Chromium and is never skipped: install it if missing
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
 lint: venv
 	$(BIN)/ruff check opport tests tools
 
-pytest: venv
+pytest: venv chromium
 	$(BIN)/python -m pytest
 
 conformance: venv
