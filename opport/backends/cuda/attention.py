@@ -740,11 +740,13 @@ def _backward_configs(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype) -
         b = 32 if wide <= 64 else 16
         cfg = {"BLOCK_M": b, "BLOCK_N": b, **dims, "num_warps": 8, "num_stages": 2}
         return cfg, cfg
-    if wide <= 64:
-        return ({"BLOCK_M": 64, "BLOCK_N": 64, **dims, "num_warps": 8, "num_stages": 2},
+    if wide <= 64:  # dq: 64 x 64 spilled up to 228 bytes in the causal launch
+        return ({"BLOCK_M": 64, "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 1},
                 {"BLOCK_M": 32, "BLOCK_N": 64, **dims, "num_warps": 8, "num_stages": 2})
-    if wide <= 128:  # dk/dv: 64 keys (wgmma) spilled 88-416 bytes; 32 keys compile to mma.sync without spills
-        return ({"BLOCK_M": 64, "BLOCK_N": 16, **dims, "num_warps": 8, "num_stages": 2},
+    # D = 128, dq: every 32- and 64-row tile tried spilled in the causal launch (64 x 16: 36-176 bytes, 32 x 32:
+    # 64-256); 16 x 32 over 4 warps does not. dk/dv: 64 keys (wgmma) spilled 88-416 bytes; 32 keys do not
+    if wide <= 128:
+        return ({"BLOCK_M": 16, "BLOCK_N": 32, **dims, "num_warps": 4, "num_stages": 2},
                 {"BLOCK_M": 32, "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 1})
     cfg = {"BLOCK_M": 32, "BLOCK_N": 32, **dims, "num_warps": 4, "num_stages": 1}
     return cfg, cfg
