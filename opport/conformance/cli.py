@@ -48,6 +48,15 @@ def add_arguments(p):
     p.add_argument("--self-test", action="store_true",
                    help="check the gate itself: 5 mutant kernels per op must be caught, a crashing backend isolated")
     p.add_argument("-q", "--quiet", action="store_true", help="no live progress")
+    add_cluster_arguments(p)
+
+
+def add_cluster_arguments(p):
+    """--cluster and --dashboard (docs/fleet.md), shared with `opport bench`."""
+    p.add_argument("--cluster", metavar="ADDRESS", default=None,
+                   help="run on a Ray cluster: local (start Ray here, listening on 127.0.0.1 only), auto (join the "
+                        "cluster RAY_ADDRESS or this machine runs), ray://HOST:PORT or HOST:PORT (needs opport[fleet])")
+    p.add_argument("--dashboard", action="store_true", help="with --cluster local: start Ray's dashboard (127.0.0.1)")
 
 
 def run(args) -> int:
@@ -66,7 +75,7 @@ def run(args) -> int:
                    known_failures=tuple(args.known_failures), baseline=None if args.update_baseline else args.baseline,
                    errors=not args.no_bad_inputs, layouts=not args.no_layouts)
     try:
-        report = _run(opts, args.quiet)
+        report = _run(opts, args.quiet, args.cluster, args.dashboard)
     except (OpError, ValueError) as e:  # unknown op/backend/dtype, a --setup hook that failed
         print(f"opport conformance: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -135,13 +144,18 @@ def _baseline_problem(path: str, update: bool) -> str | None:
     return ra.writable("--baseline", path)
 
 
-def _run(opts, quiet: bool):
+def _run(opts, quiet: bool, cluster: str | None = None, dashboard: bool = False):
     from opport.conformance import report as rep
     from opport.conformance.runner import run as run_suite
 
     _check_names(opts)
     live = None if quiet else rep.Live(Console(stderr=True, width=None if sys.stderr.isatty() else 160))
-    report = run_suite(opts, live)
+    if cluster:
+        from opport.fleet.conformance import run as run_on_cluster
+
+        report = run_on_cluster(opts, live, cluster, dashboard)
+    else:
+        report = run_suite(opts, live)
     rep.print_summary(report, Console(width=None if sys.stdout.isatty() else 160))
     return report
 
