@@ -48,15 +48,9 @@ def add_arguments(p):
     p.add_argument("--self-test", action="store_true",
                    help="check the gate itself: 5 mutant kernels per op must be caught, a crashing backend isolated")
     p.add_argument("-q", "--quiet", action="store_true", help="no live progress")
-    add_cluster_arguments(p)
+    from opport.fleet import add_arguments as add_cluster_arguments
 
-
-def add_cluster_arguments(p):
-    """--cluster and --dashboard (docs/fleet.md), shared with `opport bench`."""
-    p.add_argument("--cluster", metavar="ADDRESS", default=None,
-                   help="run on a Ray cluster: local (start Ray here, listening on 127.0.0.1 only), auto (join the "
-                        "cluster RAY_ADDRESS or this machine runs), ray://HOST:PORT or HOST:PORT (needs opport[fleet])")
-    p.add_argument("--dashboard", action="store_true", help="with --cluster local: start Ray's dashboard (127.0.0.1)")
+    add_cluster_arguments(p)  # --cluster, --dashboard: batches run as Ray tasks (docs/fleet.md)
 
 
 def run(args) -> int:

@@ -16,6 +16,14 @@ class FleetError(ValueError):
     problem, so the command prints one line and exits 2."""
 
 
+def add_arguments(p):
+    """--cluster and --dashboard, on `opport conformance` and `opport bench` (without them nothing changes)."""
+    p.add_argument("--cluster", metavar="ADDRESS", default=None,
+                   help="run on a Ray cluster: local (start Ray here, listening on 127.0.0.1 only), auto (join the "
+                        "cluster in RAY_ADDRESS or the one this machine runs), ray://HOST:PORT (needs opport[fleet])")
+    p.add_argument("--dashboard", action="store_true", help="with --cluster local: start Ray's dashboard (on 127.0.0.1)")
+
+
 def require_ray():
     """The `ray` module, or FleetError saying how to install it."""
     try:
