@@ -129,10 +129,11 @@ class _Fleet:
         rows, idle, inflight, t0 = [], list(self.actors), {}, time.perf_counter()
         try:
             while any(queues.values()) or inflight:
-                for node in [n for n in idle if queues.get(self._kind(n))]:
-                    idle.remove(node)
-                    job = queues[self._kind(node)].popleft()
-                    inflight[self.actors[node][0].run.remote(*job)] = (node, job)
+                for node in list(idle):
+                    if queues.get(self._kind(node)):
+                        idle.remove(node)
+                        job = queues[self._kind(node)].popleft()
+                        inflight[self.actors[node][0].run.remote(*job)] = (node, job)
                 if not inflight:  # a kind left with problems and no host
                     for kind in [k for k, q in queues.items() if q]:
                         rows += [_lost(job, f"no alive host of kind {kind!r} left") for job in queues.pop(kind)]
