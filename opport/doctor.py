@@ -12,12 +12,13 @@ import socket
 import sys
 
 
-def backend_status() -> dict:
-    """{backend: {"mode", "versions", "unavailable", "hint"}} for every backend known here (probes each once)."""
-    from opport.dispatch import backends
+def backend_status(names=None) -> dict:
+    """{backend: {"mode", "versions", "unavailable", "hint"}} for the named backends (default: every one known
+    here); probes each once."""
+    from opport.dispatch import backends, get_backend
 
     out = {}
-    for b in backends().values():
+    for b in backends().values() if names is None else [get_backend(n) for n in names]:
         why = b.unavailable()
         out[b.name] = {"mode": None if why else b.mode(), "versions": {} if why else _versions(b), "unavailable": why,
                        "hint": b.hint}
@@ -31,9 +32,12 @@ def _versions(b) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def host_record() -> dict:
-    """This machine: hostname, CPU, accelerator, backend modes and versions (what `opport doctor` shows)."""
-    status = backend_status()
+def host_record(names=None) -> dict:
+    """This machine: hostname, CPU, accelerator, and the modes and versions of the named backends (default: all)
+    as `opport doctor` shows them. A run records only its own backends: probing another one imports its kernel
+    modules, and Hypothesis mixes constants from every imported local module into its draws, so the cases
+    of the run would depend on what was probed."""
+    status = backend_status(names)
     return {"hostname": socket.gethostname(), "platform": f"{platform.system()} {platform.release()}",
             "machine": platform.machine(), "python": platform.python_version(), "logical_cpus": os.cpu_count(),
             "cpu": _cpu_name(), "accelerator": accelerator(status),
@@ -41,8 +45,8 @@ def host_record() -> dict:
 
 
 def accelerator(status: dict) -> str:
-    """The devices this host's backends run on for real (not emulated), e.g. "NVIDIA H200"; "cpu" if none.
-    Which backends drive a device is each backend's `Capabilities.device_resource`."""
+    """The devices the backends in `status` run on for real here (not emulated), e.g. "NVIDIA H200"; "cpu" if
+    none. Which backends drive a device is each backend's `Capabilities.device_resource`."""
     from opport.dispatch import backends
 
     found = []
@@ -52,6 +56,15 @@ def accelerator(status: dict) -> str:
             continue
         found.append(str(s["versions"].get("device") or f"{name} ({s['mode']})"))
     return ", ".join(found) or "cpu"
+
+
+def merged(record: dict, other: dict) -> dict:
+    """One host's record from two that each name some of its backends (a cluster host that ran several)."""
+    backends = {**record["backends"], **other["backends"]}
+    out = {**record, "backends": backends}
+    devices = [d for d in (record["accelerator"], other["accelerator"]) if d != "cpu"]
+    out["accelerator"] = ", ".join(dict.fromkeys(x for d in devices for x in d.split(", "))) or "cpu"
+    return out
 
 
 def host_kind(record: dict) -> str:

@@ -167,7 +167,7 @@ def setup_run(console, prof, tier: str, dtypes: list, args):
     from opport.doctor import host_record
 
     b = prof.backend
-    here = host_record()
+    here = host_record([b.name])
     report = {"backend": b.name, "mode": prof.mode, "tier": tier, "dtypes": dtypes, "command": _command(args, tier),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "versions": {**env.versions(), **_backend_versions(b)}, "device": prof.device(), **_passes(args, b.name),

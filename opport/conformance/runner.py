@@ -180,7 +180,7 @@ def run(options: Options, display=None, execute=None) -> Report:
     for name in p.backends:
         known_for(p, name)  # a malformed file stops the run before anything runs
     report = Report(options, p.backends)
-    here = host_record()
+    here = host_record(list(p.backends))
     report.hosts = {here["hostname"]: here}  # the planning host: plan rows (no kernel, unavailable) are its
 
     def sink(res: dict):

@@ -32,7 +32,7 @@ class HostBench:
         from opport.dispatch import get_backend
         from opport.fleet.host import here
 
-        self.node, record = here()
+        self.node, record = here(backend)
         self.prof = profile(get_backend(backend))
         quiet = Console(quiet=True)
         self.report, self.settings = setup_run(quiet, self.prof, tier, dtypes, args)

@@ -42,7 +42,7 @@ def batch_task(batch: Batch, setup: tuple):
     from opport.dispatch import get_backend
     from opport.fleet.host import here
 
-    node, record = here(setup)
+    node, record = here(batch.backend, setup)
     yield ("hello", node, record)
     emulated = get_backend(batch.backend).capabilities.emulated()  # this host's mode sets the tier's caps
     for msg in batch_messages(replace(batch, sel=replace(batch.sel, emulated=emulated))):

@@ -3,14 +3,13 @@ the id the report names it by."""
 
 from __future__ import annotations
 
-_record: dict | None = None  # this process's doctor record (one host: it does not change during a run)
+_records: dict = {}  # backend -> this process's doctor record for it (a host does not change during a run)
 _setups: set = set()  # --setup hook lists already run in this process
 
 
-def here(setup: tuple = ()) -> tuple:
-    """(node id, doctor record) of the host running this task; runs the --setup hooks first (they may
-    register backends the record must show), once per process."""
-    global _record
+def here(backend: str, setup: tuple = ()) -> tuple:
+    """(node id, doctor record naming `backend`) of the host running this task; runs the --setup hooks first
+    (they may register the backend), once per process."""
     import ray
 
     from opport.conformance.worker import run_setup
@@ -19,10 +18,10 @@ def here(setup: tuple = ()) -> tuple:
     if setup not in _setups:
         run_setup(setup)
         _setups.add(setup)
-        _record = None
-    if _record is None:
-        _record = host_record()
-    return ray.get_runtime_context().get_node_id(), _record
+        _records.pop(backend, None)
+    if backend not in _records:
+        _records[backend] = host_record([backend])
+    return ray.get_runtime_context().get_node_id(), _records[backend]
 
 
 class HostBook:
@@ -36,10 +35,14 @@ class HostBook:
         self.records: dict = {}  # host id -> doctor record
 
     def add(self, node: str, record: dict) -> str:
-        """The host id of `node` (named on first sight if it joined during the run), keeping its record."""
+        """The host id of `node` (named on first sight if it joined during the run); its record gains the
+        backends `record` names."""
+        from opport.doctor import merged
+
         if node not in self.ids:
             name = record["hostname"]
             self.ids[node] = f"{name}:{node[:6]}" if name in self.ids.values() else name
         host = self.ids[node]
-        self.records.setdefault(host, dict(record, node_id=node))
+        old = self.records.get(host)
+        self.records[host] = dict(merged(old, record) if old else record, node_id=node)
         return host
