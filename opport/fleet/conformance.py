@@ -1,8 +1,11 @@
 """`opport conformance --cluster ...`: conformance batches as Ray tasks.
 
 Each batch (one op x backend x dtype, or one op's bad inputs) is one task: a generator that streams what the
-local worker sends (opport/conformance/worker.py `batch_messages`), announcing each case before running it
-and sending its result after, so when a task dies the driver knows which case did it, as the local pool does.
+local worker sends (opport/conformance/worker.py `batch_messages`): each case announced before it runs, its
+result after. To keep the driver's work per case small (docs/fleet.md), a task sends its messages in
+bundles, at most every FLUSH_S; when such a task dies or hangs, the driver cannot know which case did it,
+so it runs the rest of the batch again in exact mode (every message sent at once), which names the case
+as the local pool does.
 A task needs one CPU plus the backend's device resource where the cluster offers it (cluster.requirement):
 compiled cuda lands on GPU nodes, neuron hardware on `neuron_cores` nodes, cpu and emulated runs anywhere.
 
@@ -26,6 +29,10 @@ from opport.fleet.host import HostBook
 POLL_S = 0.25  # how often deadlines and tasks no node can take are checked, at most
 FEASIBLE_EVERY_S = 2.0  # how often pending tasks are checked against the alive nodes' resources
 EXIT_GRACE_S = 1.0  # a worker left with a poisoned device lets its last result reach the driver, then exits
+# a task sends its messages at most this often (the first ones, the count and the end at once): one message
+# a case costs the driver ~0.13 ms, the floor of its throughput at 64 hosts (docs/fleet.md)
+FLUSH_S = 0.2
+URGENT = ("count", "batch_error", "done", "exit")  # sent at once, also in bundled mode
 
 
 def run(options, display, address: str, dashboard: bool = False):
@@ -36,20 +43,27 @@ def run(options, display, address: str, dashboard: bool = False):
         return run_suite(options, display, Executor(ray, options))
 
 
-def batch_task(batch: Batch, setup: tuple):
-    """The Ray task: ("hello", node id, doctor record), then the batch's messages, run on this host."""
+def batch_task(batch: Batch, setup: tuple, flush_s: float):
+    """The Ray task: lists of messages, first [("hello", node id, doctor record)], then the batch's, run on
+    this host; `flush_s` 0 sends each message alone (exact mode)."""
     from opport.conformance.worker import batch_messages
     from opport.dispatch import get_backend
     from opport.fleet.host import here
 
     node, record = here(batch.backend, setup)
-    yield ("hello", node, record)
+    yield [("hello", node, record)]
     emulated = get_backend(batch.backend).capabilities.emulated()  # this host's mode sets the tier's caps
+    pending, sent = [], time.monotonic()
     for msg in batch_messages(replace(batch, sel=replace(batch.sel, emulated=emulated))):
-        yield msg
+        pending.append(msg)
+        if msg[0] in URGENT or time.monotonic() - sent >= flush_s:
+            yield pending
+            pending, sent = [], time.monotonic()
         if msg[0] == "exit":
             time.sleep(EXIT_GRACE_S)
             os._exit(3)  # Ray replaces this worker process; the driver resubmits the rest of the batch
+    if pending:
+        yield pending
 
 
 @dataclass(eq=False)
@@ -64,6 +78,7 @@ class _Task:
     total: int | None = None
     deadline: float | None = None
     first_case: bool = True  # the first case of a task may compile (--compile-timeout)
+    exact: bool = False  # each message sent alone: a death or hang names its case
 
 
 class Executor:
@@ -95,10 +110,12 @@ class Executor:
             return Executed(self.book.records, interrupted=True)
         return Executed(self.book.records)
 
-    def _submit(self, batch: Batch) -> _Task:
+    def _submit(self, batch: Batch, exact: bool = False) -> _Task:
         need = self.needs.setdefault(batch.backend, requirement(batch.backend, self.ray))
-        gen = self.remote.options(max_retries=0, **task_options(need)).remote(batch, tuple(self.options.setup))
-        return _Task(batch, gen, need, next_index=batch.start)
+        opts = task_options(need)
+        flush = 0.0 if exact else FLUSH_S
+        gen = self.remote.options(max_retries=0, **opts).remote(batch, tuple(self.options.setup), flush)
+        return _Task(batch, gen, need, next_index=batch.start, exact=exact)
 
     def _step(self):
         gens = [t.gen for t in self.running]
@@ -115,14 +132,18 @@ class Executor:
         """Handle every message `t` has ready, and its end or failure."""
         while t in self.running and self.ray.wait([t.gen], timeout=0)[0]:
             try:
-                msg = self.ray.get(next(t.gen))
+                msgs = self.ray.get(next(t.gen))
             except StopIteration:
                 self._finish(t)
                 return
             except self.ray.exceptions.RayError as e:
                 self._failed(t, e)
                 return
-            self._message(t, msg)
+            for msg in msgs:
+                self._message(t, msg)
+            if not t.exact and t in self.running and t.total is not None:  # the case running is unknown: time
+                extra = self.options.compile_timeout if t.first_case else 0.0  # the silence instead
+                t.deadline = time.monotonic() + self.options.timeout + extra + FLUSH_S
 
     def _message(self, t: _Task, msg: tuple):
         kind = msg[0]
@@ -159,15 +180,27 @@ class Executor:
         elif isinstance(e, self.ray.exceptions.RayTaskError):  # opport's own code failed there (setup, imports)
             self.sink(dict(_batch_result(t.batch, "error", f"on {t.host}: {e}"), host=t.host))
             self.on_done(t.batch)
-        else:  # the worker process died: a segfault, abort, OOM kill (WorkerCrashedError, OutOfMemoryError)
+        elif not self._again_exact(t):  # the worker died: a segfault, abort, OOM kill (WorkerCrashedError, ...)
             self.restarts += 1
             self._lose_case(t, "crash", f"worker process on {t.host or 'its node'} died: {why}")
 
     def _timeout(self, t: _Task):
         self._cancel(t)
         self.running.remove(t)
-        limit = "case" if t.current else "building the batch"
-        self._lose_case(t, "timeout", f"{limit} exceeded its time limit on {t.host}; task cancelled")
+        if not self._again_exact(t):
+            limit = "case" if t.current else "building the batch"
+            self._lose_case(t, "timeout", f"{limit} exceeded its time limit on {t.host}; task cancelled")
+
+    def _again_exact(self, t: _Task) -> bool:
+        """A bundled task that died or hung past its enumeration: run the rest again, each message sent alone,
+        to learn which case it was (True); False when the task was exact already."""
+        if t.exact or t.total is None:
+            return False
+        if t.next_index < t.total:
+            self.running.append(self._submit(replace(t.batch, start=t.next_index), exact=True))
+        else:
+            self.on_done(t.batch)
+        return True
 
     def _lose_case(self, t: _Task, status: str, why: str):
         """The running case (or the whole batch, if none started) gets `status`; the rest is resubmitted."""
@@ -187,7 +220,7 @@ class Executor:
 
     def _move_or_lose(self, t: _Task, why: str):
         """A lost node's batch: resume it elsewhere from its unfinished case, or report what it had left lost."""
-        start = t.current[0] if t.current else (t.next_index if t.total is not None else t.batch.start)
+        start = t.next_index if t.total is not None else t.batch.start  # the first case without a result
         if offered(self.ray, t.need):
             self.running.append(self._submit(replace(t.batch, start=start)))
         else:
