@@ -13,13 +13,12 @@ import threading
 import time
 
 import pytest
+import ray  # opport[fleet]: the Makefile's venv has it, so CI runs these
 
 from opport.conformance import Options, run
 from opport.conformance import report as rep
 from opport.conformance.runner import Report
 from opport.fleet import cluster as fleet_cluster
-
-ray = pytest.importorskip("ray", reason="opport[fleet] not installed")  # the Makefile's venv has it: CI runs these
 
 SOME = ("len-*", "row-1", "scalar")  # a handful of fixed cases of each op (forward and backward)
 

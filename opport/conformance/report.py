@@ -215,6 +215,7 @@ def print_summary(report, console: Console | None = None):
     code = report.exit_code
     verdict = "[green]PASS[/green]" if code == 0 else "[red]FAIL[/red]"
     why = "" if code == 0 else " (nothing ran)" if sum(v for k, v in s.items() if k != "skip") == 0 else ""
+    why = " (interrupted: a partial report)" if getattr(report, "interrupted", False) else why
     console.print(f"conformance: {verdict}{why}")
     # a plain closing count line, as test runners end (CI logs are read for it)
     failed = sum(s[k] for k in ("fail", "error", "crash", "timeout", "lost", "xpass"))
