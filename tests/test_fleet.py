@@ -27,6 +27,7 @@ SOME = ("len-*", "row-1", "scalar")  # a handful of fixed cases of each op (forw
 def cluster():
     from ray.cluster_utils import Cluster
 
+    saved = dict(os.environ)
     fleet_cluster._loopback_only()  # the nodes bind 127.0.0.1, as --cluster local does
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     gpu = c.add_node(num_cpus=1, num_gpus=1)
@@ -37,6 +38,8 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def fleet_run(options, display=None):
@@ -157,6 +160,18 @@ def test_bench_rows_are_per_host_with_that_hosts_own_ceilings(cluster, tmp_path)
         c = data["hosts"][r["host"]]["ceilings"]
         floor = max(r["bytes"] / (c["copy_GBps"] * 1e6), r["flops"] / (c["matmul_TFLOPs"] * 1e9))
         assert r["roofline_pct"] == pytest.approx(100 * floor / r["ms"], rel=1e-3)  # judged by its own host's roofs
+
+
+def test_bench_hosts_judge_themselves_and_say_why_they_cannot(cluster, tmp_path, capsys):
+    """The driver plans from what cuda declares; the fake-GPU host has no real GPU, so it is left out, saying why."""
+    from opport.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--backend", "cuda", "--smoke", "--op", "silu", "--cluster", cluster["cluster"].address,
+                 "--json", str(out)]) == 1
+    data = json.loads(out.read_text())
+    (host, why), = data["hosts_left_out"].items()
+    assert not data["rows"] and host.endswith(cluster["gpu"][:6]) and "interpreter" in why, data["hosts_left_out"]
 
 
 def test_missing_ray_is_one_line_and_exit_2(tmp_path):

@@ -98,7 +98,7 @@ def _start(args):
         return str(e)
     if args.overhead:
         return specs, None
-    prof = _profile(args.backend)
+    prof = _profile(args.backend, bool(args.cluster))
     if isinstance(prof, str):
         return prof
     bad = _bad_dtype(args.dtype, prof.backend)
@@ -131,14 +131,15 @@ def _baseline_shape(data) -> str | None:
     return None
 
 
-def _profile(name: str):
-    """The backend's bench Profile, or why it cannot be benchmarked here."""
-    from opport.bench.profile import Unsupported, profile
+def _profile(name: str, cluster: bool = False):
+    """The backend's bench Profile, or why it cannot be benchmarked here; on a cluster only what it declares
+    (each host judges itself)."""
+    from opport.bench.profile import Unsupported, declared, profile
     from opport.dispatch import get_backend
     from opport.errors import OpError
 
     try:
-        return profile(get_backend(name, op="bench"))
+        return (declared if cluster else profile)(get_backend(name, op="bench"))
     except OpError as e:
         return str(e)
     except Unsupported as e:

@@ -114,7 +114,7 @@ class _Fleet:
         try:
             info = self.ray.get(actor.info.remote())
         except self.ray.exceptions.RayError as e:  # that host cannot benchmark the backend: say why, go on
-            self.failed[self.book.ids.get(node, node)] = _first_line(e)
+            self.failed[self.book.ids.get(node, node)] = _root_cause(e)
             return
         host = self.book.add(node, info["record"])
         self.book.records[host].update({k: v for k, v in info.items() if k not in ("node", "record")})
@@ -228,6 +228,17 @@ def _print(console, report: dict):
         console.print(f"[yellow]host {host} left out: {why}[/yellow]")
     if report["skipped"]:
         console.print(f"[yellow]interrupted: {len(report['skipped'])} problems not run[/yellow]")
+
+
+def _root_cause(e: Exception) -> str:
+    """What an actor's constructor raised (Ray wraps it in an ActorDiedError whose first line says only that)."""
+    cause = e
+    while getattr(cause, "cause", None) is not None and cause.cause is not cause:
+        cause = cause.cause
+    if cause is not e:
+        return f"{type(cause).__name__}: {_first_line(cause)}"
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else type(e).__name__
 
 
 def _first_line(e: Exception) -> str:
