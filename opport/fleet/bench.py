@@ -68,7 +68,7 @@ def run(console, specs, prof, tier: str, dtypes: list, args) -> int:
         console.print(f"opport bench --cluster {args.cluster}: {len(jobs)} problems on {len(fleet.actors)} host(s)")
         rows, skipped, interrupted = fleet.run(jobs, console)
     report = _report(prof, tier, dtypes, args, passes, fleet, rows, skipped)
-    _print(console, report)
+    _print(console, report, prof.get("COUNTER_COLUMNS", ()))
     for r in bad_rows(rows):
         console.print(f"[red]opport {r['op']} {r['shape']} {r['dtype']} {r.get('pass', 'fwd')} on {r['host']}: "
                       f"{r.get('error') or r.get('error_detail') or 'output differs from the reference'}[/red]")
@@ -210,7 +210,7 @@ def _report(prof, tier: str, dtypes: list, args, passes: list, fleet: _Fleet, ro
             "rows": rows}
 
 
-def _print(console, report: dict):
+def _print(console, report: dict, counter_columns: tuple):
     """Each host's rows as a local run prints them, under that host's mode, device and ceilings."""
     from opport.bench import report as rep
 
@@ -220,7 +220,7 @@ def _print(console, report: dict):
                "timing": rec.get("timing"), "rows": mine, "summary": report["summary"].get(host)}
         console.print(f"[bold]host {host}[/bold] ({rec.get('accelerator')}, {rec.get('mode')})")
         if rec.get("measures") == "counts":
-            rep.print_counts(console, sub, ())
+            rep.print_counts(console, sub, counter_columns)
         else:
             rep.print_rows(console, sub)
             rep.print_summary(console, sub)
