@@ -188,6 +188,16 @@ def test_missing_ray_is_one_line_and_exit_2(tmp_path):
         assert len(p.stderr.strip().splitlines()) == 1 and "pip install 'opport[fleet]'" in p.stderr, p.stderr
 
 
+def test_an_address_where_nothing_answers_is_one_line_and_exit_2(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    for argv in (["conformance", "--op", "silu", "--cluster", "127.0.0.1:1"],
+                 ["bench", "--op", "silu", "--cluster", "ray://127.0.0.1:1"]):
+        p = subprocess.run([sys.executable, "-m", "opport", *argv], capture_output=True, text=True, cwd=tmp_path,
+                           timeout=60, env=dict(env, PYTHONPATH=os.pathsep.join(sys.path)))
+        assert p.returncode == 2 and "nothing answers at 127.0.0.1:1" in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
 def test_cluster_local_listens_on_loopback_only_and_has_no_dashboard(tmp_path):
     script = textwrap.dedent("""
         import json

@@ -13,6 +13,7 @@ LOOPBACK = "127.0.0.1"
 # GCS, raylet and workers then bind there instead of on every interface.
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _NO_TELEMETRY_ENV = "RAY_USAGE_STATS_ENABLED"  # Ray's usage reports: nothing leaves the machine
+CONNECT_TIMEOUT_S = 10.0  # a cluster's head answers a TCP connect well within this
 
 
 @contextlib.contextmanager
@@ -26,6 +27,7 @@ def connect(address: str, dashboard: bool = False, num_cpus: int | None = None):
     if ray.is_initialized():
         yield ray
         return
+    _check_reachable(address)
     try:
         if address == "local":
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host=LOOPBACK,
@@ -40,6 +42,20 @@ def connect(address: str, dashboard: bool = False, num_cpus: int | None = None):
         yield ray
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str):
+    """FleetError at once when nothing listens at the address (Ray itself retries its GCS for minutes)."""
+    import socket
+
+    target = os.environ.get("RAY_ADDRESS", "") if address == "auto" else address
+    host, colon, port = target.removeprefix("ray://").rpartition(":")
+    if address == "local" or not colon or not port.isdigit():
+        return  # "local", or "auto" without RAY_ADDRESS: Ray finds the cluster on this machine, or says there is none
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise FleetError(f"--cluster {address}: nothing answers at {host}:{port} ({e})") from e
 
 
 def _loopback_only():
