@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[cuda,jax,transformers,bench,test]"
+	$(BIN)/pip install -q -e ".[cuda,jax,transformers,bench,fleet,test]"
 	touch $(STAMP)
 
 run: venv

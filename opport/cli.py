@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import platform
 import re
 import sys
 import traceback
@@ -149,21 +148,20 @@ def _short(dtype: str) -> str:
 
 
 def cmd_doctor(args) -> int:
-    from opport.dispatch import backends
+    from opport.doctor import backend_status, python_line
 
     console = Console()
     table = Table(title="opport backends on this machine")
     for col in ("backend", "status", "mode", "versions / how to get it"):
         table.add_column(col)
-    for b in backends().values():
-        reason = b.unavailable()
-        if reason:
-            table.add_row(escape(b.name), "[red]unavailable[/red]", "-", escape(f"{reason}\n{b.hint}".strip()))
+    for name, s in backend_status().items():
+        if s["unavailable"]:
+            table.add_row(escape(name), "[red]unavailable[/red]", "-", escape(f"{s['unavailable']}\n{s['hint']}".strip()))
         else:
-            versions = ", ".join(f"{k} {v}" for k, v in b.versions().items())
-            table.add_row(escape(b.name), "[green]ok[/green]", escape(b.mode()), escape(versions))
+            versions = ", ".join(f"{k} {v}" for k, v in s["versions"].items())
+            table.add_row(escape(name), "[green]ok[/green]", escape(s["mode"]), escape(versions))
     console.print(table)
-    console.print(escape(f"python {platform.python_version()} on {platform.machine()} ({sys.platform})"))
+    console.print(escape(python_line()))
     return 0
 
 

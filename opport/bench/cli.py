@@ -52,6 +52,9 @@ def add_arguments(p):
                    help="stop starting new shapes after this long (default: the backend's); skipped shapes are listed")
     # the results store (docs/store.md)
     p.add_argument("--store", metavar="DB", help="append this run to a SQLite results store (`opport history DB`)")
+    from opport.fleet import add_arguments as add_cluster_arguments
+
+    add_cluster_arguments(p)  # --cluster, --dashboard: problems run on every host kind of a Ray cluster
 
 
 def run(args) -> int:
@@ -66,11 +69,17 @@ def run(args) -> int:
     if args.overhead:
         return _run_overhead(console, specs, args)
     tier = "smoke" if args.smoke else (args.tier or prof.tier)
-    report, settings = _setup(console, prof, tier, _dtypes(args, prof), args)
+    if args.cluster:
+        from opport.fleet.bench import run as run_on_cluster
+
+        return run_on_cluster(console, specs, prof, tier, _dtypes(args, prof), args)
+    report, settings = setup_run(console, prof, tier, _dtypes(args, prof), args)
     if prof.measures == "counts":
         report["rows"] = _run_counts(console, prof, specs, tier, report["dtypes"], report["passes"])
     else:
         report["rows"], report["skipped"] = _run_rows(console, specs, tier, report["dtypes"], settings, args)
+    for r in report["rows"]:
+        r["host"] = next(iter(report["hosts"]))
     return _finish(console, report, prof, settings, specs, args)
 
 
@@ -91,7 +100,7 @@ def _start(args):
         return str(e)
     if args.overhead:
         return specs, None
-    prof = _profile(args.backend)
+    prof = _profile(args.backend, bool(args.cluster))
     if isinstance(prof, str):
         return prof
     bad = _bad_dtype(args.dtype, prof.backend)
@@ -101,6 +110,8 @@ def _start(args):
 def _check_args(args) -> str | None:
     from opport import runargs as ra
 
+    if args.cluster and (args.baseline or args.plot or args.overhead):
+        return "--cluster: --baseline, --plot and --overhead judge one host's timings; run them without --cluster"
     return ra.first(
         ra.positive("--budget-ms", args.budget_ms), ra.positive("--rounds", args.rounds),
         ra.positive("--repeats", args.repeats, allow_zero=True), ra.positive("--margin", args.margin, allow_zero=True),
@@ -131,14 +142,15 @@ def _baseline_shape(data) -> str | None:
     return None
 
 
-def _profile(name: str):
-    """The backend's bench Profile, or why it cannot be benchmarked here."""
-    from opport.bench.profile import Unsupported, profile
+def _profile(name: str, cluster: bool = False):
+    """The backend's bench Profile, or why it cannot be benchmarked here; on a cluster only what it declares
+    (each host judges itself)."""
+    from opport.bench.profile import Unsupported, declared, profile
     from opport.dispatch import get_backend
     from opport.errors import OpError
 
     try:
-        return profile(get_backend(name, op="bench"))
+        return (declared if cluster else profile)(get_backend(name, op="bench"))
     except OpError as e:
         return str(e)
     except Unsupported as e:
@@ -159,20 +171,25 @@ def _dtypes(args, prof) -> list:
 # --------------------------------------------------------------------------- setup
 
 
-def _setup(console, prof, tier: str, dtypes: list, args):
-    """(report skeleton, runner Settings or None when the backend reports counts)."""
+def setup_run(console, prof, tier: str, dtypes: list, args):
+    """(report skeleton, runner Settings or None when the backend reports counts); measures this host's
+    ceilings (a cluster run calls it on every host: opport/fleet/bench.py)."""
     from opport.bench import env
     from opport.bench.runner import Settings
+    from opport.doctor import host_record
 
     b = prof.backend
+    here = host_record([b.name])
     report = {"backend": b.name, "mode": prof.mode, "tier": tier, "dtypes": dtypes, "command": _command(args, tier),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "versions": {**env.versions(), **_backend_versions(b)}, "device": prof.device(), **_passes(args, b.name)}
+              "versions": {**env.versions(), **_backend_versions(b)}, "device": prof.device(), **_passes(args, b.name),
+              "hosts": {here["hostname"]: here}}  # rows name their "host"; a cluster run has one entry per host
     if prof.measures == "counts":
         report["timing"] = {"method": f"none: {prof.get('COUNTS_MEANING', 'counts per call')}, not speed"}
         return report, None
     timer, ceilings = _timer_and_ceilings(console, prof, tier, dtypes, args)
     report.update(timing=timer.method, ceilings=ceilings.as_json())
+    here["ceilings"] = report["ceilings"]  # measured on this host, in this run: its rows' roofs
     compile_ = args.compile if args.compile is not None else prof.compile_baseline
     report["timing"]["baselines"] = {"torch_compile": f"dynamic=False, mode={args.compile_mode!r}, "
                                                       "fail_on_recompile while timing" if compile_ else "not run"}
@@ -235,7 +252,7 @@ def _run_rows(console, specs, tier: str, dtypes: list, settings, args):
 
     limit = args.max_minutes if args.max_minutes is not None else settings.max_minutes
     start, rows, skipped = time.perf_counter(), [], []
-    for spec, wl, shape, dtype in _round_robin(specs, tier, dtypes, settings.backend, settings.passes):
+    for spec, wl, shape, dtype in round_robin(specs, tier, dtypes, settings.backend, settings.passes):
         if limit is not None and time.perf_counter() - start > limit * 60:
             skipped.append(f"{spec.name}/{shape.name}/{dtype}")
             continue
@@ -270,7 +287,7 @@ def _say_no_backward(console, backend: str, passes, specs):
                       f"{'them' if len(none) > 1 else 'it'}[/yellow]")
 
 
-def _round_robin(specs, tier: str, dtypes: list, backend: str, passes):
+def round_robin(specs, tier: str, dtypes: list, backend: str, passes):
     """(spec, workload, shape, dtype) jobs, one op after another per round; ops with no pass to run are left out."""
     from opport.bench.runner import passes_for
     from opport.bench.workloads import get_workload
@@ -338,7 +355,7 @@ def _finish(console, report: dict, prof, settings, specs, args) -> int:
             status |= _check_baseline(console, report, settings, specs, args)
         rep.print_rows(console, report)
         rep.print_summary(console, report)
-    bad = [r for r in report["rows"] if r["impl"] == "opport" and (r.get("status") == "error" or r.get("correct") is False)]
+    bad = bad_rows(report["rows"])
     for r in bad:
         console.print(f"[red]opport {r['op']} {r['shape']} {r['dtype']} {r.get('pass', 'fwd')}: "
                       f"{r.get('error') or r.get('error_detail') or 'output differs from the reference'}[/red]")
@@ -359,6 +376,12 @@ def _finish(console, report: dict, prof, settings, specs, args) -> int:
             run_id = store.append("bench", report, args.argv, status)
         console.print(f"stored as run {run_id} in {args.store}", highlight=False)
     return status
+
+
+def bad_rows(rows: list) -> list:
+    """opport rows that failed: an error, a wrong result, or (on a cluster) a crashed worker or a lost host."""
+    return [r for r in rows if r["impl"] == "opport" and (r.get("status") in ("error", "crash", "lost")
+                                                          or r.get("correct") is False)]
 
 
 def _check_baseline(console, report: dict, settings, specs, args) -> int:

@@ -100,6 +100,18 @@ def profile(backend) -> Profile:
     return Profile(backend, mode, module, _measures(backend, mode, module))
 
 
+def declared(backend) -> Profile:
+    """The backend's bench module, without judging this machine: what the driver of a cluster run plans with
+    (default tier and dtypes); each host of the run then checks itself with `profile` (opport/fleet/bench.py)."""
+    name = backend.capabilities.bench
+    if name is None:
+        raise Unsupported(f"backend {backend.name!r} declares no bench module (Capabilities(bench=...))")
+    try:
+        return Profile(backend, "declared", importlib.import_module(name), "declared")
+    except ImportError as e:
+        raise Unsupported(f"its bench module {name!r} cannot be imported: {e}") from e
+
+
 def _measures(backend, mode: str, module: ModuleType) -> str:
     if backend.capabilities.emulated():
         if hasattr(module, "counters"):

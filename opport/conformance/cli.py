@@ -50,6 +50,9 @@ def add_arguments(p):
     p.add_argument("-q", "--quiet", action="store_true", help="no live progress")
     # the results store (docs/store.md)
     p.add_argument("--store", metavar="DB", help="append this run to a SQLite results store (`opport history DB`)")
+    from opport.fleet import add_arguments as add_cluster_arguments
+
+    add_cluster_arguments(p)  # --cluster, --dashboard: batches run as Ray tasks (docs/fleet.md)
 
 
 def run(args) -> int:
@@ -68,7 +71,7 @@ def run(args) -> int:
                    known_failures=tuple(args.known_failures), baseline=None if args.update_baseline else args.baseline,
                    errors=not args.no_bad_inputs, layouts=not args.no_layouts)
     try:
-        report = _run(opts, args.quiet)
+        report = _run(opts, args.quiet, args.cluster, args.dashboard)
     except (OpError, ValueError) as e:  # unknown op/backend/dtype, a --setup hook that failed
         print(f"opport conformance: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -146,13 +149,18 @@ def _baseline_problem(path: str, update: bool) -> str | None:
     return ra.writable("--baseline", path)
 
 
-def _run(opts, quiet: bool):
+def _run(opts, quiet: bool, cluster: str | None = None, dashboard: bool = False):
     from opport.conformance import report as rep
     from opport.conformance.runner import run as run_suite
 
     _check_names(opts)
     live = None if quiet else rep.Live(Console(stderr=True, width=None if sys.stderr.isatty() else 160))
-    report = run_suite(opts, live)
+    if cluster:
+        from opport.fleet.conformance import run as run_on_cluster
+
+        report = run_on_cluster(opts, live, cluster, dashboard)
+    else:
+        report = run_suite(opts, live)
     rep.print_summary(report, Console(width=None if sys.stdout.isatty() else 160))
     return report
 

@@ -15,7 +15,7 @@ from opport.conformance.gate import BAD, FAILING, STATUSES
 
 SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "n/a": "bad"}
 COLORS = {"pass": "green", "xfail": "yellow", "skip": "dim", "fail": "red", "error": "red", "crash": "red",
-          "timeout": "red", "xpass": "magenta"}
+          "timeout": "red", "lost": "red", "xpass": "magenta"}
 METRIC_KEYS = ("max_abs", "max_rel", "max_ulp", "tol_ratio", "rmse", "rmse_ratio", "floor_ratio", "mismatches")
 
 
@@ -111,11 +111,43 @@ def _worst_text(w: dict) -> str:
     return ", ".join(parts)
 
 
+def columns(report) -> list:
+    """The matrix's columns as (backend, host kind) pairs: one per backend, or one per kind of host its cases
+    ran on when there were several (a cluster with H100 and H200 hosts); kind None for a single column."""
+    kinds = defaultdict(dict)  # backend -> host kinds in order of appearance
+    for c in report.cases:
+        if c.get("source") != "plan":  # plan rows (no kernel, unavailable) ran nowhere
+            kinds[c["backend"]][host_kind(report, c)] = None
+    out = []
+    for n in report.backends:
+        ks = list(kinds.get(n, ()))
+        out += [(n, k) for k in ks] if len(ks) > 1 else [(n, None)]
+    return out
+
+
+def host_kind(report, case: dict) -> str:
+    from opport.doctor import host_kind as kind_of
+
+    record = getattr(report, "hosts", {}).get(case.get("host"))
+    return kind_of(record) if record else "unknown host"
+
+
 def cells(report) -> dict:
-    """{(op, backend): {dtype: Counter of statuses}}"""
+    """{(op, backend, host kind or None): {dtype: Counter of statuses}}, keyed by `columns(report)`; a plan row
+    counts in every column of its backend."""
+    cols = columns(report)
+    split = {b for b, k in cols if k is not None}
     grid = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
     for c in report.cases:
-        grid[(c["op"], c["backend"])][c["dtype"]][c["status"]] += 1
+        b = c["backend"]
+        if b not in split:
+            keys = [(b, None)]
+        elif c.get("source") == "plan":
+            keys = [col for col in cols if col[0] == b]
+        else:
+            keys = [(b, host_kind(report, c))]
+        for col in keys:
+            grid[(c["op"], *col)][c["dtype"]][c["status"]] += 1
     return grid
 
 
@@ -141,18 +173,18 @@ def _cell_line(dtype: str, counts: dict) -> str:
 
 
 def matrix(report) -> Table:
-    """op x backend; each cell lists its dtypes (and the bad-input checks) with pass/fail counts."""
+    """op x backend (x host kind); each cell lists its dtypes (and the bad-input checks) with pass/fail counts."""
     grid = cells(report)
-    names = list(report.backends)
+    cols = columns(report)
     t = Table(title="conformance")
     t.add_column("op")
-    for n in names:
+    for n, kind in cols:
         info = report.backends[n]
-        t.add_column(f"{n}\n[dim]{info['mode'] or 'unavailable'}[/dim]")
-    for op in sorted({op for op, _ in grid}):
+        t.add_column(f"{n}\n[dim]{kind or info['mode'] or 'unavailable'}[/dim]")
+    for op in sorted({key[0] for key in grid}):
         row = [op]
-        for n in names:
-            per = grid.get((op, n))
+        for n, kind in cols:
+            per = grid.get((op, n, kind))
             if not per:
                 why = report.backends[n]["unavailable"]
                 row.append("[dim]unavailable[/dim]" if why else "-")
@@ -183,9 +215,10 @@ def print_summary(report, console: Console | None = None):
     code = report.exit_code
     verdict = "[green]PASS[/green]" if code == 0 else "[red]FAIL[/red]"
     why = "" if code == 0 else " (nothing ran)" if sum(v for k, v in s.items() if k != "skip") == 0 else ""
+    why = " (interrupted: a partial report)" if getattr(report, "interrupted", False) else why
     console.print(f"conformance: {verdict}{why}")
     # a plain closing count line, as test runners end (CI logs are read for it)
-    failed = sum(s[k] for k in ("fail", "error", "crash", "timeout", "xpass"))
+    failed = sum(s[k] for k in ("fail", "error", "crash", "timeout", "lost", "xpass"))
     console.print(f"conformance: {s['pass']} passed, {failed} failed, {s['skip'] + s['xfail']} skipped", markup=False)
 
 
@@ -207,13 +240,15 @@ def to_json(report) -> dict:
         "tier": o.tier, "seed": o.seed, "examples": o.examples, "duration_s": report.duration_s,
         "stale_known_failures": report.stale,
         "baseline_regressions": report.regressions,
+        "hosts": report.hosts,  # host id -> opport/doctor.py's record; every case names its "host"
+        "interrupted": report.interrupted,
         "cases": [_case_json(c) for c in report.cases],
     }
 
 
 def _case_json(c: dict) -> dict:
     keys = ("id", "op", "direction", "backend", "kernel", "dtype", "status", "metrics", "message", "repro", "case", "source",
-            "layout", "tags", "worst", "known_failure", "duration_s")
+            "layout", "tags", "worst", "known_failure", "duration_s", "host")
     return {k: c.get(k) for k in keys if k in c}
 
 
@@ -244,7 +279,7 @@ def write_junit(report, path):
             counts[c["status"]] += 1
         suite = ET.SubElement(root, "testsuite", name=f"opport.conformance.{name}", tests=str(len(cases)),
                               failures=str(counts["fail"] + counts["xpass"]),
-                              errors=str(counts["error"] + counts["crash"] + counts["timeout"]),
+                              errors=str(counts["error"] + counts["crash"] + counts["timeout"] + counts["lost"]),
                               skipped=str(counts["skip"] + counts["xfail"]),
                               time=f"{sum(c.get('duration_s') or 0 for c in cases):.3f}")
         props = ET.SubElement(suite, "properties")
@@ -273,7 +308,7 @@ def _junit_case(suite, c: dict):
     status = c["status"]
     if status in ("fail", "xpass"):
         ET.SubElement(tc, "failure", message=first, type=status).text = text
-    elif status in ("error", "crash", "timeout"):
+    elif status in ("error", "crash", "timeout", "lost"):
         ET.SubElement(tc, "error", message=first, type=status).text = text
     elif status in ("skip", "xfail"):
         why = f"xfail: {c.get('known_failure', '')}" if status == "xfail" else first
@@ -284,17 +319,18 @@ def to_markdown(report) -> str:
     """A summary for a CI job page ($GITHUB_STEP_SUMMARY): verdict, counts, matrix, failures with repros."""
     code = report.exit_code
     s = report.summary
-    names = list(report.backends)
     out = [f"## opport conformance: {'✅ PASS' if code == 0 else '❌ FAIL'}", ""]
     modes = ", ".join(f"`{n}` ({i['mode'] or 'unavailable'})" for n, i in report.backends.items())
     out += [f"Backends {modes}; tier `{report.options.tier}`, seed `{report.options.seed}`, {report.duration_s:.0f} s.", ""]
     out += ["| " + " | ".join(s) + " |", "|" + "---|" * len(s), "| " + " | ".join(str(v) for v in s.values()) + " |", ""]
     grid = cells(report)
-    out += ["| op | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for op in sorted({op for op, _ in grid}):
+    cols = columns(report)
+    out += ["| op | " + " | ".join(n + (f" ({kind})" if kind else "") for n, kind in cols) + " |",
+            "|---|" + "---|" * len(cols)]
+    for op in sorted({key[0] for key in grid}):
         row = []
-        for n in names:
-            per = grid.get((op, n), {})
+        for n, kind in cols:
+            per = grid.get((op, n, kind), {})
             row.append("<br>".join(_md_cell(d, per[d]) for d in sorted(per, key=lambda d: d == "n/a")) or "-")
         out.append(f"| {op} | " + " | ".join(row) + " |")
     fails = report.failures()

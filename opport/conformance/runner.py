@@ -14,6 +14,15 @@ from opport.conformance.worker import Batch, Pool, run_batch, run_setup
 
 # order of the status counters in summaries
 STATUSES = gate.STATUSES
+EXIT_INTERRUPTED = 130  # as the `opport` command's error boundary exits on Ctrl-C
+
+
+@dataclass
+class Executed:
+    """What running the batches says besides the results: the hosts that ran them, whether Ctrl-C cut it short."""
+
+    hosts: dict
+    interrupted: bool = False
 
 
 @dataclass
@@ -43,6 +52,8 @@ class Report:
     stale: list = field(default_factory=list)
     regressions: list = field(default_factory=list)
     duration_s: float = 0.0
+    hosts: dict = field(default_factory=dict)  # host id -> its doctor record (opport/doctor.py); cases carry "host"
+    interrupted: bool = False  # Ctrl-C stopped a cluster run: the report is partial
 
     @property
     def summary(self) -> dict:
@@ -53,7 +64,7 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        return gate.exit_code(self.summary, self.regressions)
+        return EXIT_INTERRUPTED if self.interrupted else gate.exit_code(self.summary, self.regressions)
 
     def failures(self) -> list:
         return [c for c in self.cases if c["status"] in gate.FAILING]
@@ -157,16 +168,23 @@ def default_workers(n_batches: int, limits=()) -> int:
     return max(1, min(cpus, 8, n_batches, *caps))
 
 
-def run(options: Options, display=None) -> Report:
-    """Plan, run every batch, apply known failures and the baseline; `display` gets live progress."""
+def run(options: Options, display=None, execute=None) -> Report:
+    """Plan, run every batch, apply known failures and the baseline; `display` gets live progress.
+    `execute(batches, sink, on_count, on_done) -> Executed` runs the batches (default: this machine's
+    worker processes; opport/fleet runs them on a cluster); each result it sinks names its "host"."""
+    from opport.doctor import host_record
+
     t0 = time.perf_counter()
     run_setup(options.setup)  # the parent must know the same backends as the workers
     p = plan(options)
     for name in p.backends:
         known_for(p, name)  # a malformed file stops the run before anything runs
     report = Report(options, p.backends)
+    here = host_record(list(p.backends))
+    report.hosts = {here["hostname"]: here}  # the planning host: plan rows (no kernel, unavailable) are its
 
     def sink(res: dict):
+        res.setdefault("host", here["hostname"])
         gate.apply_known(res, known_for(p, res["backend"]))
         res["repro"] = repro(res, options, p.selections.get(res["backend"]))
         report.cases.append(res)
@@ -180,12 +198,9 @@ def run(options: Options, display=None) -> Report:
             sink(res)
         on_count = display.add_total if display else (lambda n: None)
         on_done = display.batch_done if display else (lambda batch: None)
-        if options.workers == 0:
-            _in_process(p.batches, sink, on_count, on_done)
-        elif p.batches:
-            n = options.workers or default_workers(len(p.batches), p.limits.values())
-            Pool(n, tuple(options.setup), options.timeout, options.compile_timeout, sink, on_count,
-                 on_done=on_done).run(p.batches)
+        done = (execute or _local(options, p))(p.batches, sink, on_count, on_done)
+        report.hosts.update(done.hosts)
+        report.interrupted = done.interrupted
     finally:
         if display:
             display.stop()
@@ -208,6 +223,21 @@ def known_for(p: Plan, backend: str) -> list:
         own = gate.load_known(gate.known_failures_path(get_backend(backend)))
         p.known[backend] = own + [e for e in extra if fnmatch.fnmatchcase(backend, e.pattern.split("/")[1])]
     return p.known[backend]
+
+
+def _local(options: Options, p: Plan):
+    """This machine's executor: worker processes, or this process with `workers=0`."""
+
+    def execute(batches, sink, on_count, on_done) -> Executed:
+        if options.workers == 0:
+            _in_process(batches, sink, on_count, on_done)
+        elif batches:
+            n = options.workers or default_workers(len(batches), p.limits.values())
+            Pool(n, tuple(options.setup), options.timeout, options.compile_timeout, sink, on_count,
+                 on_done=on_done).run(batches)
+        return Executed({})
+
+    return execute
 
 
 def _in_process(batches: list, sink, on_count, on_done=lambda batch: None):

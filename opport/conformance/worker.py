@@ -68,6 +68,16 @@ def run_setup(setup: tuple):
 
 def run_batch(batch: Batch, send):
     """Enumerate and run a batch in this process, reporting through `send(message)`."""
+    for msg in batch_messages(batch):
+        send(msg)
+        if msg[0] == "exit":
+            os._exit(3)  # a poisoned device context: let the parent start a fresh process
+
+
+def batch_messages(batch: Batch):
+    """The messages of running a batch here, in order: ("count", n), then ("start", i, skeleton) and
+    ("result", i, result) per case, then ("done",); ("batch_error", why) if its cases cannot be built;
+    ("exit",) after a result that left the device unusable (the caller must end this process)."""
     from opport.conformance.execute import new_result, run_item
 
     try:
@@ -75,17 +85,17 @@ def run_batch(batch: Batch, send):
     except Exception as e:  # a broken case generator fails its batch, not the run
         import traceback
 
-        send(("batch_error", f"building the cases failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+        yield ("batch_error", f"building the cases failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
         return
-    send(("count", len(items)))
+    yield ("count", len(items))
     for i in range(batch.start, len(items)):
-        send(("start", i, dict(new_result(items[i]), index=i)))
+        yield ("start", i, dict(new_result(items[i]), index=i))
         res = dict(run_item(items[i]), index=i)
-        send(("result", i, res))
+        yield ("result", i, res)
         if res.get("sticky"):
-            send(("exit",))
-            os._exit(3)  # a poisoned device context: let the parent start a fresh process
-    send(("done",))
+            yield ("exit",)
+            return
+    yield ("done",)
 
 
 def worker_main(fd: int, fault_path: str, setup: tuple):

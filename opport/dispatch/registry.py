@@ -36,11 +36,15 @@ class Capabilities:
     bench: the module (found by name, like kernel modules) that tells `opport bench` how to measure this
         backend: its timer and ceilings or its counters, default tier and dtypes, time limit, baselines
         (the protocol is in opport/bench/profile.py). None: the backend cannot be benchmarked.
+    device_resource: the cluster resource a host offers when it has this backend's real device ("GPU",
+        "neuron_cores"; docs/fleet.md): on a cluster that offers it, the backend's cases and problems run
+        only where it is. None: the backend runs on any CPU.
     """
 
     emulated: Callable[[], bool] = field(default=lambda: False)
     max_workers: Callable[[], int | None] = field(default=lambda: None)
     bench: str | None = None
+    device_resource: str | None = None
 
 
 @dataclass(frozen=True)

@@ -124,5 +124,6 @@ BACKEND = Backend(
         emulated=lambda: setup() == "interpreter",
         max_workers=lambda: 4 if setup() == "compiled" else None,  # each worker holds a CUDA context on one GPU
         bench=f"{__name__}.bench",
+        device_resource="GPU",  # Ray's name for the GPUs a node offers (num_gpus)
     ),
 )

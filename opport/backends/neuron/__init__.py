@@ -45,5 +45,6 @@ BACKEND = Backend(
         emulated=lambda: _mode() in ("emulator", "simulator"),
         max_workers=lambda: 4 if _mode() in ("hardware", "simulator") else None,  # one device (or SDK simulator) shared
         bench=f"{__name__}.bench",
+        device_resource="neuron_cores",  # the custom resource Trainium/Inferentia nodes declare in Ray
     ),
 )
