@@ -30,10 +30,10 @@ def _without(items: list, *keys) -> list:
 
 def test_cases_and_rows_are_stored_as_the_json_report_has_them(stored_runs):
     with db.Store(stored_runs["db"]) as store:
-        assert _without(store.cases(1), "host") == stored_runs["json"][1]["cases"]
-        assert _without(store.cases(2), "host") == stored_runs["json"][2]["cases"]
+        assert store.cases(1) == stored_runs["json"][1]["cases"]  # each case names its host, as in --json
+        assert store.cases(2) == stored_runs["json"][2]["cases"]
         rows, report = store.bench_rows(3), stored_runs["json"][3]
-    assert _without(rows, "host", "backend", "ceilings", "verdict") == report["rows"]
+    assert _without(rows, "backend", "ceilings", "verdict") == report["rows"]
     assert {r["backend"] for r in rows} == {"cpu"} and all(r["ceilings"] == report["ceilings"] for r in rows)
     assert [r["verdict"] for r in rows] == [db.verdict(r) for r in report["rows"]]
 
@@ -51,7 +51,7 @@ def test_each_run_records_when_what_and_where(stored_runs):
     assert raw[0] == stored_runs["status"][2] == 1  # the broken kernel's run failed
     assert json.loads(raw[1])["summary"] == stored_runs["json"][2]["summary"]
     me = socket.gethostname()
-    assert list(hosts) == [me] and hosts[me]["backends"] == {"cpu": "numpy"} and hosts[me]["python"]
+    assert list(hosts) == [me] and hosts[me]["backends"]["cpu"]["mode"] == "numpy" and hosts[me]["python"]
     assert all(r["hosts"] == [me] for r in runs)
 
 
@@ -74,6 +74,19 @@ def test_a_report_with_its_own_hosts_is_stored_per_host(stored_runs, tmp_path):
         with pytest.raises(ValueError, match="elsewhere"):
             store.append("conformance", report, ["opport", "conformance"], 0)
         assert [r["id"] for r in store.runs()] == [run_id]  # the refused run left nothing behind
+
+
+def test_a_report_without_hosts_is_stored_as_this_machine(stored_runs, tmp_path):
+    """A JSON report from before reports named their hosts: one host, this machine, for every case."""
+    report = copy.deepcopy(stored_runs["json"][1])
+    del report["hosts"]
+    for c in report["cases"]:
+        del c["host"]
+    with db.Store(str(tmp_path / "r.db"), create=True) as store:
+        run_id = store.append("conformance", report, ["opport", "conformance"], 0)
+        me = socket.gethostname()
+        assert list(store.hosts(run_id)) == [me] and store.hosts(run_id)[me]["backends"] == {"cpu": "numpy"}
+        assert {c["host"] for c in store.cases(run_id)} == {me}
 
 
 def test_values_are_json_text_never_pickles(stored_runs):
@@ -151,7 +164,7 @@ def test_a_bad_store_is_refused_before_the_run(tmp_path, capsys, monkeypatch, cm
         raise AssertionError("the run started")
 
     monkeypatch.setattr(opport.conformance.runner, "run", tripped)
-    monkeypatch.setattr(opport.bench.cli, "_setup", tripped)
+    monkeypatch.setattr(opport.bench.cli, "setup_run", tripped)
     bad = tmp_path / "bad.db"
     bad.write_text("not a database")
     assert main([*cmd, "--store", str(bad)]) == 2
