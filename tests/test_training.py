@@ -333,7 +333,7 @@ def _upstream(reduction, kind, n):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("upstream", ["one", "random"])
 def test_cross_entropy_backward_is_the_fused_value_and_grad(backend, dtype, reduction, upstream):
