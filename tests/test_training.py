@@ -373,12 +373,13 @@ def test_cross_entropy_fused_path_under_torch_compile_numpy_vjp_and_jax():
     def loss_fn(leaf):
         return opport.cross_entropy(leaf, t) * 0.37
 
-    torch._dynamo.reset()
-    with _counted("cpu") as counts:
-        leaf = x.clone().requires_grad_()
-        torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(leaf).backward()
-    assert counts == {"cross_entropy_value_and_grad": 1}, counts
-    np.testing.assert_allclose(leaf.grad.numpy(), want.numpy(), rtol=1e-6, atol=1e-9)
+    for dynamic in (False, True):  # sizes and int scalars symbolic: the choice is still made at trace time
+        torch._dynamo.reset()
+        with _counted("cpu") as counts:
+            leaf = x.clone().requires_grad_()
+            torch.compile(loss_fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)(leaf).backward()
+        assert counts == {"cross_entropy_value_and_grad": 1}, counts
+        np.testing.assert_allclose(leaf.grad.numpy(), want.numpy(), rtol=1e-6, atol=1e-9)
 
     with _counted("cpu") as counts:
         out, pullback = opport.vjp("cross_entropy", x.numpy(), t.numpy())

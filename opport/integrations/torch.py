@@ -184,10 +184,11 @@ def autograd_call(spec, bound: tuple, backend: str | None):
 
 
 def _described(spec, bound: tuple) -> tuple:
-    """The bound arguments with each tensor as (dtype, shape, device): constants while torch.compile traces
-    (a symbolic size stands as 2: the choice below rests on kernel presence and dtypes, not sizes)."""
-    return tuple((str(a.dtype).removeprefix("torch."), tuple(d if isinstance(d, int) else 2 for d in a.shape),
-                  str(a.device)) if i in spec.array_pos and a is not None else a for i, a in enumerate(bound))
+    """Each array argument as (dtype, ndim, device), None elsewhere: constants while torch.compile traces, even
+    under dynamic shapes, where sizes and int scalars are symbolic (below every size stands as 2 and every scalar
+    as its default: the choice rests on kernel presence and dtypes; the call itself is validated when it runs)."""
+    return tuple((str(a.dtype).removeprefix("torch."), a.dim(), str(a.device)) if i in spec.array_pos and a is not None
+                 else None for i, a in enumerate(bound))
 
 
 @torch._dynamo.assume_constant_result
@@ -199,8 +200,9 @@ def _fused_when_traced(name: str, described: tuple, backend) -> bool:
     from opport.spec import Meta
 
     vag = get_op(name).value_and_grad_op
-    metas = [Meta("torch", a[0], a[1], None, a[2]) if i in vag.array_pos and a is not None else a
-             for i, a in enumerate(described)]
+    defaults = [p.default for p in vag.signature.parameters.values()]
+    metas = [Meta("torch", a[0], (2,) * a[1], None, a[2]) if a is not None else (None if i in vag.array_pos else d)
+             for i, (a, d) in enumerate(zip(described, defaults))]
     return decide(vag, metas, context.requested_backend(backend), True, backend is not None)[1] is not None
 
 
@@ -303,8 +305,11 @@ def register_autograd(spec):
 
 def register_fused_autograd(spec):
     """The autograd formula of `<op>_value_and_grad`: its gradient outputs are saved (and not differentiable), the
-    backward scales them in place by the upstream gradient (`opport::scale_unit_grads_`, a mutating custom op:
-    skipped at run time where the upstream is exactly 1)."""
+    backward scales them in place by the upstream gradient (`opport::scale_unit_grad_`, a mutating custom op:
+    skipped at run time where the upstream is exactly 1; AOTAutograd functionalizes it and Inductor writes it
+    back in place). The op's dlogits output is internal: autograd_call hands out the loss only, since the
+    backward mutates dlogits (why `torch.library.opcheck` of this op reports test_aot_dispatch_dynamic, which
+    returns dlogits to its caller, as a failure)."""
     vag = spec.value_and_grad_op
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -316,7 +321,8 @@ def register_fused_autograd(spec):
 
     def backward(ctx, grad, *_grad_grads):
         grads = list(ctx.saved_tensors)
-        torch.ops.opport.scale_unit_grads_(grads, grad)
+        for g in grads:
+            torch.ops.opport.scale_unit_grad_(g, grad)
         grads = iter(grads)
         by_name = {n: next(grads) for n, here in zip(vag.wrt, ctx.present) if here}
         return tuple(by_name.get(p) for p in spec.params)
@@ -324,12 +330,12 @@ def register_fused_autograd(spec):
     torch.library.register_autograd(f"{NAMESPACE}::{vag.name}", backward, setup_context=setup_context, lib=_LIB)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::scale_unit_grads_", mutates_args=("grads",))
-def _scale_unit_grads_(grads: list[torch.Tensor], grad: torch.Tensor) -> None:
-    """grads *= grad in place (broadcast over trailing dimensions), nothing where grad is exactly 1
+@torch.library.custom_op(f"{NAMESPACE}::scale_unit_grad_", mutates_args=("g",))
+def _scale_unit_grad_(g: torch.Tensor, grad: torch.Tensor) -> None:
+    """g *= grad in place (broadcast over trailing dimensions), nothing where grad is exactly 1
     (opport.autodiff.scale_unit_grads): the backward of a fused value-and-grad."""
     with torch.no_grad():
-        scale_unit_grads(tuple(grads), grad, in_place=True)
+        scale_unit_grads((g,), grad, in_place=True)
 
 
 def _no_double_backward(spec):
