@@ -10,7 +10,7 @@ An op that declares a fused value-and-grad (`@<op>.value_and_grad`: cross_entrop
 backend selected for the call has a kernel for it (`fused_op`: kernel presence in the registry, never a backend
 name): the forward then also returns the gradients for a unit upstream gradient, and the backward is only
 `scale_unit_grads`, upstream * gradient, skipped where the upstream is exactly 1. Elsewhere (a backend without
-such a kernel, e.g. neuron today) the training forward and the backward op run as above: nothing falls back.
+such a kernel, a plugin's) the training forward and the backward op run as above: nothing falls back.
 
     out, pullback = opport.vjp("rmsnorm", x, w)      # NumPy, torch or JAX arrays
     dx, dw = pullback(dy)                           # one gradient per differentiable input (None if absent)

@@ -92,11 +92,13 @@ def _cross_entropy_forward_kernel(logits_hbm, target_hbm, ignore_index, reductio
     return _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, True)
 
 
-def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, with_lse):
-    """Both kernels' body: the loss of every row tile, and its logsumexp when with_lse."""
+def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, with_lse, dx_hbm=None,
+                   c_all_sb=None):
+    """The three kernels' body: the loss of every row tile, and its logsumexp when with_lse; with dx_hbm (the
+    fused value-and-grad), each row tile's gradient for a unit upstream gradient right after its loss, every
+    row scaled by c_all_sb (1, or 1 / kept rows for "mean")."""
     N, V = logits_hbm.shape
     PMAX = nl.tile_size.pmax
-    n_chunks = (V + FMAX - 1) // FMAX
     F0 = min(FMAX, V)
     eps = float(label_smoothing)
     per_row = reduction == "none"
@@ -130,36 +132,7 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
                                                    indirect_dim=0))
 
         # online sum of exp(x_j - m) over the non-target columns (and the row sum for smoothing)
-        m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=m_sb, value=NEG_BIG)
-        r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=r_sb, value=0.0)
-        sums_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
-        for c in range(n_chunks):
-            c0 = c * FMAX
-            f = min(FMAX, V - c0)
-            x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
-            if eps > 0.0:
-                nisa.tensor_reduce(dst=sums_sb[0:p, c:c + 1], op=nl.add, data=x_sb, axis=1, keepdims=True)
-            hit_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # column c0 + i == t
-            nisa.tensor_scalar(dst=hit_sb, data=cols_sb[0:p, 0:f], op0=nl.add, operand0=float(c0), op1=nl.equal,
-                               operand1=t_f_sb)
-            nisa.tensor_copy_predicated(dst=x_sb, src=-math.inf, predicate=hit_sb)
-            cmax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_reduce(dst=cmax_sb, op=nl.maximum, data=x_sb, axis=1, keepdims=True)
-            m_new_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=m_new_sb, data1=m_sb, data2=cmax_sb, op=nl.maximum)
-            neg_m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=neg_m_sb, data=m_new_sb, op0=nl.multiply, operand0=-1.0)
-            corr_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=corr_sb, op=nl.exp, data=m_sb, bias=neg_m_sb)
-            e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-            csum_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_m_sb, reduce_op=nl.add, reduce_res=csum_sb,
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
-            nisa.scalar_tensor_tensor(dst=r_sb, data=r_sb, op0=nl.multiply, operand0=corr_sb, op1=nl.add, operand1=csum_sb)
-            m_sb = m_new_sb
+        m_sb, r_sb, sums_sb = _online_sums(logits_hbm, cols_sb, t_f_sb, r0, p, eps)
 
         # loss = softplus(log(r) + m - x_t) [+ eps * (x_t - mean(x))]
         log_r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -168,8 +141,8 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
         nisa.tensor_tensor(dst=gap_sb, data1=m_sb, data2=xt_sb, op=nl.subtract)
         loss_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=loss_sb, op=nl.softplus, data=log_r_sb, bias=gap_sb)
-        if eps > 0.0 or with_lse:  # the whole row's logsumexp is log_rall + M
-            log_rall_sb, mt_sb = _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p)
+        if eps > 0.0 or with_lse or dx_hbm is not None:  # the whole row's logsumexp is log_rall + M
+            log_rall_sb, mt_sb, rall_sb = _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p)
         if eps > 0.0:  # (1 - eps) nll + eps (logsumexp - mean(x)): both terms >= 0, no inf - inf
             sumx_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_reduce(dst=sumx_sb, op=nl.add, data=sums_sb, axis=1, keepdims=True)
@@ -185,6 +158,17 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
             lse_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=lse_sb, data1=log_rall_sb, data2=mt_sb, op=nl.add)
             nisa.dma_copy(dst=lse_hbm[r0:r0 + p, 0:1], src=lse_sb)
+        if dx_hbm is not None:  # p = exp(x - M) / r_all: no lse rounded to float32 (an ulp of |M|) in between
+            c_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=c_sb, src=c_all_sb[0:p, 0:1])
+            ign_g_sb = _mark_rows(c_sb, t_f_sb, ignore_index, V, p)
+            neg_mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=neg_mt_sb, data=mt_sb, op0=nl.multiply, operand0=-1.0)
+            inv_r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.reciprocal(dst=inv_r_sb, data=rall_sb)
+            for c0 in range(0, V, FMAX):
+                _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_mt_sb, ign_g_sb, r0, p, c0,
+                                min(FMAX, V - c0), eps, inv_r_sb)
 
         # NaN for a target outside [0, V) that is not ignore_index, 0 for ignored rows (in that order)
         below_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
@@ -216,11 +200,53 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
             nisa.reciprocal(dst=inv_sb, data=acc_sb[0:1, 1:2])
             nisa.tensor_tensor(dst=res_sb, data1=acc_sb[0:1, 0:1], data2=inv_sb, op=nl.multiply)
         nisa.dma_copy(dst=out_hbm, src=res_sb)
+    if dx_hbm is not None:
+        return out_hbm, dx_hbm
     return (out_hbm, lse_hbm) if with_lse else out_hbm
 
 
+def _online_sums(logits_hbm, cols_sb, t_f_sb, r0, p, eps):
+    """(m, r, per-chunk row sums) of a row tile: the running max m and sum r = sum exp(x_j - m) over the
+    non-target columns, and each chunk's sum of x for smoothing. A function of its own so that its chunk
+    tiles are dead when the fused kernel's gradient pass allocates its own (SBUF holds one set at a time)."""
+    V = logits_hbm.shape[1]
+    n_chunks = (V + FMAX - 1) // FMAX
+    m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=m_sb, value=NEG_BIG)
+    r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=r_sb, value=0.0)
+    sums_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
+    for c in range(n_chunks):
+        c0 = c * FMAX
+        f = min(FMAX, V - c0)
+        x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
+        if eps > 0.0:
+            nisa.tensor_reduce(dst=sums_sb[0:p, c:c + 1], op=nl.add, data=x_sb, axis=1, keepdims=True)
+        hit_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # column c0 + i == t
+        nisa.tensor_scalar(dst=hit_sb, data=cols_sb[0:p, 0:f], op0=nl.add, operand0=float(c0), op1=nl.equal,
+                           operand1=t_f_sb)
+        nisa.tensor_copy_predicated(dst=x_sb, src=-math.inf, predicate=hit_sb)
+        cmax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=cmax_sb, op=nl.maximum, data=x_sb, axis=1, keepdims=True)
+        m_new_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=m_new_sb, data1=m_sb, data2=cmax_sb, op=nl.maximum)
+        neg_m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=neg_m_sb, data=m_new_sb, op0=nl.multiply, operand0=-1.0)
+        corr_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=corr_sb, op=nl.exp, data=m_sb, bias=neg_m_sb)
+        e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        csum_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_m_sb, reduce_op=nl.add, reduce_res=csum_sb,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.scalar_tensor_tensor(dst=r_sb, data=r_sb, op0=nl.multiply, operand0=corr_sb, op1=nl.add, operand1=csum_sb)
+        m_sb = m_new_sb
+    return m_sb, r_sb, sums_sb
+
+
 def _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p):
-    """(log(r e^(m - M) + [0 <= t < V] e^(x_t - M)), M) with M = max(m, x_t): the row's logsumexp is their sum.
+    """(log(r_all), M, r_all), r_all = r e^(m - M) + [0 <= t < V] e^(x_t - M), M = max(m, x_t): the row's
+    logsumexp is log(r_all) + M.
 
     m and r leave the target column out (where the target is in range), x_t is the gathered target logit."""
     mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # M = max(m, x_t): the whole row's max
@@ -236,7 +262,7 @@ def _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p):
     nisa.scalar_tensor_tensor(dst=rall_sb, data=rall_sb, op0=nl.multiply, operand0=r_sb, op1=nl.add, operand1=et_sb)
     log_rall_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_rall_sb, op=nl.log, data=rall_sb)
-    return log_rall_sb, mt_sb
+    return log_rall_sb, mt_sb, rall_sb
 
 
 def _in_range(t_f_sb, V, p):
@@ -368,18 +394,22 @@ def _target_tile(target_hbm, r0, p):
 
 
 def _shared_coefficient(grad_hbm, t_tiles, mean, ignore_index, p_all):
-    """The upstream gradient of a reduced loss on every partition [p_all, 1], divided by the rows kept for "mean".
+    """The upstream gradient of a reduced loss on every partition [p_all, 1], divided by the rows kept for "mean"
+    (grad_hbm None: a unit upstream gradient, the fused value-and-grad's).
 
     Both cross partitions on TensorE: grad by a K = 1 matmul against a ones row, the kept count by an all-ones
     stationary against each tile's kept flags, accumulated over the row tiles in one PSUM entry."""
-    g_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=g_sb, src=grad_hbm[0:1])
     ones_sb = nl.ndarray((p_all, p_all), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones_sb, value=1.0)
-    g_psum = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=g_psum, stationary=ones_sb[0:1, 0:p_all], moving=g_sb)
     c_sb = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=c_sb, src=g_psum)
+    if grad_hbm is None:
+        nisa.memset(dst=c_sb, value=1.0)
+    else:
+        g_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=g_sb, src=grad_hbm[0:1])
+        g_psum = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=g_psum, stationary=ones_sb[0:1, 0:p_all], moving=g_sb)
+        nisa.tensor_copy(dst=c_sb, src=g_psum)
     if mean:
         cnt_psum = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.psum)
         for t_f_sb in t_tiles:
@@ -405,13 +435,16 @@ def _mark_rows(c_sb, t_f_sb, ignore_index, V, p):
     return ign_sb
 
 
-def _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_lse_sb, ign_sb, r0, p, c0, f, eps):
-    """dx[rows, c0:c0+f] = (exp(x - lse) - (1 - eps) [col == t] - eps/V) * c, ignored rows 0."""
+def _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_lse_sb, ign_sb, r0, p, c0, f, eps, inv_r_sb=None):
+    """dx[rows, c0:c0+f] = (exp(x - lse) - (1 - eps) [col == t] - eps/V) * c, ignored rows 0; with inv_r_sb, the
+    softmax is exp(x - M) * (1 / r_all) (neg_lse_sb holding -M)."""
     V = logits_hbm.shape[1]
     x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
     e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_lse_sb)
+    if inv_r_sb is not None:
+        nisa.tensor_scalar(dst=e_sb, data=e_sb, op0=nl.multiply, operand0=inv_r_sb)
     hit_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # 1.0 at column c0 + i == t
     nisa.tensor_scalar(dst=hit_sb, data=cols_sb[0:p, 0:f], op0=nl.add, operand0=float(c0), op1=nl.equal,
                        operand1=t_f_sb)
@@ -436,3 +469,59 @@ def cross_entropy_backward(grad: np.ndarray, logits: np.ndarray, target: np.ndar
     dx = _host.run(_cross_entropy_backward_kernel, g, _host.contiguous(logits), _targets32(target),
                    _host.contiguous(lse), int(ignore_index), reduction, float(label_smoothing))
     return (_host.as_dtype(dx, logits.dtype.name, logits.shape),)
+
+
+# --------------------------------------------------------------------------- forward fused with the backward
+
+
+@nki.jit
+def _cross_entropy_value_and_grad_kernel(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing):
+    """The loss and dlogits for a unit upstream gradient, each row tile's gradient written right after its loss.
+
+    Dimensions:
+        N: rows (tiled by 128 onto the partitions); V: vocabulary (free dim, chunks of FMAX).
+
+    Args:
+        as _cross_entropy_kernel.
+
+    Returns:
+        (out_hbm, dx_hbm): the loss as _cross_entropy_kernel's, and dx_hbm [N, V] in the logits' dtype, the
+        backward kernel's result for grad = 1: ignored rows exactly 0, rows with a target outside [0, V) NaN.
+
+    Notes:
+        The forward's single pass per row tile (running max m and sum r, the gathered target logit), then a
+        second walk over the same tile's chunks writes c (exp(x - M) / r_all - (1 - eps) [col == t] - eps/V)
+        with M and r_all from _row_logsumexp: no float32 lse sits between them, so p keeps its relative
+        accuracy at large logits. c is 1, or 1 / (rows not ignored) for "mean", counted on TensorE from the
+        targets before the first tile (as the backward's _shared_coefficient with a unit gradient). Against
+        the training forward plus the backward, the logits are read twice instead of three times and no lse
+        goes to HBM; the second read of a tile (at most 128 x V) is from HBM again: SBUF holds one FMAX chunk
+        of it, not the row.
+
+    Pseudocode:
+        c = 1, or 1 / max(1, sum over rows of [t != ignore_index])                    (TensorE)
+        for each 128-row tile:
+            loss as _cross_entropy_kernel (M, r_all from the same pass)
+            for chunk: e = exp(x - M) / r_all; dx = (e - (1 - eps) [col == t] - eps/V) c; dx[ignored] = 0
+    """
+    N, V = logits_hbm.shape
+    PMAX = nl.tile_size.pmax
+    p_all = min(PMAX, N)
+    dx_hbm = nl.ndarray((N, V), dtype=logits_hbm.dtype, buffer=nl.shared_hbm)
+    t_tiles = [_target_tile(target_hbm, r0, min(PMAX, N - r0)) for r0 in range(0, N, PMAX)]
+    c_all_sb = _shared_coefficient(None, t_tiles, reduction == "mean", ignore_index, p_all)
+    return _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, False, dx_hbm, c_all_sb)
+
+
+@impl(spec.value_and_grad_op, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+def cross_entropy_value_and_grad(logits: np.ndarray, target: np.ndarray, ignore_index: int, reduction: str,
+                                 label_smoothing: float) -> tuple:
+    """Host side of the fused value-and-grad: the loss (float32) and dlogits [N, V] in the logits' dtype."""
+    n = logits.shape[0]
+    if n == 0:
+        return cross_entropy(logits, target, ignore_index, reduction, label_smoothing), np.empty(logits.shape,
+                                                                                                 logits.dtype)
+    out, dx = _host.run(_cross_entropy_value_and_grad_kernel, _host.contiguous(logits), _targets32(target),
+                        int(ignore_index), reduction, float(label_smoothing))
+    return (_host.as_dtype(out, "float32", (n,) if reduction == "none" else ()),
+            _host.as_dtype(dx, logits.dtype.name, logits.shape))
