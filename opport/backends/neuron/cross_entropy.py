@@ -15,6 +15,9 @@ FMAX = 8192  # vocabulary chunk: logits chunk, column iota, fp32 exp scratch and
 NEG_BIG = -3.4028234663852886e38  # -FLT_MAX: a finite start for the running max, so exp(m_old - m_new) is never NaN
 EXACT = 1 << 24  # integers up to 2^24 are exact in float32, where VectorE compares the targets
 TARGET_CLIP = EXACT + 1  # targets are clipped to +-(2^24 + 1) on the host: still outside [0, V), still != ignore_index
+RESIDENT_BYTES = 64 * 1024  # the fused kernel keeps a row tile this small in SBUF for its second walk: beside the
+# RESIDENT_CHUNK scratch and the column iota (32 KiB) it fits trn1's 176 KiB per partition (bf16 V <= 32768)
+RESIDENT_CHUNK = 4096  # both walks' chunk beside a resident row: half FMAX's scratch (float32 exp, one-hot, copies)
 
 
 @nki.jit
@@ -93,10 +96,11 @@ def _cross_entropy_forward_kernel(logits_hbm, target_hbm, ignore_index, reductio
 
 
 def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, with_lse, dx_hbm=None,
-                   c_all_sb=None):
+                   c_all_sb=None, resident=False):
     """The three kernels' body: the loss of every row tile, and its logsumexp when with_lse; with dx_hbm (the
     fused value-and-grad), each row tile's gradient for a unit upstream gradient right after its loss, every
-    row scaled by c_all_sb (1, or 1 / kept rows for "mean")."""
+    row scaled by c_all_sb (1, or 1 / kept rows for "mean"); resident: the row tile is loaded into SBUF once and
+    both walks read it there."""
     N, V = logits_hbm.shape
     PMAX = nl.tile_size.pmax
     F0 = min(FMAX, V)
@@ -131,8 +135,12 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
         nisa.dma_copy(dst=xt_sb, src=logits_hbm.ap(pattern=[[1, p], [1, 1]], offset=r0 * V, vector_offset=flat_sb,
                                                    indirect_dim=0))
 
+        row_sb = None
+        if resident:  # the whole row tile, read from HBM once for both walks
+            row_sb = nl.ndarray((p, V), dtype=logits_hbm.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=row_sb, src=logits_hbm[r0:r0 + p, 0:V])
         # online sum of exp(x_j - m) over the non-target columns (and the row sum for smoothing)
-        m_sb, r_sb, sums_sb = _online_sums(logits_hbm, cols_sb, t_f_sb, r0, p, eps)
+        m_sb, r_sb, sums_sb = _online_sums(logits_hbm, cols_sb, t_f_sb, r0, p, eps, row_sb)
 
         # loss = softplus(log(r) + m - x_t) [+ eps * (x_t - mean(x))]
         log_r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -166,9 +174,10 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
             nisa.tensor_scalar(dst=neg_mt_sb, data=mt_sb, op0=nl.multiply, operand0=-1.0)
             inv_r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.reciprocal(dst=inv_r_sb, data=rall_sb)
-            for c0 in range(0, V, FMAX):
+            fg = RESIDENT_CHUNK if resident else FMAX
+            for c0 in range(0, V, fg):
                 _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_mt_sb, ign_g_sb, r0, p, c0,
-                                min(FMAX, V - c0), eps, inv_r_sb)
+                                min(fg, V - c0), eps, inv_r_sb, row_sb)
 
         # NaN for a target outside [0, V) that is not ignore_index, 0 for ignored rows (in that order)
         below_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
@@ -205,22 +214,27 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
     return (out_hbm, lse_hbm) if with_lse else out_hbm
 
 
-def _online_sums(logits_hbm, cols_sb, t_f_sb, r0, p, eps):
+def _online_sums(logits_hbm, cols_sb, t_f_sb, r0, p, eps, row_sb=None):
     """(m, r, per-chunk row sums) of a row tile: the running max m and sum r = sum exp(x_j - m) over the
     non-target columns, and each chunk's sum of x for smoothing. A function of its own so that its chunk
-    tiles are dead when the fused kernel's gradient pass allocates its own (SBUF holds one set at a time)."""
+    tiles are dead when the fused kernel's gradient pass allocates its own (SBUF holds one set at a time).
+    row_sb: the row tile already in SBUF (each chunk copied from it: the target column is overwritten)."""
     V = logits_hbm.shape[1]
-    n_chunks = (V + FMAX - 1) // FMAX
+    fw = FMAX if row_sb is None else RESIDENT_CHUNK
+    n_chunks = (V + fw - 1) // fw
     m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=m_sb, value=NEG_BIG)
     r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=r_sb, value=0.0)
     sums_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
     for c in range(n_chunks):
-        c0 = c * FMAX
-        f = min(FMAX, V - c0)
+        c0 = c * fw
+        f = min(fw, V - c0)
         x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
+        if row_sb is None:
+            nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
+        else:
+            nisa.tensor_copy(dst=x_sb, src=row_sb[0:p, c0:c0 + f])
         if eps > 0.0:
             nisa.tensor_reduce(dst=sums_sb[0:p, c:c + 1], op=nl.add, data=x_sb, axis=1, keepdims=True)
         hit_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # column c0 + i == t
@@ -435,12 +449,16 @@ def _mark_rows(c_sb, t_f_sb, ignore_index, V, p):
     return ign_sb
 
 
-def _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_lse_sb, ign_sb, r0, p, c0, f, eps, inv_r_sb=None):
+def _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_lse_sb, ign_sb, r0, p, c0, f, eps, inv_r_sb=None,
+                    row_sb=None):
     """dx[rows, c0:c0+f] = (exp(x - lse) - (1 - eps) [col == t] - eps/V) * c, ignored rows 0; with inv_r_sb, the
-    softmax is exp(x - M) * (1 / r_all) (neg_lse_sb holding -M)."""
+    softmax is exp(x - M) * (1 / r_all) (neg_lse_sb holding -M); with row_sb, x is read from that SBUF row tile."""
     V = logits_hbm.shape[1]
-    x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
+    if row_sb is None:
+        x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
+    else:
+        x_sb = row_sb[0:p, c0:c0 + f]
     e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_lse_sb)
     if inv_r_sb is not None:
@@ -475,14 +493,15 @@ def cross_entropy_backward(grad: np.ndarray, logits: np.ndarray, target: np.ndar
 
 
 @nki.jit
-def _cross_entropy_value_and_grad_kernel(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing):
+def _cross_entropy_value_and_grad_kernel(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, resident):
     """The loss and dlogits for a unit upstream gradient, each row tile's gradient written right after its loss.
 
     Dimensions:
         N: rows (tiled by 128 onto the partitions); V: vocabulary (free dim, chunks of FMAX).
 
     Args:
-        as _cross_entropy_kernel.
+        as _cross_entropy_kernel, and
+        resident: compile-time; True when a row tile (V x itemsize bytes per partition) fits RESIDENT_BYTES.
 
     Returns:
         (out_hbm, dx_hbm): the loss as _cross_entropy_kernel's, and dx_hbm [N, V] in the logits' dtype, the
@@ -493,10 +512,11 @@ def _cross_entropy_value_and_grad_kernel(logits_hbm, target_hbm, ignore_index, r
         second walk over the same tile's chunks writes c (exp(x - M) / r_all - (1 - eps) [col == t] - eps/V)
         with M and r_all from _row_logsumexp: no float32 lse sits between them, so p keeps its relative
         accuracy at large logits. c is 1, or 1 / (rows not ignored) for "mean", counted on TensorE from the
-        targets before the first tile (as the backward's _shared_coefficient with a unit gradient). Against
-        the training forward plus the backward, the logits are read twice instead of three times and no lse
-        goes to HBM; the second read of a tile (at most 128 x V) is from HBM again: SBUF holds one FMAX chunk
-        of it, not the row.
+        targets before the first tile (as the backward's _shared_coefficient with a unit gradient). Memory
+        traffic: with a resident row tile (V x itemsize <= 64 KiB per partition: bf16 V <= 32768) the logits
+        are read from HBM once and dlogits written once, the minimum; a larger vocabulary is read twice (SBUF
+        holds one FMAX chunk, not the 128 x V tile), what the training forward plus the backward read, less
+        the lse round trip.
 
     Pseudocode:
         c = 1, or 1 / max(1, sum over rows of [t != ignore_index])                    (TensorE)
@@ -510,7 +530,8 @@ def _cross_entropy_value_and_grad_kernel(logits_hbm, target_hbm, ignore_index, r
     dx_hbm = nl.ndarray((N, V), dtype=logits_hbm.dtype, buffer=nl.shared_hbm)
     t_tiles = [_target_tile(target_hbm, r0, min(PMAX, N - r0)) for r0 in range(0, N, PMAX)]
     c_all_sb = _shared_coefficient(None, t_tiles, reduction == "mean", ignore_index, p_all)
-    return _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, False, dx_hbm, c_all_sb)
+    return _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, False, dx_hbm, c_all_sb,
+                          resident)
 
 
 @impl(spec.value_and_grad_op, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
@@ -521,7 +542,8 @@ def cross_entropy_value_and_grad(logits: np.ndarray, target: np.ndarray, ignore_
     if n == 0:
         return cross_entropy(logits, target, ignore_index, reduction, label_smoothing), np.empty(logits.shape,
                                                                                                  logits.dtype)
+    resident = logits.shape[1] * logits.dtype.itemsize <= RESIDENT_BYTES
     out, dx = _host.run(_cross_entropy_value_and_grad_kernel, _host.contiguous(logits), _targets32(target),
-                        int(ignore_index), reduction, float(label_smoothing))
+                        int(ignore_index), reduction, float(label_smoothing), resident)
     return (_host.as_dtype(out, "float32", (n,) if reduction == "none" else ()),
             _host.as_dtype(dx, logits.dtype.name, logits.shape))
