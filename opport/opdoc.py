@@ -58,7 +58,17 @@ def _backward(spec) -> list:
         out.append(f"Training forward `{spec.train_forward.name}` returns the output and {stats} (float32).")
     out += ["", inspect.cleandoc(bwd.__doc__ or ""), ""]
     out += _constraints(bwd)
-    return out
+    return out + _value_and_grad(spec)
+
+
+def _value_and_grad(spec) -> list:
+    vag = spec.value_and_grad_op
+    if vag is None:
+        return []
+    grads = ", ".join(f"`d{n}`" for n in vag.wrt)
+    return [f"### {vag.name}", "", f"`{vag.name}{vag.signature}`", "",
+            f"Returns the output and {grads} for a unit upstream gradient; its output is judged as `{spec.name}`'s, "
+            f"its gradients as `{spec.backward_op.name}`'s.", "", inspect.cleandoc(vag.__doc__ or ""), ""]
 
 
 def _public_functions() -> str:

@@ -134,7 +134,8 @@ class ErrorCase:
 class OpSpec:
     """One operator: signature, validation, reference, cases, tolerances, cost (kernels live in opport.dispatch)."""
 
-    direction = "forward"  # "forward", "forward_train" (forward that also returns saved statistics), "backward"
+    # "forward", "forward_train" (forward that also returns saved statistics), "backward", "value_and_grad"
+    direction = "forward"
 
     def __init__(self, fn: Callable, arrays: tuple, constraints: dict, dtypes: tuple, out_dtype: str | None,
                  name: str | None = None):
@@ -169,6 +170,7 @@ class OpSpec:
         self.parent: OpSpec | None = None  # the forward op of a derived (training forward or backward) spec
         self.backward_op: BackwardSpec | None = None  # set by @<op>.backward
         self.train_forward: TrainForwardSpec | None = None  # set by @<op>.saves: the forward that returns stats too
+        self.value_and_grad_op: ValueAndGradSpec | None = None  # set by @<op>.value_and_grad: forward + unit gradients
 
     # -- attaching the parts of the declaration
 
@@ -243,6 +245,25 @@ class OpSpec:
         def declare(fn):
             self.train_forward = TrainForwardSpec(self, tuple(names), shapes, fn)
             return fn
+
+        return declare
+
+    def value_and_grad(self, constraints: dict | None = None):
+        """Declare a fused training forward, `<op>_value_and_grad`, from its validation function (the forward's
+        signature): it returns `(out, *d<input>)`, the output and the gradients of the backward's `wrt` inputs for a
+        unit upstream gradient (ones shaped like the output), in the inputs' dtypes. Its float64 reference is the
+        forward's and the backward's at that gradient (nothing to derive twice); its cases and strategy are the
+        forward's; validation is the forward's (its bad inputs are checked there, naming the forward). Autograd
+        runs it instead of the training forward where the selected backend has a kernel for it, and scales the
+        saved gradients by the upstream gradient (opport/autodiff.py): worth it where the backward would re-read
+        an input as large as the gradients (cross_entropy's logits)."""
+
+        def declare(fn):
+            if self.backward_op is None:
+                raise TypeError(f"{self.name}: declare @{self.name}.backward before @{self.name}.value_and_grad")
+            spec = ValueAndGradSpec(fn, self, constraints or {})
+            self.value_and_grad_op = spec
+            return spec
 
         return declare
 
@@ -464,6 +485,79 @@ class TrainForwardSpec(OpSpec):
     def run_stats(self, *args, **kwargs) -> tuple:
         """The float64 reference of the saved statistics."""
         return tuple(self.run_reference(*args, **kwargs)[1:])
+
+
+class ValueAndGradSpec(OpSpec):
+    """The forward fused with its backward at a unit upstream gradient, declared by `@<op>.value_and_grad`:
+    `(out, *gradients)`, named `<op>_value_and_grad`. Output 0 is judged as the forward's output, the gradients
+    as the backward's (its per-gradient and per-case tolerances)."""
+
+    direction = "value_and_grad"
+
+    def __init__(self, fn, forward: OpSpec, constraints: dict):
+        if tuple(inspect.signature(fn).parameters) != forward.params:
+            raise TypeError(f"{fn.__name__}: a value_and_grad takes the forward's parameters {forward.params}")
+        super().__init__(fn, forward.arrays, constraints, forward.dtypes, None, name=f"{forward.name}_value_and_grad")
+        self.parent, self.module, self.package = forward, forward.module, forward.package
+        self.wrt = forward.backward_op.wrt
+        self.tolerances = dict(forward.tolerances)
+        self._shape = forward._shape
+        self._cases, self._strategy = forward._cases, forward._strategy  # bad inputs: the forward's own cases
+        self._reference = self._fused_reference
+        self.mutants: dict = {}  # name -> float64 function of the forward's arguments (plausible bugs)
+
+    def _fused_reference(self, *bound):
+        """The forward's reference and the backward's at grad = 1, on float64 inputs, with the float64 saved
+        statistics (not rounded: the fused kernel never stores them)."""
+        fwd, bwd = self.parent, self.parent.backward_op
+        out = fwd._reference(*bound)
+        by_name = dict(zip(fwd.params, bound))
+        by_name["out"] = out
+        if fwd.train_forward is not None:
+            by_name.update(zip(fwd.train_forward.stats, fwd.train_forward._stats_ref(*bound)))
+        by_name["grad"] = np.ones(np.shape(out), np.asarray(out).dtype)
+        return (out, *bwd._reference(*(by_name[p] for p in bwd.params)))
+
+    @property
+    def n_outputs(self) -> int:
+        return 1 + len(self.wrt)
+
+    def out_metas(self, bound: tuple) -> list:
+        """The forward's output, then per input in `wrt` its shape and dtype (None where it was None)."""
+        metas = [(self.out_shape(bound), self.parent.out_dtype(bound))]
+        for name in self.wrt:
+            a = bound[self.params.index(name)]
+            metas.append(None if a is None else (tuple(a.shape), a.dtype))
+        return metas
+
+    def out_dtype(self, bound: tuple) -> str:
+        return self.parent.out_dtype(bound)
+
+    def mutant(self, name: str):
+        """A plausible wrong fused kernel as a float64 function of the forward's arguments (see BackwardSpec.mutant)."""
+
+        def declare(fn):
+            self.mutants[name] = fn
+            return fn
+
+        return declare
+
+    def tolerance_for(self, dtype: str, index: int, case: Case | None = None) -> Tolerance:
+        """Output 0: the case's override or the forward's tolerance; gradient i: the backward's for that case."""
+        if index == 0:
+            return case.tolerance if case is not None and case.tolerance is not None else self.tolerances[dtype]
+        bwd = self.parent.backward_op
+        tol = bwd._case_tolerances.get(case.name, {}).get(dtype) if case is not None else None
+        return bwd.tolerance_for(dtype, index - 1, Case("", (), tolerance=tol) if tol is not None else None)
+
+    def get_cost(self, *args, **kwargs) -> Cost:
+        """The declared cost, else every array read once and every output written once (FLOPs unknown: 0)."""
+        if self._cost is not None:
+            return super().get_cost(*args, **kwargs)
+        bound = self.bind(*args, **kwargs)
+        read = sum(_nbytes(bound[i]) for i in self.array_pos if bound[i] is not None)
+        written = sum(math.prod(m[0]) * _itemsize(m[1]) for m in self.out_metas(bound) if m is not None)
+        return Cost(bytes=read + written, flops=0)
 
 
 def op(arrays: tuple, constraints: dict | None = None, dtypes=FLOATS, out_dtype: str | None = None):

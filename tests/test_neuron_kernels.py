@@ -254,9 +254,10 @@ TRAINED = ("rope", "matmul", "cross_entropy", "attention")
 
 
 def _derived(name: str) -> list:
-    """The op's derived specs with neuron kernels: its training forward (if it saves statistics) and its backward."""
+    """The op's derived specs with neuron kernels: its training forward (if it saves statistics), its backward and
+    its fused value-and-grad (cross_entropy)."""
     spec = get_op(name)
-    return [s for s in (spec.train_forward, spec.backward_op) if s is not None]
+    return [s for s in (spec.train_forward, spec.backward_op, spec.value_and_grad_op) if s is not None]
 
 
 def _judge_outputs(spec, case, dtype: str) -> list:

@@ -1,11 +1,14 @@
 """The training passes of `opport bench`: forward+backward ("fwd+bwd") and the backward alone ("bwd").
 
 What each provider runs (docs/benchmarking.md, "Training passes"), on the same inputs and the same
-upstream gradient `g` (seeded, shaped and typed like the op's output):
+upstream gradient `g` (seeded, shaped and typed like the op's output; 1 for a 0-d output, a loss, as
+`loss.backward()` seeds it):
 
     fwd+bwd  opport         y = opport.<op>(*leaves, backend=B); torch.autograd.grad(y, leaves, g): the
                             training forward and backward kernels as a torch training loop runs them
-                            (without torch: opport.vjp(...) and its pullback on the kernels' arrays)
+                            (without torch: opport.vjp(...) and its pullback on the kernels' arrays);
+                            where the backend has the op's fused value-and-grad (cross_entropy), that is
+                            what runs, and the row's kernel and cost say so ("<kernel> + scale")
              torch_eager    the same autograd call on the workload's torch function
              torch_compile  the same on torch.compile of that function (forward and backward compiled)
     bwd      opport         opport.dispatch.call(<op>_backward, (g, *saved), B) on what opport's training
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -35,6 +39,7 @@ from opport import accuracy, autodiff
 from opport.bench.workloads import ArrayMaker
 from opport.dispatch import FallbackWarning, call, explain, get_backend, kernels
 from opport.dispatch.adapters import NumpyAdapter, metas_of
+from opport.dtypes import np_dtype
 from opport.public import function, vjp
 from opport.spec import Case, Cost
 
@@ -69,6 +74,7 @@ class Problem:
     ref: tuple | Exception  # float64 reference gradients, or why they could not be computed
     tols: tuple  # per gradient: the backward's tolerance for it
     dtypes: tuple  # per gradient: its input's dtype, which the gradient must have
+    fused_cost: Cost | None = None  # fwd+bwd through the op's fused value-and-grad (what training runs): its cost
 
 
 def kernel_for(op, bound: tuple, backend: str):
@@ -98,22 +104,36 @@ def problem(spec, wl, bound: tuple, dtype: str, where: tuple, seed: int) -> Prob
     if why:
         return why
     names = tuple(n for n in bwd.wrt if bound[spec.params.index(n)] is not None)
-    return Problem(names, grad, saved, bwd.get_cost(*metas_of(bwd, saved)), f"{fwd_kernel} + {bwd_kernel}",
+    kernel, fused_cost = f"{fwd_kernel} + {bwd_kernel}", None
+    if autodiff.fused_op(spec, bound, backend) is not None:  # training runs the fused value-and-grad instead
+        vag = spec.value_and_grad_op
+        kernel = f"{kernel_for(vag, bound, backend)[0]} + scale" + (" (skipped: upstream 1)" if out.ndim == 0 else "")
+        fused_cost = vag.get_cost(*metas_of(vag, bound))
+        if out.ndim:  # the upstream is not 1: the scale reads and writes each gradient once more
+            grads = sum(math.prod(m[0]) * np.dtype(np_dtype(m[1])).itemsize for m in vag.out_metas(metas_of(vag, bound))[1:]
+                        if m is not None)
+            fused_cost = Cost(fused_cost.bytes + 2 * grads, fused_cost.flops)
+    return Problem(names, grad, saved, bwd.get_cost(*metas_of(bwd, saved)), kernel,
                    _reference(spec, wl, bound, grad, names, kind, dtype),
                    tuple(bwd.tolerance_for(dtype, bwd.wrt.index(n)) for n in names),
-                   tuple(accuracy.dtype_name(bound[spec.params.index(n)]) for n in names))
+                   tuple(accuracy.dtype_name(bound[spec.params.index(n)]) for n in names), fused_cost)
 
 
 def pass_cost(pass_: str, fwd_cost: Cost, prob: Problem) -> Cost:
     """The row's minimum bytes and FLOPs: the forward's plus the backward's for fwd+bwd, the backward's alone for bwd."""
+    if pass_ == "fwd+bwd" and prob.fused_cost is not None:  # one pass: the fused value-and-grad (and its scale)
+        return prob.fused_cost
     if pass_ == "fwd+bwd":
         return Cost(fwd_cost.bytes + prob.cost.bytes, fwd_cost.flops + prob.cost.flops)
     return prob.cost
 
 
 def _upstream(out, maker: ArrayMaker):
-    """A seeded normal gradient shaped and typed like `out` (a 0-d array for a reduced loss)."""
+    """A seeded normal gradient shaped and typed like `out`; 1 for a 0-d output (a loss), as `loss.backward()`
+    seeds it (what lets cross_entropy's fused path skip its scale: the rows time what training runs)."""
     g = maker.normal(tuple(out.shape), accuracy.dtype_name(out))
+    if not g.shape:
+        g = g * 0 + 1
     return np.asarray(g) if maker.kind == "numpy" else g
 
 

@@ -133,6 +133,8 @@ def output_names(spec) -> list:
         return [f"d{n}" for n in spec.wrt]
     if spec.direction == "forward_train":
         return ["out", *spec.stats]
+    if spec.direction == "value_and_grad":
+        return ["out", *(f"d{n}" for n in spec.wrt)]
     return ["out"]
 
 
@@ -206,8 +208,9 @@ def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict, 
 
 def output_tolerance(spec, dtype: str, index: int, case) -> object:
     """Output `index`'s tolerance: the case's override or the op's; a backward's per gradient (norm-wise where
-    it sums over rows); a training forward's statistics at the accumulation dtype's base tolerance."""
-    if spec.direction == "backward":
+    it sums over rows); a training forward's statistics at the accumulation dtype's base tolerance; a fused
+    value-and-grad's output as the forward's, its gradients as the backward's."""
+    if spec.direction in ("backward", "value_and_grad"):
         return spec.tolerance_for(dtype, index, case)
     if spec.direction == "forward_train" and index > 0:
         from opport.spec import BASE_TOLERANCE

@@ -196,6 +196,29 @@ def _other_key(op, i: int, a):
     return ad.key(a)
 
 
+def takes(op, bound: tuple, backend: str | None) -> bool:
+    """Whether the backend a call of `op` would select (keyword, use_backend, OPPORT_BACKEND, else the arrays'
+    device) has a kernel that takes it, without falling back to cpu: capability as data, asked of the registry.
+    Autograd asks it of a derived op it may run instead of another (a fused value-and-grad). Validation errors
+    are raised as a call would raise them. Cached beside the dispatcher's selections (cleared with them when a
+    backend or kernel comes or goes)."""
+    key_fn = _key_functions.get(op) or key_function(op)
+    try:
+        key = ("takes", key_fn(bound, backend))
+        found = _SELECTIONS.get(key)
+    except TypeError:  # an unhashable scalar: decide without caching
+        key, found = None, None
+    if found is None:
+        metas = metas_of(op, python_scalars(op, bound))
+        decision, kernel = decide(op, metas, context.requested_backend(backend), True, backend is not None)
+        found = kernel is not None
+        if key is not None:
+            if len(_SELECTIONS) >= registry.SELECTIONS_MAX:
+                registry.clear_cache()
+            _SELECTIONS[key] = found
+    return found
+
+
 def _run_converted(plan: Plan, bound: tuple):
     like = bound[plan.first]
     if plan.convert:

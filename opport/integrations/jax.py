@@ -53,6 +53,9 @@ def traced_call(spec, bound: tuple, backend: str | None):
     operands = [bound[i] for i in slots]
     if spec.backward_op is None:
         return run.callback(spec, metas, operands)[0]
+    vag = spec.value_and_grad_op  # the fused value-and-grad where the chosen backend has a kernel for it
+    if vag is not None and decide(vag, metas, context.requested_backend(chosen), True, chosen is not None)[1]:
+        return _fused(spec, metas, run)(*operands)
     return _differentiable(spec, metas, run)(*operands)
 
 
@@ -101,11 +104,7 @@ def _differentiable(spec, metas: list, run: _Runner):
         return run.callback(spec, metas, operands)[0]
 
     def fwd(*primals):
-        for name, p in zip(names, primals):
-            if p.perturbed and name in bwd.constants:
-                raise errors.UnsupportedError(
-                    op=spec.name, arg=name, constraint=f"{spec.name}.no_gradient", expected=f"no gradient for {name}",
-                    got="a gradient request", message=f"{spec.name}: no gradient for {name!r}: {bwd.constants[name]}")
+        _refuse_constants(spec, names, primals)
         values = [p.value for p in primals]
         out, *stats = _once_differentiable(spec, lambda *ops: run.callback(trained, metas, ops))(*values)
         saved = dict(zip(bwd.params[1:], saved_values(spec, run.bound(values), out, tuple(stats))))
@@ -124,6 +123,46 @@ def _differentiable(spec, metas: list, run: _Runner):
     f = jax.custom_vjp(forward)
     f.defvjp(fwd, bwd_rule, symbolic_zeros=True)
     return f
+
+
+def _fused(spec, metas: list, run: _Runner):
+    """The op as a jax.custom_vjp through its fused value-and-grad: the forward rule keeps the unit gradients as
+    residuals, the backward rule multiplies them by the cotangent (broadcast over their trailing dimensions),
+    in float32 (float64 for float64) rounded once to their dtype; XLA fuses that product into its consumer."""
+    vag = spec.value_and_grad_op
+    names = [spec.params[i] for i in run.slots]
+    present = [n for n in vag.wrt if n in names]
+
+    def forward(*operands):
+        return run.callback(spec, metas, operands)[0]
+
+    def fwd(*primals):
+        _refuse_constants(spec, names, primals)
+        out, *grads = _once_differentiable(spec, lambda *ops: run.callback(vag, metas, ops))(*[p.value for p in primals])
+        return out, tuple(grads)
+
+    def bwd_rule(grads, g):
+        if isinstance(g, SymbolicZero):
+            g = jnp.zeros(g.aval.shape, g.aval.dtype)
+        by_name = {}
+        for n, d in zip(present, grads):
+            acc = jnp.float64 if d.dtype == jnp.float64 else jnp.float32
+            u = g.astype(acc).reshape(g.shape + (1,) * (d.ndim - g.ndim))
+            by_name[n] = (d.astype(acc) * u).astype(d.dtype)
+        return tuple(by_name.get(n) for n in names)
+
+    f = jax.custom_vjp(forward)
+    f.defvjp(fwd, bwd_rule, symbolic_zeros=True)
+    return f
+
+
+def _refuse_constants(spec, names: list, primals) -> None:
+    bwd = spec.backward_op
+    for name, p in zip(names, primals):
+        if p.perturbed and name in bwd.constants:
+            raise errors.UnsupportedError(
+                op=spec.name, arg=name, constraint=f"{spec.name}.no_gradient", expected=f"no gradient for {name}",
+                got="a gradient request", message=f"{spec.name}: no gradient for {name!r}: {bwd.constants[name]}")
 
 
 def _once_differentiable(spec, fn):

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from opport import errors
-from opport.autodiff import backward, saved_values, training_forward
+from opport.autodiff import backward, fused_forward, fused_op, saved_values, scale_unit_grads, training_forward
 from opport.dispatch import call
 from opport.dispatch.adapters import NumpyAdapter, metas_of
 from opport.integrations.samples import small_cases
@@ -175,28 +175,64 @@ def autograd_call(spec, bound: tuple, backend: str | None):
     _refuse_constant_grads(spec, bound)
     if not torch.compiler.is_compiling():
         return _Eager.apply(spec, backend, *bound)
+    if spec.value_and_grad_op is not None and _fused_when_traced(spec.name, _described(spec, bound), backend):
+        # the fused value-and-grad, whose autograd formula scales its saved gradients
+        return OPS[spec.value_and_grad_op.name](*bound, backend=backend)[0]
     trained = spec.train_forward or spec
     out = OPS[trained.name](*bound, backend=backend)
     return out[0] if trained is not spec else out
 
 
+def _described(spec, bound: tuple) -> tuple:
+    """Each array argument as (dtype, ndim, device), None elsewhere: constants while torch.compile traces, even
+    under dynamic shapes, where sizes and int scalars are symbolic (below every size stands as 2 and every scalar
+    as its default: the choice rests on kernel presence and dtypes; the call itself is validated when it runs)."""
+    return tuple((str(a.dtype).removeprefix("torch."), a.dim(), str(a.device)) if i in spec.array_pos and a is not None
+                 else None for i, a in enumerate(bound))
+
+
+@torch._dynamo.assume_constant_result
+def _fused_when_traced(name: str, described: tuple, backend) -> bool:
+    """opport.autodiff.fused_op while torch.compile traces, run in Python (dynamo cannot read opport's settings):
+    its answer is fixed into the graph, as the kernels' own choice is fixed at trace time under jax.jit."""
+    from opport.dispatch import context, decide
+    from opport.ops import get_op
+    from opport.spec import Meta
+
+    vag = get_op(name).value_and_grad_op
+    defaults = [p.default for p in vag.signature.parameters.values()]
+    metas = [Meta("torch", a[0], (2,) * a[1], None, a[2]) if a is not None else (None if i in vag.array_pos else d)
+             for i, (a, d) in enumerate(zip(described, defaults))]
+    return decide(vag, metas, context.requested_backend(backend), True, backend is not None)[1] is not None
+
+
 class _Eager(torch.autograd.Function):
     """An op's forward (its training forward where it keeps statistics) and backward, both through the
-    dispatcher: what the registered formula does, without the custom ops."""
+    dispatcher: what the registered formula does, without the custom ops. Where the op's fused value-and-grad
+    runs (opport.autodiff.fused_op), the forward keeps its unit gradients and the backward scales them in place
+    (a second backward through the same graph then fails torch's saved-tensor version check, as it should)."""
 
     @staticmethod
     def forward(ctx, spec, backend, *bound):
-        out, stats = training_forward(spec, bound, backend)
-        _keep(ctx, spec, saved_values(spec, bound, out, stats))
         ctx.spec, ctx.backend = spec, backend
         ctx.present = tuple(bound[spec.params.index(n)] is not None for n in spec.backward_op.wrt)
+        ctx.fused = fused_op(spec, bound, backend) is not None
+        if ctx.fused:
+            out, grads = fused_forward(spec, bound, backend)
+            _keep(ctx, spec, grads)
+            return out
+        out, stats = training_forward(spec, bound, backend)
+        _keep(ctx, spec, saved_values(spec, bound, out, stats))
         return out
 
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
         with torch.no_grad():
-            grads = iter(backward(spec, grad, _kept(ctx), ctx.backend))
+            if ctx.fused:
+                grads = iter(scale_unit_grads(_kept(ctx), grad, in_place=True))
+            else:
+                grads = iter(backward(spec, grad, _kept(ctx), ctx.backend))
         by_name = {n: g for n, here, g in zip(spec.backward_op.wrt, ctx.present, grads) if here}
         if torch.is_grad_enabled():  # create_graph=True: the gradients refuse to be differentiated again
             anchor = torch.zeros((), requires_grad=True)  # makes them part of the graph, whatever they came from
@@ -263,6 +299,43 @@ def register_autograd(spec):
 
     torch.library.register_autograd(f"{NAMESPACE}::{trained.name}", backward, setup_context=setup_context, lib=_LIB)
     torch.library.register_autograd(f"{NAMESPACE}::{bwd.name}", _no_double_backward(spec), lib=_LIB)
+    if spec.value_and_grad_op is not None:
+        register_fused_autograd(spec)
+
+
+def register_fused_autograd(spec):
+    """The autograd formula of `<op>_value_and_grad`: its gradient outputs are saved (and not differentiable), the
+    backward scales them in place by the upstream gradient (`opport::scale_unit_grad_`, a mutating custom op:
+    skipped at run time where the upstream is exactly 1; AOTAutograd functionalizes it and Inductor writes it
+    back in place). The op's dlogits output is internal: autograd_call hands out the loss only, since the
+    backward mutates dlogits (why `torch.library.opcheck` of this op reports test_aot_dispatch_dynamic, which
+    returns dlogits to its caller, as a failure)."""
+    vag = spec.value_and_grad_op
+
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        bound = spec.bind(*inputs)
+        _refuse_constant_grads(spec, bound)
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.present = tuple(bound[spec.params.index(n)] is not None for n in vag.wrt)
+        ctx.save_for_backward(*(g for g in output[1:] if g is not None))
+
+    def backward(ctx, grad, *_grad_grads):
+        grads = list(ctx.saved_tensors)
+        for g in grads:
+            torch.ops.opport.scale_unit_grad_(g, grad)
+        grads = iter(grads)
+        by_name = {n: next(grads) for n, here in zip(vag.wrt, ctx.present) if here}
+        return tuple(by_name.get(p) for p in spec.params)
+
+    torch.library.register_autograd(f"{NAMESPACE}::{vag.name}", backward, setup_context=setup_context, lib=_LIB)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::scale_unit_grad_", mutates_args=("g",))
+def _scale_unit_grad_(g: torch.Tensor, grad: torch.Tensor) -> None:
+    """g *= grad in place (broadcast over trailing dimensions), nothing where grad is exactly 1
+    (opport.autodiff.scale_unit_grads): the backward of a fused value-and-grad."""
+    with torch.no_grad():
+        scale_unit_grads((g,), grad, in_place=True)
 
 
 def _no_double_backward(spec):
@@ -284,7 +357,7 @@ def _register_all():
         if spec.name in OPS or spec.name in NOT_REGISTERED:
             continue
         try:
-            for s in (spec, spec.train_forward, spec.backward_op):
+            for s in (spec, spec.train_forward, spec.backward_op, spec.value_and_grad_op):
                 if s is not None:
                     OPS[s.name] = register(s)
             if spec.backward_op is not None:

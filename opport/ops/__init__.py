@@ -45,16 +45,21 @@ def all_ops() -> dict[str, OpSpec]:
 
 
 def get_op(name: str) -> OpSpec:
-    """The op named `name`, or one of its derived ops (`<op>_backward`, `<op>_forward`)."""
+    """The op named `name`, or one of its derived ops (`<op>_backward`, `<op>_forward`, `<op>_value_and_grad`)."""
     ops = all_ops()
     if name in ops:
         return ops[name]
-    derived = {d.name: d for spec in ops.values() for d in (spec.backward_op, spec.train_forward) if d is not None}
+    derived = {d.name: d for spec in ops.values() for d in derived_ops(spec)}
     if name not in derived:
         raise ArgumentError(op="opport", arg="op", constraint="op.name", expected=f"one of {tuple(ops)}", got=repr(name))
     return derived[name]
 
 
+def derived_ops(spec) -> list:
+    """The op's training forward, backward and fused value-and-grad, those it declares."""
+    return [d for d in (spec.train_forward, spec.backward_op, spec.value_and_grad_op) if d is not None]
+
+
 def with_derived(specs) -> list:
-    """Each op followed by its training forward and backward, where it declares them."""
-    return [d for spec in specs for d in (spec, spec.train_forward, spec.backward_op) if d is not None]
+    """Each op followed by its training forward, backward and fused value-and-grad, where it declares them."""
+    return [d for spec in specs for d in (spec, *derived_ops(spec))]

@@ -356,3 +356,52 @@ def _mutant_mean_not_divided(grad, logits, target, lse, ignore_index, reduction,
 def _mutant_smoothing_dropped(grad, logits, target, lse, ignore_index, reduction, label_smoothing):
     """Label smoothing left out of the gradient (softmax minus one-hot only)."""
     return _backward_reference(grad, logits, target, lse, ignore_index, reduction, 0.0 if label_smoothing else 0.1)
+
+
+# --------------------------------------------------------------------------- forward fused with the backward
+
+VAG = f"{NAME}_value_and_grad"
+
+
+@cross_entropy.value_and_grad()
+def cross_entropy_value_and_grad(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """The loss and dlogits = d loss / d logits for a unit upstream gradient, from one pass over each row.
+
+    What training runs when the logits need a gradient and the backend has a kernel for it (as Liger-Kernel's
+    cross-entropy): each row's logsumexp is reduced over vocabulary chunks, then the same row is walked again
+    (from cache) writing dlogits = c (softmax - eps/V - (1 - eps) onehot(target)), c = 1 ("none", "sum") or
+    1 / (non-ignored rows) ("mean"), 0 for ignored rows, NaN for targets outside [0, V). The backward is then
+    only `upstream * dlogits` (per row for "none"), skipped where the upstream is exactly 1, in place on this
+    op's own buffer: forward + backward read the logits once and write dlogits once, instead of reading them
+    twice (`cross_entropy_forward` + `cross_entropy_backward`). dlogits has the logits' dtype; validation,
+    cases and error cases are the forward's (errors name `cross_entropy`).
+    """
+    cross_entropy.validate(logits, target, ignore_index, reduction, label_smoothing)
+
+
+@cross_entropy_value_and_grad.cost
+def _value_and_grad_cost(logits, target, ignore_index, reduction, label_smoothing):
+    item = np.dtype(cg.np_dtype(logits.dtype)).itemsize
+    titem = np.dtype(cg.np_dtype(target.dtype)).itemsize
+    n = logits.shape[0]
+    out = n if reduction == "none" else 1
+    return Cost(bytes=2 * logits.size * item + n * titem + 4 * out, flops=8 * logits.size)
+
+
+@cross_entropy_value_and_grad.mutant("mean-not-divided")
+def _vag_mutant_mean_not_divided(logits, target, ignore_index, reduction, label_smoothing):
+    """dlogits of "mean" not divided by the count of kept rows."""
+    loss, d = cross_entropy_value_and_grad._reference(logits, target, ignore_index, reduction, label_smoothing)
+    if reduction == "mean":
+        d = d * max(int(np.count_nonzero(target != ignore_index)), 1)
+    else:
+        d = d * 1.5
+    return loss, d
+
+
+@cross_entropy_value_and_grad.mutant("smoothing-dropped")
+def _vag_mutant_smoothing_dropped(logits, target, ignore_index, reduction, label_smoothing):
+    """The loss right, dlogits without label smoothing (softmax minus one-hot only)."""
+    loss, _ = cross_entropy_value_and_grad._reference(logits, target, ignore_index, reduction, label_smoothing)
+    other = 0.0 if label_smoothing else 0.1
+    return loss, cross_entropy_value_and_grad._reference(logits, target, ignore_index, reduction, other)[1]

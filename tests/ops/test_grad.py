@@ -55,3 +55,62 @@ def test_cpu_training_forward_is_the_forward_plus_its_statistics(spec, dtype):
             assert s.dtype == acc and s.shape == shape, f"{spec.name}/{case.name}: {name} {s.dtype} {s.shape}"
             verdict = compare(s, np.asarray(ref), BASE_TOLERANCE[acc], acc)
             assert verdict.ok, f"{spec.name}/{dtype}/{case.name}: {name}: {verdict.message}"
+
+
+FUSED = [s for s in DIFFERENTIABLE if s.value_and_grad_op is not None]
+
+
+@pytest.mark.parametrize("spec", FUSED, ids=lambda s: s.name)
+def test_value_and_grad_reference_is_the_forward_and_its_unit_vjp(spec):
+    """The fused value-and-grad's float64 reference: output 0 is the forward's reference bit for bit, and each
+    gradient agrees with central finite differences of the forward along random directions (upstream 1),
+    and with the backward's reference at grad = 1 on the unrounded statistics."""
+    from tests.ops._grad import _fd_try, _steps, as64, backward_args64
+
+    vag, bwd = spec.value_and_grad_op, spec.backward_op
+    for case in fd_cases(spec):
+        bound = tuple(as64(a) for a in spec.bind(*case.args, **case.kwargs))
+        out, *grads = vag.run_reference(*bound)
+        np.testing.assert_array_equal(out, spec.run_reference(*bound))
+        ones = np.ones(np.shape(out))
+        for got, want in zip(grads, bwd.run_reference(*backward_args64(bwd, bound, ones))):
+            np.testing.assert_array_equal(got, want)
+        rng = np.random.default_rng(0)
+        for name, dx in zip(vag.wrt, grads):
+            i = spec.params.index(name)
+            u = rng.standard_normal(bound[i].shape)
+            tries = [_fd_try(spec, bound, i, u, ones, dx, h) for h in _steps(bound[i])]
+            assert any(ok for ok, _ in tries), f"{vag.name}/{case.name}: d{name}: " + "; ".join(m for _, m in tries)
+
+
+@pytest.mark.parametrize("spec", FUSED, ids=lambda s: s.name)
+def test_value_and_grad_declaration(spec):
+    """Derived from the forward: its parameters, cases and tolerances (output 0 the forward's, gradients the
+    backward's); its outputs are the output then one gradient per `wrt` input, shaped and typed like it."""
+    vag = spec.value_and_grad_op
+    assert vag.name == f"{spec.name}_value_and_grad" and vag.params == spec.params and vag.parent is spec
+    assert vag.wrt == spec.backward_op.wrt and vag.n_outputs == 1 + len(vag.wrt)
+    case = next(iter(vag.get_cases("bfloat16")))
+    for d in FLOATS:
+        assert vag.tolerance_for(d, 0, case) == spec.tolerances[d]
+        assert vag.tolerance_for(d, 1, case) == spec.backward_op.tolerance_for(d, 0)
+    metas = vag.out_metas(vag.bind(*case.args, **case.kwargs))
+    assert metas[1] == (case.args[0].shape, case.args[0].dtype)
+
+
+def test_value_and_grad_needs_a_backward_and_the_forward_signature():
+    from opport.spec import op
+
+    @op(arrays=("x",))
+    def toy(x, eps=1.0):
+        """A toy op."""
+
+    with pytest.raises(TypeError, match="declare @toy.backward"):
+        toy.value_and_grad()(lambda x, eps=1.0: None)
+
+    @toy.backward(wrt=("x",))
+    def toy_backward(grad, x, eps=1.0):
+        """Its backward."""
+
+    with pytest.raises(TypeError, match="takes the forward's parameters"):
+        toy.value_and_grad()(lambda x: None)

@@ -43,7 +43,8 @@ def _forward(logits, target, ignore_index, reduction, label_smoothing) -> tuple:
     tc = np.clip(t, 0, v - 1)
 
     def body(rows):
-        loss[rows], lse[rows] = _row_losses(logits[rows], tc[rows], acc.type(label_smoothing))
+        loss[rows], m, log_s = _row_losses(logits[rows], tc[rows], acc.type(label_smoothing))
+        lse[rows] = m + log_s
 
     parallel_rows(n, min(v, VOCAB_CHUNK), body)  # blocks of rows x one vocabulary chunk
     loss = np.where(ignored, acc.type(0), np.where(valid, loss, acc.type(np.nan)))
@@ -52,7 +53,7 @@ def _forward(logits, target, ignore_index, reduction, label_smoothing) -> tuple:
 
 
 def _row_losses(x: np.ndarray, t: np.ndarray, eps) -> tuple:
-    """(loss, logsumexp) per row."""
+    """(loss, m, log(s)) per row: the logsumexp is m + log(s), m the row max."""
     rows, v = x.shape
     xt = upcast(x[np.arange(rows), t])
     acc = xt.dtype
@@ -70,11 +71,10 @@ def _row_losses(x: np.ndarray, t: np.ndarray, eps) -> tuple:
         m = m_new
     log_s = np.log(s)
     nll = (m - xt) + log_s
-    lse = m + log_s
     if not eps:
-        return nll, lse
+        return nll, m, log_s
     smooth = (m - pivot) + log_s - d / acc.type(v)  # logsumexp - mean(row)
-    return (1 - eps) * nll + eps * smooth, lse
+    return (1 - eps) * nll + eps * smooth, m, log_s
 
 
 @impl(spec.backward_op, "cpu")
@@ -96,26 +96,71 @@ def cross_entropy_backward(grad: np.ndarray, logits: np.ndarray, target: np.ndar
     eps = acc.type(label_smoothing)
     out = np.empty((n, v), logits.dtype)
 
+    zero = np.zeros(n, acc)  # x - lse, written (x - lse) - 0: the same bits
+
     def body(rows):
-        c, tr, keep = coef[rows, None], t[rows], valid[rows] & ~ignored[rows]
-        for c0 in range(0, v, VOCAB_CHUNK):
-            c1 = min(c0 + VOCAB_CHUNK, v)
-            xc, dst = upcast(logits[rows, c0:c1]), out[rows, c0:c1]
-            y = result_block(dst, xc)
-            np.subtract(xc, l_acc[rows, None], out=y)
-            np.exp(y, out=y)
-            if eps:
-                y -= eps / acc.type(v)
-            hit = np.flatnonzero(keep & (tr >= c0) & (tr < c1))
-            if hit.size:
-                col = tr[hit] - c0
-                y[hit, col] = _at_target(y[hit, col], xc[hit, col] - l_acc[rows][hit], eps, v)
-            y *= c
-            _fix_rows(y, ignored[rows], valid[rows])
-            store(dst, y)
+        _write_grad(out, logits, rows, t, (l_acc, zero), coef, ignored, valid, eps)
 
     parallel_rows(n, min(v, VOCAB_CHUNK), body)
     return (out,)
+
+
+@impl(spec.value_and_grad_op, "cpu")
+def cross_entropy_value_and_grad(logits: np.ndarray, target: np.ndarray, ignore_index: int, reduction: str,
+                                 label_smoothing: float):
+    """(loss, dlogits for a unit upstream gradient): each block of rows is reduced, then its gradient written.
+
+    Dimensions: logits [N, V], target [N]. Per block of rows (`parallel_rows`, blocks of rows x one vocabulary
+    chunk) the forward's online logsumexp runs over the block's chunks, then the backward's chunk loop writes
+    dlogits for the same rows while they are still in cache: the logits are read from memory about once.
+    Notes: the loss is the forward kernel's, bit for bit; dlogits is the backward kernel's at grad = 1, except
+    that x - lse is formed as (x - m) - log(s) from the row max m and log(s) the logsumexp pass has at hand:
+    x - m is exact where p matters, so p keeps float32's relative accuracy even where an lse rounded to
+    float32 would carry an ulp of |m| (0.002 at 3e4: the lse path's p is then 0.2% off).
+    """
+    n, v = logits.shape
+    acc = acc_dtype(logits.dtype.name)
+    t = target.astype(np.int64)
+    ignored, valid = t == ignore_index, (t >= 0) & (t < v)
+    coef = _coefficients(np.ones((), acc), ignored, reduction)
+    eps = acc.type(label_smoothing)
+    tc = np.clip(t, 0, v - 1)
+    loss, m, log_s = np.empty(n, acc), np.empty(n, acc), np.empty(n, acc)
+    out = np.empty((n, v), logits.dtype)
+
+    def body(rows):
+        loss[rows], m[rows], log_s[rows] = _row_losses(logits[rows], tc[rows], eps)
+        _write_grad(out, logits, rows, t, (m, log_s), coef, ignored, valid, eps)
+
+    parallel_rows(n, min(v, VOCAB_CHUNK), body)
+    loss = np.where(ignored, acc.type(0), np.where(valid, loss, acc.type(np.nan)))
+    with np.errstate(over="ignore"):
+        return reduce_losses(loss, ignored, reduction).astype(np.float32), out
+
+
+def _write_grad(out, logits, rows, t, shift, coef, ignored, valid, eps) -> None:
+    """out[rows] = coef (exp(x - lse) - eps/V - (1 - eps) onehot(t)), chunk by chunk (see cross_entropy_backward);
+    x - lse is computed as (x - a) - b from shift = (a, b), lse = a + b per row."""
+    v = logits.shape[1]
+    acc = shift[0].dtype
+    c, tr, keep = coef[rows, None], t[rows], valid[rows] & ~ignored[rows]
+    a, b = shift[0][rows], shift[1][rows]
+    for c0 in range(0, v, VOCAB_CHUNK):
+        c1 = min(c0 + VOCAB_CHUNK, v)
+        xc, dst = upcast(logits[rows, c0:c1]), out[rows, c0:c1]
+        y = result_block(dst, xc)
+        np.subtract(xc, a[:, None], out=y)
+        y -= b[:, None]
+        np.exp(y, out=y)
+        if eps:
+            y -= eps / acc.type(v)
+        hit = np.flatnonzero(keep & (tr >= c0) & (tr < c1))
+        if hit.size:
+            col = tr[hit] - c0
+            y[hit, col] = _at_target(y[hit, col], (xc[hit, col] - a[hit]) - b[hit], eps, v)
+        y *= c
+        _fix_rows(y, ignored[rows], valid[rows])
+        store(dst, y)
 
 
 def _at_target(y_t: np.ndarray, d: np.ndarray, eps, v: int) -> np.ndarray:

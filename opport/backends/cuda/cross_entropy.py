@@ -5,6 +5,8 @@ logit; the kernel writes one float32 loss per row, so the extra memory is O(N), 
 The "sum"/"mean" reductions of those N losses run in torch (a deterministic O(N) epilogue).
 The training forward also stores each row's logsumexp (4 bytes a row); the backward reads the logits
 once more and writes dlogits from it, p = exp(x - lse), without any reduction over the vocabulary.
+`cross_entropy_value_and_grad` (what autograd runs when it can) writes dlogits for a unit upstream gradient
+from the forward's own program, re-reading each row from L2: one read of the logits in all.
 """
 
 import torch
@@ -51,6 +53,18 @@ def _cross_entropy_kernel(
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
+    loss, m, log_total, _x_t = _row_loss(logits_ptr, target_ptr, rows, row_ok, n_cols, l_s0, l_s1, t_s, ignore_index,
+                                         smoothing, SMOOTH, BLOCK_M, BLOCK_N)
+    tl.store(loss_ptr + rows, loss, mask=row_ok)
+    if STORE_LSE:
+        tl.store(lse_ptr + rows, m + log_total, mask=row_ok)
+
+
+@triton.jit
+def _row_loss(logits_ptr, target_ptr, rows, row_ok, n_cols, l_s0, l_s1, t_s, ignore_index, smoothing,
+              SMOOTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(loss, m, log(s), x_t) of a block of rows: the online logsumexp m + log(s) over BLOCK_N-column chunks (see
+    `_cross_entropy_kernel`), m the row max; x_t is the target logit (0 where ignored or out of range)."""
     base = logits_ptr + rows.to(tl.int64)[:, None] * l_s0
     cols = tl.arange(0, BLOCK_N)[None, :]
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -75,9 +89,57 @@ def _cross_entropy_kernel(
     if SMOOTH:
         loss = (1.0 - smoothing) * loss + smoothing * ((m - tl.sum(xsum, 1) / n_cols) + log_total)
     loss = tl.where(ignored, 0.0, tl.where(valid, loss, float("nan")))
+    return loss, m, log_total, x_t
+
+
+@triton.jit
+def _cross_entropy_value_and_grad_kernel(
+    # pointers
+    logits_ptr, target_ptr, kept_ptr, loss_ptr, out_ptr,
+    # shapes, strides
+    n_rows, n_cols, l_s0, l_s1, t_s, o_s0, o_s1,
+    ignore_index, smoothing,
+    # meta-parameters
+    SMOOTH: tl.constexpr, MEAN: tl.constexpr, PRECISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """loss[r] as `_cross_entropy_kernel`, and dlogits[r, :] for a unit upstream gradient, by one program per rows.
+
+    Dimensions: logits [n_rows, n_cols] strided, target [n_rows], loss [n_rows] float32, out [n_rows, n_cols];
+    kept: the count of non-ignored rows (device int64, "mean" only: no host sync).
+    Notes: pass 1 is the forward's online logsumexp over BLOCK_N-column chunks (its loss, bit for bit); pass 2
+    walks the same row's chunks again and writes coef (exp(x - lse) - eps/V - (1 - eps) [c == t]) exactly as
+    `_cross_entropy_backward_kernel` does at grad = 1 (coef = 1, or 1 / max(kept, 1) for "mean"; 0 for ignored
+    rows, NaN for targets outside [0, V)). x - lse is formed as (x - m) - log(s): x - m is exact where p matters,
+    so p keeps float32's relative accuracy where an lse rounded to float32 (what the lse path saves) carries
+    an ulp of |m| (0.002 at 3e4).
+    Memory traffic: a row (a few hundred KB of bf16 at V = 128256) is read back while it is still in L2, so
+    HBM sees about one read of the logits and one write of dlogits, against two reads and one write for
+    `cross_entropy_forward` + `cross_entropy_backward`.
+    Pseudocode: m, s = online(max, sum exp) over chunks; lse = m + log(s); for chunk: out = coef (exp(x - lse) ...)
+    """
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    loss, m, log_total, x_t = _row_loss(logits_ptr, target_ptr, rows, row_ok, n_cols, l_s0, l_s1, t_s, ignore_index,
+                                        smoothing, SMOOTH, BLOCK_M, BLOCK_N)
     tl.store(loss_ptr + rows, loss, mask=row_ok)
-    if STORE_LSE:
-        tl.store(lse_ptr + rows, m + log_total, mask=row_ok)
+    t = tl.load(target_ptr + rows.to(tl.int64) * t_s, mask=row_ok, other=0).to(tl.int64)
+    ignored = t == ignore_index
+    valid = (t >= 0) & (t < n_cols)
+    coef = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if MEAN:
+        coef = coef / tl.maximum(tl.load(kept_ptr), 1).to(tl.float32)
+    coef = tl.where(ignored, 0.0, tl.where(valid, coef, float("nan")))
+    y_t = _target_term((x_t - m) - log_total, smoothing, n_cols, PRECISE)
+    base = logits_ptr + rows.to(tl.int64)[:, None] * l_s0
+    obase = out_ptr + rows.to(tl.int64)[:, None] * o_s0
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + tl.arange(0, BLOCK_N)[None, :]
+        mask = row_ok[:, None] & (c < n_cols)
+        x = f32(tl.load(base + c.to(tl.int64) * l_s1, mask=mask, other=0.0))
+        y = exp_f32((x - m[:, None]) - log_total[:, None], PRECISE) - smoothing / n_cols
+        y = tl.where(c == t[:, None], y_t[:, None], y)
+        y = tl.where(ignored[:, None], 0.0, coef[:, None] * y)  # ignored: exactly 0 even where x is NaN
+        tl.store(obase + c.to(tl.int64) * o_s1, narrow(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -177,6 +239,28 @@ def _forward(logits, target, ignore_index: int, reduction: str, label_smoothing:
     if reduction == "sum":
         return total
     return total / (target != ignore_index).sum().to(torch.float32)
+
+
+@impl(spec.value_and_grad_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+def cross_entropy_value_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
+                                 label_smoothing: float):
+    """(loss, dlogits [N, V] in logits' dtype for a unit upstream gradient) from one program per block of rows:
+    about one read of the logits and one write of dlogits (see the kernel)."""
+    n, v = logits.shape
+    loss = torch.empty((n,), dtype=torch.float32, device=logits.device)
+    out = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
+    kept = (target != ignore_index).sum() if reduction == "mean" else loss  # a device count: no host sync
+    if n:
+        cfg = row_config(n, v)
+        _cross_entropy_value_and_grad_kernel[(cdiv(n, cfg.block_m),)](
+            logits, target, kept, loss, out, n, v, *logits.stride(), target.stride(0), *out.stride(),
+            int(ignore_index), float(label_smoothing), SMOOTH=label_smoothing != 0, MEAN=reduction == "mean",
+            PRECISE=logits.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )
+    if reduction == "none":
+        return loss, out
+    total = loss.sum()
+    return (total if reduction == "sum" else total / kept.to(torch.float32)), out
 
 
 @impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))

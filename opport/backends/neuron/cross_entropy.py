@@ -15,6 +15,9 @@ FMAX = 8192  # vocabulary chunk: logits chunk, column iota, fp32 exp scratch and
 NEG_BIG = -3.4028234663852886e38  # -FLT_MAX: a finite start for the running max, so exp(m_old - m_new) is never NaN
 EXACT = 1 << 24  # integers up to 2^24 are exact in float32, where VectorE compares the targets
 TARGET_CLIP = EXACT + 1  # targets are clipped to +-(2^24 + 1) on the host: still outside [0, V), still != ignore_index
+RESIDENT_BYTES = 64 * 1024  # the fused kernel keeps a row tile this small in SBUF for its second walk: beside the
+# RESIDENT_CHUNK scratch and the column iota (32 KiB) it fits trn1's 176 KiB per partition (bf16 V <= 32768)
+RESIDENT_CHUNK = 4096  # both walks' chunk beside a resident row: half FMAX's scratch (float32 exp, one-hot, copies)
 
 
 @nki.jit
@@ -92,11 +95,14 @@ def _cross_entropy_forward_kernel(logits_hbm, target_hbm, ignore_index, reductio
     return _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, True)
 
 
-def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, with_lse):
-    """Both kernels' body: the loss of every row tile, and its logsumexp when with_lse."""
+def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, with_lse, dx_hbm=None,
+                   c_all_sb=None, resident=False):
+    """The three kernels' body: the loss of every row tile, and its logsumexp when with_lse; with dx_hbm (the
+    fused value-and-grad), each row tile's gradient for a unit upstream gradient right after its loss, every
+    row scaled by c_all_sb (1, or 1 / kept rows for "mean"); resident: the row tile is loaded into SBUF once and
+    both walks read it there."""
     N, V = logits_hbm.shape
     PMAX = nl.tile_size.pmax
-    n_chunks = (V + FMAX - 1) // FMAX
     F0 = min(FMAX, V)
     eps = float(label_smoothing)
     per_row = reduction == "none"
@@ -129,37 +135,12 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
         nisa.dma_copy(dst=xt_sb, src=logits_hbm.ap(pattern=[[1, p], [1, 1]], offset=r0 * V, vector_offset=flat_sb,
                                                    indirect_dim=0))
 
+        row_sb = None
+        if resident:  # the whole row tile, read from HBM once for both walks
+            row_sb = nl.ndarray((p, V), dtype=logits_hbm.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=row_sb, src=logits_hbm[r0:r0 + p, 0:V])
         # online sum of exp(x_j - m) over the non-target columns (and the row sum for smoothing)
-        m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=m_sb, value=NEG_BIG)
-        r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=r_sb, value=0.0)
-        sums_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
-        for c in range(n_chunks):
-            c0 = c * FMAX
-            f = min(FMAX, V - c0)
-            x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
-            if eps > 0.0:
-                nisa.tensor_reduce(dst=sums_sb[0:p, c:c + 1], op=nl.add, data=x_sb, axis=1, keepdims=True)
-            hit_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # column c0 + i == t
-            nisa.tensor_scalar(dst=hit_sb, data=cols_sb[0:p, 0:f], op0=nl.add, operand0=float(c0), op1=nl.equal,
-                               operand1=t_f_sb)
-            nisa.tensor_copy_predicated(dst=x_sb, src=-math.inf, predicate=hit_sb)
-            cmax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_reduce(dst=cmax_sb, op=nl.maximum, data=x_sb, axis=1, keepdims=True)
-            m_new_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=m_new_sb, data1=m_sb, data2=cmax_sb, op=nl.maximum)
-            neg_m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=neg_m_sb, data=m_new_sb, op0=nl.multiply, operand0=-1.0)
-            corr_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=corr_sb, op=nl.exp, data=m_sb, bias=neg_m_sb)
-            e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-            csum_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_m_sb, reduce_op=nl.add, reduce_res=csum_sb,
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
-            nisa.scalar_tensor_tensor(dst=r_sb, data=r_sb, op0=nl.multiply, operand0=corr_sb, op1=nl.add, operand1=csum_sb)
-            m_sb = m_new_sb
+        m_sb, r_sb, sums_sb = _online_sums(logits_hbm, cols_sb, t_f_sb, r0, p, eps, row_sb)
 
         # loss = softplus(log(r) + m - x_t) [+ eps * (x_t - mean(x))]
         log_r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -168,8 +149,8 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
         nisa.tensor_tensor(dst=gap_sb, data1=m_sb, data2=xt_sb, op=nl.subtract)
         loss_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=loss_sb, op=nl.softplus, data=log_r_sb, bias=gap_sb)
-        if eps > 0.0 or with_lse:  # the whole row's logsumexp is log_rall + M
-            log_rall_sb, mt_sb = _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p)
+        if eps > 0.0 or with_lse or dx_hbm is not None:  # the whole row's logsumexp is log_rall + M
+            log_rall_sb, mt_sb, rall_sb = _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p)
         if eps > 0.0:  # (1 - eps) nll + eps (logsumexp - mean(x)): both terms >= 0, no inf - inf
             sumx_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_reduce(dst=sumx_sb, op=nl.add, data=sums_sb, axis=1, keepdims=True)
@@ -185,6 +166,18 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
             lse_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=lse_sb, data1=log_rall_sb, data2=mt_sb, op=nl.add)
             nisa.dma_copy(dst=lse_hbm[r0:r0 + p, 0:1], src=lse_sb)
+        if dx_hbm is not None:  # p = exp(x - M) / r_all: no lse rounded to float32 (an ulp of |M|) in between
+            c_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=c_sb, src=c_all_sb[0:p, 0:1])
+            ign_g_sb = _mark_rows(c_sb, t_f_sb, ignore_index, V, p)
+            neg_mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=neg_mt_sb, data=mt_sb, op0=nl.multiply, operand0=-1.0)
+            inv_r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.reciprocal(dst=inv_r_sb, data=rall_sb)
+            fg = RESIDENT_CHUNK if resident else FMAX
+            for c0 in range(0, V, fg):
+                _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_mt_sb, ign_g_sb, r0, p, c0,
+                                min(fg, V - c0), eps, inv_r_sb, row_sb)
 
         # NaN for a target outside [0, V) that is not ignore_index, 0 for ignored rows (in that order)
         below_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
@@ -216,11 +209,58 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
             nisa.reciprocal(dst=inv_sb, data=acc_sb[0:1, 1:2])
             nisa.tensor_tensor(dst=res_sb, data1=acc_sb[0:1, 0:1], data2=inv_sb, op=nl.multiply)
         nisa.dma_copy(dst=out_hbm, src=res_sb)
+    if dx_hbm is not None:
+        return out_hbm, dx_hbm
     return (out_hbm, lse_hbm) if with_lse else out_hbm
 
 
+def _online_sums(logits_hbm, cols_sb, t_f_sb, r0, p, eps, row_sb=None):
+    """(m, r, per-chunk row sums) of a row tile: the running max m and sum r = sum exp(x_j - m) over the
+    non-target columns, and each chunk's sum of x for smoothing. A function of its own so that its chunk
+    tiles are dead when the fused kernel's gradient pass allocates its own (SBUF holds one set at a time).
+    row_sb: the row tile already in SBUF (each chunk copied from it: the target column is overwritten)."""
+    V = logits_hbm.shape[1]
+    fw = FMAX if row_sb is None else RESIDENT_CHUNK
+    n_chunks = (V + fw - 1) // fw
+    m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=m_sb, value=NEG_BIG)
+    r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=r_sb, value=0.0)
+    sums_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
+    for c in range(n_chunks):
+        c0 = c * fw
+        f = min(fw, V - c0)
+        x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
+        if row_sb is None:
+            nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
+        else:
+            nisa.tensor_copy(dst=x_sb, src=row_sb[0:p, c0:c0 + f])
+        if eps > 0.0:
+            nisa.tensor_reduce(dst=sums_sb[0:p, c:c + 1], op=nl.add, data=x_sb, axis=1, keepdims=True)
+        hit_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # column c0 + i == t
+        nisa.tensor_scalar(dst=hit_sb, data=cols_sb[0:p, 0:f], op0=nl.add, operand0=float(c0), op1=nl.equal,
+                           operand1=t_f_sb)
+        nisa.tensor_copy_predicated(dst=x_sb, src=-math.inf, predicate=hit_sb)
+        cmax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=cmax_sb, op=nl.maximum, data=x_sb, axis=1, keepdims=True)
+        m_new_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=m_new_sb, data1=m_sb, data2=cmax_sb, op=nl.maximum)
+        neg_m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=neg_m_sb, data=m_new_sb, op0=nl.multiply, operand0=-1.0)
+        corr_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=corr_sb, op=nl.exp, data=m_sb, bias=neg_m_sb)
+        e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+        csum_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_m_sb, reduce_op=nl.add, reduce_res=csum_sb,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.scalar_tensor_tensor(dst=r_sb, data=r_sb, op0=nl.multiply, operand0=corr_sb, op1=nl.add, operand1=csum_sb)
+        m_sb = m_new_sb
+    return m_sb, r_sb, sums_sb
+
+
 def _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p):
-    """(log(r e^(m - M) + [0 <= t < V] e^(x_t - M)), M) with M = max(m, x_t): the row's logsumexp is their sum.
+    """(log(r_all), M, r_all), r_all = r e^(m - M) + [0 <= t < V] e^(x_t - M), M = max(m, x_t): the row's
+    logsumexp is log(r_all) + M.
 
     m and r leave the target column out (where the target is in range), x_t is the gathered target logit."""
     mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # M = max(m, x_t): the whole row's max
@@ -236,7 +276,7 @@ def _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p):
     nisa.scalar_tensor_tensor(dst=rall_sb, data=rall_sb, op0=nl.multiply, operand0=r_sb, op1=nl.add, operand1=et_sb)
     log_rall_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_rall_sb, op=nl.log, data=rall_sb)
-    return log_rall_sb, mt_sb
+    return log_rall_sb, mt_sb, rall_sb
 
 
 def _in_range(t_f_sb, V, p):
@@ -368,18 +408,22 @@ def _target_tile(target_hbm, r0, p):
 
 
 def _shared_coefficient(grad_hbm, t_tiles, mean, ignore_index, p_all):
-    """The upstream gradient of a reduced loss on every partition [p_all, 1], divided by the rows kept for "mean".
+    """The upstream gradient of a reduced loss on every partition [p_all, 1], divided by the rows kept for "mean"
+    (grad_hbm None: a unit upstream gradient, the fused value-and-grad's).
 
     Both cross partitions on TensorE: grad by a K = 1 matmul against a ones row, the kept count by an all-ones
     stationary against each tile's kept flags, accumulated over the row tiles in one PSUM entry."""
-    g_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=g_sb, src=grad_hbm[0:1])
     ones_sb = nl.ndarray((p_all, p_all), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones_sb, value=1.0)
-    g_psum = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=g_psum, stationary=ones_sb[0:1, 0:p_all], moving=g_sb)
     c_sb = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=c_sb, src=g_psum)
+    if grad_hbm is None:
+        nisa.memset(dst=c_sb, value=1.0)
+    else:
+        g_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=g_sb, src=grad_hbm[0:1])
+        g_psum = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=g_psum, stationary=ones_sb[0:1, 0:p_all], moving=g_sb)
+        nisa.tensor_copy(dst=c_sb, src=g_psum)
     if mean:
         cnt_psum = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.psum)
         for t_f_sb in t_tiles:
@@ -405,13 +449,20 @@ def _mark_rows(c_sb, t_f_sb, ignore_index, V, p):
     return ign_sb
 
 
-def _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_lse_sb, ign_sb, r0, p, c0, f, eps):
-    """dx[rows, c0:c0+f] = (exp(x - lse) - (1 - eps) [col == t] - eps/V) * c, ignored rows 0."""
+def _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_lse_sb, ign_sb, r0, p, c0, f, eps, inv_r_sb=None,
+                    row_sb=None):
+    """dx[rows, c0:c0+f] = (exp(x - lse) - (1 - eps) [col == t] - eps/V) * c, ignored rows 0; with inv_r_sb, the
+    softmax is exp(x - M) * (1 / r_all) (neg_lse_sb holding -M); with row_sb, x is read from that SBUF row tile."""
     V = logits_hbm.shape[1]
-    x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
+    if row_sb is None:
+        x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
+    else:
+        x_sb = row_sb[0:p, c0:c0 + f]
     e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_lse_sb)
+    if inv_r_sb is not None:
+        nisa.tensor_scalar(dst=e_sb, data=e_sb, op0=nl.multiply, operand0=inv_r_sb)
     hit_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # 1.0 at column c0 + i == t
     nisa.tensor_scalar(dst=hit_sb, data=cols_sb[0:p, 0:f], op0=nl.add, operand0=float(c0), op1=nl.equal,
                        operand1=t_f_sb)
@@ -436,3 +487,63 @@ def cross_entropy_backward(grad: np.ndarray, logits: np.ndarray, target: np.ndar
     dx = _host.run(_cross_entropy_backward_kernel, g, _host.contiguous(logits), _targets32(target),
                    _host.contiguous(lse), int(ignore_index), reduction, float(label_smoothing))
     return (_host.as_dtype(dx, logits.dtype.name, logits.shape),)
+
+
+# --------------------------------------------------------------------------- forward fused with the backward
+
+
+@nki.jit
+def _cross_entropy_value_and_grad_kernel(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, resident):
+    """The loss and dlogits for a unit upstream gradient, each row tile's gradient written right after its loss.
+
+    Dimensions:
+        N: rows (tiled by 128 onto the partitions); V: vocabulary (free dim, chunks of FMAX).
+
+    Args:
+        as _cross_entropy_kernel, and
+        resident: compile-time; True when a row tile (V x itemsize bytes per partition) fits RESIDENT_BYTES.
+
+    Returns:
+        (out_hbm, dx_hbm): the loss as _cross_entropy_kernel's, and dx_hbm [N, V] in the logits' dtype, the
+        backward kernel's result for grad = 1: ignored rows exactly 0, rows with a target outside [0, V) NaN.
+
+    Notes:
+        The forward's single pass per row tile (running max m and sum r, the gathered target logit), then a
+        second walk over the same tile's chunks writes c (exp(x - M) / r_all - (1 - eps) [col == t] - eps/V)
+        with M and r_all from _row_logsumexp: no float32 lse sits between them, so p keeps its relative
+        accuracy at large logits. c is 1, or 1 / (rows not ignored) for "mean", counted on TensorE from the
+        targets before the first tile (as the backward's _shared_coefficient with a unit gradient). Memory
+        traffic: with a resident row tile (V x itemsize <= 64 KiB per partition: bf16 V <= 32768) the logits
+        are read from HBM once and dlogits written once, the minimum; a larger vocabulary is read twice (SBUF
+        holds one FMAX chunk, not the 128 x V tile), what the training forward plus the backward read, less
+        the lse round trip.
+
+    Pseudocode:
+        c = 1, or 1 / max(1, sum over rows of [t != ignore_index])                    (TensorE)
+        for each 128-row tile:
+            loss as _cross_entropy_kernel (M, r_all from the same pass)
+            for chunk: e = exp(x - M) / r_all; dx = (e - (1 - eps) [col == t] - eps/V) c; dx[ignored] = 0
+    """
+    N, V = logits_hbm.shape
+    PMAX = nl.tile_size.pmax
+    p_all = min(PMAX, N)
+    dx_hbm = nl.ndarray((N, V), dtype=logits_hbm.dtype, buffer=nl.shared_hbm)
+    t_tiles = [_target_tile(target_hbm, r0, min(PMAX, N - r0)) for r0 in range(0, N, PMAX)]
+    c_all_sb = _shared_coefficient(None, t_tiles, reduction == "mean", ignore_index, p_all)
+    return _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, False, dx_hbm, c_all_sb,
+                          resident)
+
+
+@impl(spec.value_and_grad_op, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+def cross_entropy_value_and_grad(logits: np.ndarray, target: np.ndarray, ignore_index: int, reduction: str,
+                                 label_smoothing: float) -> tuple:
+    """Host side of the fused value-and-grad: the loss (float32) and dlogits [N, V] in the logits' dtype."""
+    n = logits.shape[0]
+    if n == 0:
+        return cross_entropy(logits, target, ignore_index, reduction, label_smoothing), np.empty(logits.shape,
+                                                                                                 logits.dtype)
+    resident = logits.shape[1] * logits.dtype.itemsize <= RESIDENT_BYTES
+    out, dx = _host.run(_cross_entropy_value_and_grad_kernel, _host.contiguous(logits), _targets32(target),
+                        int(ignore_index), reduction, float(label_smoothing), resident)
+    return (_host.as_dtype(out, "float32", (n,) if reduction == "none" else ()),
+            _host.as_dtype(dx, logits.dtype.name, logits.shape))
