@@ -135,7 +135,7 @@ def output_names(spec) -> list:
         return ["out", *spec.stats]
     if spec.direction == "value_and_grad":
         return ["out", *(f"d{n}" for n in spec.wrt)]
-    return ["out"]
+    return list(spec.output_names)
 
 
 def _contract(spec, outs: list, refs: list, metas: list) -> str | None:
@@ -210,7 +210,7 @@ def output_tolerance(spec, dtype: str, index: int, case) -> object:
     """Output `index`'s tolerance: the case's override or the op's; a backward's per gradient (norm-wise where
     it sums over rows); a training forward's statistics at the accumulation dtype's base tolerance; a fused
     value-and-grad's output as the forward's, its gradients as the backward's."""
-    if spec.direction in ("backward", "value_and_grad"):
+    if spec.direction in ("backward", "value_and_grad") or spec.n_outputs > 1 and spec.direction == "forward":
         return spec.tolerance_for(dtype, index, case)
     if spec.direction == "forward_train" and index > 0:
         from opport.spec import BASE_TOLERANCE
