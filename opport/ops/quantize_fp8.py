@@ -36,7 +36,7 @@ SCALE_TOLERANCE = Tolerance(BASE_TOLERANCE["float32"].rtol, 0.0,
         "quantize_fp8.scale_granularity": "a static scale is per tensor: granularity 'tensor'",
     },
 )
-def quantize_fp8(x, granularity="tensor", block=128, dtype="float8_e4m3fn", scale=None):
+def quantize_fp8(x, granularity="tensor", block=128, dtype="float8_e4m3fn", scale: float | None = None):
     """Scale x into an 8-bit float format: returns `(q, scales)`.
 
     One float32 scale per group: the whole tensor ("tensor"), each row of the last axis ("token") or each

@@ -46,9 +46,10 @@ def fp8_bits(v, MANT: tl.constexpr, BIAS: tl.constexpr, NAN_CODE: tl.constexpr, 
     a = b & 0x7FFFFFFF
     shift: tl.constexpr = 23 - MANT
     normal = ((a + ((1 << (shift - 1)) - 1) + ((a >> shift) & 1)) >> shift) - ((127 - BIAS) << MANT)
-    t = tl.abs(v) * SUB_SCALE
+    tiny = a < ((128 - BIAS) << 23)  # below the format's smallest normal
+    t = tl.where(tiny, tl.abs(v), 0.0) * SUB_SCALE  # others (NaN included) to 0: the int cast stays in range
     sub = ((t + 8388608.0) - 8388608.0).to(tl.int32)
-    mag = tl.where(a < ((128 - BIAS) << 23), sub, normal)
+    mag = tl.where(tiny, sub, normal)
     mag = tl.where(v != v, NAN_CODE, mag)
     return (sign | mag).to(tl.uint8)
 
