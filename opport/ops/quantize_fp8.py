@@ -14,11 +14,11 @@ GRANULARITIES = ("tensor", "token", "block")
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}  # the formats' largest finite values (OCP FP8)
 SCALE_FLOOR = float(np.finfo(np.float32).tiny)  # smallest normal float32: the scale of an all-zero group (never 0)
 
-# q is judged as the nearest fp8 value to the exact quotient x / scale (docs/numerics.md 3.6): within half an
+# q is judged as the nearest fp8 value to the exact quotient x / scale (docs/numerics.md 3.7): within half an
 # fp8 ulp, plus 2^-16 ulp for a kernel's float32 division (<= 2 float32 ulps: 2^-22 relative, under 2^-18 of an
 # fp8 ulp); rounding toward zero or away from it is off by up to a whole ulp and fails
 Q_TOLERANCE = Tolerance(0.0, 0.0, metric="ulp_or_abs", ulp=0.5 + 2.0**-16,
-                        reason="q must be the fp8 value nearest to x / scale (docs/numerics.md 3.6)")
+                        reason="q must be the fp8 value nearest to x / scale (docs/numerics.md 3.7)")
 SCALE_TOLERANCE = Tolerance(BASE_TOLERANCE["float32"].rtol, 0.0,
                             reason="scales are float32 amax / fp8_max: one float32 rounding (an approximate GPU division: 2 ulp)")
 

@@ -53,12 +53,14 @@ def _quantize_fp8_kernel(x_hbm, fmax, static_scale, fp8):
 
     Notes:
         amax skips NaN and +-inf: |x| (abs_max with 0) is copied under the predicate |x| < inf into a zeroed
-        tile before the max-reduce. The scale is max(amax / fmax, 2^-126). The quotient is clamped to
-        +-fmax in float32 (IEEE min/max keep NaN) and rounded to fp8 by the write's cast. A group longer than
-        FMAX is read twice (amax pass, then the quotient pass).
+        tile before the max-reduce. The scale is max(amax * (1 / fmax), 2^-126) and x / s is x * (1 / s):
+        hardware has no divide (`nl.divide` is emulator-only), and the two float32 roundings (<= 2^-23
+        relative each) stay inside q's tolerance (docs/numerics.md 3.7). The quotient is clamped to +-fmax in
+        float32 (IEEE min/max keep NaN) and rounded to fp8 by the write's cast. A group longer than FMAX is read
+        twice (amax pass, then the quotient pass).
 
     Pseudocode:
-        for each group: s = max(max(|x| finite) / fmax, 2^-126); q = fp8(max(min(x / s, fmax), -fmax))
+        for each group: s = max(max(|x| finite) / fmax, 2^-126); q = fp8(max(min(x * (1/s), fmax), -fmax))
     """
     G, L = x_hbm.shape
     q_hbm = nl.ndarray((G, L), dtype=fp8, buffer=nl.shared_hbm)
@@ -84,16 +86,18 @@ def _quantize_fp8_kernel(x_hbm, fmax, static_scale, fp8):
                 cmax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.tensor_reduce(dst=cmax_sb, op=nl.maximum, data=a_sb, axis=1)
                 nisa.tensor_tensor(dst=amax_sb, data1=amax_sb, data2=cmax_sb, op=nl.maximum)
-            nisa.tensor_scalar(dst=s_sb, data=amax_sb, op0=nl.divide, operand0=fmax, op1=nl.maximum,
+            nisa.tensor_scalar(dst=s_sb, data=amax_sb, op0=nl.multiply, operand0=1.0 / fmax, op1=nl.maximum,
                                operand1=SCALE_FLOOR)
         else:
             nisa.memset(dst=s_sb, value=static_scale)
+        r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=r_sb, data=s_sb)
         for c0 in range(0, L, FMAX):
             f = min(FMAX, L - c0)
             x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
             v_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=v_sb, data=x_sb, op0=nl.divide, operand0=s_sb, op1=nl.minimum, operand1=fmax)
+            nisa.tensor_scalar(dst=v_sb, data=x_sb, op0=nl.multiply, operand0=r_sb, op1=nl.minimum, operand1=fmax)
             q_sb = nl.ndarray((p, f), dtype=fp8, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=q_sb, data=v_sb, op0=nl.maximum, operand0=-fmax)
             nisa.dma_copy(dst=q_hbm[r0:r0 + p, c0:c0 + f], src=q_sb)
