@@ -284,7 +284,9 @@ def test_baselines_compute_the_op(name):
         from opport.dispatch.adapters import NumpyAdapter
 
         tb = tuple(NumpyAdapter.to_torch(a, "cpu") if isinstance(a, np.ndarray) else a for a in bound)
-        out_dtype = spec.out_dtype(bound)
+        from opport.dispatch.adapters import metas_of
+
+        out_dtype = spec.out_dtype(metas_of(spec, bound))
         assert _verdict(spec, wl.torch_eager(*tb), ref, "float32", out_dtype).ok, f"{name}: {wl.torch_call}"
         t64 = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in tb)
         with torch.no_grad():
