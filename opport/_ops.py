@@ -63,6 +63,29 @@ def cross_entropy(logits, target, ignore_index=-100, reduction='mean', label_smo
 cross_entropy.spec = _cross_entropy
 
 
+_dequantize_fp8 = _get_op('dequantize_fp8')
+
+
+def dequantize_fp8(q, scales, granularity='tensor', block=128, out_dtype='float32', *, backend=None):
+    """q * scales (broadcast over each scaling group), computed in float32 and rounded once to `out_dtype`.
+
+    q and scales are what `quantize_fp8(x, granularity, block, ...)` returned. NaN codes give NaN (and e5m2's
+    ±inf gives ±inf). The scales' values are data, so they are not validated: a zero or NaN scale gives
+    0 or NaN (quantize_fp8 never produces one). A call's dtype is its `out_dtype`.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (q, scales, granularity, block, out_dtype)
+    if q.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_dequantize_fp8, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_dequantize_fp8, b, backend)
+
+
+dequantize_fp8.spec = _dequantize_fp8
+
+
 _gelu = _get_op('gelu')
 
 
@@ -130,6 +153,36 @@ def matmul(a, b, bias=None, *, backend=None):
 
 
 matmul.spec = _matmul
+
+
+_quantize_fp8 = _get_op('quantize_fp8')
+
+
+def quantize_fp8(x, granularity='tensor', block=128, dtype='float8_e4m3fn', scale=None, *, backend=None):
+    """Scale x into an 8-bit float format: returns `(q, scales)`.
+
+    One float32 scale per group: the whole tensor ("tensor"), each row of the last axis ("token") or each
+    `block` consecutive elements of the last axis ("block", DeepSeek-V3's 1 x 128 activation tiles).
+    scales has x's rank: shape (1, ..., 1), x.shape[:-1] + (1,) or x.shape[:-1] + (x.shape[-1] // block,).
+    Dynamic scaling (scale=None): scale = max(amax / fp8_max, 2^-126) rounded to float32, amax the group's
+    largest finite |x| (fp8_max 448 for e4m3fn, 57344 for e5m2); an all-zero group gets 2^-126 (float32's
+    smallest normal), so scales are never 0, inf or NaN. Static scaling: `scale` (a positive number) for the
+    whole tensor. q = round_to_nearest_even(clamp(x / scale, -fp8_max, fp8_max)) in `dtype`: finite
+    values saturate, ±inf becomes ±fp8_max (PTX `cvt.rn.satfinite`, TransformerEngine's saturating cast),
+    NaN stays NaN (both formats have NaN; e4m3fn has no inf). `dequantize_fp8(q, scales, ...)` inverts it.
+    Not differentiable (a step function; no backward is declared).
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (x, granularity, block, dtype, scale)
+    if x.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_quantize_fp8, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_quantize_fp8, b, backend)
+
+
+quantize_fp8.spec = _quantize_fp8
 
 
 _rmsnorm = _get_op('rmsnorm')
@@ -248,4 +301,4 @@ def swiglu(gate, up, *, backend=None):
 swiglu.spec = _swiglu
 
 
-__all__ = ["attention", "cross_entropy", "gelu", "layernorm", "matmul", "rmsnorm", "rope", "silu", "softmax", "swiglu"]
+__all__ = ["attention", "cross_entropy", "dequantize_fp8", "gelu", "layernorm", "matmul", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu"]

@@ -12,9 +12,11 @@ import numpy as np
 FLOATS = ("float32", "float16", "bfloat16", "float64")
 LOW_PRECISION = ("float16", "bfloat16")
 INTS = ("int64", "int32", "int16", "int8", "uint8")
+FP8 = ("float8_e4m3fn", "float8_e5m2")  # quantize_fp8 / dequantize_fp8 storage formats (OCP FP8; ml_dtypes, torch)
 
 _NP = {name: np.dtype(name) for name in ("float32", "float16", "float64", *INTS, "bool")}
 _NP["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+_NP.update({name: np.dtype(getattr(ml_dtypes, name)) for name in FP8})
 
 
 def np_dtype(name: str) -> np.dtype:

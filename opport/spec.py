@@ -167,6 +167,9 @@ class OpSpec:
         self.tolerances: dict[str, Tolerance] = dict(BASE_TOLERANCE)
         self.invariants: list[Callable] = []
         self._shape: Callable | None = None
+        self.output_names: tuple = ("out",)  # several for an op declared with @<op>.outputs
+        self._out_metas: Callable | None = None
+        self.output_tolerances: dict = {}  # output index (> 0) -> {dtype or "*": Tolerance}
         self.parent: OpSpec | None = None  # the forward op of a derived (training forward or backward) spec
         self.backward_op: BackwardSpec | None = None  # set by @<op>.backward
         self.train_forward: TrainForwardSpec | None = None  # set by @<op>.saves: the forward that returns stats too
@@ -199,6 +202,18 @@ class OpSpec:
         self._shape = fn
         return fn
 
+    def outputs(self, names: tuple):
+        """Declare an op that returns several arrays, `(names[0], names[1], ...)`, from their rule
+        `fn(*bound) -> [(shape, dtype name), ...]` (bound arrays are Metas or arrays; scalars as given). Output 0
+        is judged with the op's tolerances, output i > 0 with `output_tolerances[i]` (set with `tolerance(index=i,
+        ...)`)."""
+
+        def declare(fn):
+            self.output_names, self._out_metas = tuple(names), fn
+            return fn
+
+        return declare
+
     def invariant(self, fn):
         """A property the output must have beyond closeness (e.g. softmax rows sum to 1).
 
@@ -208,9 +223,20 @@ class OpSpec:
         self.invariants.append(fn)
         return fn
 
-    def tolerance(self, **per_dtype: Tolerance):
-        """Override the base tolerance for some dtypes (each override says why in `reason`)."""
-        self.tolerances.update(per_dtype)
+    def tolerance(self, index: int = 0, **per_dtype: Tolerance):
+        """Override the base tolerance for some dtypes (each override says why in `reason`); `index` > 0: of
+        that output of an op declared with @<op>.outputs (the key "any" applies to every dtype)."""
+        if index:
+            self.output_tolerances.setdefault(index, {}).update(per_dtype)
+        else:
+            self.tolerances.update(per_dtype)
+
+    def tolerance_for(self, dtype: str, index: int, case: Case | None = None) -> Tolerance:
+        """Output `index`'s tolerance: the case's override or the op's (output 0); the declared one of output i."""
+        if index == 0:
+            return case.tolerance if case is not None and case.tolerance is not None else self.tolerances[dtype]
+        per = self.output_tolerances[index]
+        return per.get(dtype) or per["any"]
 
     def backward(self, wrt: tuple, constraints: dict | None = None, constants: dict | None = None,
                  reduces: tuple = ()):
@@ -295,26 +321,36 @@ class OpSpec:
     def get_cost(self, *args, **kwargs) -> Cost:
         return self._cost(*self.bind(*args, **kwargs))
 
+    dtype_pos: int | None = None  # set by op(dtype_param=...)
+
     def dtype_of(self, bound: tuple) -> str:
-        """The dtype that names a call (first array argument's dtype)."""
+        """The dtype that names a call (first array argument's dtype, or the `dtype_param` scalar)."""
+        if self.dtype_pos is not None:
+            return bound[self.dtype_pos]
         return bound[self.array_pos[0]].dtype
 
     @property
     def n_outputs(self) -> int:
-        """1 for an op returning one array; the tuple's length for derived specs that return several."""
-        return 1
+        """1 for an op returning one array; the tuple's length for derived specs and ops that return several."""
+        return len(self.output_names)
 
     def out_metas(self, bound: tuple) -> list:
         """[(shape, dtype)] per output (None for an output that is None for these arguments)."""
+        if self._out_metas is not None:
+            return [(tuple(s), d) for s, d in self._out_metas(*bound)]
         return [(self.out_shape(bound), self.out_dtype(bound))]
 
     def out_shape(self, bound: tuple) -> tuple:
         """The output's shape for bound arguments (arrays or Metas)."""
+        if self._out_metas is not None:
+            return self.out_metas(bound)[0][0]
         if self._shape is None:
             return tuple(bound[self.array_pos[0]].shape)
         return tuple(self._shape(*bound))
 
     def out_dtype(self, bound: tuple) -> str:
+        if self._out_metas is not None:
+            return self.out_metas(bound)[0][1]
         return self.fixed_out_dtype or self.dtype_of(bound)
 
     def __repr__(self):
@@ -560,9 +596,18 @@ class ValueAndGradSpec(OpSpec):
         return Cost(bytes=read + written, flops=0)
 
 
-def op(arrays: tuple, constraints: dict | None = None, dtypes=FLOATS, out_dtype: str | None = None):
-    """Declare an op from its validation function (see the module docstring)."""
-    return lambda fn: OpSpec(fn, arrays, constraints or {}, dtypes, out_dtype)
+def op(arrays: tuple, constraints: dict | None = None, dtypes=FLOATS, out_dtype: str | None = None,
+       dtype_param: str | None = None):
+    """Declare an op from its validation function (see the module docstring). `dtype_param`: the scalar
+    parameter (a dtype name) that names a call's dtype instead of the first array's (dequantize_fp8: its
+    output dtype, since its input is an fp8 code)."""
+
+    def declare(fn):
+        spec = OpSpec(fn, arrays, constraints or {}, dtypes, out_dtype)
+        spec.dtype_pos = spec.params.index(dtype_param) if dtype_param else None
+        return spec
+
+    return declare
 
 
 def _make_binder(fn: Callable) -> Callable:

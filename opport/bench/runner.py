@@ -207,6 +207,17 @@ def _reference(spec, wl, bound, kind: str):
         return e
 
 
+def _verdict(spec, out, ref, dtype: str, out_dtype: str):
+    """The output judged against the reference; an op with several outputs (quantize_fp8's q and scales) has
+    each judged with its own tolerance and dtype, and the row shows the first that fails (else the first)."""
+    if not isinstance(ref, tuple):
+        return accuracy.compare(accuracy.like(out, ref), ref, spec.tolerances[dtype], out_dtype)
+    dtypes = [out_dtype] + [accuracy.dtype_name(o) for o in out[1:]]
+    verdicts = [accuracy.compare(accuracy.like(o, r), r, spec.tolerance_for(dtype, i), d)
+                for i, (o, r, d) in enumerate(zip(out, ref, dtypes))]
+    return next((v for v in verdicts if not v.ok), verdicts[0])
+
+
 def _check(p: Provider, ref, spec, dtype: str, out_dtype: str, st: Settings, base: dict) -> dict:
     row = {**base, "impl": p.impl, "call": p.call, "status": "ok"}
     try:
@@ -215,7 +226,7 @@ def _check(p: Provider, ref, spec, dtype: str, out_dtype: str, st: Settings, bas
         if isinstance(ref, Exception):
             row.update(correct=None, note=f"unchecked: reference failed ({type(ref).__name__}: {ref})")
         else:
-            v = accuracy.compare(accuracy.like(out, ref), ref, spec.tolerances[dtype], out_dtype)
+            v = _verdict(spec, out, ref, dtype, out_dtype)
             row.update(correct=v.ok, **v.metrics, **({"error_detail": v.message} if not v.ok else {}))
         del out
         if hasattr(st.timer, "peak_mb"):
@@ -325,7 +336,7 @@ def _count_forward(prof, spec, wl, bound, cost, dtype: str, base: dict) -> dict:
     out_dtype = spec.out_dtype(metas_of(spec, bound))
 
     def check(out) -> dict:
-        v = accuracy.compare(accuracy.like(out, ref), ref, spec.tolerances[dtype], out_dtype)
+        v = _verdict(spec, out, ref, dtype, out_dtype)
         return {"correct": v.ok, **v.metrics}
 
     return _counted(prof, partial(function(spec), *bound, backend=backend), check, cost, decision.kernel, base)

@@ -25,7 +25,7 @@ from opport.conformance.cases import Item, lay_out, layout_ok
 from opport.dispatch import call, clear_cache, explain, kernels, strict
 from opport.dispatch.adapters import metas_of
 from opport.dispatch.registry import registered
-from opport.dtypes import acc_dtype, np_dtype
+from opport.dtypes import acc_dtype, finfo, np_dtype
 from opport.errors import OpError
 from opport.ops import get_op
 from opport.public import function
@@ -135,7 +135,7 @@ def output_names(spec) -> list:
         return ["out", *spec.stats]
     if spec.direction == "value_and_grad":
         return ["out", *(f"d{n}" for n in spec.wrt)]
-    return ["out"]
+    return list(spec.output_names)
 
 
 def _contract(spec, outs: list, refs: list, metas: list) -> str | None:
@@ -210,7 +210,7 @@ def output_tolerance(spec, dtype: str, index: int, case) -> object:
     """Output `index`'s tolerance: the case's override or the op's; a backward's per gradient (norm-wise where
     it sums over rows); a training forward's statistics at the accumulation dtype's base tolerance; a fused
     value-and-grad's output as the forward's, its gradients as the backward's."""
-    if spec.direction in ("backward", "value_and_grad"):
+    if spec.direction in ("backward", "value_and_grad") or spec.n_outputs > 1 and spec.direction == "forward":
         return spec.tolerance_for(dtype, index, case)
     if spec.direction == "forward_train" and index > 0:
         from opport.spec import BASE_TOLERANCE
@@ -374,17 +374,23 @@ def _filled(alloc, value):
     def empty(*args, **kwargs):
         out = alloc(*args, **kwargs)
         if out.dtype.kind in "fcV" and out.dtype.fields is None:
-            out.fill(value)
+            out.fill(_fits(value, out.dtype.itemsize, lambda: float(finfo(out.dtype.name).max)))
         return out
 
     return empty
+
+
+def _fits(value: float, itemsize: int, fmax) -> float:
+    """The poison as an 8-bit float holds it: the sentinel saturates to the format's max (torch refuses an
+    overflowing fill; ml_dtypes would make it NaN, the other poison)."""
+    return min(value, fmax()) if itemsize == 1 and value == value else value
 
 
 def _filled_torch(alloc, value):
     def empty(*args, **kwargs):
         out = alloc(*args, **kwargs)
         if out.is_floating_point() and out.device.type != "meta":
-            out.fill_(value)
+            out.fill_(_fits(value, out.element_size(), lambda: float(sys.modules["torch"].finfo(out.dtype).max)))
         return out
 
     return empty

@@ -2,8 +2,8 @@
 
 An adapter gives (1) a cheap hashable key for the dispatch cache, (2) the `Meta` that validation
 sees, (3) conversions to what a backend's kernels take (NumPy or torch) and back. torch and JAX are
-never imported here unless the caller already imported them. bfloat16 goes through ml_dtypes, so it
-crosses between frameworks bit-exactly.
+never imported here unless the caller already imported them. bfloat16 and the fp8 formats go through
+ml_dtypes (as 16- and 8-bit integer views), so they cross between frameworks bit-exactly.
 """
 
 from __future__ import annotations
@@ -13,10 +13,21 @@ import sys
 import numpy as np
 
 from opport import errors
-from opport.dtypes import np_dtype
+from opport.dtypes import FP8, np_dtype
 from opport.spec import Meta
 
 _BF16 = np_dtype("bfloat16")
+_FP8 = {np_dtype(n): n for n in FP8}  # ml_dtypes fp8 dtype -> its name, which is also torch's
+
+
+def _from_numpy(torch, a):
+    """A torch tensor viewing NumPy array `a` (bfloat16 and fp8 through integer views of the same bits)."""
+    if a.dtype == _BF16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    name = _FP8.get(a.dtype) if a.dtype.itemsize == 1 else None
+    if name is not None:
+        return torch.from_numpy(a.view(np.uint8)).view(getattr(torch, name))
+    return torch.from_numpy(a)
 
 
 class NumpyAdapter:
@@ -54,7 +65,7 @@ class NumpyAdapter:
 
         if not a.flags.writeable or (not a.flags.c_contiguous and any(s < 0 for s in a.strides)):
             a = a.copy()  # torch cannot wrap read-only or negatively strided memory
-        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == _BF16 else torch.from_numpy(a)
+        t = _from_numpy(torch, a)
         return t if device == "cpu" else t.to(device)
 
     @staticmethod
@@ -107,6 +118,8 @@ class TorchAdapter:
         try:
             if t.dtype is (_torch_bf16 or _bind_torch().bfloat16):
                 return t.view(_torch.int16).numpy().view(_BF16)
+            if t.element_size() == 1 and t.is_floating_point():  # torch's float8 dtypes: NumPy has no buffer format
+                return t.view(_torch.uint8).numpy().view(np_dtype(TorchAdapter.dtype_name(t.dtype)))
             return t.numpy()
         except RuntimeError:  # a negative-bit view (torch.complex(a, b).conj().imag): its values, materialised
             if not t.is_neg():
@@ -125,7 +138,7 @@ class TorchAdapter:
         if out.__class__ is np.ndarray:
             torch = _torch or _bind_torch()
             # kernels return fresh, writeable arrays, so torch can wrap them without a copy
-            out = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16) if out.dtype == _BF16 else torch.from_numpy(out)
+            out = _from_numpy(torch, out)
             return out if like.is_cpu else out.to(like.device)
         return out if out.device == like.device else out.to(like.device)
 

@@ -52,7 +52,8 @@ def traced_call(spec, bound: tuple, backend: str | None):
     run = _Runner(template, tuple(slots), chosen, context.context_strict())
     operands = [bound[i] for i in slots]
     if spec.backward_op is None:
-        return run.callback(spec, metas, operands)[0]
+        outs = run.callback(spec, metas, operands)
+        return outs[0] if spec.n_outputs == 1 else tuple(outs)  # quantize_fp8: (q, scales)
     vag = spec.value_and_grad_op  # the fused value-and-grad where the chosen backend has a kernel for it
     if vag is not None and decide(vag, metas, context.requested_backend(chosen), True, chosen is not None)[1]:
         return _fused(spec, metas, run)(*operands)

@@ -387,9 +387,22 @@ def opcheck(spec, dtypes=("float32", "bfloat16")) -> dict:
         for case in small_cases(spec, dtype):
             args = tuple(a.requires_grad_() if spec.params[i] in wrt and isinstance(a, torch.Tensor) else a
                          for i, a in enumerate(to_torch(case)))
-            found = torch.library.opcheck(op, args, case.kwargs, raise_exception=False)
+            found = torch.library.opcheck(op, args, case.kwargs, test_utils=_test_utils(args), raise_exception=False)
             results[f"{spec.name}/{dtype}/{case.name}"] = {k: v if v == "SUCCESS" else repr(v) for k, v in found.items()}
     return results
+
+
+
+def _test_utils(args) -> tuple:
+    """opcheck's checks for these arguments: all of them, but `test_schema` where an input is an fp8 tensor
+    (dequantize_fp8's q): its mutation check compares inputs with arithmetic torch has no CPU fp8 kernel for
+    ("mul_cpu_reduced_float" not implemented for Float8_e4m3fn, torch 2.13). The other checks (autograd
+    registration, fake tensor, AOT dispatch) still run; input immutability is the conformance suite's
+    checksum check (docs/numerics.md section 4)."""
+    utils = torch.library.opcheck.__kwdefaults__["test_utils"]
+    if any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.element_size() == 1 for a in args):
+        return tuple(u for u in utils if u != "test_schema")
+    return utils
 
 
 _register_all()

@@ -179,6 +179,14 @@ def _placed(shape, dtype, buffer, name, address, op) -> Storage:
     return Storage(data, buffer, nbytes // item, parts, name, cap // item, p0, f0)
 
 
+def _strided(a: np.ndarray, shape: tuple, strides: tuple) -> np.ndarray:
+    """as_strided, also for ml_dtypes' float8_e5m2 (a kind-'f' 1-byte dtype whose '<f1' NumPy cannot parse):
+    through a uint8 view of the same bytes."""
+    if a.dtype.itemsize == 1 and a.dtype.kind == "f":
+        return as_strided(a.view(np.uint8), shape=shape, strides=strides).view(a.dtype)
+    return as_strided(a, shape=shape, strides=strides)
+
+
 def wrap_hbm(array: np.ndarray, name: str = "") -> NkiTensor:
     """A kernel argument: the caller's array itself, so in-place writes reach the caller (as in the simulator)."""
     dtype = dt.as_dtype(array.dtype, "kernel argument")
@@ -188,7 +196,7 @@ def wrap_hbm(array: np.ndarray, name: str = "") -> NkiTensor:
     base = array
     # address the caller's memory through a flat array spanning the view
     span = 1 + sum((n - 1) * s // itemsize for n, s in zip(array.shape, array.strides)) if array.size else 1
-    flat = as_strided(base, shape=(span,), strides=(itemsize,))
+    flat = _strided(base, (span,), (itemsize,))
     st = Storage(flat, shared_hbm, None, array.shape[0] if array.ndim else 1, name)
     return NkiTensor(st, 0, tuple(array.shape), tuple(s // itemsize for s in array.strides), dtype)
 
@@ -295,7 +303,8 @@ class NkiTensor:
 
     def _view(self) -> np.ndarray:
         d = self._st.data
-        return as_strided(d[self.offset:], shape=self.shape, strides=tuple(s * d.itemsize for s in self.strides))
+        strides = tuple(s * d.itemsize for s in self.strides)
+        return _strided(d[self.offset:], self.shape, strides)
 
     def read(self) -> np.ndarray:
         """The elements as a NumPy array of this tensor's dtype (a copy for indirect views)."""
