@@ -100,8 +100,8 @@ def test_baseline_fails_only_on_a_real_slowdown(smoke_report, tmp_path):
     _, rep, _ = smoke_report
     fast = json.loads(json.dumps(rep))
     for r in fast["rows"]:
-        if r.get("ms") and r["pass"] == "fwd+bwd":
-            r["ms"] /= 1000  # a baseline 1000x faster: every opport fwd+bwd row now "regressed"
+        if r.get("ms"):  # fwd+bwd rows 1000x faster: they "regressed"; fwd rows 1000x slower: never suspects,
+            r["ms"] = r["ms"] / 1000 if r["pass"] == "fwd+bwd" else r["ms"] * 1000  # whatever this run's noise
     slow = json.loads(json.dumps(rep))
     for r in slow["rows"]:
         if r.get("ms"):
