@@ -14,7 +14,7 @@ from opport.ops import get_op as _get_op
 _attention = _get_op('attention')
 
 
-def attention(q, k, v, causal=False, scale=None, *, backend=None):
+def attention(q, k, v, causal=False, scale=None, softcap=None, sliding_window=None, *, backend=None):
     """Scaled dot-product attention, out [B, Hq, Sq, Dv].
 
     Query head h reads KV head h // (Hq / Hkv) (grouped-query attention). scale defaults to
@@ -24,9 +24,13 @@ def attention(q, k, v, causal=False, scale=None, *, backend=None):
     (SDPA's safe softmax). Masked keys get exactly zero weight: NaN or inf in masked k or v never
     reaches the output.
 
+    softcap c (Gemma 2, FlashAttention's softcap): the scaled scores s become c·tanh(s / c) before the
+    softmax. sliding_window W (requires causal=True; FlashAttention's window_size=(W - 1, 0)): query i,
+    whose causal limit is p = i + Sk - Sq, sees key j iff p - W < j <= p, so W = 1 sees only key p.
+
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
     """
-    b = (q, k, v, causal, scale)
+    b = (q, k, v, causal, scale, softcap, sliding_window)
     if q.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
         out = _route(_attention, b, backend)
         if out is not NotImplemented:

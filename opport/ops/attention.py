@@ -1,4 +1,5 @@
-"""attention: softmax(q @ k^T * scale, masked) @ v with grouped KV heads and a bottom-right causal mask."""
+"""attention: softmax(softcap(q @ k^T * scale), masked) @ v with grouped KV heads, a bottom-right causal mask
+and an optional sliding window."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ NAME = "attention"
 # rounded to inf: every output NaN where the float64 reference is finite (issue 15 item 3). No model uses
 # scales near the bound (1/sqrt(D), 1, 1/D; a temperature of 0.01 gives 100·(1/sqrt(D))).
 SCALE_MAX = 1e4
+WINDOW_MAX = 2**31 - 1  # kernels index keys in int32
 
 
 @op(
@@ -44,9 +46,12 @@ SCALE_MAX = 1e4
         "attention.kv_seq": "k and v have the same key length Sk",
         "attention.causal": "causal is True or False",
         "attention.scale": "scale is None or a finite number, abs(scale) <= 1e4",
+        "attention.softcap": "softcap is None or a finite number > 0",
+        "attention.sliding_window": "sliding_window is None or an int, 1 <= W <= 2**31 - 1, given with causal=True",
     },
 )
-def attention(q, k, v, causal: bool = False, scale: float | None = None):
+def attention(q, k, v, causal: bool = False, scale: float | None = None, softcap: float | None = None,
+              sliding_window: int | None = None):
     """Scaled dot-product attention, out [B, Hq, Sq, Dv].
 
     Query head h reads KV head h // (Hq / Hkv) (grouped-query attention). scale defaults to
@@ -55,6 +60,10 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
     (Sk = 0, or i < Sq - Sk when causal) outputs 0, as does a row whose visible scores are all -inf
     (SDPA's safe softmax). Masked keys get exactly zero weight: NaN or inf in masked k or v never
     reaches the output.
+
+    softcap c (Gemma 2, FlashAttention's softcap): the scaled scores s become c·tanh(s / c) before the
+    softmax. sliding_window W (requires causal=True; FlashAttention's window_size=(W - 1, 0)): query i,
+    whose causal limit is p = i + Sk - Sq, sees key j iff p - W < j <= p, so W = 1 sees only key p.
     """
     check_float(NAME, "q", q)
     check_same_dtype(NAME, "q", q, k=k, v=v)
@@ -73,16 +82,49 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
                            and abs(scale) <= SCALE_MAX)
     check(ok, ArgumentError, NAME, "scale", "attention.scale", f"None or a finite number, abs(scale) <= {SCALE_MAX:g}",
           repr(scale))
+    check_softcap_window(NAME, softcap, sliding_window, causal)
 
 
-def visible_keys(sq: int, sk: int, causal: bool) -> np.ndarray:
-    """For each query row, how many keys (a prefix) it sees: min(Sk, max(0, i + Sk - Sq + 1)) when causal."""
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool)
+
+
+def check_softcap_window(name: str, softcap, sliding_window, causal: bool) -> None:
+    """softcap: None or finite > 0; sliding_window: None or an int in [1, 2**31 - 1], only with causal=True
+    (shared by the ops that take the same definitions: `<name>.softcap`, `<name>.sliding_window`)."""
+    ok = softcap is None or (_is_number(softcap) and math.isfinite(softcap) and softcap > 0)
+    check(ok, ArgumentError, name, "softcap", f"{name}.softcap", "None or a finite number > 0", repr(softcap))
+    ok = sliding_window is None or (isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool)
+                                    and 1 <= sliding_window <= WINDOW_MAX)
+    check(ok, ArgumentError, name, "sliding_window", f"{name}.sliding_window",
+          f"None or an int in [1, {WINDOW_MAX}]", repr(sliding_window))
+    check(sliding_window is None or causal is True, ArgumentError, name, "sliding_window", f"{name}.sliding_window",
+          "causal=True with a sliding window", f"causal={causal!r}")
+
+
+def visible_range(sq: int, sk: int, causal: bool, window: int | None = None) -> tuple:
+    """For each query row, the keys it sees as [lo, hi): hi = min(Sk, max(0, i + Sk - Sq + 1)) when causal
+    (Sk otherwise), lo = max(0, hi_unclipped - W) with a window W (never above hi)."""
     i = np.arange(sq)
-    return np.clip(i + sk - sq + 1, 0, sk) if causal else np.full(sq, sk)
+    limit = i + sk - sq + 1  # one past the last visible key (bottom-right)
+    hi = np.clip(limit, 0, sk) if causal else np.full(sq, sk)
+    lo = np.zeros(sq, np.int64) if window is None else np.minimum(np.clip(limit - window, 0, sk), hi)
+    return lo, hi
+
+
+def visible_keys(sq: int, sk: int, causal: bool, window: int | None = None) -> np.ndarray:
+    """For each query row, how many keys it sees."""
+    lo, hi = visible_range(sq, sk, causal, window)
+    return hi - lo
+
+
+def capped(s: np.ndarray, softcap) -> np.ndarray:
+    """The scores after the soft cap: c·tanh(s / c) (s itself without one)."""
+    return s if softcap is None else softcap * np.tanh(s / softcap)
 
 
 @attention.reference
-def _reference(q, k, v, causal, scale):
+def _reference(q, k, v, causal, scale, softcap=None, sliding_window=None):
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     out = np.zeros((b, hq, sq, dv))
@@ -91,18 +133,18 @@ def _reference(q, k, v, causal, scale):
     g = hq // hkv
     k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    nvis = visible_keys(sq, sk, causal)
+    lo, hi = visible_range(sq, sk, causal, sliding_window)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for i in range(sq):  # each row over its visible prefix only, so masked k/v values never enter
-            n = nvis[i]
-            if n == 0:
+        for i in range(sq):  # each row over its visible keys only, so masked k/v values never enter
+            keys = slice(lo[i], hi[i])
+            if hi[i] == lo[i]:
                 continue
-            s = np.einsum("bhd,bhkd->bhk", q[:, :, i], k[:, :, :n]) * scale
+            s = capped(np.einsum("bhd,bhkd->bhk", q[:, :, i], k[:, :, keys]) * scale, softcap)
             m = s.max(axis=-1, keepdims=True)
             m = np.where(m == -np.inf, 0.0, m)  # all -inf: weights 0, row stays 0
             p = np.exp(s - m)
             den = p.sum(axis=-1)[..., None]
-            row = np.einsum("bhk,bhkd->bhd", p, v[:, :, :n])
+            row = np.einsum("bhk,bhkd->bhd", p, v[:, :, keys])
             out[:, :, i] = np.where(den == 0, 0.0, row / np.where(den == 0, 1.0, den))
     return out
 
@@ -126,9 +168,11 @@ def _qkv(rng, dtype, b, hq, hkv, sq, sk, d, dv=None, qk_scale=1.0, v_dist="norma
     return q, k, v
 
 
-def _case(name, dtype, b, hq, hkv, sq, sk, d, dv=None, causal=False, scale=None, v_dist="normal", qk_scale=1.0, tags=()):
+def _case(name, dtype, b, hq, hkv, sq, sk, d, dv=None, causal=False, scale=None, v_dist="normal", qk_scale=1.0, tags=(),
+          softcap=None, window=None):
     q, k, v = _qkv(cg.rng_for(NAME, name, dtype), dtype, b, hq, hkv, sq, sk, d, dv, qk_scale, v_dist)
-    return Case(name, (q, k, v), {"causal": causal, "scale": scale}, tags)
+    extra = {k: x for k, x in (("softcap", softcap), ("sliding_window", window)) if x is not None}
+    return Case(name, (q, k, v), {"causal": causal, "scale": scale, **extra}, tags)
 
 
 def _nan_under_mask(dtype: str) -> Case:
@@ -194,6 +238,33 @@ def _cases(dtype):
     yield _nan_under_mask(dtype)
     yield _nonfinite_v_on_diagonal(dtype)
     yield _nonfinite_visible(dtype)
+    yield from _softcap_window_cases(dtype)
+
+
+def _softcap_window_cases(dtype):
+    """Soft caps and sliding windows: Gemma-2-like heads (D = 256, cap 50, GQA 2), small windows inside and
+    across blocks, windows of 1 and wider than Sk, chunked prefill and Sq > Sk under a window."""
+    yield _case("gemma2-softcap-window", dtype, 1, 4, 2, 96, 96, 256, causal=True, softcap=50.0, window=32, tags=("llm",))
+    yield _case("gemma2-softcap-global", dtype, 1, 4, 2, 80, 80, 256, causal=True, softcap=50.0, tags=("llm",))
+    # scores of std ~9 against a cap of 5: tanh saturates, its slope near 0
+    yield _case("softcap-saturated", dtype, 1, 2, 1, 40, 56, 64, softcap=5.0, qk_scale=3.0)
+    yield _case("softcap-noncausal-gqa", dtype, 2, 8, 2, 33, 47, 64, softcap=30.0, scale=0.5)
+    yield _case("window-1", dtype, 1, 4, 2, 40, 40, 32, causal=True, window=1)
+    yield _case("window-7-gqa", dtype, 1, 8, 2, 70, 70, 64, causal=True, window=7)
+    yield _case("window-wider-than-sk", dtype, 1, 2, 2, 30, 30, 64, causal=True, window=1000)
+    yield _case("window-chunked-prefill", dtype, 1, 4, 2, 37, 150, 64, causal=True, window=50, tags=("llm",))
+    yield _case("window-sq-gt-sk", dtype, 1, 2, 1, 50, 20, 64, causal=True, window=8, softcap=10.0, tags=("edge",))
+    yield _case("window-decode", dtype, 2, 8, 2, 1, 300, 128, causal=True, window=64, softcap=50.0, tags=("llm",))
+    yield _window_nan_outside(dtype)
+
+
+def _window_nan_outside(dtype: str) -> Case:
+    """NaN/inf in k and v keys that fall out of every late row's window: those rows stay finite."""
+    rng = cg.rng_for(NAME, "window-nan-outside", dtype)
+    q, k, v = _qkv(rng, dtype, 1, 4, 2, 64, 64, 32)
+    k[:, :, 2, ::3] = cg.cast(np.nan, dtype)  # seen by rows 2..17 (W = 16) only
+    v[:, :, 5, ::4] = cg.cast(np.inf, dtype)  # rows 5..20
+    return Case("window-nan-outside", (q, k, v), {"causal": True, "scale": None, "sliding_window": 16}, ("edge",))
 
 
 # The scaled scores' standard deviation the random cases stay within (the fixed case "large-scores" goes
@@ -222,10 +293,13 @@ def _strategy(dtype):
         dv = draw(st.sampled_from([d, d, 8, 24]))
         causal = draw(st.booleans())
         scale = draw(st.sampled_from([None, None, 0.05, 1.0]))
+        softcap = draw(st.sampled_from([None, None, 1.0, 20.0]))
+        window = draw(st.sampled_from([None, None, 1, 5, 33, 200])) if causal else None
         v_dist, qk_scale, seed = draw(cg.dists(specials=False)), draw(st.sampled_from([0.1, 1.0, 3.0])), draw(cg.seeds())
         qk_scale = min(qk_scale, _well_conditioned_qk(d, scale))
         q, k, v = _qkv(np.random.default_rng(seed), dtype, b, hkv * g, hkv, sq, sk, d, dv, qk_scale, v_dist)
-        return Case(f"hyp-{seed}", (q, k, v), {"causal": causal, "scale": scale}, ("hypothesis",))
+        kw = {"causal": causal, "scale": scale, "softcap": softcap, "sliding_window": window}
+        return Case(f"hyp-{seed}", (q, k, v), kw, ("hypothesis",))
 
     return case()
 
@@ -253,19 +327,25 @@ def _error_cases():
     yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": "0.1"})
     yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": 1e300})  # issue 15 item 3
     yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": -2e4})
+    for bad in (0.0, -1.0, float("inf"), float("nan"), True, "50"):
+        yield ErrorCase("attention.softcap", ArgumentError, (q, k, v), {"softcap": bad})
+    for bad in (0, -3, 2.5, True, 2**31):
+        yield ErrorCase("attention.sliding_window", ArgumentError, (q, k, v), {"causal": True, "sliding_window": bad})
+    yield ErrorCase("attention.sliding_window", ArgumentError, (q, k, v), {"sliding_window": 4})  # not causal
 
 
 @attention.shape
-def _shape(q, k, v, causal, scale):
+def _shape(q, k, v, causal, scale, softcap=None, sliding_window=None):
     return (*q.shape[:3], v.shape[3])
 
 
 @attention.cost
-def _cost(q, k, v, causal, scale):
+def _cost(q, k, v, causal, scale, softcap=None, sliding_window=None):
     b, hq, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
     item = np.dtype(cg.np_dtype(q.dtype)).itemsize
-    pairs = int(visible_keys(sq, sk, causal).sum())  # (query, key) pairs that are computed: ~half when causal
+    # (query, key) pairs that are computed: ~half when causal, ~Sq·W with a window
+    pairs = int(visible_keys(sq, sk, causal, sliding_window).sum())
     out = b * hq * sq * dv
     return Cost(bytes=(q.size + k.size + v.size + out) * item, flops=2 * b * hq * pairs * (d + dv))
 
@@ -275,8 +355,8 @@ def _cost(q, k, v, causal, scale):
 BWD = f"{NAME}_backward"
 
 
-@attention.saves(("lse",), shapes=lambda q, k, v, causal, scale: [tuple(q.shape[:3])])
-def _saved(q, k, v, causal, scale):
+@attention.saves(("lse",), shapes=lambda q, k, v, *scalars: [tuple(q.shape[:3])])
+def _saved(q, k, v, causal, scale, softcap=None, sliding_window=None):
     """Per query row, the log-sum-exp of its visible scaled scores [B, Hq, Sq] (float32): -inf for a row that
     sees no key or only -inf scores (its output is 0), NaN where a visible score is NaN or +inf."""
     b, hq, sq, d = q.shape
@@ -286,10 +366,11 @@ def _saved(q, k, v, causal, scale):
         return (lse,)
     k = np.repeat(k, hq // k.shape[1], axis=1)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    lo, hi = visible_range(sq, sk, causal, sliding_window)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for i, n in enumerate(visible_keys(sq, sk, causal)):
-            if n:
-                s = np.einsum("bhd,bhkd->bhk", q[:, :, i], k[:, :, :n]) * scale
+        for i in range(sq):
+            if hi[i] > lo[i]:
+                s = capped(np.einsum("bhd,bhkd->bhk", q[:, :, i], k[:, :, lo[i]:hi[i]]) * scale, softcap)
                 m = s.max(axis=-1)
                 m_ref = np.where(m == -np.inf, 0.0, m)
                 lse[:, :, i] = m + np.log(np.exp(s - m_ref[..., None]).sum(axis=-1))
@@ -302,19 +383,21 @@ def _saved(q, k, v, causal, scale):
     constraints={**grad_constraints(NAME), f"{BWD}.saved": "out has the forward output's shape and q's dtype; lse is "
                  "[B, Hq, Sq] in the accumulation dtype, float32 (float64 for float64 inputs): the training forward's"},
 )
-def attention_backward(grad, q, k, v, out, lse, causal: bool = False, scale: float | None = None):
+def attention_backward(grad, q, k, v, out, lse, causal: bool = False, scale: float | None = None,
+                       softcap: float | None = None, sliding_window: int | None = None):
     """Gradients of attention for q, k and v (FlashAttention-2's backward).
 
     Saves q, k, v, the output and the per-row log-sum-exp lse [B, Hq, Sq] (float32; float64 for float64 inputs),
     so the probabilities are
     recomputed block by block, P = exp(s·scale − lse), never held as Sq x Sk. With D = rowsum(dO·O),
     dP = dO V^T and dS = P (dP − D): dV = P^T dO, dQ = scale·dS K, dK = scale·dS^T Q; GQA sums dK and dV over
-    each KV head's query heads. Only visible (query, key) pairs enter, so NaN or inf under the causal mask
+    each KV head's query heads. With a soft cap c, dS first takes the cap's slope 1 - tanh²(s / c) (s the
+    uncapped scaled score). Only visible (query, key) pairs enter, so NaN or inf under the causal mask
     never leaks. A row that sees no key, or only -inf scores (lse = -inf), has output 0 and zero gradient,
     and its q and dO reach no dK or dV. dq accumulates over keys, dk and dv over queries and heads: all
     three are judged norm-wise, as the forward.
     """
-    attention.validate(q, k, v, causal, scale)
+    attention.validate(q, k, v, causal, scale, softcap, sliding_window)
     shape = (*q.shape[:3], v.shape[3])
     check_grad(BWD, grad, shape, q.dtype)
     acc = "float64" if q.dtype == "float64" else "float32"
@@ -326,7 +409,12 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool = False, scale: flo
 
 
 @attention_backward.reference
-def _backward_reference(grad, q, k, v, out, lse, causal, scale):
+def _backward_reference(grad, q, k, v, out, lse, causal, scale, softcap=None, sliding_window=None):
+    return _vjp(grad, q, k, v, out, lse, causal, scale, softcap, sliding_window, True)
+
+
+def _vjp(grad, q, k, v, out, lse, causal, scale, softcap, sliding_window, slope: bool):
+    """The float64 gradients; slope=False drops the soft cap's chain rule (a mutant)."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     g = hq // hkv
@@ -335,23 +423,27 @@ def _backward_reference(grad, q, k, v, out, lse, causal, scale):
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     with np.errstate(invalid="ignore", over="ignore"):
         big_d = np.sum(grad * out, axis=-1)  # D = rowsum(dO·O)
-        for i, n in enumerate(visible_keys(sq, sk, causal)):
-            if n:  # each row over its visible prefix only: masked k and v never enter
-                _row_grads(i, n, grad, q, kr, vr, lse, big_d, scale, dq, dk, dvv)
+        lo, hi = visible_range(sq, sk, causal, sliding_window)
+        for i in range(sq):
+            if hi[i] > lo[i]:  # each row over its visible keys only: masked k and v never enter
+                _row_grads(i, slice(lo[i], hi[i]), grad, q, kr, vr, lse, big_d, scale, softcap, slope, dq, dk, dvv)
     return dq, dk.reshape(b, hkv, g, sk, d).sum(axis=2), dvv.reshape(b, hkv, g, sk, dv).sum(axis=2)
 
 
-def _row_grads(i, n, grad, q, kr, vr, lse, big_d, scale, dq, dk, dv):
-    """Query row i's share of the gradients, over its n visible keys (float64, in place)."""
+def _row_grads(i, n, grad, q, kr, vr, lse, big_d, scale, softcap, slope, dq, dk, dv):
+    """Query row i's share of the gradients, over its visible keys n (a slice) (float64, in place)."""
     live = (lse[:, :, i] != -np.inf)[..., None]  # -inf: no visible finite score, output 0, no gradient
-    s = np.einsum("bhd,bhkd->bhk", q[:, :, i], kr[:, :, :n]) * scale
+    raw = np.einsum("bhd,bhkd->bhk", q[:, :, i], kr[:, :, n]) * scale
+    s = capped(raw, softcap)
     p = np.where(live, np.exp(s - np.where(live, lse[:, :, i, None], 0.0)), 0.0)
-    dp = np.einsum("bhd,bhkd->bhk", grad[:, :, i], vr[:, :, :n])
+    dp = np.einsum("bhd,bhkd->bhk", grad[:, :, i], vr[:, :, n])
     ds = np.where(live, p * (dp - big_d[:, :, i, None]), 0.0)
-    dq[:, :, i] = np.where(live, np.einsum("bhk,bhkd->bhd", ds, kr[:, :, :n]) * scale, 0.0)
+    if softcap is not None and slope:  # d(c tanh(raw / c)) / d raw = 1 - tanh²
+        ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
+    dq[:, :, i] = np.where(live, np.einsum("bhk,bhkd->bhd", ds, kr[:, :, n]) * scale, 0.0)
     live4 = live[..., None]
-    dk[:, :, :n] += np.where(live4, ds[..., None] * q[:, :, i, None, :] * scale, 0.0)
-    dv[:, :, :n] += np.where(live4, p[..., None] * grad[:, :, i, None, :], 0.0)
+    dk[:, :, n] += np.where(live4, ds[..., None] * q[:, :, i, None, :] * scale, 0.0)
+    dv[:, :, n] += np.where(live4, p[..., None] * grad[:, :, i, None, :], 0.0)
 
 
 @attention_backward.error_cases
@@ -369,8 +461,8 @@ def _backward_error_cases():
 
 
 @attention_backward.cost
-def _backward_cost(grad, q, k, v, out, lse, causal, scale):
-    fwd = _cost(q, k, v, causal, scale)
+def _backward_cost(grad, q, k, v, out, lse, causal, scale, softcap=None, sliding_window=None):
+    fwd = _cost(q, k, v, causal, scale, softcap, sliding_window)
     item = np.dtype(cg.np_dtype(q.dtype)).itemsize
     # read q, k, v, out, dO and lse; write dq, dk, dv. FLOPs: five matmuls over the visible pairs (s, dP, dV, dQ,
     # dK) against the forward's two: 2.5x, as FlashAttention-2 counts
@@ -432,25 +524,32 @@ def _backward_cases(dtype):
 
 
 @attention_backward.mutant("dq-unscaled")
-def _mutant_dq_unscaled(grad, q, k, v, out, lse, causal, scale):
+def _mutant_dq_unscaled(grad, q, k, v, out, lse, causal, scale, softcap=None, sliding_window=None):
     """dq without the softmax scale (dS K instead of scale dS K)."""
-    dq, dk, dv = _backward_reference(grad, q, k, v, out, lse, causal, scale)
+    dq, dk, dv = _backward_reference(grad, q, k, v, out, lse, causal, scale, softcap, sliding_window)
     return dq / (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale), dk, dv
 
 
 @attention_backward.mutant("dkv-of-first-head")
-def _mutant_dkv_not_summed(grad, q, k, v, out, lse, causal, scale):
+def _mutant_dkv_not_summed(grad, q, k, v, out, lse, causal, scale, softcap=None, sliding_window=None):
     """GQA: dk and dv from each group's first query head only, not summed over the group."""
-    dq, dk, dv = _backward_reference(grad, q, k, v, out, lse, causal, scale)
+    dq, dk, dv = _backward_reference(grad, q, k, v, out, lse, causal, scale, softcap, sliding_window)
     g = q.shape[1] // k.shape[1]
     if g == 1:
         return dq, dk, dv * 0.5  # no group: a half-summed dv instead
     first = slice(0, None, g)
-    _, dk1, dv1 = _backward_reference(grad[:, first], q[:, first], k, v, out[:, first], lse[:, first], causal, scale)
+    _, dk1, dv1 = _backward_reference(grad[:, first], q[:, first], k, v, out[:, first], lse[:, first], causal, scale,
+                                      softcap, sliding_window)
     return dq, dk1, dv1
 
 
 @attention_backward.mutant("dropped-rowsum-term")
-def _mutant_dropped_d(grad, q, k, v, out, lse, causal, scale):
+def _mutant_dropped_d(grad, q, k, v, out, lse, causal, scale, softcap=None, sliding_window=None):
     """dS = P dP without the - P D term (D = rowsum(dO * O))."""
-    return _backward_reference(grad, q, k, v, np.zeros_like(out), lse, causal, scale)
+    return _backward_reference(grad, q, k, v, np.zeros_like(out), lse, causal, scale, softcap, sliding_window)
+
+
+@attention_backward.mutant("softcap-slope-dropped")
+def _mutant_softcap_slope(grad, q, k, v, out, lse, causal, scale, softcap=None, sliding_window=None):
+    """A soft cap's backward without the chain rule through tanh (dS used as if the cap were the identity)."""
+    return _vjp(grad, q, k, v, out, lse, causal, scale, softcap, sliding_window, False)

@@ -39,7 +39,8 @@ def _batch_heads_merge(*arrays) -> bool:
 
 
 @impl(spec, "cpu")
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, softcap=None,
+              sliding_window=None) -> np.ndarray:
     """softmax(q k^T · scale, bottom-right causal mask) v, out [B, Hq, Sq, Dv] in q's dtype.
 
     Dimensions: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], g = Hq / Hkv.
@@ -47,21 +48,24 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) 
     output 0. Key blocks that no row of a query block can see are never read; inside a partly
     masked block masked scores become -inf (so NaN in masked k cannot leak) and, if that block of
     v holds non-finite values, each row multiplies only its visible prefix (0·NaN would leak).
+    A sliding window W also skips the key blocks before the block's first row's window, and masks keys
+    j <= i + Sk - Sq - W like the causal mask; a soft cap c turns s into c·tanh(s / c) in place.
     Pseudocode, per (query block, key block): s = q k^T·scale; m' = max(m, rowmax s);
     p = exp(s - m'); l = l·exp(m - m') + rowsum p; acc = acc·exp(m - m') + p v; out = acc / l.
     """
-    return _attention(q, k, v, causal, scale, None)
+    return _attention(q, k, v, causal, scale, None, softcap, sliding_window)
 
 
 @impl(spec.train_forward, "cpu")
-def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) -> tuple:
+def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, softcap=None,
+                      sliding_window=None) -> tuple:
     """The forward plus each row's log-sum-exp m + log(l) [B, Hq, Sq] (float32; float64 for float64 inputs),
     from the online softmax's running max and sum: -inf for rows that see no key or only -inf scores."""
     lse = np.empty(q.shape[:3], acc_dtype(q.dtype.name))
-    return _attention(q, k, v, causal, scale, lse), lse
+    return _attention(q, k, v, causal, scale, lse, softcap, sliding_window), lse
 
 
-def _attention(q, k, v, causal: bool, scale, lse):
+def _attention(q, k, v, causal: bool, scale, lse, softcap=None, window=None):
     """The forward over (batch, KV-head chunk, query block); `lse` (if not None) receives the row statistics."""
     b, hq, sq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
@@ -69,6 +73,7 @@ def _attention(q, k, v, causal: bool, scale, lse):
     out = np.empty((b, hq, sq, dv), q.dtype)
     acc_t = acc_dtype(q.dtype.name)
     scale = acc_t.type(1.0 / math.sqrt(d) if scale is None else scale)
+    mask = _Mask(sq, k.shape[2], causal, window, None if softcap is None else acc_t.type(softcap))
     if b > 1 and _batch_heads_merge(q, k, v):  # batch entries are independent: one [1, B*H] problem, as views
         sk = k.shape[2]
         b, hkv, q, k, v = 1, b * hkv, q.reshape(1, b * hq, sq, d), k.reshape(1, b * hkv, sk, d), v.reshape(1, b * hkv, sk, dv)
@@ -82,35 +87,73 @@ def _attention(q, k, v, causal: bool, scale, lse):
                 heads = slice(h0, min(h0 + step, hkv))
                 for i0 in range(0, sq, BLOCK_Q):
                     i1 = min(i0 + BLOCK_Q, sq)
-                    o, l_rows = _query_block(qg[bi, heads, :, i0:i1], k[bi, heads], v[bi, heads], i0, sq, causal, scale, bk)
+                    o, l_rows = _query_block(qg[bi, heads, :, i0:i1], k[bi, heads], v[bi, heads], i0, mask, scale, bk)
                     store(og[bi, heads, :, i0:i1], o)
                     if lg is not None:
                         lg[bi, heads, :, i0:i1] = l_rows
     return out
 
 
-def _query_block(qb, k, v, i0: int, sq: int, causal: bool, scale, bk: int):
+class _Mask:
+    """Which keys each query row sees (bottom-right causal mask, sliding window) and the soft cap."""
+
+    def __init__(self, sq: int, sk: int, causal: bool, window, softcap):
+        self.sk, self.off, self.causal, self.window, self.softcap = sk, sk - sq, causal, window, softcap
+
+    def keys(self, i0: int, bq: int) -> tuple:
+        """The key range [start, end) that rows i0..i0+bq-1 see between them."""
+        end = min(self.sk, i0 + bq + self.off) if self.causal else self.sk  # the last row sees keys < end
+        start = 0 if self.window is None else max(0, i0 + self.off + 1 - self.window)  # the first row's first key
+        return start, max(end, start)
+
+    def ranges(self, i0: int, bq: int, j0: int, j1: int):
+        """Per row, the visible keys of block [j0, j1) as (a, b) relative to j0; None if all rows see all."""
+        whole = not (self.causal and j1 - 1 > i0 + self.off)  # no row of the block misses a key at its end
+        if self.window is not None:
+            whole = whole and j0 > i0 + bq - 1 + self.off - self.window  # nor one at its start
+        if whole:
+            return None
+        limit = np.arange(i0, i0 + bq) + self.off + 1 - j0  # one past each row's last visible key
+        b = np.clip(limit, 0, j1 - j0)
+        a = np.zeros_like(b) if self.window is None else np.minimum(np.clip(limit - self.window, 0, j1 - j0), b)
+        return a, b
+
+    def cap(self, s, slope: bool = False):
+        """s -> c·tanh(s / c) in place; with `slope`, returns the cap's derivative 1 - tanh² (the backward's)."""
+        s /= self.softcap
+        np.tanh(s, out=s)
+        d = 1 - s * s if slope else None
+        s *= self.softcap
+        return d
+
+
+def _hidden(vis, width: int) -> np.ndarray:
+    """[bq, width] True where a row does not see a key of the block, from its visible range (a, b)."""
+    cols = np.arange(width)[None, :]
+    return (cols < vis[0][:, None]) | (cols >= vis[1][:, None])
+
+
+def _query_block(qb, k, v, i0: int, mask: _Mask, scale, bk: int):
     """Online softmax of one block of query rows [n, g, bq, D] over the keys it can see, bk keys at a time:
     (output rows [n, g, bq, Dv], their log-sum-exp [n, g, bq])."""
     n, g, bq, _ = qb.shape
-    sk, dv = k.shape[1], v.shape[2]
-    off = sk - sq  # bottom-right alignment: row i sees keys j <= i + off
+    dv = v.shape[2]
     q2 = upcast(qb).reshape(n, g * bq, -1)  # all g heads' rows share the KV head: one matmul per key block
     acc_t = q2.dtype
     m = np.full((n, g * bq, 1), -np.inf, acc_t)
     den = acc = None  # set by the first key block, which has nothing to rescale
-    rows = np.arange(i0, i0 + bq)
-    kend = min(sk, i0 + bq + off) if causal else sk  # the block's last row sees keys < kend
+    kstart, kend = mask.keys(i0, bq)
     with np.errstate(invalid="ignore", over="ignore"):
-        for j0 in range(0, max(kend, 0), bk):
+        for j0 in range(kstart, kend, bk):
             j1 = min(j0 + bk, kend)
             s = np.matmul(q2, upcast(k[:, j0:j1]).swapaxes(-1, -2))  # [n, g·bq, bk], then in place
             s *= scale
+            if mask.softcap is not None:
+                mask.cap(s)
             vb = upcast(v[:, j0:j1])
-            nvis = None
-            if causal and j1 - 1 > i0 + off:  # some row of this block cannot see some key of it
-                nvis = np.clip(rows + off + 1 - j0, 0, j1 - j0)  # visible prefix length per row
-                hidden = np.arange(j1 - j0)[None, :] >= nvis[:, None]  # [bq, bk], the same for every head
+            nvis = mask.ranges(i0, bq, j0, j1)
+            if nvis is not None:  # some row of this block cannot see some key of it
+                hidden = _hidden(nvis, j1 - j0)  # [bq, bk], the same for every head
                 np.copyto(s.reshape(n, g, bq, -1), -np.inf, where=hidden)  # NaN scores of masked keys too
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
             m_ref = np.where(m_new == -np.inf, 0, m_new)  # nothing seen yet: keep exp() at 0, not NaN
@@ -143,11 +186,11 @@ def _pv(p, vb, nvis, g: int):
     if nvis is None or np.isfinite(vb).all():
         return np.matmul(p, vb)
     n, _, dv = vb.shape
-    bq = nvis.size
+    bq = nvis[0].size
     p4 = p.reshape(n, g, bq, -1)
     out = np.empty((n, g, bq, dv), p.dtype)
-    for r, c in enumerate(nvis):  # rare path: per row, only its visible prefix
-        out[:, :, r] = np.matmul(p4[:, :, r, None, :c], vb[:, None, :c])[:, :, 0]
+    for r, (a, c) in enumerate(zip(*nvis)):  # rare path: per row, only its visible keys
+        out[:, :, r] = np.matmul(p4[:, :, r, None, a:c], vb[:, None, a:c])[:, :, 0]
     return out.reshape(n, g * bq, dv)
 
 
@@ -155,7 +198,7 @@ def _pv(p, vb, nvis, g: int):
 
 
 @impl(spec.backward_op, "cpu")
-def attention_backward(grad, q, k, v, out, lse, causal: bool, scale) -> tuple:
+def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=None, sliding_window=None) -> tuple:
     """dq, dk, dv from the saved output and log-sum-exp: FlashAttention-2's backward in NumPy blocks.
 
     Dimensions: grad, out [B, Hq, Sq, Dv]; lse [B, Hq, Sq] float32; q, k, v as in the forward.
@@ -169,12 +212,14 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale) -> tuple:
     a row with one visible key has dq = 0 exactly), float32 leaves eps·|dO|·|v| of cancellation in it,
     far beyond the norm-wise tolerance of a dq near 0 (heavy-tailed v, Sk = 1: 4e-5 against 1e-5); the
     float64 dP matmul costs the backward about 1.5x.
+    A soft cap multiplies dS by its slope 1 - tanh²(s / c); a sliding window masks and skips as the forward.
     Pseudocode: D = rowsum(dO·O); per block: P = exp(s - lse); dV += P^T dO; dS = P (dO V^T - D);
     dQ += dS K; dK += dS^T Q; finally dQ and dK times scale.
     """
     hkv, g = k.shape[1], q.shape[1] // k.shape[1]
     acc_t = acc_dtype(q.dtype.name)
     scale = acc_t.type(1.0 / math.sqrt(q.shape[3]) if scale is None else scale)
+    mask = _Mask(q.shape[2], k.shape[2], causal, sliding_window, None if softcap is None else acc_t.type(softcap))
     result = np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
     arrays = (q, k, v, grad, out, lse, *result)
     if q.shape[0] > 1 and _batch_heads_merge(q, k, v, grad, out):  # as the forward: one [1, B*H] problem, as views
@@ -191,7 +236,7 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale) -> tuple:
                 for i0 in range(0, sq, BLOCK_Q):
                     r = slice(i0, min(i0 + BLOCK_Q, sq))
                     rows = (qg[bi, hs, :, r], gg[bi, hs, :, r], og[bi, hs, :, r], lg[bi, hs, :, r])
-                    dq_rows = _backward_block(*rows, k[bi, hs], v[bi, hs], i0, sq, causal, scale, bk, dk_acc, dv_acc)
+                    dq_rows = _backward_block(*rows, k[bi, hs], v[bi, hs], i0, mask, scale, bk, dk_acc, dv_acc)
                     store(dqg[bi, hs, :, r], dq_rows)
                 dk_acc *= scale
                 store(dk[bi, hs], dk_acc)
@@ -204,12 +249,11 @@ def _merged(a: np.ndarray) -> np.ndarray:
     return a.reshape(1, a.shape[0] * a.shape[1], *a.shape[2:])
 
 
-def _backward_block(qb, gb, ob, lb, k, v, i0: int, sq: int, causal: bool, scale, bk: int, dk_acc, dv_acc):
+def _backward_block(qb, gb, ob, lb, k, v, i0: int, mask: _Mask, scale, bk: int, dk_acc, dv_acc):
     """One block of query rows [n, g, bq, ...] against the keys it can see: adds its dK (unscaled) and dV into
     the accumulators [n, Sk, ...] and returns its dQ [n, g, bq, D]."""
     n, g, bq, d = qb.shape
-    sk, dv = k.shape[1], v.shape[2]
-    off = sk - sq  # bottom-right alignment: row i sees keys j <= i + off
+    dv = v.shape[2]
     q2, do2 = upcast(qb).reshape(n, g * bq, d), upcast(gb).reshape(n, g * bq, dv)
     do64 = do2.astype(np.float64, copy=False)  # dP - D is formed in float64: see attention_backward
     big_d = np.add.reduce(do64 * ob.reshape(n, g * bq, dv), axis=-1, keepdims=True)  # D = rowsum(dO·O)
@@ -220,23 +264,24 @@ def _backward_block(qb, gb, ob, lb, k, v, i0: int, sq: int, causal: bool, scale,
         do64 = np.where(dead, 0, do64)
         lse = np.where(dead, np.inf, lse)  # exp(s - inf) = 0
     dq = np.zeros((n, g * bq, d), q2.dtype)
-    rows = np.arange(i0, i0 + bq)
-    kend = min(sk, i0 + bq + off) if causal else sk  # the block's last row sees keys < kend
-    for j0 in range(0, max(kend, 0), bk):
+    kstart, kend = mask.keys(i0, bq)
+    for j0 in range(kstart, kend, bk):
         j1 = min(j0 + bk, kend)
         kb, vb = upcast(k[:, j0:j1]), upcast(v[:, j0:j1])
         p = np.matmul(q2, kb.swapaxes(-1, -2))  # [n, g·bq, bk], then in place: s, s - lse, P
         p *= scale
+        slope = None if mask.softcap is None else mask.cap(p, slope=True)
         p -= lse
         np.exp(p, out=p)
         dp = np.matmul(do64, vb.astype(np.float64, copy=False).swapaxes(-1, -2))  # dP, then dP - D
         dp -= big_d
         ds = dp.astype(q2.dtype, copy=False)
         ds *= p
-        nvis = None
-        if causal and j1 - 1 > i0 + off:  # some row of this block cannot see some key of it
-            nvis = np.clip(rows + off + 1 - j0, 0, j1 - j0)  # visible prefix length per row
-            hidden = np.arange(j1 - j0)[None, :] >= nvis[:, None]  # [bq, bk], the same for every head
+        if slope is not None:
+            ds *= slope
+        nvis = mask.ranges(i0, bq, j0, j1)
+        if nvis is not None:  # some row of this block cannot see some key of it
+            hidden = _hidden(nvis, j1 - j0)  # [bq, bk], the same for every head
             np.copyto(p.reshape(n, g, bq, -1), 0, where=hidden)  # (exp of a masked NaN score is NaN)
             np.copyto(ds.reshape(n, g, bq, -1), 0, where=hidden)  # (0 · inf of a masked v is NaN)
         if nvis is not None and not (np.isfinite(q2).all() and np.isfinite(do2).all() and np.isfinite(kb).all()):
@@ -254,11 +299,11 @@ def _backward_block(qb, gb, ob, lb, k, v, i0: int, sq: int, causal: bool, scale,
 def _prefix_products(p, ds, q2, do2, kb, nvis, dq, dk_blk, dv_blk) -> None:
     """The block's three products row by row, each over its visible keys only (the rare path: non-finite values
     in a partly masked block, where 0 · NaN would carry them past the mask)."""
-    n, bq = p.shape[0], nvis.size
+    n, bq = p.shape[0], nvis[0].size
     p4, ds4 = p.reshape(n, -1, bq, p.shape[-1]), ds.reshape(n, -1, bq, ds.shape[-1])
     q4, do4, dq4 = (a.reshape(n, -1, bq, a.shape[-1]) for a in (q2, do2, dq))
-    for r, c in enumerate(nvis):
-        if c:
-            dq4[:, :, r] += np.matmul(ds4[:, :, r, :c], kb[:, :c])  # [n, g, c] @ [n, c, D]
-            dk_blk[:, :c] += np.matmul(ds4[:, :, r, :c].swapaxes(-1, -2), q4[:, :, r])  # [n, c, g] @ [n, g, D]
-            dv_blk[:, :c] += np.matmul(p4[:, :, r, :c].swapaxes(-1, -2), do4[:, :, r])
+    for r, (a, c) in enumerate(zip(*nvis)):
+        if c > a:
+            dq4[:, :, r] += np.matmul(ds4[:, :, r, a:c], kb[:, a:c])  # [n, g, c] @ [n, c, D]
+            dk_blk[:, a:c] += np.matmul(ds4[:, :, r, a:c].swapaxes(-1, -2), q4[:, :, r])  # [n, c, g] @ [n, g, D]
+            dv_blk[:, a:c] += np.matmul(p4[:, :, r, a:c].swapaxes(-1, -2), do4[:, :, r])

@@ -28,10 +28,11 @@ def _attention_kernel(
     k_sb, k_sh, k_ss, k_sd,
     v_sb, v_sh, v_ss, v_sd,
     o_sb, o_sh, o_ss, o_sd,
-    qk_scale, flag_block,
+    qk_scale, flag_block, cap2, window,
     # meta-parameters
     CAUSAL: tl.constexpr, EXACT: tl.constexpr, SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SOFTCAP: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     """out = softmax(q k^T * scale, masked) v for BLOCK_M query rows of one (batch, KV head).
 
@@ -52,6 +53,9 @@ def _attention_kernel(
     SPLIT (flash-decoding, non-causal only): program (., ., s) covers keys [s * split_len, (s + 1) * split_len)
     and writes its unnormalised accumulator, running max and denominator; `_combine_kernel` merges the splits.
     STORE_LSE: each row's log-sum-exp from the running max and denominator (`_store_lse`), for the backward.
+    SOFTCAP: scores s (log2-scaled) become cap2·tanh(s / cap2), cap2 = softcap·log2(e). WINDOW (causal only):
+    key j is also hidden from query i when j <= i + Sk - Sq - window; key blocks before the tile's first row's
+    window are skipped, blocks that some row's window starts inside are masked, the rest run as without it.
     Pseudocode: for each key block: s = q k^T; m' = max(m, rowmax s); p = exp2(s - m'); l = l*exp2(m - m') + sum p;
                 acc = acc*exp2(m - m') + p v.  out = acc / l (0 where l == 0)
     """
@@ -89,17 +93,28 @@ def _attention_kernel(
         else:
             full_end = kv_lo + (kv_hi - kv_lo) // BLOCK_N * BLOCK_N
             end = kv_hi
+        start0 = kv_lo  # blocks [start0, mid) are masked by some row's window start (none without WINDOW)
+        mid = kv_lo
+        if WINDOW:
+            start0 = tl.minimum(tl.maximum(i_lo + off + 1 - window, 0), sk) // BLOCK_N * BLOCK_N
+            mid = tl.minimum(tl.cdiv(tl.minimum(tl.maximum(i_hi + off + 1 - window, 0), sk), BLOCK_N) * BLOCK_N, end)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
         hidden = 0  # diagonal blocks with non-finite v (fast launch only)
-        for start in range(kv_lo, full_end, BLOCK_N):
-            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, kv_hi, d, dv, k_ss, k_sd,
-                                           v_ss, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION, BLOCK_N)
-        for start in range(full_end, end, BLOCK_N):
+        for start in range(start0, mid, BLOCK_N):
             acc, m, l_sum, bad = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, kv_hi, d, dv, k_ss, k_sd,
                                              v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION,
-                                             BLOCK_N)
+                                             BLOCK_N, cap2, window, SOFTCAP, WINDOW)
+            hidden += bad
+        for start in range(mid, full_end, BLOCK_N):
+            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, kv_hi, d, dv, k_ss, k_sd,
+                                           v_ss, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION, BLOCK_N,
+                                           cap2, window, SOFTCAP, False)
+        for start in range(tl.maximum(mid, full_end), end, BLOCK_N):
+            acc, m, l_sum, bad = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, kv_hi, d, dv, k_ss, k_sd,
+                                             v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION,
+                                             BLOCK_N, cap2, window, SOFTCAP, WINDOW)
             hidden += bad
         if SPLIT:
             at_row = (tl.program_id(2) * tl.num_programs(1) + bh).to(tl.int64) * (group * sq) + r
@@ -179,19 +194,33 @@ def _running_max(m, m_block):
 
 
 @triton.jit
+def _softcap(s, cap):
+    """cap·tanh(s / cap) from one exp2 of -2|s / cap|: ±cap for ±inf, NaN stays NaN."""
+    x = s / cap
+    e = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale,
                 offs_d, offs_dv, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXACT: tl.constexpr,
-                PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, cap2=1.0, window=0, SOFTCAP: tl.constexpr = False,
+                WINDOW: tl.constexpr = False):
     """One key block of the online softmax; returns the updated (acc, m, l_sum) and whether v held
     non-finite entries under the causal mask (which the fast launch zeroed; see the kernel's notes)."""
     keys = start + tl.arange(0, BLOCK_N)
     kmask = (keys[None, :] < sk) & (offs_d[:, None] < d)
     kt = tl.load(k_base + keys.to(tl.int64)[None, :] * k_ss + offs_d[:, None] * k_sd, mask=kmask, other=0.0)
     s = tl.dot(q, dot_operand(kt), input_precision=PRECISION) * qk_scale
+    if SOFTCAP:
+        s = _softcap(s, cap2)
     if MASKED:
         vis = keys[None, :] < sk
         if CAUSAL:
             vis = vis & (keys[None, :] <= i[:, None] + off)
+        if WINDOW:
+            vis = vis & (keys[None, :] > i[:, None] + off - window)
         s = tl.where(vis, s, float("-inf"))
     m_new, m_safe, alpha = _running_max(m, tl.max(s, 1))
     p = tl.exp2(s - m_safe[:, None])
@@ -234,7 +263,7 @@ def _nonfinite_part(vis, p, v):
     return tl.where(nan, float("nan"), tl.where(n_pinf > 0, float("inf"), tl.where(n_ninf > 0, float("-inf"), 0.0)))
 
 
-def _supports(q, k, v, causal, scale):
+def _supports(q, k, v, causal, scale, softcap=None, sliding_window=None):
     if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"head dims D={q.shape[-1]}, Dv={v.shape[-1]}: the Triton kernel takes D, Dv <= {MAX_HEAD_DIM}"
     if q.shape[0] * k.shape[1] > MAX_GRID_Y:
@@ -286,18 +315,21 @@ def _kv_splits(programs: int, sk: int, block_n: int, device) -> int:
 
 
 @impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale) -> torch.Tensor:
-    return _forward(q, k, v, causal, scale, None)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, softcap=None,
+              sliding_window=None) -> torch.Tensor:
+    return _forward(q, k, v, causal, scale, None, softcap, sliding_window)
 
 
 @impl(spec.train_forward, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale):
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, softcap=None,
+                      sliding_window=None):
     """The forward plus each row's log-sum-exp [B, Hq, Sq] (float32) from the same launch's running max and sum."""
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    return _forward(q, k, v, causal, scale, lse), lse
+    return _forward(q, k, v, causal, scale, lse, softcap, sliding_window), lse
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, lse) -> torch.Tensor:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, lse, softcap=None,
+             window=None) -> torch.Tensor:
     bsz, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty((bsz, hq, sq, dv), dtype=q.dtype, device=q.device)
@@ -307,7 +339,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
         if lse is not None:
             lse.fill_(float("-inf"))
         return out.zero_()
-    causal = causal and sq > 1  # bottom-right alignment: a single query row sees every key
+    causal = causal and (sq > 1 or window is not None)  # bottom-right alignment: one query row sees every key
     group = hq // hkv
     rows = group * sq
     cfg = _config(rows, sk, d, dv, q.dtype, causal)
@@ -322,8 +354,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     qk_scale = _softmax_scale(scale, d) * LOG2E
     store_lse = lse is not None
     args = (q, k, v, out, flags, part, ml, lse if store_lse else out, hkv, group, sq, sk, d, dv, split_len,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), qk_scale, cfg["BLOCK_M"])
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), qk_scale, cfg["BLOCK_M"],
+            1.0 if softcap is None else float(softcap) * LOG2E, 0 if window is None else min(int(window), sk + sq))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    cfg = {**cfg, "SOFTCAP": softcap is not None, "WINDOW": window is not None}
     _attention_kernel[(tiles, bsz * hkv, splits)](*args, CAUSAL=causal, EXACT=False, SPLIT=splits > 1,
                                                   STORE_LSE=store_lse and splits == 1, PRECISION=precision, **cfg)
     if splits > 1:
@@ -722,7 +756,9 @@ def _dkdv_block(acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stat
     return acc_k, acc_v, nan_k, hidden
 
 
-def _backward_supports(grad, q, k, v, out, lse, causal, scale):
+def _backward_supports(grad, q, k, v, out, lse, causal, scale, softcap=None, sliding_window=None):
+    if softcap is not None or sliding_window is not None:
+        return "softcap and sliding_window are not in the Triton backward yet (cpu runs them)"
     return _supports(q, k, v, causal, scale)  # the same grid (axis 1: B * Hkv) and head-dim limits
 
 
@@ -762,7 +798,7 @@ def _backward_exact_config(cfg: dict) -> dict:
 
 
 @impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_backward_supports)
-def attention_backward(grad, q, k, v, out, lse, causal: bool, scale):
+def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=None, sliding_window=None):
     """dq, dk, dv: the dq pass (with D), then the dk/dv pass; each followed, when causal, by its
     exact re-run of flagged tiles. Deterministic: fixed tiles and orders, no atomics."""
     bsz, hq, sq, d = q.shape

@@ -233,7 +233,9 @@ def _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, with_lse):
     return (out_hbm, lse_hbm) if with_lse else out_hbm
 
 
-def _supports(q, k, v, causal, scale):
+def _supports(q, k, v, causal, scale, softcap=None, sliding_window=None):
+    if softcap is not None or sliding_window is not None:
+        return "softcap and sliding_window are not in the NKI kernels yet (cpu runs them)"
     if q.shape[3] > D_MAX:
         return f"head dim {q.shape[3]} > {D_MAX}: q @ k^T contracts over the 128 partitions"
     if v.shape[3] > DV_MAX:
@@ -242,7 +244,8 @@ def _supports(q, k, v, causal, scale):
 
 
 @impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, softcap=None,
+              sliding_window=None) -> np.ndarray:
     """Host side: contiguous inputs, the default scale, and exact row cuts when v is not all finite under a causal mask."""
     b, hq, sq, d = q.shape
     out_shape = (b, hq, sq, v.shape[3])
@@ -258,7 +261,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) 
 
 
 @impl(spec.train_forward, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
-def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale) -> tuple:
+def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, softcap=None,
+                      sliding_window=None) -> tuple:
     """Host side of the training forward: as attention's, plus lse [B, Hq, Sq] (float32)."""
     b, hq, sq, d = q.shape
     out_shape = (b, hq, sq, v.shape[3])
@@ -561,13 +565,13 @@ def _v0_rows(v0_sb, rows):
     return rep_sb
 
 
-def _supports_backward(grad, q, k, v, out, lse, causal, scale):
-    return _supports(q, k, v, causal, scale)
+def _supports_backward(grad, q, k, v, out, lse, causal, scale, softcap=None, sliding_window=None):
+    return _supports(q, k, v, causal, scale, softcap, sliding_window)
 
 
 @impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports_backward)
 def attention_backward(grad: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
-                       lse: np.ndarray, causal: bool, scale) -> tuple:
+                       lse: np.ndarray, causal: bool, scale, softcap=None, sliding_window=None) -> tuple:
     """Host side: contiguous inputs, the default scale, and the two data-dependent variants the kernel takes as
     compile-time flags: exact one-row query tiles when q, k or grad holds inf/NaN under the causal mask, and the
     dead-row handling when some lse is -inf."""
