@@ -305,4 +305,30 @@ def swiglu(gate, up, *, backend=None):
 swiglu.spec = _swiglu
 
 
-__all__ = ["attention", "cross_entropy", "dequantize_fp8", "gelu", "layernorm", "matmul", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu"]
+_varlen_attention = _get_op('varlen_attention')
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, softcap=None, sliding_window=None, *, backend=None):
+    """Attention over B packed sequences, out [Tq, Hq, Dv].
+
+    Sequence b holds query tokens cu_seqlens_q[b]:cu_seqlens_q[b+1] and key tokens
+    cu_seqlens_k[b]:cu_seqlens_k[b+1] (int32 prefix sums); its queries attend to its keys only, as
+    `attention` on that sequence alone: the same GQA, scale, bottom-right causal mask (per sequence),
+    soft cap and sliding window, and rows that see no key (a sequence without keys) output 0. Sequences
+    may be empty in q, in k or both. The cu_seqlens values are checked on every call before any kernel
+    runs (they decide which memory a kernel reads).
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window)
+    if q.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_varlen_attention, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_varlen_attention, b, backend)
+
+
+varlen_attention.spec = _varlen_attention
+
+
+__all__ = ["attention", "cross_entropy", "dequantize_fp8", "gelu", "layernorm", "matmul", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu", "varlen_attention"]

@@ -13,6 +13,7 @@ and then attaching the rest to the returned `OpSpec`:
     @rmsnorm.strategy       # Hypothesis strategy of cases for one dtype
     @rmsnorm.error_cases    # one bad input per declared constraint
     @rmsnorm.cost           # bytes moved and FLOPs, from metas
+    @op.data_check          # optional: checks of small index arrays' values (varlen_attention's cu_seqlens)
 
 This module is pure declaration: it imports neither the dispatcher nor any backend. Backends register
 kernels for a declared op with `@impl(rmsnorm, "cuda", dtypes=..., supports=...)` (opport.dispatch), and
@@ -164,6 +165,8 @@ class OpSpec:
         # the distribution that declares the op: "opport", or a plugin package (kernels in <package>.backends.<b>)
         self.package = (fn.__module__ or "opport").split(".")[0]
         self._reference = self._cases = self._strategy = self._errors = self._cost = None
+        self.data_check_fn: Callable | None = None  # set by @<op>.data_check
+        self.data_arrays: tuple = ()
         self.tolerances: dict[str, Tolerance] = dict(BASE_TOLERANCE)
         self.invariants: list[Callable] = []
         self._shape: Callable | None = None
@@ -196,6 +199,33 @@ class OpSpec:
     def cost(self, fn):
         self._cost = fn
         return fn
+
+    def data_check(self, *names: str):
+        """Declare a check of the values of the arrays `names` (small index arrays such as cu_seqlens, whose
+        values decide which memory a kernel reads). `fn(*bound)` gets the call's arguments in signature order,
+        those arrays as NumPy copies (read back from any device), the rest as given; it raises the op's typed
+        error (opport.spec.check) like validation. The dispatcher runs it on every call, after the metadata's
+        validation and before the kernel: its result depends on data, so it is never cached. Ops without
+        one pay nothing."""
+
+        def declare(fn):
+            self.data_check_fn, self.data_arrays = fn, tuple(self.params.index(n) for n in names)
+            return fn
+
+        return declare
+
+    def check_data(self, bound: tuple) -> None:
+        """Run the data check (if any) on bound arguments of any array kind."""
+        if self.data_check_fn is None:
+            return
+        from opport.dispatch.adapters import adapter_for  # (spec stays free of dispatch at import time)
+
+        args = list(bound)
+        for i in self.data_arrays:
+            if args[i] is not None:
+                ad = adapter_for(args[i])
+                args[i] = np.array(ad.to_numpy(args[i]) if ad is not None else args[i])
+        self.data_check_fn(*args)
 
     def shape(self, fn):
         """The output's shape rule `fn(*bound) -> tuple`, for ops whose output is not shaped like their first array."""

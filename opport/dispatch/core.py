@@ -4,7 +4,8 @@ Hot path: `call` builds a hashable key from the op, the arrays' adapter keys (dt
 device), the scalar arguments and the backend/strict settings (`key_function`). A hit reuses a `Plan`
 (validation already passed for that key, kernel chosen, converters fixed); a miss validates the
 metadata, selects, and stores the plan in the registry's cache. Validation and `supports(...)` see
-only metadata, so the cache can never skip a check that the data would change.
+only metadata, so the cache can never skip a check that the data would change; an op's data check
+(`OpSpec.data_check`) is part of the plan's function and runs on every call.
 """
 
 from __future__ import annotations
@@ -354,7 +355,18 @@ def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
     same_kind = (src is None or src.kind == b.array_kind) and not convert
     back = None if same_kind else src.from_native
     lock = _backend_locks.setdefault(b.name, threading.Lock()) if b.serialized() else None
-    return Plan(kernel, tuple(convert), back, first if first is not None else 0, decision, lock)
+    plan = Plan(kernel, tuple(convert), back, first if first is not None else 0, decision, lock)
+    if op.data_check_fn is not None:  # values checked on every call, before the kernel (OpSpec.data_check)
+        plan.fn = _data_checked(op, plan.fn)
+    return plan
+
+
+def _data_checked(op, fn):
+    def run(*args):
+        op.check_data(args)
+        return fn(*args)
+
+    return run
 
 
 def _normalizer(b):
