@@ -1,0 +1,135 @@
+"""varlen_attention in Triton: one program per (query block, sequence, query head), keys found through cu_seqlens.
+
+The key-block loop is attention's (`_attn_block`: online softmax, soft cap, causal and window masks); the
+program's K/V pointers start at its sequence's first key and its key count is that sequence's, so no
+program reads another sequence's keys or values.
+"""
+
+import torch
+
+from opport.backends.cuda._launch import INTERPRET, cdiv, dot_operand, next_pow2, tl, triton
+from opport.backends.cuda.attention import LOG2E, MAX_GRID_Y, MAX_HEAD_DIM, _attn_block, _softmax_scale, _store_out
+from opport.dispatch import impl
+from opport.ops.varlen_attention import varlen_attention as spec
+
+
+@triton.jit
+def _varlen_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr,
+    # shapes, strides
+    group, d, dv,
+    q_st, q_sh, q_sd,
+    k_st, k_sh, k_sd,
+    v_st, v_sh, v_sd,
+    o_st, o_sh, o_sd,
+    qk_scale, cap2, window,
+    # meta-parameters
+    CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """out[t, h] for BLOCK_M query tokens of one sequence and head.
+
+    Dimensions: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], out [Tq, Hq, Dv], all strided; cu_q, cu_k [B + 1]
+    int32 (validated: 0 = cu[0] <= ... <= cu[B] = T). Grid: (cdiv(max query length, BLOCK_M), B, Hq); programs
+    past their sequence's length exit at once.
+    Notes: as attention's kernel: blocks every row sees whole run unmasked, the rest masked (key count,
+    causal, window). Masked blocks run the exact path for non-finite v in one launch (`EXACT`: a visible
+    NaN/inf reaches only the rows that see it): varlen has no tile flags to re-run.
+    Pseudocode: per key block of the sequence: s = q k^T (capped); online softmax; out = acc / l (0 if l = 0)
+    """
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    q0 = tl.load(cu_q_ptr + seq).to(tl.int64)
+    sq = (tl.load(cu_q_ptr + seq + 1) - q0).to(tl.int32)
+    k0 = tl.load(cu_k_ptr + seq).to(tl.int64)
+    sk = (tl.load(cu_k_ptr + seq + 1) - k0).to(tl.int32)
+    r0 = pid_m * BLOCK_M
+    if r0 < sq:
+        i = r0 + tl.arange(0, BLOCK_M)
+        row_ok = i < sq
+        hkv = head // group
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        q_rows = q_ptr + (q0 + i.to(tl.int64)) * q_st + head * q_sh
+        q = tl.load(q_rows[:, None] + offs_d[None, :] * q_sd, mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
+        q = dot_operand(q)
+        k_base = k_ptr + k0 * k_st + hkv * k_sh
+        v_base = v_ptr + k0 * v_st + hkv * v_sh
+        off = sk - sq
+        i_lo = r0
+        i_hi = tl.minimum(r0 + BLOCK_M, sq) - 1
+        if CAUSAL:
+            full_end = tl.minimum(tl.maximum(i_lo + off + 1, 0), sk) // BLOCK_N * BLOCK_N
+            end = tl.minimum(tl.maximum(i_hi + off + 1, 0), sk)
+        else:
+            full_end = sk // BLOCK_N * BLOCK_N
+            end = sk
+        start0 = 0
+        mid = 0
+        if WINDOW:
+            start0 = tl.minimum(tl.maximum(i_lo + off + 1 - window, 0), sk) // BLOCK_N * BLOCK_N
+            mid = tl.minimum(tl.cdiv(tl.minimum(tl.maximum(i_hi + off + 1 - window, 0), sk), BLOCK_N) * BLOCK_N, end)
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+        for start in range(start0, mid, BLOCK_N):
+            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
+                                           v_st, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, True, PRECISION,
+                                           BLOCK_N, cap2, window, SOFTCAP, WINDOW)
+        for start in range(mid, full_end, BLOCK_N):
+            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
+                                           v_st, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION,
+                                           BLOCK_N, cap2, window, SOFTCAP, False)
+        for start in range(tl.maximum(mid, full_end), end, BLOCK_N):
+            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
+                                           v_st, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, True, PRECISION,
+                                           BLOCK_N, cap2, window, SOFTCAP, WINDOW)
+        _store_out(out_ptr, acc, l_sum, 0, head, q0 + i.to(tl.int64), offs_dv,
+                   row_ok[:, None] & (offs_dv[None, :] < dv), 0, o_sh, o_st, o_sd)
+
+
+def _supports(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window):
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"head dims D={q.shape[-1]}, Dv={v.shape[-1]}: the Triton kernel takes D, Dv <= {MAX_HEAD_DIM}"
+    if cu_seqlens_q.shape[0] - 1 > MAX_GRID_Y or q.shape[1] > MAX_GRID_Y:
+        return f"B = {cu_seqlens_q.shape[0] - 1} sequences or Hq = {q.shape[1]} exceed the grid's {MAX_GRID_Y}"
+    return None
+
+
+def _config(max_sq: int, d: int, dv: int, dtype: torch.dtype) -> dict:
+    """Tiles: attention's prefill tiles (not yet timed on hardware; spills checked by tools/cuda_aot.py)."""
+    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+    fit = lambda n, cap: max(16, min(cap, next_pow2(n)))  # noqa: E731 (tl.dot needs every dim >= 16)
+    dims = {"BLOCK_D": block_d, "BLOCK_DV": block_dv}
+    if INTERPRET:
+        return {"BLOCK_M": fit(max_sq, 128), "BLOCK_N": 64, **dims, "num_warps": 4, "num_stages": 1}
+    wide = max(block_d, block_dv)
+    if dtype == torch.float32:
+        return {"BLOCK_M": 16, "BLOCK_N": 64 if wide <= 128 else 16, **dims, "num_warps": 8, "num_stages": 2}
+    if wide <= 128:
+        return {"BLOCK_M": fit(max_sq, 128), "BLOCK_N": 64, **dims, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": fit(max_sq, 64), "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 2}
+
+
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window):
+    """Host side: the longest query sequence sizes the grid (one read of cu_seqlens_q, which the dispatcher's
+    value check has read already); every program then finds its sequence through cu_seqlens on the device."""
+    tq, hq, d = q.shape
+    dv = v.shape[2]
+    out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
+    n_seq = cu_seqlens_q.shape[0] - 1
+    if out.numel() == 0 or n_seq == 0:
+        return out
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    max_sq = int((cu_q[1:] - cu_q[:-1]).max())
+    cfg = _config(max_sq, d, dv, q.dtype)
+    window = 0 if sliding_window is None else min(int(sliding_window), 2**30)
+    _varlen_kernel[(cdiv(max_sq, cfg["BLOCK_M"]), n_seq, hq)](
+        q, k, v, out, cu_q, cu_k, hq // k.shape[1], d, dv, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        _softmax_scale(scale, d) * LOG2E, 1.0 if softcap is None else float(softcap) * LOG2E, window,
+        CAUSAL=bool(causal), SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg)
+    return out
