@@ -1,4 +1,4 @@
-"""varlen_attention in Triton: one program per (query block, sequence, query head), keys found through cu_seqlens.
+"""varlen_attention in Triton: one program per (query block, query head), its sequence found through cu_seqlens.
 
 The key-block loop is attention's (`_attn_block`: online softmax, soft cap, causal and window masks); the
 program's K/V pointers start at its sequence's first key and its key count is that sequence's, so no
@@ -16,9 +16,9 @@ from opport.ops.varlen_attention import varlen_attention as spec
 @triton.jit
 def _varlen_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, cu_blocks_ptr,
     # shapes, strides
-    group, d, dv,
+    n_seq, group, d, dv,
     q_st, q_sh, q_sd,
     k_st, k_sh, k_sd,
     v_st, v_sh, v_sd,
@@ -26,27 +26,37 @@ def _varlen_kernel(
     qk_scale, cap2, window,
     # meta-parameters
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """out[t, h] for BLOCK_M query tokens of one sequence and head.
 
     Dimensions: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], out [Tq, Hq, Dv], all strided; cu_q, cu_k [B + 1]
-    int32 (validated: 0 = cu[0] <= ... <= cu[B] = T). Grid: (cdiv(max query length, BLOCK_M), B, Hq); programs
-    past their sequence's length exit at once.
+    int32 (validated: 0 = cu[0] <= ... <= cu[B] = T); cu_blocks [B + 1] int32, the prefix sums of each
+    sequence's query blocks cdiv(len, BLOCK_M). Grid: (cdiv(Tq, BLOCK_M) + B, Hq), an upper bound of the
+    blocks that needs no read of cu_seqlens on the host; program p finds its sequence, the last s with
+    cu_blocks[s] <= p, by a binary search of SEARCH_STEPS >= log2(B + 1) steps; programs past the last block exit.
     Notes: as attention's kernel: blocks every row sees whole run unmasked, the rest masked (key count,
     causal, window). Masked blocks run the exact path for non-finite v in one launch (`EXACT`: a visible
     NaN/inf reaches only the rows that see it): varlen has no tile flags to re-run.
     Pseudocode: per key block of the sequence: s = q k^T (capped); online softmax; out = acc / l (0 if l = 0)
     """
-    pid_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
+    pid = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    lo = pid * 0
+    hi = lo + n_seq - 1
+    for _ in tl.static_range(SEARCH_STEPS):  # invariant: the sequence is in [lo, hi]
+        mid = (lo + hi + 1) // 2
+        below = tl.load(cu_blocks_ptr + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    seq = lo
+    pid_m = pid - tl.load(cu_blocks_ptr + seq)
     q0 = tl.load(cu_q_ptr + seq).to(tl.int64)
     sq = (tl.load(cu_q_ptr + seq + 1) - q0).to(tl.int32)
     k0 = tl.load(cu_k_ptr + seq).to(tl.int64)
     sk = (tl.load(cu_k_ptr + seq + 1) - k0).to(tl.int32)
     r0 = pid_m * BLOCK_M
-    if r0 < sq:
+    if pid < tl.load(cu_blocks_ptr + n_seq):
         i = r0 + tl.arange(0, BLOCK_M)
         row_ok = i < sq
         hkv = head // group
@@ -93,30 +103,31 @@ def _varlen_kernel(
 def _supports(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window):
     if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"head dims D={q.shape[-1]}, Dv={v.shape[-1]}: the Triton kernel takes D, Dv <= {MAX_HEAD_DIM}"
-    if cu_seqlens_q.shape[0] - 1 > MAX_GRID_Y or q.shape[1] > MAX_GRID_Y:
-        return f"B = {cu_seqlens_q.shape[0] - 1} sequences or Hq = {q.shape[1]} exceed the grid's {MAX_GRID_Y}"
+    if q.shape[1] > MAX_GRID_Y:
+        return f"Hq = {q.shape[1]} exceeds the grid's {MAX_GRID_Y} (axis 1)"
     return None
 
 
-def _config(max_sq: int, d: int, dv: int, dtype: torch.dtype) -> dict:
-    """Tiles: attention's prefill tiles (not yet timed on hardware; spills checked by tools/cuda_aot.py)."""
+def _config(mean_sq: int, d: int, dv: int, dtype: torch.dtype) -> dict:
+    """Tiles from the mean query length Tq / B (decode: 16-row tiles), known without reading cu_seqlens: attention's
+    prefill tiles otherwise (not yet timed on hardware; spills checked by tools/cuda_aot.py)."""
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     fit = lambda n, cap: max(16, min(cap, next_pow2(n)))  # noqa: E731 (tl.dot needs every dim >= 16)
     dims = {"BLOCK_D": block_d, "BLOCK_DV": block_dv}
     if INTERPRET:
-        return {"BLOCK_M": fit(max_sq, 128), "BLOCK_N": 64, **dims, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_M": fit(mean_sq, 128), "BLOCK_N": 64, **dims, "num_warps": 4, "num_stages": 1}
     wide = max(block_d, block_dv)
     if dtype == torch.float32:
         return {"BLOCK_M": 16, "BLOCK_N": 64 if wide <= 128 else 16, **dims, "num_warps": 8, "num_stages": 2}
     if wide <= 128:
-        return {"BLOCK_M": fit(max_sq, 128), "BLOCK_N": 64, **dims, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": fit(max_sq, 64), "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 2}
+        return {"BLOCK_M": fit(mean_sq, 128), "BLOCK_N": 64, **dims, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": fit(mean_sq, 64), "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 2}
 
 
 @impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window):
-    """Host side: the longest query sequence sizes the grid (one read of cu_seqlens_q, which the dispatcher's
-    value check has read already); every program then finds its sequence through cu_seqlens on the device."""
+    """Host side: each sequence's query-block count and their prefix sums on the device (no host read of
+    cu_seqlens, no sync); every program then finds its sequence through them."""
     tq, hq, d = q.shape
     dv = v.shape[2]
     out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
@@ -124,12 +135,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
     if out.numel() == 0 or n_seq == 0:
         return out
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    max_sq = int((cu_q[1:] - cu_q[:-1]).max())
-    cfg = _config(max_sq, d, dv, q.dtype)
+    cfg = _config(max(1, tq // n_seq), d, dv, q.dtype)
+    bm = cfg["BLOCK_M"]
+    cu_blocks = torch.zeros(n_seq + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum((cu_q[1:] - cu_q[:-1] + (bm - 1)) // bm, 0, out=cu_blocks[1:])
     window = 0 if sliding_window is None else min(int(sliding_window), 2**30)
-    _varlen_kernel[(cdiv(max_sq, cfg["BLOCK_M"]), n_seq, hq)](
-        q, k, v, out, cu_q, cu_k, hq // k.shape[1], d, dv, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        _softmax_scale(scale, d) * LOG2E, 1.0 if softcap is None else float(softcap) * LOG2E, window,
+    _varlen_kernel[(cdiv(tq, bm) + n_seq, hq)](
+        q, k, v, out, cu_q, cu_k, cu_blocks, n_seq, hq // k.shape[1], d, dv, *q.stride(), *k.stride(), *v.stride(),
+        *out.stride(), _softmax_scale(scale, d) * LOG2E, 1.0 if softcap is None else float(softcap) * LOG2E, window,
         CAUSAL=bool(causal), SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SEARCH_STEPS=max(1, n_seq.bit_length()), **cfg)
     return out
