@@ -170,3 +170,68 @@ def test_batches_merged_or_not_give_the_same_result(sq):
         assert np.array_equal(merged, kernel(q, kt, vt, causal, None))
         case = opport.spec.Case(f"batches-{sq}", (q, k, v), {"causal": causal})
         assert_matches(case, "float32", merged)
+
+
+# --------------------------------------------------------------------------- soft cap and sliding window
+
+
+def brute_force_capped(q, k, v, causal, softcap=None, window=None):
+    """Dense float64 attention with an explicit mask: c·tanh(s / c), then key j visible to query i iff
+    p - W < j <= p, p = i + Sk - Sq (bottom-right)."""
+    g = q.shape[1] // k.shape[1]
+    sq, sk = q.shape[2], k.shape[2]
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
+    s = s if softcap is None else softcap * np.tanh(s / softcap)
+    p, j = np.arange(sq)[:, None] + sk - sq, np.arange(sk)[None, :]
+    seen = (j <= p) if causal else np.ones((sq, sk), bool)
+    seen = seen & (j > p - window) if window else seen
+    w = np.where(seen, np.exp(s - np.where(seen, s, -np.inf).max(-1, keepdims=True, initial=-np.inf)), 0.0)
+    den = w.sum(-1, keepdims=True)
+    return np.where(den > 0, (w / np.where(den > 0, den, 1)) @ v, 0.0)
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 9), (7, 7), (9, 5), (5, 9), (3, 0), (30, 30)])
+@pytest.mark.parametrize("window", [1, 3, 8, 100])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_window_and_softcap_match_brute_force(sq, sk, window, softcap):
+    q, k, v = qkv(2, 4, 2, sq, sk, 8, 5, seed=sq * 10 + sk)
+    out = kernel(q, k, v, True, None, softcap, window)
+    assert np.allclose(out, brute_force_capped(q, k, v, True, softcap, window), rtol=1e-12, atol=1e-12)
+
+
+def test_softcap_without_causal_matches_brute_force():
+    q, k, v = qkv(1, 2, 2, 6, 11, 8, seed=4)
+    q *= 4
+    assert np.allclose(kernel(q, k, v, False, None, 3.0), brute_force_capped(q, k, v, False, 3.0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_window_skips_and_masks_across_small_blocks(monkeypatch, dtype):
+    """Tiny blocks: windows that start inside a key block, blocks before every row's window (skipped), and
+    NaN/inf in keys that only rows outside their window could see."""
+    monkeypatch.setattr(cpu_attention, "BLOCK_Q", 4)
+    monkeypatch.setattr(cpu_attention, "BLOCK_K", 5)
+    monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 1)
+    for sq, sk, w in ((23, 31, 6), (31, 23, 3), (17, 17, 1)):
+        q, k, v = (cast(a, dtype) for a in qkv(2, 4, 2, sq, sk, 8, seed=sq))
+        k[:, :, 0, 0] = cast(np.nan, dtype)  # inside the window of the first rows only
+        v[:, :, 1, 1] = cast(np.inf, dtype)
+        case = opport.spec.Case(f"window-blocks-{sq}-{sk}", (q, k, v), {"causal": True, "sliding_window": w,
+                                                                         "softcap": 5.0})
+        out = run(case)
+        assert_matches(case, dtype, out)
+        assert np.isfinite(out[:, :, -1]).all()  # the last row's window excludes keys 0 and 1
+
+
+def test_window_requires_causal():
+    q, k, v = qkv(1, 2, 2, 4, 4, 8)
+    with pytest.raises(opport.ArgumentError) as info:
+        opport.attention(q, k, v, sliding_window=2, backend="cpu")
+    assert info.value.constraint == "attention.sliding_window"
+
+
+def test_cost_counts_window_pairs():
+    metas = [NumpyAdapter.meta(np.ones(s, np.float16)) for s in ((1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))]
+    windowed = spec.get_cost(*metas, causal=True, sliding_window=3)
+    assert windowed.flops == 4 * 1 * 4 * (1 + 2 + 3 * 6) * 16  # rows see 1, 2, then 3 keys each

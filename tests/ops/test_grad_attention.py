@@ -15,6 +15,7 @@ from opport.casegen import cast
 from opport.dispatch import call
 from opport.errors import ArgumentError
 from opport.ops.attention import attention as spec
+from opport.spec import Case
 from tests.ops._grad import check_backward_kernel
 
 BWD = spec.backward_op
@@ -134,3 +135,18 @@ def test_memory_stays_bounded_at_long_sequences():
         tracemalloc.stop()
     assert peak < s * s * 4 / 8, f"peak {peak} bytes: an S x S temporary ({s * s * 4} bytes) is being built"
     assert all(np.isfinite(a).all() for a in grads)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_window_and_softcap_gradients_across_small_blocks(monkeypatch, dtype):
+    """The cpu backward with tiny blocks against the float64 VJP: windows starting inside key blocks, skipped
+    blocks, the soft cap's slope, and NaN in a key that late rows' windows exclude."""
+    monkeypatch.setattr(cpu_attention, "BLOCK_Q", 4)
+    monkeypatch.setattr(cpu_attention, "BLOCK_K", 5)
+    monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 1)
+    for sq, sk, w in ((23, 31, 6), (19, 13, 2)):
+        q, k, v = qkv(1, 4, 2, sq, sk, 8, seed=sq, dtype=dtype)
+        k[:, :, 0, 0] = cast(np.nan, dtype)
+        case = BWD.from_forward(Case(f"w{w}", (q, k, v), {"causal": True, "softcap": 4.0, "sliding_window": w}), dtype)
+        dq = check_backward_kernel(spec, case, dtype)[0]  # judged against the float64 VJP
+        assert np.isfinite(dq[:, :, -1]).all()  # the last row's window excludes key 0
