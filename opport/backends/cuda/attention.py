@@ -203,6 +203,16 @@ def _softcap(s, cap):
 
 
 @triton.jit
+def _softcap_slope(s, cap):
+    """(cap·tanh(s / cap), its derivative 1 - tanh²(s / cap)) for the backward's chain rule."""
+    x = s / cap
+    e = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
+    t = (1.0 - e) / (1.0 + e)
+    t = tl.where(x < 0, -t, t)
+    return cap * t, 1.0 - t * t
+
+
+@triton.jit
 def _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale,
                 offs_d, offs_dv, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXACT: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, cap2=1.0, window=0, SOFTCAP: tl.constexpr = False,
@@ -421,10 +431,11 @@ def _attention_dq_kernel(
     o_sb, o_sh, o_ss, o_sd,
     g_sb, g_sh, g_ss, g_sd,
     l_sb, l_sh, l_ss,
-    qk_scale, scale, flag_block,
+    qk_scale, scale, flag_block, cap2, window,
     # meta-parameters
     CAUSAL: tl.constexpr, EXACT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SOFTCAP: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     """dq, D = rowsum(dO * O) and the max-key terms for BLOCK_M query rows of one (batch, KV head),
     GQA-packed as the forward.
@@ -435,7 +446,8 @@ def _attention_dq_kernel(
     Notes: rows with lse = -inf (no visible key, or only -inf scores) take no part: q and dO are zeroed
     (their NaN cannot reach a sum) and P = exp2(s - inf) = 0; their dq is written 0. Key blocks every row
     sees in full run unmasked; the causal/tail blocks mask the scores and dS. See the section comment for
-    the max key j*.
+    the max key j*. SOFTCAP, WINDOW as the forward's: dS takes the cap's slope (also in the j* fix); key blocks
+    before the tile's first window are skipped, those a row's window starts inside are masked.
     Pseudocode: D = rowsum(dO O); for key block: P = exp2(s - lse); dS = P (dO V^T - D); A += dS k;
                 track j*. A += (P_j* dO.(v_j* - O) - dS_j*) k_j*; dq = scale A
     """
@@ -470,6 +482,11 @@ def _attention_dq_kernel(
         else:
             full_end = sk // BLOCK_N * BLOCK_N
             end = sk
+        start0 = 0  # blocks [start0, mid) are masked by some row's window start (none without WINDOW)
+        mid = 0
+        if WINDOW:
+            start0 = tl.minimum(tl.maximum(i_lo + off + 1 - window, 0), sk) // BLOCK_N * BLOCK_N
+            mid = tl.minimum(tl.cdiv(tl.minimum(tl.maximum(i_hi + off + 1 - window, 0), sk), BLOCK_N) * BLOCK_N, end)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         star_score = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # the max key so far: see _track_max_key
         star_key = tl.full((BLOCK_M,), -1, tl.int32)
@@ -479,17 +496,25 @@ def _attention_dq_kernel(
         else:
             nan_cols = tl.zeros((1, 1), tl.float32)
         hidden = 0
-        for start in range(0, full_end, BLOCK_N):
-            acc, star_score, star_key, star_x, nan_cols, _ = _dq_block(
-                acc, star_score, star_key, star_x, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
-                d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION, BLOCK_N)
-        for start in range(full_end, end, BLOCK_N):
+        for start in range(start0, mid, BLOCK_N):
             acc, star_score, star_key, star_x, nan_cols, bad = _dq_block(
                 acc, star_score, star_key, star_x, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
-                d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION, BLOCK_N)
+                d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION, BLOCK_N,
+                cap2, window, SOFTCAP, WINDOW)
+            hidden += bad
+        for start in range(mid, full_end, BLOCK_N):
+            acc, star_score, star_key, star_x, nan_cols, _ = _dq_block(
+                acc, star_score, star_key, star_x, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
+                d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION, BLOCK_N,
+                cap2, window, SOFTCAP, False)
+        for start in range(tl.maximum(mid, full_end), end, BLOCK_N):
+            acc, star_score, star_key, star_x, nan_cols, bad = _dq_block(
+                acc, star_score, star_key, star_x, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
+                d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION, BLOCK_N,
+                cap2, window, SOFTCAP, WINDOW)
             hidden += bad
         acc, delta_star = _max_key_fix(acc, star_score, star_key, star_x, do_rows, g_sd, o_rows, o_sd, lse2, k_base,
-                                       v_base, row_ok, sk, d, dv, k_ss, k_sd, v_ss, v_sd, offs_d, offs_dv)
+                                       v_base, row_ok, sk, d, dv, k_ss, k_sd, v_ss, v_sd, offs_d, offs_dv, cap2, SOFTCAP)
         dq = acc * scale
         if EXACT:
             dq = tl.where(nan_cols > 0.0, float("nan"), dq)
@@ -505,7 +530,7 @@ def _attention_dq_kernel(
 
 @triton.jit
 def _max_key_fix(acc, star_score, star_key, star_x, do_rows, g_sd, o_rows, o_sd, lse2, k_base, v_base, row_ok, sk, d, dv,
-                 k_ss, k_sd, v_ss, v_sd, offs_d, offs_dv):
+                 k_ss, k_sd, v_ss, v_sd, offs_d, offs_dv, cap2=1.0, SOFTCAP: tl.constexpr = False):
     """Swap the plain dS = P (dP - D) of each row's max key j* in dq's sum A for P (dO . (v_j* - O)) (section
     comment); returns (A, dO . (v_j* - O)). Left alone: rows with no visible finite score (j* = -1), and rows
     whose plain dP - D is not finite (inf or NaN in dO, v or O), which keep the reference's special values."""
@@ -521,6 +546,9 @@ def _max_key_fix(acc, star_score, star_key, star_x, do_rows, g_sd, o_rows, o_sd,
     delta_star = tl.sum(do * (v_star - _load_rows(o_rows, row_ok, dv, o_sd, offs_dv)), 1)
     p_star = tl.exp2(star_score - lse2)  # the bits of P at j* in the sweep (same operands, same formula)
     fix = tl.where(found & (tl.abs(star_x) < float("inf")), p_star * delta_star - p_star * star_x, 0.0)
+    if SOFTCAP:  # both terms carry the cap's slope at j* (star_score is the capped score)
+        t = star_score / cap2
+        fix = fix * (1.0 - t * t)
     return acc + fix[:, None] * k_star, delta_star
 
 
@@ -564,7 +592,8 @@ def _nonfinite(x):
 @triton.jit
 def _dq_block(acc, star_score, star_key, star_x, nan_cols, q_op, do_op, delta, lse2, k_base, v_base, start, i, off, sk,
               d, dv, k_ss, k_sd, v_ss, v_sd, qk_scale, offs_d, offs_dv, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              EXACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+              EXACT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, cap2=1.0, window=0,
+              SOFTCAP: tl.constexpr = False, WINDOW: tl.constexpr = False):
     """One key block of the dq pass; returns the updated sums, the rows' max key so far, and whether k held
     non-finite entries under the causal mask (which the fast launch zeroed in the dot operand)."""
     keys = start + tl.arange(0, BLOCK_N)
@@ -573,15 +602,21 @@ def _dq_block(acc, star_score, star_key, star_x, nan_cols, q_op, do_op, delta, l
     v = tl.load(v_base + keys.to(tl.int64)[:, None] * v_ss + offs_dv[None, :] * v_sd,
                 mask=(keys[:, None] < sk) & (offs_dv[None, :] < dv), other=0.0)
     s = tl.dot(q_op, tl.trans(dot_operand(k)), input_precision=PRECISION) * qk_scale
+    if SOFTCAP:
+        s, slope = _softcap_slope(s, cap2)
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do_op, tl.trans(dot_operand(v)), input_precision=PRECISION)
     x = dp - delta[:, None]
     ds = p * x
+    if SOFTCAP:
+        ds = ds * slope
     hidden = 0
     if MASKED:
         vis = keys[None, :] < sk
         if CAUSAL:
             vis = vis & (keys[None, :] <= i[:, None] + off)
+        if WINDOW:
+            vis = vis & (keys[None, :] > i[:, None] + off - window)
         s = tl.where(vis, s, float("-inf"))
         ds = tl.where(vis, ds, 0.0)  # (exp2 of a masked NaN score, 0 * inf of a masked v's dP)
         if CAUSAL:  # beyond-the-tail keys load as 0: only the causal mask can hide NaN/inf
@@ -638,10 +673,11 @@ def _attention_dkdv_kernel(
     v_sb, v_sh, v_ss, v_sd,
     g_sb, g_sh, g_ss, g_sd,
     l_sb, l_sh, l_ss,
-    qk_scale, scale, flag_block,
+    qk_scale, scale, flag_block, cap2, window,
     # meta-parameters
     CAUSAL: tl.constexpr, EXACT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SOFTCAP: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     """dk, dv for BLOCK_N keys of one (batch, KV head), summed over the group's query rows in a fixed order.
 
@@ -692,20 +728,27 @@ def _attention_dkdv_kernel(
             if CAUSAL:
                 i_lo = tl.min(tl.where(row_ok, i, sq), 0)
                 i_hi = tl.max(tl.where(row_ok, i, -1), 0)
-                if i_hi + off >= j0:  # some row sees some key of the block
-                    if i_lo + off >= j_last:  # every row sees every key
+                some = i_hi + off >= j0  # some row sees some key of the block
+                whole = i_lo + off >= j_last  # every row sees every key
+                if WINDOW:
+                    some = some & (i_lo + off - window < j_last)
+                    whole = whole & (i_hi + off - window < j0)
+                if some:
+                    if whole:
                         acc_k, acc_v, nan_k, _ = _dkdv_block(
                             acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off,
-                            d, dv, q_sd, g_sd, qk_scale, offs_d, offs_dv, False, False, PRECISION)
+                            d, dv, q_sd, g_sd, qk_scale, offs_d, offs_dv, False, False, PRECISION, cap2, window,
+                            SOFTCAP, False)
                     else:
                         acc_k, acc_v, nan_k, bad = _dkdv_block(
                             acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off,
-                            d, dv, q_sd, g_sd, qk_scale, offs_d, offs_dv, True, EXACT, PRECISION)
+                            d, dv, q_sd, g_sd, qk_scale, offs_d, offs_dv, True, EXACT, PRECISION, cap2, window,
+                            SOFTCAP, WINDOW)
                         hidden += bad
             else:
                 acc_k, acc_v, nan_k, _ = _dkdv_block(
                     acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off, d, dv,
-                    q_sd, g_sd, qk_scale, offs_d, offs_dv, False, False, PRECISION)
+                    q_sd, g_sd, qk_scale, offs_d, offs_dv, False, False, PRECISION, cap2, window, SOFTCAP, False)
         dk = acc_k * scale
         if EXACT:
             dk = tl.where(nan_k > 0.0, float("nan"), dk)
@@ -721,7 +764,8 @@ def _attention_dkdv_kernel(
 @triton.jit
 def _dkdv_block(acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stats, row_ok, i, keys, off, d, dv,
                 q_sd, g_sd, qk_scale, offs_d, offs_dv, MASKED: tl.constexpr, EXACT: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, cap2=1.0, window=0, SOFTCAP: tl.constexpr = False,
+                WINDOW: tl.constexpr = False):
     """One query block of the dk/dv pass (MASKED: causally masked), in keys x rows tiles; returns the updated
     sums and whether q or dO held non-finite entries in rows the mask hides from some key (zeroed in the fast
     launch's dots)."""
@@ -731,15 +775,21 @@ def _dkdv_block(acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stat
     delta_star = tl.load(star_rows, mask=row_ok, other=0.0)
     j_star = tl.load(jstar_rows, mask=row_ok, other=-1)
     st = tl.dot(k_op, tl.trans(dot_operand(q)), input_precision=PRECISION) * qk_scale
+    if SOFTCAP:
+        st, slope_t = _softcap_slope(st, cap2)
     pt = tl.exp2(st - lse2[None, :])
     xt = tl.dot(v_op, tl.trans(dot_operand(do)), input_precision=PRECISION) - delta[None, :]  # dP - D
     dst = pt * tl.where((keys[:, None] == j_star[None, :]) & (tl.abs(xt) < float("inf")), delta_star[None, :], xt)
+    if SOFTCAP:
+        dst = dst * slope_t
     # dead rows (zeroed q and dO) meet a non-finite k or v as 0 * inf = NaN in s or dP: they must add nothing
     pt = tl.where(dead[None, :], 0.0, pt)
     dst = tl.where(dead[None, :], 0.0, dst)
     hidden = 0
     if MASKED:
         vis_t = keys[:, None] <= i[None, :] + off
+        if WINDOW:
+            vis_t = vis_t & (keys[:, None] > i[None, :] + off - window)
         pt = tl.where(vis_t, pt, 0.0)
         dst = tl.where(vis_t, dst, 0.0)
         bad_q, bad_do = _nonfinite(q), _nonfinite(do)
@@ -757,8 +807,6 @@ def _dkdv_block(acc_k, acc_v, nan_k, k_op, v_op, q_rows, do_rows, lse_rows, stat
 
 
 def _backward_supports(grad, q, k, v, out, lse, causal, scale, softcap=None, sliding_window=None):
-    if softcap is not None or sliding_window is not None:
-        return "softcap and sliding_window are not in the Triton backward yet (cpu runs them)"
     return _supports(q, k, v, causal, scale)  # the same grid (axis 1: B * Hkv) and head-dim limits
 
 
@@ -808,25 +856,29 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=Non
     dv_ = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if bsz * hq * sq == 0 or sk == 0:  # no query or no key: nothing sees anything
         return dq.zero_(), dk.zero_(), dv_.zero_()
-    causal = causal and sq > 1  # as the forward: a single query row sees every key
+    causal = causal and (sq > 1 or sliding_window is not None)  # as the forward
     group = hq // hkv
     rows = group * sq  # a KV head's packed query rows
     cfg_q, cfg_kv = _backward_configs(rows, sk, d, dv, q.dtype)
+    extra = {"SOFTCAP": softcap is not None, "WINDOW": sliding_window is not None}
+    cfg_q, cfg_kv = {**cfg_q, **extra}, {**cfg_kv, **extra}
     delta = torch.empty((2, bsz, hq, sq), dtype=torch.float32, device=q.device)  # D and dO . (v_j* - O) per row
     j_star = torch.empty((bsz, hq, sq), dtype=torch.int32, device=q.device)
     sm_scale = _softmax_scale(scale, d)
     common = (hkv, group, sq, sk, d, dv, *q.stride(), *k.stride(), *v.stride())
+    window = 0 if sliding_window is None else min(int(sliding_window), sk + sq)
     tail = (*grad.stride(), *lse.stride(), sm_scale * LOG2E, sm_scale)
+    cap = (1.0 if softcap is None else float(softcap) * LOG2E, window)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     flags = torch.empty((bsz * hkv, cdiv(rows, cfg_q["BLOCK_M"])), dtype=torch.int32, device=q.device) if causal else dq
     for c, exact in _launches(cfg_q, causal):
         _attention_dq_kernel[(cdiv(rows, c["BLOCK_M"]), bsz * hkv)](
             q, k, v, out, grad, lse, dq, delta[0], delta[1], j_star, flags, *common, *out.stride(), *tail,
-            cfg_q["BLOCK_M"], CAUSAL=causal, EXACT=exact, PRECISION=precision, **c)
+            cfg_q["BLOCK_M"], *cap, CAUSAL=causal, EXACT=exact, PRECISION=precision, **c)
     flags = torch.empty((bsz * hkv, cdiv(sk, cfg_kv["BLOCK_N"])), dtype=torch.int32, device=q.device) if causal else dq
     for c, exact in _launches(cfg_kv, causal):
         _attention_dkdv_kernel[(cdiv(sk, c["BLOCK_N"]), bsz * hkv)](
-            q, k, v, grad, lse, delta[0], delta[1], j_star, dk, dv_, flags, *common, *tail, cfg_kv["BLOCK_N"],
+            q, k, v, grad, lse, delta[0], delta[1], j_star, dk, dv_, flags, *common, *tail, cfg_kv["BLOCK_N"], *cap,
             CAUSAL=causal, EXACT=exact, PRECISION=precision, **c)
     return dq, dk, dv_
 

@@ -84,16 +84,17 @@ def _varlen_kernel(
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+        # (distinct names for the unused flags: a name reused across loops would be loop-carried, changing type)
         for start in range(start0, mid, BLOCK_N):
-            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
+            acc, m, l_sum, _lead = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
                                            v_st, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, True, PRECISION,
                                            BLOCK_N, cap2, window, SOFTCAP, WINDOW)
         for start in range(mid, full_end, BLOCK_N):
-            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
+            acc, m, l_sum, _mid = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
                                            v_st, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION,
                                            BLOCK_N, cap2, window, SOFTCAP, False)
         for start in range(tl.maximum(mid, full_end), end, BLOCK_N):
-            acc, m, l_sum, _ = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
+            acc, m, l_sum, _tail = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
                                            v_st, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, True, PRECISION,
                                            BLOCK_N, cap2, window, SOFTCAP, WINDOW)
         _store_out(out_ptr, acc, l_sum, 0, head, q0 + i.to(tl.int64), offs_dv,
