@@ -23,10 +23,10 @@ def _varlen_kernel(
     k_st, k_sh, k_sd,
     v_st, v_sh, v_sd,
     o_st, o_sh, o_sd,
-    qk_scale, cap2, window,
+    qk_scale, cap2, window, search_steps,
     # meta-parameters
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """out[t, h] for BLOCK_M query tokens of one sequence and head.
 
@@ -34,7 +34,8 @@ def _varlen_kernel(
     int32 (validated: 0 = cu[0] <= ... <= cu[B] = T); cu_blocks [B + 1] int32, the prefix sums of each
     sequence's query blocks cdiv(len, BLOCK_M). Grid: (cdiv(Tq, BLOCK_M) + B, Hq), an upper bound of the
     blocks that needs no read of cu_seqlens on the host; program p finds its sequence, the last s with
-    cu_blocks[s] <= p, by a binary search of SEARCH_STEPS >= log2(B + 1) steps; programs past the last block exit.
+    cu_blocks[s] <= p, by a binary search of search_steps >= log2(B + 1) steps (a runtime count: a new batch
+    size compiles nothing); programs past the last block exit.
     Notes: as attention's kernel: blocks every row sees whole run unmasked, the rest masked (key count,
     causal, window). Masked blocks run the exact path for non-finite v in one launch (`EXACT`: a visible
     NaN/inf reaches only the rows that see it): varlen has no tile flags to re-run.
@@ -44,7 +45,7 @@ def _varlen_kernel(
     head = tl.program_id(1).to(tl.int64)
     lo = pid * 0
     hi = lo + n_seq - 1
-    for _ in tl.static_range(SEARCH_STEPS):  # invariant: the sequence is in [lo, hi]
+    for _step in range(search_steps):  # invariant: the sequence is in [lo, hi]
         mid = (lo + hi + 1) // 2
         below = tl.load(cu_blocks_ptr + mid) <= pid
         lo = tl.where(below, mid, lo)
@@ -144,6 +145,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
     _varlen_kernel[(cdiv(tq, bm) + n_seq, hq)](
         q, k, v, out, cu_q, cu_k, cu_blocks, n_seq, hq // k.shape[1], d, dv, *q.stride(), *k.stride(), *v.stride(),
         *out.stride(), _softmax_scale(scale, d) * LOG2E, 1.0 if softcap is None else float(softcap) * LOG2E, window,
-        CAUSAL=bool(causal), SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SEARCH_STEPS=max(1, n_seq.bit_length()), **cfg)
+        n_seq.bit_length(), CAUSAL=bool(causal), SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg)
     return out
