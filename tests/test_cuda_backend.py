@@ -525,3 +525,24 @@ def test_cross_entropy_training_forward_chunked_rows(dtype, monkeypatch):
                               equal_nan=True)
         bwd = get_op("cross_entropy_backward")
         _run_backward(bwd, bwd.from_forward(case, dtype), dtype)
+
+
+# ------------------------------------------------------------------------------------------- varlen_attention
+
+
+def test_varlen_attention_finds_each_sequence_among_many():
+    """37 sequences (empty ones among them) and two query blocks' worth of tokens in some: every program's binary
+    search lands on its own sequence, and each sequence matches the reference alone."""
+    from opport.ops.varlen_attention import cu
+    from opport.ops.varlen_attention import varlen_attention as spec
+
+    rng = np.random.default_rng(7)
+    lq = [int(n) for n in rng.choice([0, 1, 3, 17, 150], size=37)]
+    lk = [n + int(e) for n, e in zip(lq, rng.integers(0, 20, size=37))]
+    q = rng.standard_normal((sum(lq), 4, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((sum(lk), 2, 32)).astype(np.float32) for _ in range(2))
+    kw = dict(causal=True, softcap=20.0, sliding_window=40)
+    with opport.strict():
+        out = opport.varlen_attention(*(to_torch(a) for a in (q, k, v, cu(lq), cu(lk))), backend="cuda", **kw)
+    ref = spec.run_reference(q, k, v, cu(lq), cu(lk), **kw)
+    assert np.allclose(out.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
