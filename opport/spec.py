@@ -138,7 +138,7 @@ class OpSpec:
     direction = "forward"
 
     def __init__(self, fn: Callable, arrays: tuple, constraints: dict, dtypes: tuple, out_dtype: str | None,
-                 name: str | None = None):
+                 name: str | None = None, writes: tuple = ()):
         self.name = name or fn.__name__
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
@@ -174,6 +174,16 @@ class OpSpec:
         self.backward_op: BackwardSpec | None = None  # set by @<op>.backward
         self.train_forward: TrainForwardSpec | None = None  # set by @<op>.saves: the forward that returns stats too
         self.value_and_grad_op: ValueAndGradSpec | None = None  # set by @<op>.value_and_grad: forward + unit gradients
+        # arrays the op writes in place (it returns None); `@<op>.written` gives the region, the reference its values
+        unknown = [w for w in writes if w not in self.arrays]
+        if unknown:
+            raise TypeError(f"{self.name}: writes {unknown} are not among its arrays {self.arrays}")
+        self.writes = tuple(writes)
+        self.write_pos = tuple(self.params.index(w) for w in self.writes)
+        self._written: Callable | None = None
+        self._value_check: tuple | None = None  # (names, fn): a check of some arrays' values before any kernel
+        if self.writes:
+            self.output_names = ()
 
     # -- attaching the parts of the declaration
 
@@ -201,6 +211,30 @@ class OpSpec:
         """The output's shape rule `fn(*bound) -> tuple`, for ops whose output is not shaped like their first array."""
         self._shape = fn
         return fn
+
+    def written(self, fn):
+        """The region an op declared with `writes=` writes: `fn(*bound) -> one NumPy index per name in `writes``
+        (e.g. `(blocks, offsets)` for rows picked by fancy indexing; bound integer arrays as NumPy). The
+        reference returns the values written there, one float64 array per name, shaped like `arg[index]`.
+        Everything outside the region must stay bitwise unchanged (the conformance suite checks it)."""
+        self._written = fn
+        return fn
+
+    def written_region(self, bound: tuple) -> tuple:
+        """One index per written argument (see `written`)."""
+        return tuple(self._written(*bound))
+
+    def check_values(self, names: tuple):
+        """Declare a check of some arrays' values (slot indices, block tables: small integer arrays), which
+        metadata validation cannot see: `fn(*bound)` gets those arrays as NumPy (the others as given) and raises
+        the op's typed errors. The dispatcher runs it on every call after validation and before any kernel
+        (reading those arrays back from a device costs a synchronisation)."""
+
+        def declare(fn):
+            self._value_check = (tuple(self.params.index(n) for n in names), fn)
+            return fn
+
+        return declare
 
     def outputs(self, names: tuple):
         """Declare an op that returns several arrays, `(names[0], names[1], ...)`, from their rule
@@ -338,6 +372,8 @@ class OpSpec:
         """[(shape, dtype)] per output (None for an output that is None for these arguments)."""
         if self._out_metas is not None:
             return [(tuple(s), d) for s, d in self._out_metas(*bound)]
+        if self.writes:
+            return []  # writes in place, returns None
         return [(self.out_shape(bound), self.out_dtype(bound))]
 
     def out_shape(self, bound: tuple) -> tuple:
@@ -597,13 +633,14 @@ class ValueAndGradSpec(OpSpec):
 
 
 def op(arrays: tuple, constraints: dict | None = None, dtypes=FLOATS, out_dtype: str | None = None,
-       dtype_param: str | None = None):
+       dtype_param: str | None = None, writes: tuple = ()):
     """Declare an op from its validation function (see the module docstring). `dtype_param`: the scalar
     parameter (a dtype name) that names a call's dtype instead of the first array's (dequantize_fp8: its
-    output dtype, since its input is an fp8 code)."""
+    output dtype, since its input is an fp8 code). `writes`: the arrays the op writes in place (kv_cache_write's
+    caches); such an op returns None, declares its region with `@<op>.written`, and has no backward."""
 
     def declare(fn):
-        spec = OpSpec(fn, arrays, constraints or {}, dtypes, out_dtype)
+        spec = OpSpec(fn, arrays, constraints or {}, dtypes, out_dtype, writes=tuple(writes))
         spec.dtype_pos = spec.params.index(dtype_param) if dtype_param else None
         return spec
 
