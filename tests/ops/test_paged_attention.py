@@ -9,7 +9,7 @@ import pytest
 import opport
 from opport.dispatch.registry import get_backend
 from opport.errors import ArgumentError, DTypeError
-from opport.ops.paged_attention import gather, make_inputs
+from opport.ops.paged_attention import make_inputs
 from opport.ops.paged_attention import paged_attention as spec
 
 
@@ -101,3 +101,22 @@ def test_kernels_match_the_cpu_kernel(backend, dtype):
         ref = spec.run_reference(*args, **kw)
         tol = spec.tolerances[dtype]
         assert np.abs(got - ref).max() <= tol.atol + tol.rtol * np.abs(ref).max(), kw
+
+
+def test_neuron_dma_traffic_is_the_visited_blocks():
+    """The emulator's DMA bytes: at least the visible rows, within 1.1x of the visited blocks' K and V bytes."""
+    b = get_backend("neuron")
+    if b.unavailable():
+        pytest.skip(b.unavailable())
+    from opport.backends.neuron import nki_compat
+
+    bs, hkv, d = 16, 2, 64
+    for lens, window in (([300, 129, 64, 0], None), ([300, 129, 64, 0], 40)):
+        args = inputs(lens, hq=8, hkv=hkv, d=d, bs=bs, dtype="bfloat16", seed=1)
+        with nki_compat.collect_stats() as st, opport.strict():
+            opport.paged_attention(*args, sliding_window=window, backend="neuron")
+        spans = [(max(0, n - window) if window else 0, n) for n in lens]
+        rows = sum(hi - lo for lo, hi in spans)
+        blocks = sum(-(-hi // bs) - lo // bs for lo, hi in spans if hi > lo)
+        per_row = hkv * 2 * d * 2  # K and V rows of every KV head, bfloat16
+        assert rows * per_row <= st.dma_bytes <= 1.1 * blocks * bs * per_row, (window, st.dma_bytes, blocks)
