@@ -112,7 +112,7 @@ def _host_values(args: tuple, positions: tuple) -> tuple:
     return tuple(out)
 
 
-def _write_back(positions: tuple, orig: tuple, conv: list):
+def _write_back(op: str, positions: tuple, orig: tuple, conv: list):
     """Copy what the kernel wrote into a converted argument (a device copy, a native copy) back into the
     caller's array, so an op that writes in place does so whatever backend ran it."""
     for i in positions:
@@ -128,7 +128,7 @@ def _write_back(positions: tuple, orig: tuple, conv: list):
             if src.data_ptr() != a.data_ptr():
                 a.copy_(src)
         else:
-            raise errors.DTypeError(op="write", arg=str(i), constraint="write.array_type",
+            raise errors.DTypeError(op=op, arg=f"argument {i}", constraint=f"{op}.array_type",
                                     expected="a NumPy array or torch tensor (written in place)", got=type(a).__name__)
 
 
@@ -270,7 +270,7 @@ def _run_converted(plan: Plan, bound: tuple):
                 bound[i] = f(bound[i])
     out = plan.fn(*bound)
     if plan.writes:
-        _write_back(plan.writes, orig, bound)
+        _write_back(plan.decision.op, plan.writes, orig, bound)
     if plan.back is None or out is None:  # None: an op that writes in place
         return out
     if out.__class__ is tuple:  # a derived op's several outputs (gradients, forward + statistics); None stays None
@@ -288,6 +288,11 @@ def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool
                                       got=decision.error, message=f"{op.name}: {decision.error}")
     if decision.fallback:
         _warn_once(op.name, decision.fallback_from, decision.fallback)
+    for i in op.write_pos:  # written in place: the caller's own memory must be writable by a kernel or a copy-back
+        if bound[i] is not None and adapter_for(bound[i]).kind not in ("numpy", "torch"):
+            raise errors.DTypeError(op=op.name, arg=op.params[i], constraint=f"{op.name}.array_type",
+                                    expected="a NumPy array or torch tensor (written in place; JAX arrays are immutable)",
+                                    got=type(bound[i]).__name__)
     plan = _make_plan(op, bound, kernel, decision)
     changed = tuple((i, _as_python) for i in op.scalar_pos if scalars[i] is not bound[i])
     if changed:

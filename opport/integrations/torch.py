@@ -50,7 +50,9 @@ def schema(spec) -> str:
     (the gradients of the inputs that were given, in its `wrt` order)."""
     params = []
     for name, p in spec.signature.parameters.items():
-        if name in spec.arrays:
+        if name in spec.writes:  # written in place: a mutable alias set of its own (a!, b!, ...)
+            kind = f"Tensor({chr(ord('a') + spec.writes.index(name))}!)"
+        elif name in spec.arrays:
             kind = "Tensor?" if p.default is None else "Tensor"
         else:
             kind = _scalar_type(spec, p)
@@ -60,6 +62,8 @@ def schema(spec) -> str:
 
 
 def _returns(spec) -> str:
+    if spec.writes:
+        return "()"
     if spec.direction == "backward":
         return "Tensor[]"
     return "Tensor" if spec.n_outputs == 1 else f"({', '.join(['Tensor'] * spec.n_outputs)})"
@@ -126,6 +130,8 @@ def _fake_kernel(spec):
         metas = metas_of(spec, bound)
         _check_one_device(spec, metas)
         spec.validate(*metas)
+        if spec.writes:
+            return None
         like = next(a for a in (bound[i] for i in spec.array_pos) if a is not None)
         outs = [like.new_empty(m[0], dtype=getattr(torch, m[1])) for m in spec.out_metas(metas) if m is not None]
         if spec.direction == "backward":

@@ -40,7 +40,8 @@ def _scalar_ok(x, positive: bool) -> bool:
                                        "block_size)]) are in [0, num_blocks)",
     },
 )
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, softcap=None, sliding_window=None):
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float | None = None,
+                    softcap: float | None = None, sliding_window: int | None = None):
     """Decode attention over a paged KV cache, out [B, Hq, Dv].
 
     Sequence b's keys are positions 0 .. context_lens[b] - 1; position p lives in block
@@ -154,7 +155,7 @@ def make_inputs(rng, dtype, lens, hq, hkv, d, block_size, dv=None, extra_blocks=
     """q, caches and tables for sequences of the given lengths: each sequence gets distinct blocks shuffled over
     a cache with `extra_blocks` blocks nobody owns; every slot no sequence sees holds NaN (k) or inf (v), so a
     kernel that reads past a context, or a block it was not given, shows in the output. Table entries past a
-    sequence's last block hold `pad_value` (default: the last block id + 1, out of range: never to be read)."""
+    sequence's last block hold `pad_value` (default 0, as vLLM pads; the op never reads them, whatever they hold)."""
     dv = dv or d
     need = [-(-n // block_size) for n in lens]
     max_blocks = max([1, *need])
@@ -163,7 +164,7 @@ def make_inputs(rng, dtype, lens, hq, hkv, d, block_size, dv=None, extra_blocks=
     k_cache = cg.array((num_blocks, block_size, hkv, d), dtype, rng, "normal", qk_scale)
     v_cache = cg.array((num_blocks, block_size, hkv, dv), dtype, rng)
     seen_k = np.zeros((num_blocks, block_size), bool)
-    tables = np.full((len(lens), max_blocks), num_blocks if pad_value is None else pad_value, np.int32)
+    tables = np.full((len(lens), max_blocks), 0 if pad_value is None else pad_value, np.int32)
     at = 0
     for b, (n, m) in enumerate(zip(lens, need)):
         tables[b, :m] = order[at:at + m]
@@ -177,9 +178,9 @@ def make_inputs(rng, dtype, lens, hq, hkv, d, block_size, dv=None, extra_blocks=
 
 
 def make_case(name, dtype, lens, hq, hkv, d, block_size, dv=None, scale=None, softcap=None, sliding_window=None,
-              qk_scale=1.0, tags=()):
+              qk_scale=1.0, tags=(), pad_value=None):
     rng = cg.rng_for(NAME, name, dtype)
-    args = make_inputs(rng, dtype, lens, hq, hkv, d, block_size, dv, qk_scale=qk_scale)
+    args = make_inputs(rng, dtype, lens, hq, hkv, d, block_size, dv, qk_scale=qk_scale, pad_value=pad_value)
     return Case(name, args, {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}, tags)
 
 
@@ -206,6 +207,8 @@ def _cases(dtype):
     yield make_case("dv-ne-d", dtype, [20, 9], 2, 1, 64, 16, dv=32)
     yield make_case("block-size-8", dtype, [9, 24], 2, 2, 16, 8)
     yield make_case("zero-length", dtype, [0, 12, 0], 2, 1, 32, 16, tags=("edge",))
+    # table entries past a sequence's last block hold a block id that does not exist: never read
+    yield make_case("padded-table", dtype, [3, 40, 17], 4, 2, 32, 16, pad_value=-1, tags=("edge",))
     yield make_case("softcap", dtype, [60, 31], 4, 2, 32, 16, softcap=5.0, qk_scale=3.0)
     yield make_case("sliding-window", dtype, [70, 10, 33], 4, 2, 32, 16, sliding_window=20)
     yield make_case("window-of-one", dtype, [5, 16], 2, 1, 32, 32, sliding_window=1, tags=("edge",))

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from opport.backends.cuda._launch import INTERPRET, cdiv, dot_operand, f32, libdevice, narrow, next_pow2, tl, triton
+from opport.backends.cuda._launch import INTERPRET, INTERPRETED, cdiv, dot_operand, f32, libdevice, narrow, next_pow2, tl, triton
 from opport.dispatch import impl
 from opport.ops.paged_attention import paged_attention as spec
 
@@ -25,7 +25,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (partitions)
 def _tanh(x):
     """float32 tanh: libdevice on a GPU; the interpreter (no libdevice) through exp, 1 - 2 / (exp(2x) + 1),
     whose absolute error (~1e-7) stays far below a score's rounding once multiplied back by the cap."""
-    if INTERPRET:
+    if INTERPRETED:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
     else:
         return libdevice.tanh(x)
@@ -177,9 +177,11 @@ def _supports(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, s
 def _config(d: int, dv: int, group: int, dtype: torch.dtype) -> dict:
     """Tile shape: the group padded to a tl.dot's 16 rows; 64 positions per step (32 in float32, whose ieee
     dots run on the FMA units). Checked for sm_90 spills by `python tools/cuda_aot.py`; not yet timed on hardware."""
-    block_n = 32 if dtype == torch.float32 and not INTERPRET else 64
-    return {"BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": block_n, "BLOCK_D": max(16, next_pow2(d)),
-            "BLOCK_DV": max(16, next_pow2(dv)), "num_warps": 4, "num_stages": 2}
+    fp32 = dtype == torch.float32 and not INTERPRET
+    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+    warps = 8 if fp32 and max(block_d, block_dv) >= 128 else 4  # float32 D = 128 spilled ~800 B at 4 warps (sm_90)
+    return {"BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": 32 if fp32 else 64, "BLOCK_D": block_d,
+            "BLOCK_DV": block_dv, "num_warps": warps, "num_stages": 2}
 
 
 @impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
