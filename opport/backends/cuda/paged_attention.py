@@ -14,7 +14,6 @@ from opport.backends.cuda._launch import INTERPRET, INTERPRETED, cdiv, dot_opera
 from opport.dispatch import impl
 from opport.ops.paged_attention import paged_attention as spec
 
-LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256  # q tile [BLOCK_G, D] and accumulator [BLOCK_G, Dv] live in registers
 MAX_GROUP = 64  # query heads per KV head held as tile rows
 PART = 512  # positions per partition program (vLLM's v2 kernel uses 512 too): 32 key tiles of 16
@@ -96,7 +95,7 @@ def _paged_attention_kernel(
         s = tl.dot(q, dot_operand(kt), input_precision=PRECISION) * scale
         if SOFTCAP:
             s = softcap * _tanh(s / softcap)
-        s = tl.where(ok[None, :], s * 1.4426950408889634, float("-inf"))
+        s = tl.where(ok[None, :], s * 1.4426950408889634, float("-inf"))  # log2(e): exp2 from here on
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
