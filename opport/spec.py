@@ -138,8 +138,11 @@ class OpSpec:
     direction = "forward"
 
     def __init__(self, fn: Callable, arrays: tuple, constraints: dict, dtypes: tuple, out_dtype: str | None,
-                 name: str | None = None):
+                 name: str | None = None, outputs: tuple = ("out",)):
         self.name = name or fn.__name__
+        # the forward's outputs by name: ("out",) for an op returning one array; several for an op that returns a
+        # tuple of arrays shaped like its first array (add_rmsnorm's normed and sum)
+        self.outputs = tuple(outputs)
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
         self.signature = inspect.signature(fn)
@@ -165,6 +168,7 @@ class OpSpec:
         self.package = (fn.__module__ or "opport").split(".")[0]
         self._reference = self._cases = self._strategy = self._errors = self._cost = None
         self.tolerances: dict[str, Tolerance] = dict(BASE_TOLERANCE)
+        self._output_tolerances: dict[str, dict[str, Tolerance]] = {}  # output name -> {dtype: Tolerance}
         self.invariants: list[Callable] = []
         self._shape: Callable | None = None
         self.parent: OpSpec | None = None  # the forward op of a derived (training forward or backward) spec
@@ -175,7 +179,11 @@ class OpSpec:
     # -- attaching the parts of the declaration
 
     def reference(self, fn):
+        """The float64 reference. A reference with a `dtype` parameter also gets the name of the dtype under
+        test (inputs still arrive as float64 copies): for ops that define a rounding to that dtype part-way
+        (add_rmsnorm's sum); it defaults to the inputs' own dtype when called directly."""
         self._reference = fn
+        self._reference_takes_dtype = "dtype" in inspect.signature(fn).parameters
         return fn
 
     def cases(self, fn):
@@ -211,6 +219,20 @@ class OpSpec:
     def tolerance(self, **per_dtype: Tolerance):
         """Override the base tolerance for some dtypes (each override says why in `reason`)."""
         self.tolerances.update(per_dtype)
+
+    def output_tolerance(self, output: str, **per_dtype: Tolerance):
+        """The tolerance of one named output of an op with several (each with its `reason`), where it differs
+        from the op's (add_rmsnorm's sum: exact). Case overrides do not apply to it."""
+        if output not in self.outputs or not all(t.reason for t in per_dtype.values()):
+            raise ValueError(f"{self.name}: an output tolerance names one of {self.outputs} and gives a reason")
+        self._output_tolerances.setdefault(output, {}).update(per_dtype)
+
+    def tolerance_for(self, dtype: str, index: int, case: Case | None = None) -> Tolerance:
+        """Output `index`'s tolerance: its declared output tolerance, else the case's override or the op's."""
+        per = self._output_tolerances.get(self.outputs[index], {}) if index < len(self.outputs) else {}
+        if dtype in per:
+            return per[dtype]
+        return case.tolerance if case is not None and case.tolerance is not None else self.tolerances[dtype]
 
     def backward(self, wrt: tuple, constraints: dict | None = None, constants: dict | None = None,
                  reduces: tuple = ()):
@@ -276,11 +298,18 @@ class OpSpec:
     def run_reference(self, *args, **kwargs):
         """The float64 reference on the given (already rounded) inputs, upcast to float64."""
         bound = list(self.bind(*args, **kwargs))
+        dtype = getattr(self.dtype_of(bound), "name", None) if self.array_pos else None
         for i in self.array_pos:
             a = bound[i]
             if a is not None and getattr(a, "dtype", None) is not None and a.dtype.kind in "fV":
                 with np.errstate(invalid="ignore"):  # NaN payloads of 16-bit inputs
                     bound[i] = a.astype("float64")
+        return self.call_reference(bound, dtype)
+
+    def call_reference(self, bound, dtype: str | None):
+        """The reference on bound arguments as they are, told the dtype under test if it asks for it."""
+        if getattr(self, "_reference_takes_dtype", False) and dtype is not None:
+            return self._reference(*bound, dtype=dtype)
         return self._reference(*bound)
 
     def get_cases(self, dtype: str) -> Iterable[Case]:
@@ -301,12 +330,12 @@ class OpSpec:
 
     @property
     def n_outputs(self) -> int:
-        """1 for an op returning one array; the tuple's length for derived specs that return several."""
-        return 1
+        """1 for an op returning one array; the tuple's length for ops and derived specs that return several."""
+        return len(self.outputs)
 
     def out_metas(self, bound: tuple) -> list:
         """[(shape, dtype)] per output (None for an output that is None for these arguments)."""
-        return [(self.out_shape(bound), self.out_dtype(bound))]
+        return [(self.out_shape(bound), self.out_dtype(bound))] * len(self.outputs)
 
     def out_shape(self, bound: tuple) -> tuple:
         """The output's shape for bound arguments (arrays or Metas)."""
@@ -331,17 +360,21 @@ class BackwardSpec(OpSpec):
     def __init__(self, fn, forward: OpSpec, wrt: tuple, constraints: dict, constants: dict, reduces: tuple):
         params = tuple(inspect.signature(fn).parameters)
         stats = forward.train_forward.stats if forward.train_forward else ()
-        strange = [p for p in params if p not in ("grad", "out", *forward.params, *stats)]
-        if params[0] != "grad" or strange:
-            raise TypeError(f"{fn.__name__}: a backward takes `grad`, then the forward's parameters, `out` and "
-                            f"saved statistics (declare @saves first) by name; got {params}")
-        arrays = tuple(p for p in params if p in ("grad", "out", *forward.arrays, *stats))
+        # one upstream gradient per forward output: `grad`, or `grad_<output>` for an op with several outputs
+        grads = ("grad",) if forward.n_outputs == 1 else tuple(f"grad_{o}" for o in forward.outputs)
+        outs = ("out",) if forward.n_outputs == 1 else forward.outputs
+        strange = [p for p in params[len(grads):] if p not in (*outs, *forward.params, *stats)]
+        if params[:len(grads)] != grads or strange:
+            raise TypeError(f"{fn.__name__}: a backward takes {', '.join(grads)}, then the forward's parameters, "
+                            f"{', '.join(outs)} and saved statistics (declare @saves first) by name; got {params}")
+        arrays = tuple(p for p in params if p in (*grads, *outs, *forward.arrays, *stats))
         super().__init__(fn, arrays, constraints, forward.dtypes, None, name=f"{forward.name}_backward")
         unknown = [n for n in (*wrt, *constants) if n not in forward.arrays]
         if unknown or set(wrt) & set(constants) or set(wrt) | set(constants) != set(forward.arrays):
             raise TypeError(f"{self.name}: wrt {wrt} and constants {tuple(constants)} must split {forward.arrays}")
         self.parent, self.module, self.package = forward, forward.module, forward.package
         self.wrt, self.constants, self.reduces = wrt, constants, reduces
+        self.grads, self.saved_outputs = grads, outs  # the upstream gradients' names; the names saved outputs take
         self.tolerances = dict(forward.tolerances)
         self._extra_cases = None
         self._case_tolerances: dict = {}  # case name -> {dtype: Tolerance}
@@ -407,18 +440,25 @@ class BackwardSpec(OpSpec):
 
     def from_forward(self, case: Case, dtype: str, grad=None) -> Case:
         """The backward case of a forward case: a seeded random `grad` of the output's shape and dtype (or the
-        one given), and what the forward saves (its output and statistics from the float64 reference,
-        rounded to the output dtype and float32 as kernels would save them)."""
+        one given; a tuple, one per output, for an op with several), and what the forward saves (its outputs and
+        statistics from the float64 reference, rounded to the output dtype and float32 as kernels would save
+        them)."""
         fwd = self.parent
         bound = fwd.bind(*case.args, **case.kwargs)
         by_name = dict(zip(fwd.params, bound))
-        (shape, out_dtype), = fwd.out_metas(bound)
-        out_dtype = getattr(out_dtype, "name", out_dtype)  # np.dtype of an array, or a Meta's name
-        if grad is None:
-            grad = casegen.array(shape, out_dtype, casegen.rng_for(self.name, case.name, dtype))
-        by_name["grad"] = grad
-        if "out" in self.params:
-            by_name["out"] = casegen.cast(fwd.run_reference(*bound), out_dtype)
+        metas = fwd.out_metas(bound)
+        grads = (grad,) if len(self.grads) == 1 else (grad or (None,) * len(self.grads))
+        for i, (name, g, (shape, out_dtype)) in enumerate(zip(self.grads, grads, metas)):
+            out_dtype = getattr(out_dtype, "name", out_dtype)  # np.dtype of an array, or a Meta's name
+            if g is None:
+                seed = case.name if i == 0 else f"{case.name}/{name}"
+                g = casegen.array(shape, out_dtype, casegen.rng_for(self.name, seed, dtype))
+            by_name[name] = g
+        if any(o in self.params for o in self.saved_outputs):
+            outs = fwd.run_reference(*bound)
+            outs = (outs,) if len(self.saved_outputs) == 1 else outs
+            for name, o, (_, out_dtype) in zip(self.saved_outputs, outs, metas):
+                by_name[name] = casegen.cast(o, getattr(out_dtype, "name", out_dtype))
         if fwd.train_forward is not None:
             stats = fwd.train_forward.run_stats(*bound)
             acc = acc_dtype(dtype).name
@@ -560,9 +600,11 @@ class ValueAndGradSpec(OpSpec):
         return Cost(bytes=read + written, flops=0)
 
 
-def op(arrays: tuple, constraints: dict | None = None, dtypes=FLOATS, out_dtype: str | None = None):
-    """Declare an op from its validation function (see the module docstring)."""
-    return lambda fn: OpSpec(fn, arrays, constraints or {}, dtypes, out_dtype)
+def op(arrays: tuple, constraints: dict | None = None, dtypes=FLOATS, out_dtype: str | None = None,
+       outputs: tuple = ("out",)):
+    """Declare an op from its validation function (see the module docstring). `outputs`: the names of its outputs
+    when it returns several arrays shaped like its first (its kernels return them as a tuple, in this order)."""
+    return lambda fn: OpSpec(fn, arrays, constraints or {}, dtypes, out_dtype, outputs=outputs)
 
 
 def _make_binder(fn: Callable) -> Callable:
@@ -638,12 +680,13 @@ def check_axis(op: str, arg: str, axis, ndim: int) -> int:
 
 
 
-def check_grad(op: str, grad: Meta, shape: tuple, dtype: str):
-    """A backward's upstream gradient has the forward output's shape and dtype."""
-    check(grad is not None, errors.ArgumentError, op, "grad", f"{op}.grad_shape", "an array", None)
-    check(grad.dtype == dtype, errors.DTypeError, op, "grad", f"{op}.grad_dtype", f"{dtype} (the output's dtype)",
+def check_grad(op: str, grad: Meta, shape: tuple, dtype: str, arg: str = "grad"):
+    """A backward's upstream gradient (`arg`: `grad`, or `grad_<output>` of an op with several) has the forward
+    output's shape and dtype."""
+    check(grad is not None, errors.ArgumentError, op, arg, f"{op}.grad_shape", "an array", None)
+    check(grad.dtype == dtype, errors.DTypeError, op, arg, f"{op}.grad_dtype", f"{dtype} (the output's dtype)",
           grad.dtype)
-    check(tuple(grad.shape) == tuple(shape), errors.ShapeError, op, "grad", f"{op}.grad_shape",
+    check(tuple(grad.shape) == tuple(shape), errors.ShapeError, op, arg, f"{op}.grad_shape",
           f"{tuple(shape)} (the output's shape)", tuple(grad.shape))
 
 
