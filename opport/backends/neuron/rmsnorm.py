@@ -110,7 +110,7 @@ def scaled_rows(x_hbm, r0, p, keep, eps, r_hbm=None, sum_hbm=None):
 
 
 @nki.jit
-def _rmsnorm_kernel(x_hbm, w_hbm, eps, r_hbm):
+def _rmsnorm_kernel(x_hbm, w_hbm, eps):
     """RMS normalisation of a [R, N] tensor over N, with an optional per-feature weight.
 
     Dimensions:
@@ -120,11 +120,9 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps, r_hbm):
         x_hbm: [R, N] input in HBM, float32/float16/bfloat16.
         w_hbm: [N] weight in x's dtype, or None.
         eps: compile-time float added to the mean square.
-        r_hbm: [R, N] residual in x's dtype (add_rmsnorm), or None.
 
     Returns:
-        out_hbm: [R, N] in x's dtype, x * rsqrt(mean(x**2) + eps) * w;
-        with r_hbm, (out_hbm, sum_hbm): x stands for sum = x + r rounded to the dtype (load_chunk).
+        out_hbm: [R, N] in x's dtype, x * rsqrt(mean(x**2) + eps) * w.
 
     Notes:
         Rows are rescaled by an exact power of two s (from max|x|: one VectorE tensor_scalar_reduce
@@ -145,6 +143,12 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps, r_hbm):
             k = s * rsqrt(ss / N + max(eps * s^2, FLT_MIN))
             for each chunk c: out_c = (x_c * k) * w_c
     """
+    return forward_body(x_hbm, w_hbm, eps, None)
+
+
+def forward_body(x_hbm, w_hbm, eps, r_hbm):
+    """The forward's body (see _rmsnorm_kernel), shared with add_rmsnorm's kernel: with r_hbm the rows are the
+    rounded sums x + r, returned too, (out_hbm, sum_hbm)."""
     R, N = x_hbm.shape
     out_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     add = r_hbm != None  # noqa: E711 (NKI kernels compare with None by value)
@@ -212,7 +216,7 @@ def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
     if x.size == 0:
         return np.empty(x.shape, x.dtype)
     w = None if weight is None else _host.contiguous(weight)
-    return _host.as_dtype(_host.run(_rmsnorm_kernel, _host.rows(x), w, float(eps), None), x.dtype.name, x.shape)
+    return _host.as_dtype(_host.run(_rmsnorm_kernel, _host.rows(x), w, float(eps)), x.dtype.name, x.shape)
 
 
 # --------------------------------------------------------------------------- backward
@@ -485,7 +489,7 @@ def rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, eps
 
 
 @nki.jit
-def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm):
+def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps, eps_lo):
     """Gradients of rmsnorm for x and weight from grad and the saved x (and weight), [R, N] over N.
 
     Dimensions:
@@ -497,7 +501,6 @@ def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm):
         w_hbm: [N] weight in x's dtype, or None.
         eps: compile-time float added to the mean square.
         eps_lo: compile-time float, eps - float32(eps): the float32 path's exact statistics add eps as two floats.
-        h_hbm: [R, N] add_rmsnorm's grad_sum (x is then the saved sum), added to dx; or None.
 
     Returns:
         dx_hbm: [R, N] in x's dtype, k (g w - xhat mean(g w xhat)) with xhat = x k, k = s / rms(s x);
@@ -524,6 +527,12 @@ def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm):
             dx = (g w - xhat c) * k          (N = 1: g w eps' r^2 k; float32: two-float bracket)
         dw = cast(dw)
     """
+    return backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, None)
+
+
+def backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm):
+    """The backward's body (see _rmsnorm_backward_kernel), shared with add_rmsnorm's: h_hbm (grad_sum) is added
+    to dx."""
     R, N = x_hbm.shape
     dx_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
@@ -556,6 +565,6 @@ def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
         return np.empty(x.shape, x.dtype), None if weight is None else np.zeros(n, weight.dtype)
     w = None if weight is None else _host.contiguous(weight)
     eps_lo = float(eps) - float(np.float32(eps))  # the float32 kernel's exact path adds eps as two floats
-    out = _host.run(_rmsnorm_backward_kernel, _host.rows(grad), _host.rows(x), w, float(eps), eps_lo, None)
+    out = _host.run(_rmsnorm_backward_kernel, _host.rows(grad), _host.rows(x), w, float(eps), eps_lo)
     dx, dw = (out, None) if weight is None else out
     return _host.as_dtype(dx, x.dtype.name, x.shape), None if dw is None else _host.as_dtype(dw, weight.dtype.name, (n,))
