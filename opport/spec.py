@@ -167,6 +167,7 @@ class OpSpec:
         # the distribution that declares the op: "opport", or a plugin package (kernels in <package>.backends.<b>)
         self.package = (fn.__module__ or "opport").split(".")[0]
         self._reference = self._cases = self._strategy = self._errors = self._cost = None
+        self.reference_takes_dtype = False  # set by @<op>.reference: its reference is told the dtype under test
         self.tolerances: dict[str, Tolerance] = dict(BASE_TOLERANCE)
         self._output_tolerances: dict[str, dict[str, Tolerance]] = {}  # output name -> {dtype: Tolerance}
         self.invariants: list[Callable] = []
@@ -183,7 +184,7 @@ class OpSpec:
         test (inputs still arrive as float64 copies): for ops that define a rounding to that dtype part-way
         (add_rmsnorm's sum); it defaults to the inputs' own dtype when called directly."""
         self._reference = fn
-        self._reference_takes_dtype = "dtype" in inspect.signature(fn).parameters
+        self.reference_takes_dtype = "dtype" in inspect.signature(fn).parameters
         return fn
 
     def cases(self, fn):
@@ -308,7 +309,7 @@ class OpSpec:
 
     def call_reference(self, bound, dtype: str | None):
         """The reference on bound arguments as they are, told the dtype under test if it asks for it."""
-        if getattr(self, "_reference_takes_dtype", False) and dtype is not None:
+        if self.reference_takes_dtype and dtype is not None:
             return self._reference(*bound, dtype=dtype)
         return self._reference(*bound)
 
@@ -447,7 +448,7 @@ class BackwardSpec(OpSpec):
         bound = fwd.bind(*case.args, **case.kwargs)
         by_name = dict(zip(fwd.params, bound))
         metas = fwd.out_metas(bound)
-        grads = (grad,) if len(self.grads) == 1 else (grad or (None,) * len(self.grads))
+        grads = (grad,) if len(self.grads) == 1 else (grad if grad is not None else (None,) * len(self.grads))
         for i, (name, g, (shape, out_dtype)) in enumerate(zip(self.grads, grads, metas)):
             out_dtype = getattr(out_dtype, "name", out_dtype)  # np.dtype of an array, or a Meta's name
             if g is None:

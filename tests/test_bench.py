@@ -238,12 +238,17 @@ def test_torch_gradients_compute_the_reference_vjp(name, dtype):
     bound = spec.bind(**wl.make((wl.shapes_for("smoke") or wl.shapes)[0].dims, dtype, ArrayMaker("numpy", seed=2)))
     names = tuple(n for n in spec.backward_op.wrt if bound[spec.params.index(n)] is not None)
     out = spec.run_reference(*bound)
-    g = np.asarray(np.random.default_rng(3).standard_normal(np.shape(out))).astype(bound[spec.array_pos[0]].dtype)
+    rng = np.random.default_rng(3)
+    gs = tuple(np.asarray(rng.standard_normal(np.shape(o))).astype(bound[spec.array_pos[0]].dtype)
+               for o in (out if isinstance(out, tuple) else (out,)))  # one upstream gradient per output
+    g = gs[0] if len(gs) == 1 else gs
     ref = training.numpy_reference(spec, bound, g, names, dtype)
     tb = tuple(NumpyAdapter.to_torch(a, "cpu") if isinstance(a, np.ndarray) else a for a in bound)
-    tg = NumpyAdapter.to_torch(g, "cpu")
-    for n, r, t in zip(names, ref, training.torch_reference(spec, wl, tb, tg, names)):
-        assert compare(like(t, r), r, Tolerance(1e-6, 1e-9, "normwise"), "float64").ok, f"{name}: d{n}"
+    tgs = tuple(NumpyAdapter.to_torch(a, "cpu") for a in gs)
+    tg = tgs[0] if len(tgs) == 1 else tgs
+    if not spec.reference_takes_dtype:  # else torch rows use the NumPy VJP too (its reference rounds to the dtype)
+        for n, r, t in zip(names, ref, training.torch_reference(spec, wl, tb, tg, names)):
+            assert compare(like(t, r), r, Tolerance(1e-6, 1e-9, "normwise"), "float64").ok, f"{name}: d{n}"
     if dtype != "float32":
         return  # 16-bit torch baselines have known misses (docs/benchmarking.md): shown, not asserted
     leaves = [tb[spec.params.index(n)].requires_grad_(True) for n in names]
@@ -273,20 +278,28 @@ def test_baselines_compute_the_op(name):
     shape = (wl.shapes_for("smoke") or wl.shapes)[0]
     bound = spec.bind(**wl.make(shape.dims, "float32", ArrayMaker("numpy", seed=1)))
     ref = spec.run_reference(*bound)
-    tol = spec.tolerances["float32"]
+    several = isinstance(ref, tuple)  # add_rmsnorm: each output against its own tolerance
+
+    def agrees(out, dtype: str, tight: bool = False) -> bool:
+        pairs = zip(out, ref) if several else [(out, ref)]
+        return all(compare(like(o, r), r, Tolerance(1e-9, 1e-12) if tight else spec.tolerance_for(dtype, i), dtype).ok
+                   for i, (o, r) in enumerate(pairs))
+
     if wl.numpy is not None and (name != "gelu" or importlib.util.find_spec("scipy")):  # NumPy has no erf
-        assert compare(wl.numpy(*bound), ref, tol, "float32").ok, f"{name}: {wl.numpy_call}"
+        assert agrees(wl.numpy(*bound), "float32"), f"{name}: {wl.numpy_call}"
     if wl.torch_eager is not None and HAS_TORCH:
         import torch
 
         from opport.dispatch.adapters import NumpyAdapter
 
         tb = tuple(NumpyAdapter.to_torch(a, "cpu") if isinstance(a, np.ndarray) else a for a in bound)
-        assert compare(like(wl.torch_eager(*tb), ref), ref, tol, "float32").ok, f"{name}: {wl.torch_call}"
+        assert agrees(wl.torch_eager(*tb), "float32"), f"{name}: {wl.torch_call}"
+        if spec.reference_takes_dtype:
+            return  # its reference rounds part-way to the dtype: the cuda rows are judged by the NumPy one
         t64 = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in tb)
         with torch.no_grad():
             r64 = (wl.torch_reference or wl.torch_eager)(*t64)  # the reference the cuda run checks against
-        assert compare(like(r64, ref), ref, Tolerance(1e-9, 1e-12), "float64").ok, name
+        assert agrees(r64, "float64", tight=True), name
 
 
 @pytest.mark.skipif(not HAS_TORCH or importlib.util.find_spec("triton") is None, reason="needs torch and triton")

@@ -198,7 +198,7 @@ def _reference(spec, wl, bound, kind: str):
     try:
         if kind == "numpy":
             return spec.run_reference(*bound)
-        if getattr(spec, "_reference_takes_dtype", False):  # rounds part-way to the dtype (add_rmsnorm): NumPy's
+        if spec.reference_takes_dtype:  # rounds part-way to the dtype (add_rmsnorm): NumPy's
             from opport.dispatch.adapters import TorchAdapter
 
             return spec.run_reference(*(TorchAdapter.to_numpy(a) if hasattr(a, "device") else a for a in bound))

@@ -144,7 +144,7 @@ def _reference(spec, wl, bound, grad, names, kind: str, dtype: str):
             return numpy_reference(spec, bound, grad, names, dtype)
         # an op with no torch form (a plugin's), or one whose reference rounds part-way to the dtype under test
         # (add_rmsnorm's sum, which a float64 torch form would not): the NumPy VJP
-        if (wl.torch_reference or wl.torch_eager) is None or getattr(spec, "_reference_takes_dtype", False):
+        if (wl.torch_reference or wl.torch_eager) is None or spec.reference_takes_dtype:
             from opport.dispatch.adapters import TorchAdapter
 
             host = tuple(TorchAdapter.to_numpy(a) if hasattr(a, "device") else a for a in bound)
@@ -182,7 +182,7 @@ def torch_reference(spec, wl, bound: tuple, grad, names: tuple) -> tuple:
     leaves = [b64[spec.params.index(n)].requires_grad_(True) for n in names]
     with torch.enable_grad():
         y = forward(*b64)
-    return torch.autograd.grad(y, leaves, grad.double())
+    return torch.autograd.grad(y, leaves, tuple(g.double() for g in grad) if isinstance(grad, tuple) else grad.double())
 
 
 def judge(grads, prob: Problem) -> dict:
