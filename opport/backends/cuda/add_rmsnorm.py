@@ -1,7 +1,10 @@
 """add_rmsnorm in Triton: rmsnorm's kernels with ADD set (cuda/rmsnorm.py). The forward reads x and residual
 once, writes the sum rounded to the dtype and the rmsnorm of that rounded sum, rows in registers (rows longer
 than a chunk take rmsnorm's two passes); the backward is rmsnorm's at the saved sum plus grad_sum, with
-dweight summed deterministically from per-program partials."""
+dweight summed deterministically from per-program partials. No `_add_rmsnorm_kernel` of its own (docs/style.md 7):
+a copy of rmsnorm's kernels would be the vendor fork style.md warns against; ADD (and WIDE) are constexprs, so with them
+false rmsnorm computes as before (the residual's arguments unused), and tools/cuda_aot.py compiles add_rmsnorm's
+specialisations like any other configuration."""
 
 import torch
 
