@@ -207,7 +207,7 @@ def test_jax_grad_matches_torch_functions(name):
 
 
 transformers = pytest.importorskip("transformers")
-TRAINED_OPS = ("rmsnorm", "swiglu", "rope", "attention", "cross_entropy")
+TRAINED_OPS = ("rmsnorm", "add_rmsnorm", "swiglu", "rope", "attention", "cross_entropy")
 TRAINING_BACKENDS = [b for b in backends() if all(kernels(opport.get_op(n).backward_op, get_backend(b))
                                                    for n in TRAINED_OPS if opport.get_op(n).backward_op)]
 
