@@ -11,6 +11,30 @@ from opport.dispatch import call as _call
 from opport.integrations import route as _route
 from opport.ops import get_op as _get_op
 
+_add_rmsnorm = _get_op('add_rmsnorm')
+
+
+def add_rmsnorm(x, residual, weight=None, eps=1e-06, *, backend=None):
+    """The residual add and RMS normalisation of a transformer layer in one pass: returns (normed, sum).
+
+    sum = x + residual, computed and rounded in the input dtype (the residual stream a model stores);
+    normed = rmsnorm(sum, weight, eps), computed from that rounded sum with float32 statistics for 16-bit
+    inputs (float64 for float64). Each input is read once and each output written once. Rows whose sum
+    of squares would overflow are defined by the exact scaled form, as rmsnorm's.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (x, residual, weight, eps)
+    if x.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_add_rmsnorm, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_add_rmsnorm, b, backend)
+
+
+add_rmsnorm.spec = _add_rmsnorm
+
+
 _attention = _get_op('attention')
 
 
@@ -354,4 +378,4 @@ def swiglu(gate, up, *, backend=None):
 swiglu.spec = _swiglu
 
 
-__all__ = ["attention", "cross_entropy", "dequantize_fp8", "gelu", "kv_cache_write", "layernorm", "matmul", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu"]
+__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "kv_cache_write", "layernorm", "matmul", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu"]

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")  # not triton: the backend must import it a
 
 import opport  # noqa: E402
 from opport import accuracy  # noqa: E402
+from opport.dispatch.adapters import metas_of  # noqa: E402
 from opport.dispatch.registry import get_backend  # noqa: E402
 from opport.dtypes import FP8, np_dtype  # noqa: E402
 from opport.ops import all_ops  # noqa: E402
@@ -116,8 +117,8 @@ def run_case(spec, dtype, case, args=None):
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), "input mutated"
     ref = spec.run_reference(*[to_numpy(a) for a in args], **case.kwargs)
     label = f"{spec.name}/cuda/{dtype}/{case.name}"
-    if spec.n_outputs > 1 or spec.dtype_pos is not None:  # the fp8 pair: outputs and dtypes from the declaration
-        metas = spec.out_metas(spec.bind(*args, **case.kwargs))
+    if spec.n_outputs > 1 or spec.dtype_pos is not None:  # outputs and dtypes from the declaration
+        metas = spec.out_metas(metas_of(spec, spec.bind(*args, **case.kwargs)))
         outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
         for i, (o, r, (_, odt)) in enumerate(zip(outs, refs, metas)):
             o = to_numpy(o)

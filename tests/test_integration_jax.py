@@ -47,7 +47,7 @@ def _bits(a):
 
 def _assert_same(got, want):
     __tracebackhide__ = True
-    if isinstance(want, tuple):  # ops with several outputs (quantize_fp8: q, scales)
+    if isinstance(want, tuple):  # ops with several outputs (quantize_fp8, add_rmsnorm)
         assert isinstance(got, tuple) and len(got) == len(want)
         for g, w in zip(got, want):
             _assert_same(g, w)

@@ -118,10 +118,21 @@ def register(spec):
 def _real_kernel(spec):
     def kernel(*args, backend=None, **kwargs):  # torch passes the arguments as its caller gave them
         out = call(spec, spec.bind(*args, **kwargs), backend)
-        return [g for g in out if g is not None] if spec.direction == "backward" else out
+        return _unaliased([g for g in out if g is not None]) if spec.direction == "backward" else out
 
     kernel.__name__ = spec.name
     return kernel
+
+
+def _unaliased(grads: list) -> list:
+    """A backward's gradients with repeats cloned: a custom op's outputs must not alias one another, and
+    add_rmsnorm's kernels hand back one array as both dx and dresidual."""
+    seen = set()
+    out = []
+    for g in grads:
+        out.append(g.clone() if id(g) in seen else g)
+        seen.add(id(g))
+    return out
 
 
 def _fake_kernel(spec):
@@ -232,8 +243,9 @@ class _Eager(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grad):
         spec = ctx.spec
+        grad = grad[0] if len(grad) == 1 else grad  # one upstream gradient per output
         with torch.no_grad():
             if ctx.fused:
                 grads = iter(scale_unit_grads(_kept(ctx), grad, in_place=True))
@@ -298,8 +310,9 @@ def register_autograd(spec):
         ctx.present = tuple(bound[spec.params.index(n)] is not None for n in bwd.wrt)
         ctx.backend = keyword_only_inputs.get("backend")
 
-    def backward(ctx, grad, *_stat_grads):
-        grads = iter(OPS[bwd.name](grad, *_kept(ctx), backend=ctx.backend))
+    def backward(ctx, grad, *more):  # more: the statistics' gradients (unused), or the other outputs' upstream ones
+        upstream = (grad,) if len(bwd.grads) == 1 else (grad, *more)
+        grads = iter(OPS[bwd.name](*upstream, *_kept(ctx), backend=ctx.backend))
         by_name = {n: next(grads) for n, here in zip(bwd.wrt, ctx.present) if here}
         return tuple(by_name.get(p) for p in spec.params)
 
