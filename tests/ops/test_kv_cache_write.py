@@ -52,15 +52,22 @@ def test_other_backends_write_the_callers_numpy_arrays(backend):
     assert ret is None and kc.tobytes() == want_k.tobytes() and vc.tobytes() == want_v.tobytes()
 
 
-def test_torch_tensors_are_written_in_place():
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "neuron"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_torch_tensors_are_written_in_place(backend, layout):
+    """cpu and neuron take NumPy: torch caches (strided ones through a copy) still end up written in place."""
     torch = pytest.importorskip("torch")
+    if get_backend(backend).unavailable():
+        pytest.skip(get_backend(backend).unavailable())
     case = make_case("t", "float32", 9, 2, 8, 3, 16, pad=2)
     key, value, kc, vc, slots = (torch.from_numpy(np.array(a, copy=True)) for a in case.args)
+    if layout == "transposed":  # a [num_blocks, bs, D, Hkv] buffer viewed as [num_blocks, bs, Hkv, D]
+        kc, vc = kc.transpose(2, 3).contiguous().transpose(2, 3), vc.transpose(2, 3).contiguous().transpose(2, 3)
     kc_ptr = kc.data_ptr()
-    assert opport.kv_cache_write(key, value, kc, vc, slots, backend="cpu") is None
+    assert opport.kv_cache_write(key, value, kc, vc, slots, backend=backend) is None
     want_k, want_v = expected(case)
     assert kc.data_ptr() == kc_ptr
-    assert kc.numpy().tobytes() == want_k.tobytes() and vc.numpy().tobytes() == want_v.tobytes()
+    assert kc.contiguous().numpy().tobytes() == want_k.tobytes() and vc.contiguous().numpy().tobytes() == want_v.tobytes()
 
 
 @pytest.mark.parametrize("slots,constraint", [([0, 1, 48, 2], "kv_cache_write.slot_range"),
