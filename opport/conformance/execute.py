@@ -361,7 +361,7 @@ def _write_case(spec, b, case, dtype: str, laid, kernel, res: dict):
     bound = list(spec.bind(*laid.args, **laid.kwargs))
     ref_bound = spec.bind(*laid.ref_args, **laid.ref_kwargs)
     before = [np.array(_host(ref_bound[i]), copy=True) for i in spec.write_pos]
-    if not item_laid_out(laid, bound, spec.write_pos):  # the case's own arrays: the kernel writes copies of them
+    if not _laid_out(laid, bound, spec.write_pos):  # the case's own arrays: the kernel writes copies of them
         for i, a in zip(spec.write_pos, before):
             bound[i] = a.copy()
     refs = _outputs(spec.run_reference(*ref_bound))
@@ -396,7 +396,7 @@ def _write_case(spec, b, case, dtype: str, laid, kernel, res: dict):
         _fail(res, "; ".join(problems), [])
 
 
-def item_laid_out(laid, bound: list, positions: tuple) -> bool:
+def _laid_out(laid, bound: list, positions: tuple) -> bool:
     """Whether the written arguments are layout views (fresh buffers) rather than the case's own arrays."""
     return all(any(bound[i] is v for v in laid.views) for i in positions)
 
