@@ -65,7 +65,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
     dense.check_softcap_window(NAME, softcap, sliding_window, causal)
 
 
-@varlen_attention.data_check("cu_seqlens_q", "cu_seqlens_k")
+@varlen_attention.check_values(("cu_seqlens_q", "cu_seqlens_k"))
 def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars):
     for arg, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
         check(int(cu[0]) == 0, ArgumentError, NAME, arg, f"{NAME}.cu_values", "cu[0] == 0", int(cu[0]))
