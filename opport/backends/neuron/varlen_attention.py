@@ -1,0 +1,38 @@
+"""varlen_attention on NKI: each packed sequence through attention's NKI forward kernel (one launch per sequence).
+
+Not yet a single-launch varlen kernel: the host walks cu_seqlens (already read by the dispatcher's value check)
+and runs the dense kernel on each sequence's [1, H, S, D] view, so a sequence only ever sees its own keys.
+"""
+
+import numpy as np
+
+from opport.backends.neuron.attention import D_MAX, DV_MAX
+from opport.backends.neuron.attention import attention as dense
+from opport.dispatch import impl
+from opport.ops.varlen_attention import sequences
+from opport.ops.varlen_attention import varlen_attention as spec
+
+
+def _supports(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window):
+    if softcap is not None or sliding_window is not None:
+        return "softcap and sliding_window are not in the NKI attention kernels yet (cpu runs them)"
+    if q.shape[2] > D_MAX:
+        return f"head dim {q.shape[2]} > {D_MAX}: q @ k^T contracts over the 128 partitions"
+    if v.shape[2] > DV_MAX:
+        return f"value dim {v.shape[2]} > {DV_MAX}: the P @ V accumulator is one 2 KiB PSUM bank of float32"
+    return None
+
+
+@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window) -> np.ndarray:
+    """out [Tq, Hq, Dv]: attention's NKI forward per sequence (a sequence without keys writes zeros)."""
+    out = np.empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
+    for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
+        if qs.stop > qs.start:
+            o = dense(_heads(q[qs]), _heads(k[ks]), _heads(v[ks]), causal, scale)
+            out[qs] = o[0].transpose(1, 0, 2)
+    return out
+
+
+def _heads(x: np.ndarray) -> np.ndarray:
+    return x.transpose(1, 0, 2)[None]
