@@ -8,7 +8,15 @@ program reads another sequence's keys or values.
 import torch
 
 from opport.backends.cuda._launch import INTERPRET, cdiv, dot_operand, next_pow2, tl, triton
-from opport.backends.cuda.attention import LOG2E, MAX_GRID_Y, MAX_HEAD_DIM, _attn_block, _softmax_scale, _store_out
+from opport.backends.cuda.attention import (
+    LOG2E,
+    MAX_GRID_Y,
+    MAX_HEAD_DIM,
+    _attn_block,
+    _exact_config,
+    _softmax_scale,
+    _store_out,
+)
 from opport.dispatch import impl
 from opport.ops.varlen_attention import varlen_attention as spec
 
@@ -16,16 +24,16 @@ from opport.ops.varlen_attention import varlen_attention as spec
 @triton.jit
 def _varlen_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, cu_blocks_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, cu_blocks_ptr, flag_ptr, cu_fast_ptr,
     # shapes, strides
     n_seq, group, d, dv,
     q_st, q_sh, q_sd,
     k_st, k_sh, k_sd,
     v_st, v_sh, v_sd,
     o_st, o_sh, o_sd,
-    qk_scale, cap2, window, search_steps,
+    qk_scale, cap2, window, search_steps, flag_block,
     # meta-parameters
-    CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """out[t, h] for BLOCK_M query tokens of one sequence and head.
@@ -37,8 +45,9 @@ def _varlen_kernel(
     cu_blocks[s] <= p, by a binary search of search_steps >= log2(B + 1) steps (a runtime count: a new batch
     size compiles nothing); programs past the last block exit.
     Notes: as attention's kernel: blocks every row sees whole run unmasked, the rest masked (key count,
-    causal, window). Masked blocks run the exact path for non-finite v in one launch (`EXACT`: a visible
-    NaN/inf reaches only the rows that see it): varlen has no tile flags to re-run.
+    causal, window); NaN/inf in v under the causal mask as there: the fast launch zeroes them and flags its
+    program (flags [programs, Hq] int32); the EXACT launch (small tiles, its own cu_blocks; cu_fast is the fast
+    launch's, flag_block its BLOCK_M, a multiple of this one) re-runs only the tiles inside flagged ones.
     Pseudocode: per key block of the sequence: s = q k^T (capped); online softmax; out = acc / l (0 if l = 0)
     """
     pid = tl.program_id(0)
@@ -57,7 +66,11 @@ def _varlen_kernel(
     k0 = tl.load(cu_k_ptr + seq).to(tl.int64)
     sk = (tl.load(cu_k_ptr + seq + 1) - k0).to(tl.int32)
     r0 = pid_m * BLOCK_M
-    if pid < tl.load(cu_blocks_ptr + n_seq):
+    run = pid < tl.load(cu_blocks_ptr + n_seq)
+    if EXACT:  # the fast launch's program that held these rows
+        fast = tl.load(cu_fast_ptr + seq) + r0 // flag_block
+        run = run & (tl.load(flag_ptr + fast.to(tl.int64) * tl.num_programs(1) + head, mask=run, other=0) != 0)
+    if run:
         i = r0 + tl.arange(0, BLOCK_M)
         row_ok = i < sq
         hkv = head // group
@@ -85,21 +98,26 @@ def _varlen_kernel(
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+        hidden = 0  # masked blocks with non-finite v (fast launch)
         # (distinct names for the unused flags: a name reused across loops would be loop-carried, changing type)
         for start in range(start0, mid, BLOCK_N):
             acc, m, l_sum, _lead = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
-                                           v_st, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, True, PRECISION,
-                                           BLOCK_N, cap2, window, SOFTCAP, WINDOW)
+                                               v_st, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION,
+                                               BLOCK_N, cap2, window, SOFTCAP, WINDOW)
+            hidden += _lead
         for start in range(mid, full_end, BLOCK_N):
             acc, m, l_sum, _mid = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
                                            v_st, v_sd, qk_scale, offs_d, offs_dv, False, False, False, PRECISION,
                                            BLOCK_N, cap2, window, SOFTCAP, False)
         for start in range(tl.maximum(mid, full_end), end, BLOCK_N):
             acc, m, l_sum, _tail = _attn_block(acc, m, l_sum, q, k_base, v_base, start, i, off, sk, d, dv, k_st, k_sd,
-                                           v_st, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, True, PRECISION,
-                                           BLOCK_N, cap2, window, SOFTCAP, WINDOW)
+                                               v_st, v_sd, qk_scale, offs_d, offs_dv, True, CAUSAL, EXACT, PRECISION,
+                                               BLOCK_N, cap2, window, SOFTCAP, WINDOW)
+            hidden += _tail
         _store_out(out_ptr, acc, l_sum, 0, head, q0 + i.to(tl.int64), offs_dv,
                    row_ok[:, None] & (offs_dv[None, :] < dv), 0, o_sh, o_st, o_sd)
+        if CAUSAL and not EXACT:
+            tl.store(flag_ptr + pid.to(tl.int64) * tl.num_programs(1) + head, hidden)
 
 
 def _supports(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window):
@@ -138,13 +156,26 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
         return out
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     cfg = _config(max(1, tq // n_seq), d, dv, q.dtype)
-    bm = cfg["BLOCK_M"]
-    cu_blocks = torch.zeros(n_seq + 1, dtype=torch.int32, device=q.device)
-    torch.cumsum((cu_q[1:] - cu_q[:-1] + (bm - 1)) // bm, 0, out=cu_blocks[1:])
+    fast_blocks = _block_sums(cu_q, cfg["BLOCK_M"])
+    flags = torch.empty((cdiv(tq, cfg["BLOCK_M"]) + n_seq, hq), dtype=torch.int32, device=q.device) if causal else out
     window = 0 if sliding_window is None else min(int(sliding_window), 2**30)
-    _varlen_kernel[(cdiv(tq, bm) + n_seq, hq)](
-        q, k, v, out, cu_q, cu_k, cu_blocks, n_seq, hq // k.shape[1], d, dv, *q.stride(), *k.stride(), *v.stride(),
-        *out.stride(), _softmax_scale(scale, d) * LOG2E, 1.0 if softcap is None else float(softcap) * LOG2E, window,
-        n_seq.bit_length(), CAUSAL=bool(causal), SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg)
+    args = (n_seq, hq // k.shape[1], d, dv, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            _softmax_scale(scale, d) * LOG2E, 1.0 if softcap is None else float(softcap) * LOG2E, window,
+            n_seq.bit_length(), cfg["BLOCK_M"])
+    meta = dict(CAUSAL=bool(causal), SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    launches = [(cfg, fast_blocks, False)]
+    if causal:  # re-run the tiles whose masked blocks hid NaN/inf in v (unflagged programs exit at once)
+        fix = _exact_config(cfg)
+        launches.append((fix, fast_blocks if fix is cfg else _block_sums(cu_q, fix["BLOCK_M"]), True))
+    for c, blocks, exact in launches:
+        _varlen_kernel[(cdiv(tq, c["BLOCK_M"]) + n_seq, hq)](q, k, v, out, cu_q, cu_k, blocks, flags, fast_blocks, *args,
+                                                             EXACT=exact, **meta, **c)
     return out
+
+
+def _block_sums(cu_q, bm: int):
+    """[B + 1] int32: prefix sums of each sequence's query blocks cdiv(len, bm), on the device (no sync)."""
+    blocks = torch.zeros(cu_q.shape[0], dtype=torch.int32, device=cu_q.device)
+    torch.cumsum((cu_q[1:] - cu_q[:-1] + (bm - 1)) // bm, 0, out=blocks[1:])
+    return blocks
