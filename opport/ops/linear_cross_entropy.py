@@ -205,9 +205,13 @@ def _shape(hidden, weight, target, bias, ignore_index, reduction, label_smoothin
     return (hidden.shape[0],) if reduction == "none" else ()
 
 
+def _item(dtype) -> int:
+    """Bytes per element of a Meta's dtype name (or an array's dtype)."""
+    return np.dtype(cg.np_dtype(getattr(dtype, "name", dtype))).itemsize
+
+
 def _bytes_in(hidden, weight, target, bias) -> int:
-    item = np.dtype(cg.np_dtype(hidden.dtype)).itemsize
-    titem = np.dtype(cg.np_dtype(target.dtype)).itemsize
+    item, titem = _item(hidden.dtype), _item(target.dtype)
     return (hidden.size + weight.size + (bias.size if bias is not None else 0)) * item + hidden.shape[0] * titem
 
 
@@ -294,7 +298,7 @@ def _backward_error_cases():
 @linear_cross_entropy_backward.cost
 def _backward_cost(grad, hidden, weight, target, lse, bias, ignore_index, reduction, label_smoothing, softcap):
     """Inputs and lse read, the three gradients written: no logits move. FLOPs: dhidden's and dweight's GEMMs."""
-    item = np.dtype(cg.np_dtype(hidden.dtype)).itemsize
+    item = _item(hidden.dtype)
     written = (hidden.size + weight.size + (bias.size if bias is not None else 0)) * item
     n = hidden.shape[0]
     return Cost(bytes=_bytes_in(hidden, weight, target, bias) + written + 4 * (n + grad.size),
