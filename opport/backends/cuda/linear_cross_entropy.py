@@ -209,9 +209,11 @@ def _config(n: int, v: int, h: int, dtype: torch.dtype) -> dict:
     if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
         return {"BLOCK_M": _fit(n, 64), "BLOCK_V": _fit(v, 128), "BLOCK_K": _fit(h, 128), "num_warps": 4,
                 "num_stages": 1}
+    # 8 warps, BLOCK_V 64: the online-logsumexp epilogue keeps several [BLOCK_M, BLOCK_V] float32 temporaries live;
+    # 4 warps (float32) or BLOCK_V 128 (16-bit) spilled 300-400 bytes per thread (tools/cuda_aot.py, sm_90)
     if dtype == torch.float32:  # IEEE FMA path: register-bound, small tiles
-        return {"BLOCK_M": _fit(n, 64), "BLOCK_V": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": _fit(n, 64), "BLOCK_V": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_M": _fit(n, 64), "BLOCK_V": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": _fit(n, 64), "BLOCK_V": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -303,8 +305,8 @@ def _gemm(a, b, out, dtype: torch.dtype, accumulate: bool) -> None:
         bm, bn, bk, warps, stages = _fit(m, 128), _fit(n, 128), _fit(k, 128), 4, 1
     elif dtype == torch.float32:  # IEEE FMA: register-bound, small tiles
         bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
-    else:  # TF32 wgmma: 128 x 128 x 32 float32 tiles, (128 + 128) * 32 * 4 B * 3 stages = 96 KiB of shared memory
-        bm, bn, bk, warps, stages = 128, 128, 32, 8, 3
+    else:  # TF32 wgmma: 128 x 64 x 32 float32 tiles, (128 + 64) * 32 * 4 B * 3 stages = 72 KiB of shared memory
+        bm, bn, bk, warps, stages = 128, 64, 32, 8, 3  # (128 x 128 spilled: the widened 16-bit b tile in registers)
     _gemm_kernel[(cdiv(m, bm) * cdiv(n, bn),)](
         a, b, out, m, n, k, *a.stride(), *b.stride(), *out.stride(), ACCUMULATE=accumulate,
         PRECISION=_precision(dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
