@@ -525,3 +525,22 @@ def test_cross_entropy_training_forward_chunked_rows(dtype, monkeypatch):
                               equal_nan=True)
         bwd = get_op("cross_entropy_backward")
         _run_backward(bwd, bwd.from_forward(case, dtype), dtype)
+
+
+# --------------------------------------------------------------- linear_cross_entropy (issue 19): the chunked backward
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("chunk", [16, 1 << 20])
+def test_linear_cross_entropy_backward_chunks(dtype, chunk, monkeypatch):
+    """One vocabulary chunk, or many (a dlogits buffer of 16 elements: one 64/128-column tile per chunk), give the
+    reference's gradients, and the same bits on a second run (no atomics)."""
+    from opport.backends.cuda import linear_cross_entropy as mod
+
+    monkeypatch.setattr(mod, "CHUNK_ELEMENTS", chunk)
+    bwd = get_op("linear_cross_entropy_backward")
+    for name in ("none-odd-vocab", "softcap", "smoothing-1-bias"):  # reduction "none": grads [N]
+        case = next(c for c in bwd.get_cases(dtype) if c.name == name)
+        first = _run_backward(bwd, case, dtype)
+        again = _run_backward(bwd, case, dtype)
+        assert all(torch.equal(a, b) for a, b in zip(first, again) if a is not None), name

@@ -250,7 +250,7 @@ def test_constants_say_why():
 # --------------------------------------------------------------------------- training kernels: rope, matmul,
 # cross_entropy, attention (their training forwards and backwards; issue 17 part 1)
 
-TRAINED = ("rope", "matmul", "cross_entropy", "attention")
+TRAINED = ("rope", "matmul", "cross_entropy", "attention", "linear_cross_entropy")
 
 
 def _derived(name: str) -> list:
