@@ -133,6 +133,34 @@ def layernorm(x, weight=None, bias=None, eps=1e-05, *, backend=None):
 layernorm.spec = _layernorm
 
 
+_linear_cross_entropy = _get_op('linear_cross_entropy')
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction='mean', label_smoothing=0.0, softcap=None, *, backend=None):
+    """Cross-entropy of the logits hidden @ weight.T (+ bias), computed without ever holding the N x V logits.
+
+    The logits z = hidden @ weight.T + bias ([N, V], float32 accumulation) are optionally softcapped,
+    z = softcap · tanh(z / softcap) (Gemma 2), then judged exactly as `cross_entropy(z, target, ignore_index,
+    reduction, label_smoothing)`: ignored rows 0 and out of the mean's count, every row ignored (or N = 0)
+    gives a NaN "mean", a target outside [0, V) that is not ignore_index a NaN row; float32 result.
+    Kernels walk the logits in tiles of tokens x vocabulary with an online log-sum-exp, so the extra memory
+    is O(tile), not O(N V): on cpu blocks of ROW_BLOCK x VOCAB_CHUNK (256 x 4096) float32 values (4 MiB)
+    plus per-row statistics; on cuda a register tile per program. At N 8192, V 128256 the logits alone
+    would be 2 GiB in bfloat16 (4 GiB float32).
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
+    if hidden.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_linear_cross_entropy, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_linear_cross_entropy, b, backend)
+
+
+linear_cross_entropy.spec = _linear_cross_entropy
+
+
 _matmul = _get_op('matmul')
 
 
@@ -301,4 +329,4 @@ def swiglu(gate, up, *, backend=None):
 swiglu.spec = _swiglu
 
 
-__all__ = ["attention", "cross_entropy", "dequantize_fp8", "gelu", "layernorm", "matmul", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu"]
+__all__ = ["attention", "cross_entropy", "dequantize_fp8", "gelu", "layernorm", "linear_cross_entropy", "matmul", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu"]
