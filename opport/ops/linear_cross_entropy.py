@@ -46,7 +46,7 @@ REDUCTIONS = ce.REDUCTIONS
     out_dtype="float32",
 )
 def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                         softcap=None):
+                         softcap: float | None = None):
     """Cross-entropy of the logits hidden @ weight.T (+ bias), computed without ever holding the N x V logits.
 
     The logits z = hidden @ weight.T + bias ([N, V], float32 accumulation) are optionally softcapped,
@@ -246,7 +246,7 @@ def _saved(hidden, weight, target, bias, ignore_index, reduction, label_smoothin
     },
 )
 def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias=None, ignore_index=-100, reduction="mean",
-                                  label_smoothing=0.0, softcap=None):
+                                  label_smoothing=0.0, softcap: float | None = None):
     """Gradients of linear_cross_entropy for hidden, weight and bias; target is a constant.
 
     Saves hidden, weight, target, bias and the per-row logsumexp lse [N]; the logits are recomputed tile by
