@@ -54,9 +54,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, r
     reduction, label_smoothing)`: ignored rows 0 and out of the mean's count, every row ignored (or N = 0)
     gives a NaN "mean", a target outside [0, V) that is not ignore_index a NaN row; float32 result.
     Kernels walk the logits in tiles of tokens x vocabulary with an online log-sum-exp, so the extra memory
-    is O(tile), not O(N V): on cpu blocks of ROW_BLOCK x VOCAB_CHUNK (256 x 4096) float32 values (4 MiB)
-    plus per-row statistics; on cuda a register tile per program. At N 8192, V 128256 the logits alone
-    would be 2 GiB in bfloat16 (4 GiB float32).
+    is O(tile), not O(N V) (at N 8192, V 128256 the logits alone would be 2 GiB in bfloat16). Forward, every
+    backend: the loss and lse [N] beside tiles (cpu: ROW_BLOCK x VOCAB_CHUNK = 256 x 4096 float32, 4 MiB;
+    cuda: registers; neuron: SBUF/PSUM). Backward: cpu, those tiles plus a VOCAB_CHUNK x H float32 dweight
+    accumulator; cuda, a float32 dlogits buffer of one vocabulary chunk (at most 2^25 elements, 128 MiB);
+    neuron, SBUF only; and for 16-bit inputs a float32 dhidden accumulator [N, H] (cpu, cuda).
     """
     check_float(NAME, "hidden", hidden)
     check_same_dtype(NAME, "hidden", hidden, weight=weight, bias=bias)
