@@ -76,14 +76,18 @@ class HostTimer:
 
 
 def _torch_cpu_peak(torch, fn) -> int:
-    """Peak bytes torch's CPU allocator holds during fn() beyond its start: ops' own allocations and the frees
-    ("[memory]" events), summed in start order."""
+    """Peak bytes torch's CPU allocator holds during fn() beyond its start, from the profiler's events in time order:
+    an op's net allocation at its start, its net free at its end (autograd's evaluate_function frees its inputs
+    after its inner ops allocated: at its start the peak would be missed), "[memory]" frees where they happen."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    deltas = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-                    for e in prof.events())
+    deltas = []
+    for e in prof.events():
+        d = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        deltas.append((e.time_range.start if d > 0 or e.name == "[memory]" else e.time_range.end, d))
+    deltas.sort()
     held = peak = 0
     for _, d in deltas:
         held += d
