@@ -1,8 +1,10 @@
 """linear_cross_entropy in Triton: logits made tile by tile with matmul's K loop, never written to memory.
 
-Forward: one program per BLOCK_M tokens walks the vocabulary in BLOCK_V tiles; each tile of logits is
-`_k_loop` (matmul's GEMM inner loop, float32 accumulation over H) plus the bias and softcap, folded at
-once into the rows' online logsumexp, target logit and logit sum. Extra memory: the loss and lse [N].
+Forward: one program per BLOCK_M tokens and vocabulary split walks its split in BLOCK_V tiles; each tile
+of logits is `_k_loop` (matmul's GEMM inner loop, float32 accumulation over H) plus the bias and softcap,
+folded at once into the rows' online logsumexp, target logit and logit sum; a second small kernel combines
+the splits' partials (in order) into the loss. Splits: about 2 programs per SM over row blocks x splits (N
+8192: 128 row blocks x 3 splits; N 1024: 16 x 17). Extra memory: the partials [4, splits, N] and lse [N].
 Backward, per vocabulary chunk of CHUNK_ELEMENTS / N columns (host loop, chunks in order):
   1. `_lce_dlogits_kernel`: the chunk's logits recomputed by the same tiles, turned into
      dlogits = c (p - eps/V - (1 - eps) onehot) (1 - tanh²), written to a float32 chunk buffer [N, chunk] (the only
@@ -30,6 +32,7 @@ from opport.backends.cuda._launch import (
     log_f32,
     narrow,
     next_pow2,
+    sm_count,
     tl,
     triton,
 )
@@ -40,6 +43,9 @@ from opport.ops.linear_cross_entropy import linear_cross_entropy as spec
 
 DTYPES = ("float32", "float16", "bfloat16")
 CHUNK_ELEMENTS = (1 << 12) if INTERPRET else (1 << 25)  # dlogits buffer; small in the interpreter: several chunks
+# forward programs per SM: the vocabulary is split so that few tokens (N 1024: 16 row blocks) still fill the GPU;
+# in the interpreter 2 programs in all, so that single-row-block cases run two splits and their combination
+SPLIT_TARGET = 2
 
 
 @triton.jit
@@ -73,46 +79,83 @@ def _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, N, V, H, h_s0, h_s1, w_s0, w_s1
 
 
 @triton.jit
-def _lce_forward_kernel(
+def _lce_partial_kernel(
     # pointers
-    h_ptr, w_ptr, b_ptr, t_ptr, loss_ptr, lse_ptr,
+    h_ptr, w_ptr, b_ptr, t_ptr, part_ptr,
     # shapes, strides
-    N, V, H, h_s0, h_s1, w_s0, w_s1, b_s, t_s,
-    ignore_index, smoothing, softcap,
+    N, V, H, h_s0, h_s1, w_s0, w_s1, b_s, t_s, split_cols, softcap,
     # meta-parameters
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, STORE_LSE: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """loss[r] = (m - z[t]) + log(sum exp(z - m)) over the logits z of BLOCK_M rows, smoothed as cross_entropy.
+    """One split of the vocabulary for BLOCK_M rows: its running max m, sum s of exp(z - m), target logit and logit
+    sum, written to part [4, splits, N] (program (row block, split)).
 
-    Dimensions: hidden [N, H], weight [V, H], bias [V], target [N] (all strided); loss, lse [N] float32.
-    Notes: each BLOCK_V tile of logits lives only in registers: its max and exp-sum update the running
-    (m, s) (rescaled by exp(m_old - m_new)), the target's logit is picked by a column compare, the row sum
-    of logits (smoothing) accumulated; columns past V are -inf / 0. Ignored rows 0, targets outside [0, V)
-    NaN. STORE_LSE (the training forward) writes m + log(s). exp is the fast path, as cross_entropy's
-    forward (its ~2e-6 relative error moves log(s) far inside the loss tolerance).
-    Pseudocode: for v0: z = hidden[rows] @ weight[v0:v0+BV]^T; m, s = online(m, s, z); z_t += z[t]
+    Dimensions: hidden [N, H], weight [V, H], bias [V], target [N] (all strided); split p covers vocabulary
+    columns [p * split_cols, (p + 1) * split_cols) (a multiple of BLOCK_V).
+    Notes: each BLOCK_V tile of logits (`_logit_tile`: matmul's K loop, bias, softcap) lives only in registers:
+    its max and exp-sum update (m, s) (rescaled by exp(m_old - m_new)); the target's logit is picked by a column
+    compare (0 where the target lies in another split); columns past the split are -inf / 0. exp is the fast
+    path, as cross_entropy's forward (its ~2e-6 relative error moves log(s) far inside the loss tolerance).
+    Pseudocode: for v0 in split: z = hidden[rows] @ weight[v0:v0+BV]^T; m, s = online(m, s, z); z_t += z[t]
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
+    v_lo = tl.program_id(1) * split_cols
+    v_hi = tl.minimum(v_lo + split_cols, V)
     t = tl.load(t_ptr + rows.to(tl.int64) * t_s, mask=row_ok, other=0).to(tl.int64)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_M,), tl.float32)
     z_t = tl.zeros((BLOCK_M,), tl.float32)
     z_sum = tl.zeros((BLOCK_M,), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(v_lo, v_hi, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         z, _th = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, N, V, H, h_s0, h_s1, w_s0, w_s1, b_s, softcap,
                              HAS_BIAS, SOFTCAP, PRECISION, BLOCK_M, BLOCK_V, BLOCK_K)
-        col_ok = (cols < V)[None, :]
+        col_ok = (cols < v_hi)[None, :]
         zm = tl.where(col_ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(zm, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(zm - m_safe[:, None]), 1)
         m = m_new
-        z_t += tl.sum(tl.where(cols[None, :] == t[:, None], z, 0.0), 1)
-        if SMOOTH:
-            z_sum += tl.sum(tl.where(col_ok, z, 0.0), 1)
+        z_t += tl.sum(tl.where(col_ok & (cols[None, :] == t[:, None]), z, 0.0), 1)
+        z_sum += tl.sum(tl.where(col_ok, z, 0.0), 1)
+    part = part_ptr + tl.program_id(1).to(tl.int64) * N + rows
+    stride = tl.num_programs(1).to(tl.int64) * N
+    tl.store(part, m, mask=row_ok)
+    tl.store(part + stride, s, mask=row_ok)
+    tl.store(part + 2 * stride, z_t, mask=row_ok)
+    tl.store(part + 3 * stride, z_sum, mask=row_ok)
+
+
+@triton.jit
+def _lce_combine_kernel(
+    part_ptr, t_ptr, loss_ptr, lse_ptr, N, V, splits, stride, t_s, ignore_index, smoothing,
+    SMOOTH: tl.constexpr, STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """loss[r] = (m - z[t]) + log(s) from the splits' partials, in split order (deterministic), smoothed as
+    cross_entropy: (1 - eps) loss + eps ((m - sum(z) / V) + log(s)); ignored rows 0, targets outside [0, V) NaN.
+
+    Dimensions: part [4, splits, N] float32 (m, s, z_t, sum z per split; stride = splits * N); loss, lse [N] float32.
+    Notes: the partial sums are rescaled to the global max as the online logsumexp does; STORE_LSE (the training
+    forward) also writes m + log(s).
+    """
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_M,), tl.float32)
+    z_t = tl.zeros((BLOCK_M,), tl.float32)
+    z_sum = tl.zeros((BLOCK_M,), tl.float32)
+    for p in range(0, splits):
+        part = part_ptr + p * N + rows
+        m_p = tl.load(part, mask=row_ok, other=float("-inf"))
+        m_new = tl.maximum(m, m_p)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.load(part + stride, mask=row_ok, other=0.0) * tl.exp(m_p - m_safe)
+        m = m_new
+        z_t += tl.load(part + 2 * stride, mask=row_ok, other=0.0)
+        z_sum += tl.load(part + 3 * stride, mask=row_ok, other=0.0)
+    t = tl.load(t_ptr + rows.to(tl.int64) * t_s, mask=row_ok, other=0).to(tl.int64)
     log_s = log_f32(s)
     loss = (m - z_t) + log_s
     if SMOOTH:
@@ -241,14 +284,25 @@ def linear_cross_entropy_forward(hidden, weight, target, bias, ignore_index: int
 
 def _forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap, lse):
     (n, h), v = hidden.shape, weight.shape[0]
-    loss = torch.empty((n,), dtype=torch.float32, device=hidden.device)
+    dev = hidden.device
+    loss = torch.empty((n,), dtype=torch.float32, device=dev)
     if n:
         cfg = _config(n, v, h, hidden.dtype)
-        _lce_forward_kernel[(cdiv(n, cfg["BLOCK_M"]),)](
-            hidden, weight, hidden if bias is None else bias, target, loss, loss if lse is None else lse,
-            n, v, h, *_strides(hidden, weight, target, bias), int(ignore_index), float(label_smoothing),
-            float(softcap or 1.0), HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, SMOOTH=label_smoothing != 0,
-            STORE_LSE=lse is not None, PRECISION=_precision(hidden.dtype), **cfg)
+        row_blocks, tiles_v = cdiv(n, cfg["BLOCK_M"]), cdiv(v, cfg["BLOCK_V"])
+        programs = 2 if INTERPRET else SPLIT_TARGET * sm_count(dev)
+        splits = min(tiles_v, max(1, cdiv(programs, row_blocks)))
+        split_cols = cdiv(tiles_v, splits) * cfg["BLOCK_V"]
+        splits = cdiv(v, split_cols)
+        part = torch.empty((4, splits, n), dtype=torch.float32, device=dev)
+        _lce_partial_kernel[(row_blocks, splits)](
+            hidden, weight, hidden if bias is None else bias, target, part, n, v, h,
+            *_strides(hidden, weight, target, bias), split_cols, float(softcap or 1.0), HAS_BIAS=bias is not None,
+            SOFTCAP=softcap is not None, PRECISION=_precision(hidden.dtype), **cfg)
+        block = min(next_pow2(n), 1024)
+        _lce_combine_kernel[(cdiv(n, block),)](
+            part, target, loss, loss if lse is None else lse, n, v, splits, splits * n, target.stride(0), int(ignore_index),
+            float(label_smoothing), SMOOTH=label_smoothing != 0, STORE_LSE=lse is not None, BLOCK_M=block,
+            num_warps=4)
     if reduction == "none":
         return loss
     total = loss.sum()
