@@ -252,10 +252,10 @@ def _config(n: int, v: int, h: int, dtype: torch.dtype) -> dict:
     if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
         return {"BLOCK_M": _fit(n, 64), "BLOCK_V": _fit(v, 128), "BLOCK_K": _fit(h, 128), "num_warps": 4,
                 "num_stages": 1}
-    # 8 warps, BLOCK_V 64: the online-logsumexp epilogue keeps several [BLOCK_M, BLOCK_V] float32 temporaries live;
-    # 4 warps (float32) or BLOCK_V 128 (16-bit) spilled 300-400 bytes per thread (tools/cuda_aot.py, sm_90)
+    # the online-logsumexp epilogue keeps several [BLOCK_M, BLOCK_V] float32 temporaries live: 64 x 64 float32 tiles
+    # spilled 384 bytes per thread at 4 warps and 12 at 8, 64 x 128 16-bit tiles ~300 (tools/cuda_aot.py, sm_90)
     if dtype == torch.float32:  # IEEE FMA path: register-bound, small tiles
-        return {"BLOCK_M": _fit(n, 64), "BLOCK_V": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_M": _fit(n, 32), "BLOCK_V": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": _fit(n, 64), "BLOCK_V": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
