@@ -11,6 +11,30 @@ from opport.dispatch import call as _call
 from opport.integrations import route as _route
 from opport.ops import get_op as _get_op
 
+_add_rmsnorm = _get_op('add_rmsnorm')
+
+
+def add_rmsnorm(x, residual, weight=None, eps=1e-06, *, backend=None):
+    """The residual add and RMS normalisation of a transformer layer in one pass: returns (normed, sum).
+
+    sum = x + residual, computed and rounded in the input dtype (the residual stream a model stores);
+    normed = rmsnorm(sum, weight, eps), computed from that rounded sum with float32 statistics for 16-bit
+    inputs (float64 for float64). Each input is read once and each output written once. Rows whose sum
+    of squares would overflow are defined by the exact scaled form, as rmsnorm's.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (x, residual, weight, eps)
+    if x.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_add_rmsnorm, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_add_rmsnorm, b, backend)
+
+
+add_rmsnorm.spec = _add_rmsnorm
+
+
 _attention = _get_op('attention')
 
 
@@ -110,6 +134,31 @@ def gelu(x, approximate='none', *, backend=None):
 gelu.spec = _gelu
 
 
+_kv_cache_write = _get_op('kv_cache_write')
+
+
+def kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, backend=None):
+    """Write each token's key and value rows into its cache slot, in place; returns None.
+
+    key [T, Hkv, D] and value [T, Hkv, Dv] go to k_cache and v_cache [num_blocks, block_size, Hkv, D/Dv] at
+    slot s = slot_mapping[t]: block s // block_size, offset s % block_size. A slot of -1 is skipped (a
+    padding token). The rows are copied bit for bit; every other byte of the caches is left unchanged.
+    Slots out of range or repeated raise before anything is written (the dispatcher reads slot_mapping
+    back from the device to check it).
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (key, value, k_cache, v_cache, slot_mapping)
+    if key.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_kv_cache_write, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_kv_cache_write, b, backend)
+
+
+kv_cache_write.spec = _kv_cache_write
+
+
 _layernorm = _get_op('layernorm')
 
 
@@ -183,6 +232,34 @@ def matmul(a, b, bias=None, *, backend=None):
 
 
 matmul.spec = _matmul
+
+
+_paged_attention = _get_op('paged_attention')
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, softcap=None, sliding_window=None, *, backend=None):
+    """Decode attention over a paged KV cache, out [B, Hq, Dv].
+
+    Sequence b's keys are positions 0 .. context_lens[b] - 1; position p lives in block
+    block_tables[b, p // block_size] at offset p % block_size. q[b] is the token at position
+    context_lens[b] - 1 (already in the cache), so it sees every key of its sequence. Query head h reads KV
+    head h // (Hq / Hkv). scale defaults to 1/sqrt(D); softcap c turns the scaled scores s into
+    c * tanh(s / c) (Gemma 2); sliding_window W keeps the last W keys (positions > context_len - 1 - W).
+    A sequence of length 0 outputs 0, as does a row whose visible scores are all -inf; cache slots a
+    sequence does not see (the tail of its last block, other blocks) never reach its output, NaN or not.
+    Table entries past a sequence's last block are not read. Same numerics as `attention`.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window)
+    if q.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_paged_attention, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_paged_attention, b, backend)
+
+
+paged_attention.spec = _paged_attention
 
 
 _quantize_fp8 = _get_op('quantize_fp8')
@@ -331,4 +408,4 @@ def swiglu(gate, up, *, backend=None):
 swiglu.spec = _swiglu
 
 
-__all__ = ["attention", "cross_entropy", "dequantize_fp8", "gelu", "layernorm", "linear_cross_entropy", "matmul", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu"]
+__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "kv_cache_write", "layernorm", "linear_cross_entropy", "matmul", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu"]

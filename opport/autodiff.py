@@ -14,6 +14,9 @@ such a kernel, a plugin's) the training forward and the backward op run as above
 
     out, pullback = opport.vjp("rmsnorm", x, w)      # NumPy, torch or JAX arrays
     dx, dw = pullback(dy)                           # one gradient per differentiable input (None if absent)
+
+An op with several outputs (add_rmsnorm's normed and sum) returns them as a tuple, and its pullback takes a
+tuple of upstream gradients, one per output: `pullback((dnormed, dsum))`.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def require_backward(spec):
 
 
 def training_forward(spec, bound: tuple, backend: str | None):
-    """(out, stats): the op's output and the statistics its backward needs (empty for most ops)."""
+    """(out, stats): the op's output (a tuple of them for an op with several) and the statistics its backward
+    needs (empty for most ops)."""
     require_backward(spec)
     if spec.train_forward is None:
         return call(spec, bound, backend), ()
@@ -52,15 +56,25 @@ def saved_values(spec, bound: tuple, out, stats: tuple) -> tuple:
     statistics; everything else the forward had is dropped (and can be freed)."""
     bwd = spec.backward_op
     by_name = dict(zip(spec.params, bound))
-    by_name["out"] = out
+    if len(bwd.grads) == 1:
+        by_name["out"] = out
+    else:  # several outputs, saved by their names
+        by_name.update(zip(bwd.saved_outputs, out))
     if spec.train_forward is not None:
         by_name.update(zip(spec.train_forward.stats, stats))
-    return tuple(by_name[p] for p in bwd.params[1:])
+    return tuple(by_name[p] for p in bwd.params[len(bwd.grads):])
 
 
 def backward(spec, grad, saved: tuple, backend: str | None) -> tuple:
-    """One gradient per name in the op's `wrt` (None where that input was None)."""
-    return call(spec.backward_op, (grad, *saved), backend)
+    """One gradient per name in the op's `wrt` (None where that input was None). `grad`: the upstream gradient,
+    a tuple of them (one per output) for an op with several outputs."""
+    names = spec.backward_op.grads
+    if len(names) > 1 and not (isinstance(grad, (tuple, list)) and len(grad) == len(names)):
+        raise errors.ArgumentError(op=spec.backward_op.name, arg="grad", constraint=f"{spec.backward_op.name}.grad_shape",
+                                   expected=f"a tuple of {len(names)} upstream gradients ({', '.join(names)})",
+                                   got=type(grad).__name__)
+    grads = (grad,) if len(names) == 1 else tuple(grad)
+    return call(spec.backward_op, (*grads, *saved), backend)
 
 
 def fused_op(spec, bound: tuple, backend: str | None):

@@ -25,7 +25,9 @@ def render() -> str:
         out += [inspect.cleandoc(spec.__doc__ or ""), ""]
         arrays = ", ".join(f"`{a}`" for a in spec.arrays)
         out += [f"Array arguments: {arrays}. Dtypes: {', '.join(spec.dtypes)}."
-                + (f" Output dtype: always {spec.fixed_out_dtype}." if spec.fixed_out_dtype else ""), ""]
+                + (f" Output dtype: always {spec.fixed_out_dtype}." if spec.fixed_out_dtype else "")
+                + (f" Outputs, returned as a tuple: {', '.join(f'`{o}`' for o in spec.output_names)}." if spec.n_outputs > 1
+                   else ""), ""]
         out += _constraints(spec) + _tolerances(spec) + _backward(spec)
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out))  # one blank line between blocks
 
@@ -35,10 +37,17 @@ def _constraints(spec) -> list:
 
 
 def _tolerances(spec) -> list:
-    out = ["| dtype | metric | rtol | atol | ulp | why |", "|---|---|---|---|---|---|"]
-    for dtype, t in spec.tolerances.items():
-        ulp = "" if t.ulp is None else f"{t.ulp:g}"
-        out.append(f"| {dtype} | {t.metric} | {t.rtol:g} | {t.atol:g} | {ulp} | {t.reason} |")
+    """Per dtype; per output and dtype for an op with several outputs."""
+    lead = ["output"] if spec.n_outputs > 1 else []
+    cols = [*lead, "dtype", "metric", "rtol", "atol", "ulp", "why"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for i, output in enumerate(spec.output_names):
+        for dtype in spec.tolerances:
+            t = spec.tolerance_for(dtype, i)
+            ulp = "" if t.ulp is None else f"{t.ulp:g}"
+            row = [output] if lead else []
+            row += [dtype, t.metric, f"{t.rtol:g}", f"{t.atol:g}", ulp, t.reason]
+            out.append("| " + " | ".join(row) + " |")
     return out + [""]
 
 
@@ -46,7 +55,7 @@ def _backward(spec) -> list:
     bwd = spec.backward_op
     if bwd is None:
         return ["Not differentiable.", ""]
-    saved = [p for p in bwd.params[1:] if p in bwd.arrays]
+    saved = [p for p in bwd.params[len(bwd.grads):] if p in bwd.arrays]
     out = [f"### {bwd.name}", "", f"`{bwd.name}{bwd.signature}`", "",
            f"Differentiable inputs: {', '.join(f'`{n}`' for n in bwd.wrt)}."
            + (f" Summed over rows (judged norm-wise): {', '.join(f'`{n}`' for n in bwd.reduces)}." if bwd.reduces else ""),

@@ -127,7 +127,8 @@ def explain(op, *args, backend: str | None = None, **kwargs):
 
 def vjp(op, *args, backend: str | None = None, **kwargs):
     """(out, pullback) for `opport.<op>(*args, **kwargs)`: `pullback(grad)` returns one gradient per
-    differentiable input of the op, in its declared order (None where an optional input was None).
+    differentiable input of the op, in its declared order (None where an optional input was None). For an op
+    with several outputs (add_rmsnorm), `out` is their tuple and `pullback` takes a tuple of upstream gradients.
 
     Works on NumPy, torch and JAX arrays alike (torch and JAX users usually want their own autograd,
     which opport ops support: `loss.backward()`, `jax.grad`). `op` is an op name, function or spec.

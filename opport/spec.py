@@ -138,7 +138,7 @@ class OpSpec:
     direction = "forward"
 
     def __init__(self, fn: Callable, arrays: tuple, constraints: dict, dtypes: tuple, out_dtype: str | None,
-                 name: str | None = None):
+                 name: str | None = None, writes: tuple = ()):
         self.name = name or fn.__name__
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
@@ -164,6 +164,7 @@ class OpSpec:
         # the distribution that declares the op: "opport", or a plugin package (kernels in <package>.backends.<b>)
         self.package = (fn.__module__ or "opport").split(".")[0]
         self._reference = self._cases = self._strategy = self._errors = self._cost = None
+        self.reference_takes_dtype = False  # set by @<op>.reference: its reference is told the dtype under test
         self.tolerances: dict[str, Tolerance] = dict(BASE_TOLERANCE)
         self.invariants: list[Callable] = []
         self._shape: Callable | None = None
@@ -174,11 +175,25 @@ class OpSpec:
         self.backward_op: BackwardSpec | None = None  # set by @<op>.backward
         self.train_forward: TrainForwardSpec | None = None  # set by @<op>.saves: the forward that returns stats too
         self.value_and_grad_op: ValueAndGradSpec | None = None  # set by @<op>.value_and_grad: forward + unit gradients
+        # arrays the op writes in place (it returns None); `@<op>.written` gives the region, the reference its values
+        unknown = [w for w in writes if w not in self.arrays]
+        if unknown:
+            raise TypeError(f"{self.name}: writes {unknown} are not among its arrays {self.arrays}")
+        self.writes = tuple(writes)
+        self.write_pos = tuple(self.params.index(w) for w in self.writes)
+        self._written: Callable | None = None
+        self._value_check: tuple | None = None  # (names, fn): a check of some arrays' values before any kernel
+        if self.writes:
+            self.output_names = ()
 
     # -- attaching the parts of the declaration
 
     def reference(self, fn):
+        """The float64 reference. A reference with a keyword-only `input_dtype` parameter also gets the name of the dtype under
+        test (inputs still arrive as float64 copies): for ops that define a rounding to that dtype part-way
+        (add_rmsnorm's sum); it defaults to the inputs' own dtype when called directly."""
         self._reference = fn
+        self.reference_takes_dtype = "input_dtype" in inspect.signature(fn).parameters
         return fn
 
     def cases(self, fn):
@@ -201,6 +216,30 @@ class OpSpec:
         """The output's shape rule `fn(*bound) -> tuple`, for ops whose output is not shaped like their first array."""
         self._shape = fn
         return fn
+
+    def written(self, fn):
+        """The region an op declared with `writes=` writes: `fn(*bound) -> one NumPy index per name in `writes``
+        (e.g. `(blocks, offsets)` for rows picked by fancy indexing; bound integer arrays as NumPy). The
+        reference returns the values written there, one float64 array per name, shaped like `arg[index]`.
+        Everything outside the region must stay bitwise unchanged (the conformance suite checks it)."""
+        self._written = fn
+        return fn
+
+    def written_region(self, bound: tuple) -> tuple:
+        """One index per written argument (see `written`)."""
+        return tuple(self._written(*bound))
+
+    def check_values(self, names: tuple):
+        """Declare a check of some arrays' values (slot indices, block tables: small integer arrays), which
+        metadata validation cannot see: `fn(*bound)` gets those arrays as NumPy (the others as given) and raises
+        the op's typed errors. The dispatcher runs it on every call after validation and before any kernel
+        (reading those arrays back from a device costs a synchronisation)."""
+
+        def declare(fn):
+            self._value_check = (tuple(self.params.index(n) for n in names), fn)
+            return fn
+
+        return declare
 
     def outputs(self, names: tuple):
         """Declare an op that returns several arrays, `(names[0], names[1], ...)`, from their rule
@@ -232,11 +271,12 @@ class OpSpec:
             self.tolerances.update(per_dtype)
 
     def tolerance_for(self, dtype: str, index: int, case: Case | None = None) -> Tolerance:
-        """Output `index`'s tolerance: the case's override or the op's (output 0); the declared one of output i."""
-        if index == 0:
-            return case.tolerance if case is not None and case.tolerance is not None else self.tolerances[dtype]
-        per = self.output_tolerances[index]
-        return per.get(dtype) or per["any"]
+        """Output `index`'s tolerance: its declared one (`tolerance(index=i, ...)`; "any" for every dtype), else
+        the case's override or the op's."""
+        per = self.output_tolerances.get(index, {})
+        if dtype in per or "any" in per:
+            return per.get(dtype) or per["any"]
+        return case.tolerance if case is not None and case.tolerance is not None else self.tolerances[dtype]
 
     def backward(self, wrt: tuple, constraints: dict | None = None, constants: dict | None = None,
                  reduces: tuple = ()):
@@ -302,11 +342,18 @@ class OpSpec:
     def run_reference(self, *args, **kwargs):
         """The float64 reference on the given (already rounded) inputs, upcast to float64."""
         bound = list(self.bind(*args, **kwargs))
+        dtype = getattr(self.dtype_of(bound), "name", None) if self.array_pos else None
         for i in self.array_pos:
             a = bound[i]
             if a is not None and getattr(a, "dtype", None) is not None and a.dtype.kind in "fV":
                 with np.errstate(invalid="ignore"):  # NaN payloads of 16-bit inputs
                     bound[i] = a.astype("float64")
+        return self.call_reference(bound, dtype)
+
+    def call_reference(self, bound, dtype: str | None):
+        """The reference on bound arguments as they are, told the dtype under test if it asks for it."""
+        if self.reference_takes_dtype and dtype is not None:
+            return self._reference(*bound, input_dtype=dtype)
         return self._reference(*bound)
 
     def get_cases(self, dtype: str) -> Iterable[Case]:
@@ -338,6 +385,8 @@ class OpSpec:
         """[(shape, dtype)] per output (None for an output that is None for these arguments)."""
         if self._out_metas is not None:
             return [(tuple(s), d) for s, d in self._out_metas(*bound)]
+        if self.writes:
+            return []  # writes in place, returns None
         return [(self.out_shape(bound), self.out_dtype(bound))]
 
     def out_shape(self, bound: tuple) -> tuple:
@@ -367,17 +416,21 @@ class BackwardSpec(OpSpec):
     def __init__(self, fn, forward: OpSpec, wrt: tuple, constraints: dict, constants: dict, reduces: tuple):
         params = tuple(inspect.signature(fn).parameters)
         stats = forward.train_forward.stats if forward.train_forward else ()
-        strange = [p for p in params if p not in ("grad", "out", *forward.params, *stats)]
-        if params[0] != "grad" or strange:
-            raise TypeError(f"{fn.__name__}: a backward takes `grad`, then the forward's parameters, `out` and "
-                            f"saved statistics (declare @saves first) by name; got {params}")
-        arrays = tuple(p for p in params if p in ("grad", "out", *forward.arrays, *stats))
+        # one upstream gradient per forward output: `grad`, or `grad_<output>` for an op with several outputs
+        grads = ("grad",) if forward.n_outputs == 1 else tuple(f"grad_{o}" for o in forward.output_names)
+        outs = ("out",) if forward.n_outputs == 1 else forward.output_names
+        strange = [p for p in params[len(grads):] if p not in (*outs, *forward.params, *stats)]
+        if params[:len(grads)] != grads or strange:
+            raise TypeError(f"{fn.__name__}: a backward takes {', '.join(grads)}, then the forward's parameters, "
+                            f"{', '.join(outs)} and saved statistics (declare @saves first) by name; got {params}")
+        arrays = tuple(p for p in params if p in (*grads, *outs, *forward.arrays, *stats))
         super().__init__(fn, arrays, constraints, forward.dtypes, None, name=f"{forward.name}_backward")
         unknown = [n for n in (*wrt, *constants) if n not in forward.arrays]
         if unknown or set(wrt) & set(constants) or set(wrt) | set(constants) != set(forward.arrays):
             raise TypeError(f"{self.name}: wrt {wrt} and constants {tuple(constants)} must split {forward.arrays}")
         self.parent, self.module, self.package = forward, forward.module, forward.package
         self.wrt, self.constants, self.reduces = wrt, constants, reduces
+        self.grads, self.saved_outputs = grads, outs  # the upstream gradients' names; the names saved outputs take
         self.tolerances = dict(forward.tolerances)
         self._extra_cases = None
         self._case_tolerances: dict = {}  # case name -> {dtype: Tolerance}
@@ -443,18 +496,25 @@ class BackwardSpec(OpSpec):
 
     def from_forward(self, case: Case, dtype: str, grad=None) -> Case:
         """The backward case of a forward case: a seeded random `grad` of the output's shape and dtype (or the
-        one given), and what the forward saves (its output and statistics from the float64 reference,
-        rounded to the output dtype and float32 as kernels would save them)."""
+        one given; a tuple, one per output, for an op with several), and what the forward saves (its outputs and
+        statistics from the float64 reference, rounded to the output dtype and float32 as kernels would save
+        them)."""
         fwd = self.parent
         bound = fwd.bind(*case.args, **case.kwargs)
         by_name = dict(zip(fwd.params, bound))
-        (shape, out_dtype), = fwd.out_metas(bound)
-        out_dtype = getattr(out_dtype, "name", out_dtype)  # np.dtype of an array, or a Meta's name
-        if grad is None:
-            grad = casegen.array(shape, out_dtype, casegen.rng_for(self.name, case.name, dtype))
-        by_name["grad"] = grad
-        if "out" in self.params:
-            by_name["out"] = casegen.cast(fwd.run_reference(*bound), out_dtype)
+        metas = fwd.out_metas(bound)
+        grads = (grad,) if len(self.grads) == 1 else (grad if grad is not None else (None,) * len(self.grads))
+        for i, (name, g, (shape, out_dtype)) in enumerate(zip(self.grads, grads, metas)):
+            out_dtype = getattr(out_dtype, "name", out_dtype)  # np.dtype of an array, or a Meta's name
+            if g is None:
+                seed = case.name if i == 0 else f"{case.name}/{name}"
+                g = casegen.array(shape, out_dtype, casegen.rng_for(self.name, seed, dtype))
+            by_name[name] = g
+        if any(o in self.params for o in self.saved_outputs):
+            outs = fwd.run_reference(*bound)
+            outs = (outs,) if len(self.saved_outputs) == 1 else outs
+            for name, o, (_, out_dtype) in zip(self.saved_outputs, outs, metas):
+                by_name[name] = casegen.cast(o, getattr(out_dtype, "name", out_dtype))
         if fwd.train_forward is not None:
             stats = fwd.train_forward.run_stats(*bound)
             acc = acc_dtype(dtype).name
@@ -597,13 +657,14 @@ class ValueAndGradSpec(OpSpec):
 
 
 def op(arrays: tuple, constraints: dict | None = None, dtypes=FLOATS, out_dtype: str | None = None,
-       dtype_param: str | None = None):
+       dtype_param: str | None = None, writes: tuple = ()):
     """Declare an op from its validation function (see the module docstring). `dtype_param`: the scalar
     parameter (a dtype name) that names a call's dtype instead of the first array's (dequantize_fp8: its
-    output dtype, since its input is an fp8 code)."""
+    output dtype, since its input is an fp8 code). `writes`: the arrays the op writes in place (kv_cache_write's
+    caches); such an op returns None, declares its region with `@<op>.written`, and has no backward."""
 
     def declare(fn):
-        spec = OpSpec(fn, arrays, constraints or {}, dtypes, out_dtype)
+        spec = OpSpec(fn, arrays, constraints or {}, dtypes, out_dtype, writes=tuple(writes))
         spec.dtype_pos = spec.params.index(dtype_param) if dtype_param else None
         return spec
 
@@ -683,12 +744,13 @@ def check_axis(op: str, arg: str, axis, ndim: int) -> int:
 
 
 
-def check_grad(op: str, grad: Meta, shape: tuple, dtype: str):
-    """A backward's upstream gradient has the forward output's shape and dtype."""
-    check(grad is not None, errors.ArgumentError, op, "grad", f"{op}.grad_shape", "an array", None)
-    check(grad.dtype == dtype, errors.DTypeError, op, "grad", f"{op}.grad_dtype", f"{dtype} (the output's dtype)",
+def check_grad(op: str, grad: Meta, shape: tuple, dtype: str, arg: str = "grad"):
+    """A backward's upstream gradient (`arg`: `grad`, or `grad_<output>` of an op with several) has the forward
+    output's shape and dtype."""
+    check(grad is not None, errors.ArgumentError, op, arg, f"{op}.grad_shape", "an array", None)
+    check(grad.dtype == dtype, errors.DTypeError, op, arg, f"{op}.grad_dtype", f"{dtype} (the output's dtype)",
           grad.dtype)
-    check(tuple(grad.shape) == tuple(shape), errors.ShapeError, op, "grad", f"{op}.grad_shape",
+    check(tuple(grad.shape) == tuple(shape), errors.ShapeError, op, arg, f"{op}.grad_shape",
           f"{tuple(shape)} (the output's shape)", tuple(grad.shape))
 
 

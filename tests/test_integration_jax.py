@@ -16,7 +16,7 @@ from tests.conftest import fake_backend
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-OPS = sorted(opport.all_ops())
+OPS = sorted(n for n in opport.all_ops() if not opport.get_op(n).writes)  # JAX arrays are immutable: no in-place ops
 
 
 def _jax_args(case) -> tuple:
@@ -47,7 +47,7 @@ def _bits(a):
 
 def _assert_same(got, want):
     __tracebackhide__ = True
-    if isinstance(want, tuple):  # ops with several outputs (quantize_fp8: q, scales)
+    if isinstance(want, tuple):  # ops with several outputs (quantize_fp8, add_rmsnorm)
         assert isinstance(got, tuple) and len(got) == len(want)
         for g, w in zip(got, want):
             _assert_same(g, w)

@@ -28,7 +28,7 @@ FAMILIES = {
 LAYERS = 2
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
-PATCHED_OPS = ("rmsnorm", "swiglu", "rope", "attention")
+PATCHED_OPS = ("rmsnorm", "swiglu", "rope", "attention", "add_rmsnorm")
 
 
 def _model(family="llama", dtype=torch.float32, **config):
@@ -66,9 +66,9 @@ def _logits(model, ids, **kwargs):
 def test_patch_swaps_every_block_and_unpatch_restores(family):
     model, ids = _model(family), _ids()
     before = _logits(model, ids)
-    assert patch(model) == {"rmsnorm": 2 * LAYERS + 1, "swiglu": LAYERS, "attention": LAYERS}
-    assert is_patched(model) and patch(model) == {"rmsnorm": 0, "swiglu": 0, "attention": 0}  # idempotent
-    assert unpatch(model) == 4 * LAYERS + 1 and not is_patched(model)
+    assert patch(model) == {"rmsnorm": 2 * LAYERS + 1, "swiglu": LAYERS, "attention": LAYERS, "add_rmsnorm": LAYERS}
+    assert is_patched(model) and set(patch(model).values()) == {0}  # idempotent
+    assert unpatch(model) == 5 * LAYERS + 1 and not is_patched(model)
     assert not any("forward" in vars(m) for m in model.modules())
     assert torch.equal(_logits(model, ids), before)
 
@@ -80,7 +80,9 @@ def test_patched_logits_match_unpatched_and_run_opport(family, calls):
     patch(model)
     got = _logits(model, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert calls == {"rmsnorm": 2 * LAYERS + 1, "swiglu": LAYERS, "rope": 2 * LAYERS, "attention": LAYERS}
+    # each layer's post-attention norm runs inside add_rmsnorm: one rmsnorm per layer plus the final norm
+    assert calls == {"rmsnorm": LAYERS + 1, "swiglu": LAYERS, "rope": 2 * LAYERS, "attention": LAYERS,
+                     "add_rmsnorm": LAYERS}
 
 
 def test_decode_step_with_kv_cache_matches(calls):

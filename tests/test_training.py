@@ -45,9 +45,15 @@ def _rope_torch(x, cos, sin, interleaved):
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
 
 
+def _add_rmsnorm_torch(x, residual, w, eps):
+    s = x + residual
+    return F.rms_norm(s, s.shape[-1:], w, eps), s
+
+
 TORCH = {
     "softmax": lambda x, axis: torch.softmax(x, axis),
     "rmsnorm": lambda x, w, eps: F.rms_norm(x, x.shape[-1:], w, eps),
+    "add_rmsnorm": _add_rmsnorm_torch,
     "layernorm": lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
     "gelu": lambda x, approximate: F.gelu(x, approximate=approximate),
     "silu": lambda x: F.silu(x),
@@ -90,6 +96,11 @@ def _judge(spec, grads, want, what: str):
         assert verdict.ok, f"{spec.name} {what}: d{name}: {verdict.message}"
 
 
+def _outs(out) -> tuple:
+    """An op's outputs as a tuple (add_rmsnorm returns two)."""
+    return out if isinstance(out, tuple) else (out,)
+
+
 def _cases(spec, limit: int = 3):
     return [spec.bind(*c.args, **c.kwargs) for c in small_cases(spec, "float64", limit=limit)]
 
@@ -100,11 +111,12 @@ def test_torch_backward_matches_torch_functions(name):
     for bound in _cases(spec):
         slots = _float_inputs(spec, bound)
         ours, theirs = _torch_bound(bound, slots), _torch_bound(bound, slots)
-        out = fn(*ours, backend="cpu")
-        assert out.grad_fn is not None, f"{name}: no grad_fn"
-        grad_out = torch.from_numpy(np.random.default_rng(0).standard_normal(tuple(out.shape)))
+        out = _outs(fn(*ours, backend="cpu"))
+        assert all(o.grad_fn is not None for o in out), f"{name}: no grad_fn"
+        rng = np.random.default_rng(0)
+        grad_out = [torch.from_numpy(rng.standard_normal(tuple(o.shape))) for o in out]
         got = torch.autograd.grad(out, [ours[i] for i in slots], grad_out)
-        want = torch.autograd.grad(TORCH[name](*theirs), [theirs[i] for i in slots], grad_out)
+        want = torch.autograd.grad(_outs(TORCH[name](*theirs)), [theirs[i] for i in slots], grad_out)
         _judge(spec, got, want, "eager")
 
 
@@ -122,7 +134,7 @@ def test_torch_compiled_backward_matches_eager(name):
         for i, a in enumerate(arrays):
             if i not in slots and isinstance(a, torch.Tensor):
                 full[i] = a
-        return (fn(*full) * 0.5).sum()
+        return sum((o * 0.5).sum() for o in _outs(fn(*full)))
 
     leaves = [arrays[i] for i in slots]
     torch._dynamo.reset()  # `loss` is one code object for every op: a fresh cache per op, not recompiles
@@ -173,15 +185,16 @@ def test_jax_grad_matches_torch_functions(name):
     bound = _cases(spec, limit=1)[0]
     slots = _float_inputs(spec, bound)
     theirs = _torch_bound(bound, slots)
-    out = TORCH[name](*theirs)
-    weights = np.random.default_rng(1).standard_normal(tuple(out.shape))
-    want = torch.autograd.grad(out, [theirs[i] for i in slots], torch.from_numpy(weights))
+    out = _outs(TORCH[name](*theirs))
+    rng = np.random.default_rng(1)
+    weights = [rng.standard_normal(tuple(o.shape)) for o in out]
+    want = torch.autograd.grad(out, [theirs[i] for i in slots], [torch.from_numpy(w) for w in weights])
 
     def loss(*arrays):
         full = [jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in bound]
         for i, a in zip(slots, arrays):
             full[i] = a
-        return jnp.sum(fn(*full, backend="cpu") * weights)
+        return sum(jnp.sum(o * w) for o, w in zip(_outs(fn(*full, backend="cpu")), weights))
 
     leaves = [jnp.asarray(bound[i]) for i in slots]
     grad = jax.grad(loss, tuple(range(len(slots))))
@@ -194,7 +207,7 @@ def test_jax_grad_matches_torch_functions(name):
 
 
 transformers = pytest.importorskip("transformers")
-TRAINED_OPS = ("rmsnorm", "swiglu", "rope", "attention", "cross_entropy")
+TRAINED_OPS = ("rmsnorm", "add_rmsnorm", "swiglu", "rope", "attention", "cross_entropy")
 TRAINING_BACKENDS = [b for b in backends() if all(kernels(opport.get_op(n).backward_op, get_backend(b))
                                                    for n in TRAINED_OPS if opport.get_op(n).backward_op)]
 

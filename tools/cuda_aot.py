@@ -293,12 +293,13 @@ def _backward_kw(bwd, make_forward_kwargs) -> dict:
 
     fwd = bwd.parent
     bound = fwd.bind(**make_forward_kwargs())
-    (shape, dtype), = fwd.out_metas(bound)
-    out = _empty(shape, str(dtype).removeprefix("torch."))
+    outs = [_empty(shape, str(dtype).removeprefix("torch.")) for shape, dtype in fwd.out_metas(bound)]
     stats = ()
     if fwd.train_forward is not None:
         stats = tuple(_empty(s, str(d).removeprefix("torch.")) for s, d in fwd.train_forward.out_metas(bound)[1:])
-    return dict(zip(bwd.params, (_empty(shape, str(out.dtype).removeprefix("torch.")), *saved_values(fwd, bound, out, stats))))
+    grads = [_empty(o.shape, str(o.dtype).removeprefix("torch.")) for o in outs]  # one upstream gradient per output
+    out = outs[0] if len(outs) == 1 else tuple(outs)
+    return dict(zip(bwd.params, (*grads, *saved_values(fwd, bound, out, stats))))
 
 
 def _bind_case(spec, case):

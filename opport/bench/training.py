@@ -67,7 +67,7 @@ class Problem:
     """One shape's training problem, shared by every provider of both training passes."""
 
     names: tuple  # the differentiable inputs present, in the backward's `wrt` order
-    grad: object  # the upstream gradient, in the kernels' array kind
+    grad: object  # the upstream gradient, in the kernels' array kind (a tuple, one per output, for add_rmsnorm)
     saved: tuple  # the backward op's arguments, (g, *what opport's training forward saved)
     cost: Cost  # the backward's minimum bytes and FLOPs on `saved`
     kernel: str  # which kernels run: "<training forward kernel> + <backward kernel>"
@@ -98,8 +98,9 @@ def problem(spec, wl, bound: tuple, dtype: str, where: tuple, seed: int) -> Prob
     if why:
         return why
     out, stats = autodiff.training_forward(spec, bound, backend)
-    grad = _upstream(out, ArrayMaker(kind, device, seed))
-    saved = (grad, *autodiff.saved_values(spec, bound, out, stats))
+    maker = ArrayMaker(kind, device, seed)
+    grad = tuple(_upstream(o, maker) for o in out) if isinstance(out, tuple) else _upstream(out, maker)
+    saved = (*(grad if isinstance(grad, tuple) else (grad,)), *autodiff.saved_values(spec, bound, out, stats))
     bwd_kernel, why = kernel_for(bwd, saved, backend)
     if why:
         return why
@@ -141,11 +142,14 @@ def _reference(spec, wl, bound, grad, names, kind: str, dtype: str):
     try:
         if kind == "numpy":
             return numpy_reference(spec, bound, grad, names, dtype)
-        if (wl.torch_reference or wl.torch_eager) is None:  # an op with no torch form (a plugin's): the NumPy VJP
+        # an op with no torch form (a plugin's), or one whose reference rounds part-way to the dtype under test
+        # (add_rmsnorm's sum, which a float64 torch form would not): the NumPy VJP
+        if (wl.torch_reference or wl.torch_eager) is None or spec.reference_takes_dtype:
             from opport.dispatch.adapters import TorchAdapter
 
             host = tuple(TorchAdapter.to_numpy(a) if hasattr(a, "device") else a for a in bound)
-            return numpy_reference(spec, host, TorchAdapter.to_numpy(grad), names, dtype)
+            g = tuple(map(TorchAdapter.to_numpy, grad)) if isinstance(grad, tuple) else TorchAdapter.to_numpy(grad)
+            return numpy_reference(spec, host, g, names, dtype)
         return torch_reference(spec, wl, bound, grad, names)
     except Exception as e:  # the rows are then unchecked, and say why
         return e
@@ -178,7 +182,7 @@ def torch_reference(spec, wl, bound: tuple, grad, names: tuple) -> tuple:
     leaves = [b64[spec.params.index(n)].requires_grad_(True) for n in names]
     with torch.enable_grad():
         y = forward(*b64)
-    return torch.autograd.grad(y, leaves, grad.double())
+    return torch.autograd.grad(y, leaves, tuple(g.double() for g in grad) if isinstance(grad, tuple) else grad.double())
 
 
 def judge(grads, prob: Problem) -> dict:
@@ -291,7 +295,8 @@ def _torch_leaves(spec, bound: tuple, prob: Problem, st) -> tuple:
     tb = [_tensor(a, st.kind) for a in bound]
     tb = [a.detach() if isinstance(a, torch.Tensor) else a for a in tb]
     leaves = [tb[spec.params.index(n)].requires_grad_(True) for n in prob.names]
-    return tuple(tb), leaves, _tensor(prob.grad, st.kind)
+    g = tuple(_tensor(a, st.kind) for a in prob.grad) if isinstance(prob.grad, tuple) else _tensor(prob.grad, st.kind)
+    return tuple(tb), leaves, g
 
 
 def _tensor(a, kind: str):

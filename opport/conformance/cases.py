@@ -109,7 +109,8 @@ def _layout_items(spec, backend, dtype, fixed, sel) -> list[Item]:
     for c in fixed:
         if elements(c) == 0 or elements(c) > limit and not sel.cases:
             continue
-        usable = [lay for lay in LAYOUTS if applies(lay, c)]
+        # an op that writes in place is not given a broadcast (stride-0) view to write through
+        usable = [lay for lay in LAYOUTS if applies(lay, c) and not (spec.writes and lay == "expanded")]
         if not usable:
             continue
         chosen = usable if every else [usable[k % len(usable)]]

@@ -105,6 +105,8 @@ def _value_case(item: Item, res: dict):
     kernel = _chosen_kernel(spec, b, laid, res)
     if kernel is None:
         return
+    if spec.writes:
+        return _write_case(spec, b, case, item.dtype, laid, kernel, res)
     sums = [checksum(buf) for buf in laid.buffers]
     calls = [_call(spec, b, laid, np.nan)]
     refs = _outputs(spec.run_reference(*laid.ref_args, **laid.ref_kwargs))  # between kernel calls, on purpose
@@ -209,8 +211,9 @@ def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict, 
 def output_tolerance(spec, dtype: str, index: int, case) -> object:
     """Output `index`'s tolerance: the case's override or the op's; a backward's per gradient (norm-wise where
     it sums over rows); a training forward's statistics at the accumulation dtype's base tolerance; a fused
-    value-and-grad's output as the forward's, its gradients as the backward's."""
-    if spec.direction in ("backward", "value_and_grad") or spec.n_outputs > 1 and spec.direction == "forward":
+    value-and-grad's output as the forward's, its gradients as the backward's; a forward's named outputs their
+    declared tolerance (add_rmsnorm's sum)."""
+    if spec.direction in ("backward", "value_and_grad", "forward"):
         return spec.tolerance_for(dtype, index, case)
     if spec.direction == "forward_train" and index > 0:
         from opport.spec import BASE_TOLERANCE
@@ -332,7 +335,7 @@ def plain_numpy(spec, bound: tuple, out_dtype: str, index: int = 0) -> np.ndarra
         if isinstance(a, np.ndarray) and a.dtype.kind in "fV":
             args[i] = a.astype(acc_dtype(a.dtype.name))
     with np.errstate(all="ignore"):
-        r = spec._reference(*args)
+        r = spec.call_reference(args, getattr(out_dtype, "name", out_dtype))  # ops that round part-way: to the output dtype
         return np.asarray(r[index] if isinstance(r, tuple) else r).astype(np_dtype(out_dtype))
 
 
@@ -344,6 +347,90 @@ def checksum(buf) -> bytes:
         buf = TorchAdapter.to_numpy(buf)
     flat = np.ascontiguousarray(buf).reshape(-1)
     return hashlib.blake2b(flat.view(np.uint8).data if flat.size else b"").digest()
+
+
+# --------------------------------------------------------------------------- ops that write in place
+
+
+def _write_case(spec, b, case, dtype: str, laid, kernel, res: dict):
+    """An op declared with `writes=`: called three times, each time on the written arguments as they were
+    before; each call must return None, leave the declared region (`@<op>.written`) holding the reference's
+    values (judged with the op's tolerance: exact for a copy), every other element of the written arguments
+    bitwise unchanged, the memory around strided views untouched and every other input unchanged; the calls
+    must agree bitwise."""
+    bound = list(spec.bind(*laid.args, **laid.kwargs))
+    ref_bound = spec.bind(*laid.ref_args, **laid.ref_kwargs)
+    before = [np.array(_host(ref_bound[i]), copy=True) for i in spec.write_pos]
+    if not _laid_out(laid, bound, spec.write_pos):  # the case's own arrays: the kernel writes copies of them
+        for i, a in zip(spec.write_pos, before):
+            bound[i] = a.copy()
+    refs = _outputs(spec.run_reference(*ref_bound))
+    regions = spec.written_region(ref_bound)
+    sums = [checksum(buf) for buf in laid.buffers]
+    problems, firsts = [], None
+    for k in range(1, CALLS + 1):
+        for i, a in zip(spec.write_pos, before):
+            _assign(bound[i], a)
+        with poisoned(np.nan if k != 2 else SENTINEL), strict():
+            ret = function(spec)(*bound, backend=b.name)
+        if ret is not None:
+            return _fail(res, f"returned {type(ret).__name__}, expected None (the op writes {', '.join(spec.writes)} "
+                              "in place)", [])
+        after = [np.array(_host(bound[i]), copy=True) for i in spec.write_pos]
+        if firsts is None:
+            firsts = after
+            for name, got, old, ref, region in zip(spec.writes, after, before, refs, regions):
+                problems += [f"{name}: {p}" for p in _judge_written(spec, case, dtype, got, old, ref, region, res)]
+        else:
+            diff = [n for n, x, y in zip(spec.writes, firsts, after) if x.tobytes() != y.tobytes()]
+            if diff:
+                problems.append(f"call {k} wrote {', '.join(diff)} differently from call 1 (nondeterministic)")
+        for i, a in zip(spec.write_pos, before):  # restored, the buffers must be as they were: gaps untouched
+            _assign(bound[i], a)
+        changed = [j for j, buf in enumerate(laid.buffers) if checksum(buf) != sums[j]]
+        if changed:
+            problems.append(f"call {k} wrote outside its written arguments' views or into an input "
+                            f"(argument buffers {changed} changed)")
+            break
+    if problems:
+        _fail(res, "; ".join(problems), [])
+
+
+def _laid_out(laid, bound: list, positions: tuple) -> bool:
+    """Whether the written arguments are layout views (fresh buffers) rather than the case's own arrays."""
+    return all(any(bound[i] is v for v in laid.views) for i in positions)
+
+
+def _judge_written(spec, case, dtype: str, got, old, ref, region, res: dict) -> list:
+    """The region against the reference; everything else bitwise as it was."""
+    tol = output_tolerance(spec, dtype, 0, case)
+    verdict = cmp.compare(got[region], np.asarray(ref, np.float64), tol, dtype, case.tolerance is not None)
+    res["metrics"] = {**res["metrics"], **verdict.metrics} if res["metrics"] else dict(verdict.metrics)
+    out = [] if verdict.ok else [f"written region: {verdict.message}"]
+    keep = np.ones(got.shape, bool)
+    keep[region] = False
+    moved = int(_bit_diff(got[keep], old[keep]).sum()) if keep.any() else 0
+    if moved:
+        out.append(f"{moved} elements outside the written region changed")
+    return out
+
+
+def _host(a) -> np.ndarray:
+    if isinstance(a, np.ndarray):
+        return a
+    from opport.dispatch.adapters import TorchAdapter
+
+    return TorchAdapter.to_numpy(a)
+
+
+def _assign(dst, values: np.ndarray):
+    """dst[...] = values, for a NumPy array or a torch tensor (view)."""
+    if isinstance(dst, np.ndarray):
+        dst[...] = values
+        return
+    from opport.dispatch.adapters import NumpyAdapter
+
+    dst.copy_(NumpyAdapter.to_torch(np.ascontiguousarray(values), str(dst.device)))
 
 
 # --------------------------------------------------------------------------- poisoning

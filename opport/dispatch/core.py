@@ -78,16 +78,58 @@ class Decision:
 class Plan:
     """A cached decision plus the conversions that run it."""
 
-    __slots__ = ("fn", "convert", "back", "direct", "first", "decision", "kernel", "lock")
+    __slots__ = ("fn", "convert", "back", "direct", "first", "decision", "kernel", "lock", "writes")
 
-    def __init__(self, kernel, convert, back, first, decision, lock=None):
+    def __init__(self, kernel, convert, back, first, decision, lock=None, op=None):
         self.kernel, self.convert, self.back, self.lock = kernel, convert, back, lock
         self.direct = not convert and back is None  # the kernel takes the caller's arrays and returns its kind
         self.fn = kernel.fn if lock is None else _serial(kernel.fn, lock)
+        checked = getattr(op, "_value_check", None)
+        if checked is not None:  # values validation cannot see (slot indices, block tables): before the kernel
+            self.fn = _value_checked(self.fn, *checked)
+        self.writes = getattr(op, "write_pos", ())  # arguments written in place: copied back where converted
         self.first, self.decision = first, decision
 
 
 _backend_locks: dict = {}
+
+
+def _value_checked(fn, positions: tuple, check):
+    def run(*args):
+        check(*_host_values(args, positions))
+        return fn(*args)
+
+    return run
+
+
+def _host_values(args: tuple, positions: tuple) -> tuple:
+    """`args` with the arrays at `positions` as NumPy (read back from a device: a synchronisation)."""
+    out = list(args)
+    for i in positions:
+        a = args[i]
+        if a is not None and not isinstance(a, np.ndarray):
+            out[i] = adapter_for(a).to_numpy(a)
+    return tuple(out)
+
+
+def _write_back(op: str, positions: tuple, orig: tuple, conv: list):
+    """Copy what the kernel wrote into a converted argument (a device copy, a native copy) back into the
+    caller's array, so an op that writes in place does so whatever backend ran it."""
+    for i in positions:
+        a, c = orig[i], conv[i]
+        if c is a or a is None:
+            continue
+        if isinstance(a, np.ndarray):
+            got = c if isinstance(c, np.ndarray) else adapter_for(c).to_numpy(c)
+            if not np.shares_memory(a, got):
+                np.copyto(a, got)
+        elif hasattr(a, "copy_"):  # a torch tensor (opport never imports torch itself)
+            src = c if hasattr(c, "copy_") else NumpyAdapter.to_torch(np.ascontiguousarray(c), str(a.device))
+            if src.data_ptr() != a.data_ptr():
+                a.copy_(src)
+        else:
+            raise errors.DTypeError(op=op, arg=f"argument {i}", constraint=f"{op}.array_type",
+                                    expected="a NumPy array or torch tensor (written in place)", got=type(a).__name__)
 
 
 def _serial(fn, lock):
@@ -220,14 +262,16 @@ def takes(op, bound: tuple, backend: str | None) -> bool:
 
 
 def _run_converted(plan: Plan, bound: tuple):
-    like = bound[plan.first]
+    like, orig = bound[plan.first], bound
     if plan.convert:
         bound = list(bound)
         for i, f in plan.convert:
             if bound[i] is not None:
                 bound[i] = f(bound[i])
     out = plan.fn(*bound)
-    if plan.back is None:
+    if plan.writes:
+        _write_back(plan.decision.op, plan.writes, orig, bound)
+    if plan.back is None or out is None:  # None: an op that writes in place
         return out
     if out.__class__ is tuple:  # a derived op's several outputs (gradients, forward + statistics); None stays None
         return tuple(None if o is None else plan.back(o, like) for o in out)
@@ -244,10 +288,15 @@ def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool
                                       got=decision.error, message=f"{op.name}: {decision.error}")
     if decision.fallback:
         _warn_once(op.name, decision.fallback_from, decision.fallback)
+    for i in op.write_pos:  # written in place: the caller's own memory must be writable by a kernel or a copy-back
+        if bound[i] is not None and adapter_for(bound[i]).kind not in ("numpy", "torch"):
+            raise errors.DTypeError(op=op.name, arg=op.params[i], constraint=f"{op.name}.array_type",
+                                    expected="a NumPy array or torch tensor (written in place; JAX arrays are immutable)",
+                                    got=type(bound[i]).__name__)
     plan = _make_plan(op, bound, kernel, decision)
     changed = tuple((i, _as_python) for i in op.scalar_pos if scalars[i] is not bound[i])
     if changed:
-        plan = Plan(kernel, plan.convert + changed, plan.back, plan.first, decision, plan.lock)
+        plan = Plan(kernel, plan.convert + changed, plan.back, plan.first, decision, plan.lock, op)
     return plan
 
 
@@ -354,7 +403,7 @@ def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
     same_kind = (src is None or src.kind == b.array_kind) and not convert
     back = None if same_kind else src.from_native
     lock = _backend_locks.setdefault(b.name, threading.Lock()) if b.serialized() else None
-    return Plan(kernel, tuple(convert), back, first if first is not None else 0, decision, lock)
+    return Plan(kernel, tuple(convert), back, first if first is not None else 0, decision, lock, op)
 
 
 def _normalizer(b):

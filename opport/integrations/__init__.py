@@ -37,7 +37,7 @@ def route(spec, bound: tuple, backend: str | None):
 
             return autograd_call(spec, bound, backend)
     jax = sys.modules.get("jax")
-    if jax is not None:
+    if jax is not None and not spec.writes:  # JAX arrays are immutable: an op that writes in place refuses them
         tracer = jax.core.Tracer
         for i in spec.array_pos:
             if isinstance(bound[i], tracer):

@@ -93,31 +93,35 @@ def _differentiable(spec, metas: list, run: _Runner):
     constant (rope's tables) or differentiating the backward again raises UnsupportedError at trace time."""
     bwd = spec.backward_op
     trained = spec.train_forward or spec
+    k = len(bwd.grads)  # upstream gradients: one per output
     names = [spec.params[i] for i in run.slots]  # the operands, in order
-    carried = [p for p in bwd.params[1:] if p not in spec.params or p in names]  # out, stats, given arrays
-    fixed = {p: run.template[spec.params.index(p)] for p in bwd.params[1:] if p not in carried}
+    carried = [p for p in bwd.params[k:] if p not in spec.params or p in names]  # outputs, stats, given arrays
+    fixed = {p: run.template[spec.params.index(p)] for p in bwd.params[k:] if p not in carried}
 
-    def backward_bound(grad, arrays) -> tuple:
-        by_name = {**fixed, **dict(zip(carried, arrays)), "grad": grad}
+    def backward_bound(grads, arrays) -> tuple:
+        by_name = {**fixed, **dict(zip(carried, arrays)), **dict(zip(bwd.grads, grads))}
         return tuple(by_name[p] for p in bwd.params)
 
     def forward(*operands):
-        return run.callback(spec, metas, operands)[0]
+        outs = run.callback(spec, metas, operands)
+        return outs[0] if k == 1 else tuple(outs)
 
     def fwd(*primals):
         _refuse_constants(spec, names, primals)
         values = [p.value for p in primals]
-        out, *stats = _once_differentiable(spec, lambda *ops: run.callback(trained, metas, ops))(*values)
-        saved = dict(zip(bwd.params[1:], saved_values(spec, run.bound(values), out, tuple(stats))))
+        outs = _once_differentiable(spec, lambda *ops: run.callback(trained, metas, ops))(*values)
+        out, stats = (outs[0], tuple(outs[1:])) if k == 1 else (tuple(outs), ())
+        saved = dict(zip(bwd.params[k:], saved_values(spec, run.bound(values), out, stats)))
         return out, tuple(saved[p] for p in carried)
 
     def bwd_rule(residuals, g):
-        if isinstance(g, SymbolicZero):
-            g = jnp.zeros(g.aval.shape, g.aval.dtype)
-        bmetas = backward_bound(_meta(bwd, "grad", g), [_meta(bwd, p, r) for p, r in zip(carried, residuals)])
+        g = tuple(jnp.zeros(c.aval.shape, c.aval.dtype) if isinstance(c, SymbolicZero) else c
+                  for c in ((g,) if k == 1 else g))
+        bmetas = backward_bound([_meta(bwd, n, c) for n, c in zip(bwd.grads, g)],
+                                [_meta(bwd, p, r) for p, r in zip(carried, residuals)])
         run_backward = _once_differentiable(
-            spec, lambda *ops: run.callback(bwd, bmetas, ops, lambda a: backward_bound(a[0], a[1:])))
-        grads = iter(run_backward(g, *residuals))
+            spec, lambda *ops: run.callback(bwd, bmetas, ops, lambda a: backward_bound(a[:k], a[k:])))
+        grads = iter(run_backward(*g, *residuals))
         by_name = {n: next(grads) for n in bwd.wrt if n in names}
         return tuple(by_name.get(n) for n in names)
 

@@ -50,7 +50,9 @@ def schema(spec) -> str:
     (the gradients of the inputs that were given, in its `wrt` order)."""
     params = []
     for name, p in spec.signature.parameters.items():
-        if name in spec.arrays:
+        if name in spec.writes:  # written in place: a mutable alias set of its own (a!, b!, ...)
+            kind = f"Tensor({chr(ord('a') + spec.writes.index(name))}!)"
+        elif name in spec.arrays:
             kind = "Tensor?" if p.default is None else "Tensor"
         else:
             kind = _scalar_type(spec, p)
@@ -60,6 +62,8 @@ def schema(spec) -> str:
 
 
 def _returns(spec) -> str:
+    if spec.writes:
+        return "()"
     if spec.direction == "backward":
         return "Tensor[]"
     return "Tensor" if spec.n_outputs == 1 else f"({', '.join(['Tensor'] * spec.n_outputs)})"
@@ -114,10 +118,21 @@ def register(spec):
 def _real_kernel(spec):
     def kernel(*args, backend=None, **kwargs):  # torch passes the arguments as its caller gave them
         out = call(spec, spec.bind(*args, **kwargs), backend)
-        return [g for g in out if g is not None] if spec.direction == "backward" else out
+        return _unaliased([g for g in out if g is not None]) if spec.direction == "backward" else out
 
     kernel.__name__ = spec.name
     return kernel
+
+
+def _unaliased(grads: list) -> list:
+    """A backward's gradients with repeats cloned: a custom op's outputs must not alias one another, and
+    add_rmsnorm's kernels hand back one array as both dx and dresidual."""
+    seen = set()
+    out = []
+    for g in grads:
+        out.append(g.clone() if id(g) in seen else g)
+        seen.add(id(g))
+    return out
 
 
 def _fake_kernel(spec):
@@ -126,6 +141,8 @@ def _fake_kernel(spec):
         metas = metas_of(spec, bound)
         _check_one_device(spec, metas)
         spec.validate(*metas)
+        if spec.writes:
+            return None
         like = next(a for a in (bound[i] for i in spec.array_pos) if a is not None)
         outs = [like.new_empty(m[0], dtype=getattr(torch, m[1])) for m in spec.out_metas(metas) if m is not None]
         if spec.direction == "backward":
@@ -226,8 +243,9 @@ class _Eager(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grad):
         spec = ctx.spec
+        grad = grad[0] if len(grad) == 1 else grad  # one upstream gradient per output
         with torch.no_grad():
             if ctx.fused:
                 grads = iter(scale_unit_grads(_kept(ctx), grad, in_place=True))
@@ -292,8 +310,9 @@ def register_autograd(spec):
         ctx.present = tuple(bound[spec.params.index(n)] is not None for n in bwd.wrt)
         ctx.backend = keyword_only_inputs.get("backend")
 
-    def backward(ctx, grad, *_stat_grads):
-        grads = iter(OPS[bwd.name](grad, *_kept(ctx), backend=ctx.backend))
+    def backward(ctx, grad, *more):  # more: the statistics' gradients (unused), or the other outputs' upstream ones
+        upstream = (grad,) if len(bwd.grads) == 1 else (grad, *more)
+        grads = iter(OPS[bwd.name](*upstream, *_kept(ctx), backend=ctx.backend))
         by_name = {n: next(grads) for n, here in zip(bwd.wrt, ctx.present) if here}
         return tuple(by_name.get(p) for p in spec.params)
 

@@ -2,14 +2,16 @@
 
     from opport.integrations.transformers import patch, unpatch
     patch(model)     # RMSNorm -> opport.rmsnorm, SwiGLU MLP -> opport.swiglu,
-                     # rotary embedding -> opport.rope, attention -> opport.attention
+                     # rotary embedding -> opport.rope, attention -> opport.attention,
+                     # each decoder layer's residual add + post-attention RMSNorm -> opport.add_rmsnorm
     unpatch(model)   # the original forwards again
 
 Patching replaces the `forward` of this model's own module instances (nothing global changes, other
 models are untouched); the weights, the projections (nn.Linear) and the KV cache stay as they are.
 Where a call is outside what an opport op expresses, the patched forward hands it to the model's own
 code for that call:
-- RMSNorm with activations and weight of different dtypes (opport takes one dtype);
+- RMSNorm (and a decoder layer's add + norm) with activations and weight of different dtypes (opport takes
+  one dtype);
 - attention with a materialised mask (padding, sliding window in reach, packed sequences,
   `attn_implementation="eager"`, which always builds one), with dropout while training, or a prefill
   whose key length differs from its query length without a mask (static-cache prefill);
@@ -33,18 +35,20 @@ _SAVED = "_opport_saved_forward"  # on a patched module: (forward it had in its 
 
 
 def patch(model) -> dict:
-    """Swap the RMSNorms, SwiGLU MLPs, rotary embedding and attention of `model` for opport ops.
+    """Swap the RMSNorms, SwiGLU MLPs, rotary embedding, attention and decoder layers' residual add + norm of
+    `model` for opport ops.
 
-    Returns how many modules of each kind now run opport ({"rmsnorm": n, "swiglu": n, "attention": n}).
+    Returns how many modules of each kind now run opport ({"rmsnorm": n, "swiglu": n, "attention": n,
+    "add_rmsnorm": n}, the last counting decoder layers).
     Patching an already patched model changes nothing. Raises UnsupportedError for other model types.
     """
     prefix = _family_prefix(model)
-    counts = {"rmsnorm": 0, "swiglu": 0, "attention": 0}
+    counts = dict.fromkeys(_FORWARDS, 0)
     for module in model.modules():
         kind = _kind(module, prefix)
         if kind is None or _SAVED in vars(module):
             continue
-        make = {"rmsnorm": _rmsnorm_forward, "swiglu": _mlp_forward, "attention": _attention_forward}[kind]
+        make = _FORWARDS[kind]
         vars(module)[_SAVED] = (vars(module).get("forward"),)
         vars(module)["forward"] = make(module, module.forward)
         counts[kind] += 1
@@ -93,6 +97,8 @@ def _kind(module, prefix: str) -> str | None:
         return "rmsnorm"
     if cls.__name__ == f"{prefix}Attention":
         return "attention"
+    if cls.__name__ == f"{prefix}DecoderLayer":
+        return "add_rmsnorm"
     if cls.__name__ == f"{prefix}MLP" and getattr(module.config, "hidden_act", None) in ("silu", "swish"):
         return "swiglu"
     return None
@@ -145,6 +151,25 @@ def _attention_forward(module, original):
     return forward
 
 
+def _decoder_layer_forward(module, original):
+    """The decoder layer (modeling_llama's pre-norm layout) with the attention's residual add and the
+    post-attention RMSNorm in one opport.add_rmsnorm: one read of each input, one write of each output."""
+    norm = module.post_attention_layernorm
+
+    def forward(hidden_states, *args, **kwargs):
+        if args:  # the model passes everything after hidden_states by name; anything else: the layer's own code
+            return original(hidden_states, *args, **kwargs)
+        residual = hidden_states
+        h, _ = module.self_attn(hidden_states=module.input_layernorm(hidden_states), **kwargs)
+        if not h.dtype == residual.dtype == norm.weight.dtype:
+            hidden = residual + h
+            return hidden + module.mlp(norm(hidden))
+        normed, hidden = _op("add_rmsnorm", h, residual, norm.weight, norm.variance_epsilon)
+        return hidden + module.mlp(normed)
+
+    return forward
+
+
 def _rotate(q, k, cos, sin, hf_rope):
     """q and k rotated by opport.rope; HF's tables are [B or 1, S, D] with the half-angle table repeated."""
     d = q.shape[-1]
@@ -164,6 +189,10 @@ def _opport_attends(module, q, k, attention_mask) -> bool:
         return False
     sq, sk = q.shape[2], k.shape[2]
     return sq == 1 or sq == sk
+
+
+_FORWARDS = {"rmsnorm": _rmsnorm_forward, "swiglu": _mlp_forward, "attention": _attention_forward,
+             "add_rmsnorm": _decoder_layer_forward}
 
 
 def _window(module):

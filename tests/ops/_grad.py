@@ -31,11 +31,17 @@ def as64(a):
 
 
 def backward_args64(bwd, fwd_bound: tuple, grad: np.ndarray) -> tuple:
-    """The backward's arguments for float64 forward arguments: what the forward saves, in float64, unrounded."""
+    """The backward's arguments for float64 forward arguments: what the forward saves, in float64, unrounded.
+    For an op with several outputs (add_rmsnorm), `grad` stacks their upstream gradients along a new first axis."""
     fwd = bwd.parent
-    by_name = dict(zip(fwd.params, fwd_bound), grad=grad)
-    if "out" in bwd.params:
-        by_name["out"] = fwd.run_reference(*fwd_bound)
+    by_name = dict(zip(fwd.params, fwd_bound))
+    if len(bwd.grads) == 1:
+        by_name["grad"] = grad
+        if "out" in bwd.params:
+            by_name["out"] = fwd.run_reference(*fwd_bound)
+    else:  # an op with several outputs: `grad` stacks one upstream gradient per output, as its outputs stack
+        by_name.update(zip(bwd.grads, grad))
+        by_name.update(zip(bwd.saved_outputs, fwd.run_reference(*fwd_bound)))
     if fwd.train_forward is not None:
         by_name.update(zip(fwd.train_forward.stats, fwd.train_forward.run_stats(*fwd_bound)))
     return tuple(by_name[p] for p in bwd.params)
@@ -46,7 +52,7 @@ def check_vjp_against_fd(spec, case, probes: int = 3):
     __tracebackhide__ = True
     bwd = spec.backward_op
     bound = tuple(as64(a) for a in spec.bind(*case.args, **case.kwargs))
-    out = np.asarray(spec.run_reference(*bound), np.float64)
+    out = np.asarray(spec.run_reference(*bound), np.float64)  # several outputs (all shaped alike) stack
     rng = casegen.rng_for("fd", spec.name, case.name)
     g = rng.standard_normal(out.shape)
     grads = bwd.run_reference(*backward_args64(bwd, bound, g))

@@ -18,18 +18,23 @@ def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
 
     def body(rows):
         xf = upcast(x2[rows])
-        t = xf.dtype.type
-        ms = row_mean(np.square(xf))
         dst = o2[rows]
-        y = result_block(dst, xf)
-        np.multiply(xf, 1 / np.sqrt(ms + t(eps)), out=y)
-        _rescale_overflowed_rows(xf, ms, t(eps), y)
-        if w is not None:
-            y *= w
-        store(dst, y)
+        store(dst, normalize_rows(xf, w, eps, result_block(dst, xf)))
 
     parallel_rows(x2.shape[0], n, body)
     return out
+
+
+def normalize_rows(xf: np.ndarray, w, eps: float, y: np.ndarray) -> np.ndarray:
+    """rmsnorm of a block of rows `xf` (in the accumulation dtype) into `y`, scaled by `w` (upcast) if given:
+    the forward's arithmetic, shared with add_rmsnorm."""
+    t = xf.dtype.type
+    ms = row_mean(np.square(xf))
+    np.multiply(xf, 1 / np.sqrt(ms + t(eps)), out=y)
+    _rescale_overflowed_rows(xf, ms, t(eps), y)
+    if w is not None:
+        y *= w
+    return y
 
 
 def _rescale_overflowed_rows(xf, ms, eps, y):
@@ -61,27 +66,17 @@ def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
     dx = np.empty(x.shape, x.dtype)
     rows = dx.size // n if n else 0
     x2, g2, d2 = x.reshape(rows, n), grad.reshape(rows, n), dx.reshape(rows, n)
-    w = _wide(weight) if weight is not None else None
+    w = wide(weight) if weight is not None else None
     step = block_rows(n)
     partial = None if w is None else np.zeros((max(-(-rows // step), 1), n), w.dtype)
 
     def body(block):
-        xf, gf = _wide(x2[block]), _wide(g2[block])
-        t = xf.dtype.type
-        s = _row_scales(xf)  # 1, or a power of two for finite rows whose squares overflow
-        xs = xf if s is None else xf * s
-        r = 1 / np.sqrt(row_mean(np.square(xs)) + (t(eps) if s is None else t(eps) * s * s))
-        xhat = xs * r
-        if w is not None:
-            partial[block.start // step] = np.add.reduce(gf * xhat, axis=0)
-            gf = gf * w
+        xf, gf = wide(x2[block]), wide(g2[block])
         dst = d2[block]
         y = result_block(dst, xf)
-        if n == 1:  # g - xhat (g xhat) = g eps r^2 exactly: the general form would cancel to float32 noise
-            g_perp = gf * (t(eps) if s is None else t(eps) * s * s) * r * r + xf * 0  # (+ x * 0: NaN where x is not finite)
-            np.multiply(g_perp, r if s is None else r * s, out=y)
-        else:
-            np.multiply(gf - xhat * row_mean(gf * xhat), r if s is None else r * s, out=y)
+        dw_rows = backward_rows(xf, gf, w, eps, y)
+        if dw_rows is not None:
+            partial[block.start // step] = dw_rows
         store(dst, y)
 
     if dx.size:
@@ -90,8 +85,29 @@ def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
     return dx, dw
 
 
-def _wide(a: np.ndarray) -> np.ndarray:
-    """The backward's working dtype: float64 for float32, else the accumulation dtype."""
+def backward_rows(xf: np.ndarray, gf: np.ndarray, w, eps: float, y: np.ndarray):
+    """dx of a block of rows into `y` (all in the backward's working dtype, `_wide`), and the block's dweight
+    partial (None without a weight): the backward's arithmetic, shared with add_rmsnorm."""
+    n = xf.shape[-1]
+    t = xf.dtype.type
+    s = _row_scales(xf)  # 1, or a power of two for finite rows whose squares overflow
+    xs = xf if s is None else xf * s
+    r = 1 / np.sqrt(row_mean(np.square(xs)) + (t(eps) if s is None else t(eps) * s * s))
+    xhat = xs * r
+    dw_rows = None
+    if w is not None:
+        dw_rows = np.add.reduce(gf * xhat, axis=0)
+        gf = gf * w
+    if n == 1:  # g - xhat (g xhat) = g eps r^2 exactly: the general form would cancel to float32 noise
+        g_perp = gf * (t(eps) if s is None else t(eps) * s * s) * r * r + xf * 0  # (+ x * 0: NaN where x is not finite)
+        np.multiply(g_perp, r if s is None else r * s, out=y)
+    else:
+        np.multiply(gf - xhat * row_mean(gf * xhat), r if s is None else r * s, out=y)
+    return dw_rows
+
+
+def wide(a: np.ndarray) -> np.ndarray:
+    """The backward's working dtype: float64 for float32, else the accumulation dtype (add_rmsnorm's too)."""
     return a.astype(np.float64) if a.dtype == np.float32 else upcast(a)
 
 

@@ -1,4 +1,7 @@
-"""rmsnorm on NKI: rows on the 128 partitions, features on the free dimension, float32 statistics."""
+"""rmsnorm on NKI: rows on the 128 partitions, features on the free dimension, float32 statistics.
+
+add_rmsnorm (neuron/add_rmsnorm.py) runs the same kernels with a residual: the forward adds it as x's chunks
+load (load_chunk), writes that sum rounded to the dtype and normalises it; the backward adds grad_sum to dx."""
 
 from __future__ import annotations
 
@@ -62,17 +65,28 @@ def scaled_eps(eps_sb, s_sb, eps):
     nisa.tensor_scalar(dst=eps_sb, data=eps_sb, op0=nl.maximum, operand0=TINY)
 
 
-def load_chunk(x_hbm, r0, p, c0, f):
-    """x_hbm[r0:r0+p, c0:c0+f] DMA'd into a new SBUF tile (the streaming pass of rows too long to keep)."""
+def load_chunk(x_hbm, r0, p, c0, f, r_hbm=None, sum_hbm=None):
+    """x_hbm[r0:r0+p, c0:c0+f] DMA'd into a new SBUF tile (the streaming pass of rows too long to keep). With
+    r_hbm (add_rmsnorm): x + r, computed in float32 by VectorE and rounded once into an x-typed tile (the
+    correctly rounded sum), also DMA'd to sum_hbm when given (the first pass over the chunk)."""
     x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
+    if r_hbm != None:  # noqa: E711 (NKI kernels compare with None by value)
+        r_sb = nl.ndarray((p, f), dtype=r_hbm.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=r_sb, src=r_hbm[r0:r0 + p, c0:c0 + f])
+        t_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=t_sb, data1=x_sb, data2=r_sb, op=nl.add)
+        if sum_hbm != None:  # noqa: E711
+            nisa.dma_copy(dst=sum_hbm[r0:r0 + p, c0:c0 + f], src=t_sb)
+        x_sb = t_sb
     return x_sb
 
 
-def scaled_rows(x_hbm, r0, p, keep, eps):
+def scaled_rows(x_hbm, r0, p, keep, eps, r_hbm=None, sum_hbm=None):
     """Rows r0:r0+p of x_hbm, FMAX columns at a time: their max|x| gives the row scale s (row_scale) and
     eps * s^2 (scaled_eps), shared by rmsnorm and layernorm. Returns (the chunks, kept in SBUF when `keep`,
-    else [] and the caller streams them again; s_sb [p, 1]; eps_sb [p, 1])."""
+    else [] and the caller streams them again; s_sb [p, 1]; eps_sb [p, 1]). With r_hbm the rows are the
+    rounded sums x + r, written to sum_hbm (load_chunk)."""
     N = x_hbm.shape[1]
     n_chunks = (N + FMAX - 1) // FMAX
     x_tiles = []
@@ -80,7 +94,7 @@ def scaled_rows(x_hbm, r0, p, keep, eps):
     for c in range(n_chunks):
         c0 = c * FMAX
         f = min(FMAX, N - c0)
-        x_sb = load_chunk(x_hbm, r0, p, c0, f)
+        x_sb = load_chunk(x_hbm, r0, p, c0, f, r_hbm, sum_hbm)
         if keep:
             x_tiles.append(x_sb)
         abs_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
@@ -129,8 +143,16 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
             k = s * rsqrt(ss / N + max(eps * s^2, FLT_MIN))
             for each chunk c: out_c = (x_c * k) * w_c
     """
+    return forward_body(x_hbm, w_hbm, eps, None)
+
+
+def forward_body(x_hbm, w_hbm, eps, r_hbm):
+    """The forward's body (see _rmsnorm_kernel), shared with add_rmsnorm's kernel: with r_hbm the rows are the
+    rounded sums x + r, returned too, (out_hbm, sum_hbm)."""
     R, N = x_hbm.shape
     out_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
+    add = r_hbm != None  # noqa: E711 (NKI kernels compare with None by value)
+    sum_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm) if add else None
     PMAX = nl.tile_size.pmax
     n_chunks = (N + FMAX - 1) // FMAX
     resident = N <= RESIDENT
@@ -149,14 +171,14 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
     for r0 in range(0, R, PMAX):
         p = min(PMAX, R - r0)
         # row scale from max|x|
-        x_tiles, s_sb, eps_sb = scaled_rows(x_hbm, r0, p, resident, eps)
+        x_tiles, s_sb, eps_sb = scaled_rows(x_hbm, r0, p, resident, eps, r_hbm, sum_hbm)
 
         # sum of (s x)^2, then k = s * rsqrt(sum / N + eps s^2)
         ss_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
         for c in range(n_chunks):
             c0 = c * FMAX
             f = min(FMAX, N - c0)
-            x_sb = x_tiles[c] if resident else load_chunk(x_hbm, r0, p, c0, f)
+            x_sb = x_tiles[c] if resident else load_chunk(x_hbm, r0, p, c0, f, r_hbm)  # the sum again: the same bits
             sq_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=sq_sb, op=nl.square, data=x_sb, scale=s_sb, reduce_op=nl.add,
                             reduce_res=ss_parts_sb[0:p, c:c + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
@@ -170,7 +192,7 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
         for c in range(n_chunks):
             c0 = c * FMAX
             f = min(FMAX, N - c0)
-            x_sb = x_tiles[c] if resident else load_chunk(x_hbm, r0, p, c0, f)
+            x_sb = x_tiles[c] if resident else load_chunk(x_hbm, r0, p, c0, f, r_hbm)
             out_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             if has_weight:
                 if resident:
@@ -183,6 +205,8 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
             else:
                 nisa.tensor_scalar(dst=out_sb, data=x_sb, op0=nl.multiply, operand0=k_sb)
             nisa.dma_copy(dst=out_hbm[r0:r0 + p, c0:c0 + f], src=out_sb)
+    if add:
+        return out_hbm, sum_hbm
     return out_hbm
 
 
@@ -413,16 +437,17 @@ def plain_bracket(d_sb, x_sb, g_sb, w_sb, k_sb, mc_sb, N):
         nisa.scalar_tensor_tensor(dst=d_sb, data=d_sb, op0=nl.multiply, operand0=mc_sb, op1=nl.add, operand1=gw_sb)
 
 
-def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb, precise):
+def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb, precise, h_hbm=None):
     """Pass 3: dx = bracket * k per SUB block (plain_bracket), cast on the last multiply, one DMA per chunk.
     precise = (s, pf) for float32 inputs: precise_bracket, and the float32 bracket where that is not finite
-    (a row holding inf or NaN)."""
+    (a row holding inf or NaN). h_hbm (add_rmsnorm's grad_sum): dx = bracket * k + h, in the same instruction."""
     N = x_hbm.shape[1]
     for c in range((N + FMAX - 1) // FMAX):
         c0 = c * FMAX
         f = min(FMAX, N - c0)
         x_sb = chunk(x_tiles, x_hbm, r0, p, c)
         g_sb = chunk(g_tiles, g_hbm, r0, p, c)
+        h_sb = None if h_hbm == None else load_chunk(h_hbm, r0, p, c0, f)  # noqa: E711
         dx_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
         for j0 in range(0, f, SUB):
             fj = min(SUB, f - j0)
@@ -435,11 +460,15 @@ def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb
                 ok_sb = nl.ndarray((p, fj), dtype=nl.uint8, buffer=nl.sbuf)  # 1 where finite: pd * 0 == 0
                 nisa.tensor_scalar(dst=ok_sb, data=pd_sb, op0=nl.multiply, operand0=0.0, op1=nl.equal, operand1=0.0)
                 nisa.tensor_copy_predicated(dst=d_sb, src=pd_sb, predicate=ok_sb)
-            nisa.tensor_scalar(dst=dx_sb[0:p, j0:j0 + fj], data=d_sb, op0=nl.multiply, operand0=k_sb)
+            if h_sb != None:  # noqa: E711
+                nisa.scalar_tensor_tensor(dst=dx_sb[0:p, j0:j0 + fj], data=d_sb, op0=nl.multiply, operand0=k_sb,
+                                          op1=nl.add, operand1=h_sb[0:p, j0:j0 + fj])
+            else:
+                nisa.tensor_scalar(dst=dx_sb[0:p, j0:j0 + fj], data=d_sb, op0=nl.multiply, operand0=k_sb)
         nisa.dma_copy(dst=dx_hbm[r0:r0 + p, c0:c0 + f], src=dx_sb)
 
 
-def rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, eps_lo, resident):
+def rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, eps_lo, resident, h_hbm=None):
     """dx of rows r0:r0+p and their dweight partials into dw_psum: the kernel's loop body, a function so that
     the row tile's SBUF tiles are dead once it returns, before the next tile's are allocated."""
     x_tiles, s_sb, eps_sb = scaled_rows(x_hbm, r0, p, resident, eps)
@@ -456,7 +485,7 @@ def rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, eps
         nisa.scalar_tensor_tensor(dst=k_sb, data=rstd_sb, op0=nl.multiply, operand0=eps_sb, op1=nl.multiply,
                                   operand1=k_sb)
         nisa.tensor_tensor(dst=k_sb, data1=k_sb, data2=rstd_sb, op=nl.multiply)
-    write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb, precise)
+    write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb, precise, h_hbm)
 
 
 @nki.jit
@@ -498,6 +527,12 @@ def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps, eps_lo):
             dx = (g w - xhat c) * k          (N = 1: g w eps' r^2 k; float32: two-float bracket)
         dw = cast(dw)
     """
+    return backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, None)
+
+
+def backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm):
+    """The backward's body (see _rmsnorm_backward_kernel), shared with add_rmsnorm's: h_hbm (grad_sum) is added
+    to dx."""
     R, N = x_hbm.shape
     dx_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
@@ -512,7 +547,8 @@ def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps, eps_lo):
     dw_psum = nl.ndarray((PMAX, (N + PMAX - 1) // PMAX), dtype=nl.float32, buffer=nl.psum)
 
     for r0 in range(0, R, PMAX):
-        rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, min(PMAX, R - r0), eps, eps_lo, resident)
+        rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, min(PMAX, R - r0), eps, eps_lo, resident,
+                      h_hbm)
 
     if not has_weight:
         return dx_hbm

@@ -1,0 +1,214 @@
+"""paged_attention in Triton: flash-decoding over a paged KV cache (a partition pass and a reduce pass).
+
+Program (sequence b, KV head h, partition p) holds the g = Hq / Hkv query heads of h as the rows of one
+tile and walks positions [p * PART, (p + 1) * PART) of b's visible range, BLOCK_N tokens at a time, each
+token's row gathered through the block table. Long contexts thus spread over cdiv(capacity, PART)
+programs per (b, h), so a few long sequences still fill the GPU; a second launch merges the partitions.
+"""
+
+import math
+
+import torch
+
+from opport.backends.cuda._launch import INTERPRET, INTERPRETED, cdiv, dot_operand, f32, libdevice, narrow, next_pow2, tl, triton
+from opport.dispatch import impl
+from opport.ops.paged_attention import paged_attention as spec
+
+MAX_HEAD_DIM = 256  # q tile [BLOCK_G, D] and accumulator [BLOCK_G, Dv] live in registers
+MAX_GROUP = 64  # query heads per KV head held as tile rows
+PART = 512  # positions per partition program (vLLM's v2 kernel uses 512 too): 32 key tiles of 16
+MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (partitions)
+
+
+@triton.jit
+def _tanh(x):
+    """float32 tanh: libdevice on a GPU; the interpreter (no libdevice) through exp, 1 - 2 / (exp(2x) + 1),
+    whose absolute error (~1e-7) stays far below a score's rounding once multiplied back by the cap."""
+    if INTERPRETED:
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    else:
+        return libdevice.tanh(x)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    # pointers
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, part_ptr, ml_ptr,
+    # shapes, strides
+    hkv, group, d, dv, block_size, window, n_parts,
+    q_sb, q_sh, q_sd, len_s,
+    k_sb, k_so, k_sh, k_sd,
+    v_sb, v_so, v_sh, v_sd,
+    bt_sb, bt_sm,
+    o_sb, o_sh, o_sd,
+    scale, softcap,
+    # meta-parameters
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PART_LEN: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One partition of one (sequence, KV head): online softmax over its visible positions.
+
+    Dimensions: q [B, Hq, D], caches [num_blocks, block_size, Hkv, D/Dv], block_tables [B, max_blocks] int32,
+    context_lens [B] int32, out [B, Hq, Dv]; all strided. With SPLIT, part [B * Hkv, n_parts, BLOCK_G, Dv] and
+    ml [B * Hkv, n_parts, BLOCK_G, 2] float32.
+    Args: window: sliding window W (WINDOW) — positions >= len - W; softcap: c (SOFTCAP) — s = c tanh(s / c).
+    Returns: out (without SPLIT) or the partition's unnormalised accumulator, running max and sum (SPLIT).
+    Notes: only positions in [max(lo, p * PART), min(len, (p + 1) * PART)) are loaded (masked loads read no
+    memory): the tail of a sequence's last block, blocks outside its window and table entries past its last
+    block are never touched, so NaN in unseen slots cannot reach the output. Scores are scaled (and
+    softcapped) in float32, then taken to base 2 for exp2. A partition that sees nothing leaves m = -inf,
+    l = 0, which adds exactly 0 in the reduce; a sequence of length 0 outputs 0. P stays float32 for the
+    second dot (tf32 on 16-bit inputs): rounding it to bfloat16, as FlashAttention does, put the error 3x
+    above a plain NumPy bfloat16 computation (the conformance noise floor) on short contexts; decode is
+    memory-bound, so the wider dot costs no time.
+    Pseudocode: for each BLOCK_N positions: blk = table[pos // bs]; k, v = cache[blk, pos % bs, h];
+                s = q k^T; m' = max(m, rowmax s); p = exp2(s - m'); l = l exp2(m - m') + sum p; acc = acc exp2(m - m') + p v
+    """
+    bh = tl.program_id(0)
+    p = tl.program_id(1)
+    b = (bh // hkv).to(tl.int64)
+    h = (bh % hkv).to(tl.int64)
+    n = tl.load(len_ptr + b * len_s)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(n - window, 0)
+    start = tl.maximum(lo, p * PART_LEN)
+    end = tl.minimum(n, (p + 1) * PART_LEN)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < group
+    head = h * group + g
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * q_sb + head[:, None] * q_sh + offs_d[None, :] * q_sd,
+                mask=g_ok[:, None] & (offs_d[None, :] < d), other=0.0)
+    q = dot_operand(q)
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_DV), tl.float32)
+    for s0 in range(start, end, BLOCK_N):
+        pos = s0 + tl.arange(0, BLOCK_N)
+        ok = pos < end
+        blk = tl.load(bt_ptr + b * bt_sb + (pos // block_size) * bt_sm, mask=ok, other=0).to(tl.int64)
+        off = (pos % block_size).to(tl.int64)
+        k_rows = kc_ptr + blk * k_sb + off * k_so + h * k_sh
+        kt = tl.load(k_rows[None, :] + offs_d[:, None] * k_sd, mask=ok[None, :] & (offs_d[:, None] < d), other=0.0)
+        s = tl.dot(q, dot_operand(kt), input_precision=PRECISION) * scale
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = tl.where(ok[None, :], s * 1.4426950408889634, float("-inf"))  # log2(e): exp2 from here on
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        pr = tl.exp2(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(pr, 1)
+        v_rows = vc_ptr + blk * v_sb + off * v_so + h * v_sh
+        v = tl.load(v_rows[:, None] + offs_dv[None, :] * v_sd, mask=ok[:, None] & (offs_dv[None, :] < dv), other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(pr, f32(v), acc, input_precision=PRECISION)  # P kept in float32 (tf32 on 16-bit inputs)
+        m = m_new
+    if SPLIT:
+        at = (bh.to(tl.int64) * n_parts + p) * BLOCK_G + g
+        tl.store(ml_ptr + at * 2, m, mask=g_ok)
+        tl.store(ml_ptr + at * 2 + 1, l_sum, mask=g_ok)
+        tl.store(part_ptr + at[:, None] * dv + offs_dv[None, :], acc, mask=g_ok[:, None] & (offs_dv[None, :] < dv))
+    else:
+        _store_out(out_ptr, acc, l_sum, b, head, offs_dv, g_ok[:, None] & (offs_dv[None, :] < dv), o_sb, o_sh, o_sd)
+
+
+@triton.jit
+def _paged_reduce_kernel(
+    # pointers
+    part_ptr, ml_ptr, out_ptr,
+    # shapes, strides
+    hkv, group, dv, n_parts, o_sb, o_sh, o_sd,
+    # meta-parameters
+    BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Merge the partitions of one (sequence, KV head): out = sum_p acc_p 2^(m_p - M) / sum_p l_p 2^(m_p - M).
+
+    Dimensions: part [B * Hkv, n_parts, BLOCK_G, Dv], ml [B * Hkv, n_parts, BLOCK_G, 2] float32; out [B, Hq, Dv].
+    Notes: a partition that saw nothing (m = -inf, l = 0) adds exactly 0; rows with a zero total output 0.
+    Pseudocode: M = running max over partitions; l = sum l_p 2^(m_p - M); acc = sum acc_p 2^(m_p - M); out = acc / l
+    """
+    bh = tl.program_id(0)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < group
+    cols = tl.arange(0, BLOCK_DV)
+    mask = g_ok[:, None] & (cols[None, :] < dv)
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_DV), tl.float32)
+    for p in range(0, n_parts):
+        at = (bh.to(tl.int64) * n_parts + p) * BLOCK_G + g
+        m_p = tl.load(ml_ptr + at * 2, mask=g_ok, other=float("-inf"))
+        l_p = tl.load(ml_ptr + at * 2 + 1, mask=g_ok, other=0.0)
+        a_p = tl.load(part_ptr + at[:, None] * dv + cols[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, m_p)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        beta = tl.exp2(m_p - m_safe)
+        l_sum = l_sum * alpha + l_p * beta
+        acc = acc * alpha[:, None] + a_p * beta[:, None]
+        m = m_new
+    b = (bh // hkv).to(tl.int64)
+    head = (bh % hkv).to(tl.int64) * group + g
+    _store_out(out_ptr, acc, l_sum, b, head, cols, mask, o_sb, o_sh, o_sd)
+
+
+@triton.jit
+def _store_out(out_ptr, acc, l_sum, b, head, cols, mask, o_sb, o_sh, o_sd):
+    """out[b, head, cols] = acc / l_sum in out's dtype; rows with l_sum == 0 (nothing visible) get 0."""
+    out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
+    ptrs = out_ptr + b * o_sb + head[:, None].to(tl.int64) * o_sh + cols[None, :] * o_sd
+    tl.store(ptrs, narrow(out, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _supports(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
+    if q.shape[-1] > MAX_HEAD_DIM or v_cache.shape[-1] > MAX_HEAD_DIM:
+        return f"head dims D={q.shape[-1]}, Dv={v_cache.shape[-1]}: the Triton kernel takes D, Dv <= {MAX_HEAD_DIM}"
+    if q.shape[1] // k_cache.shape[2] > MAX_GROUP:
+        return f"{q.shape[1] // k_cache.shape[2]} query heads per KV head: the tile holds at most {MAX_GROUP}"
+    if cdiv(block_tables.shape[1] * k_cache.shape[1], PART) > MAX_GRID_Y:
+        return f"a table capacity of {block_tables.shape[1] * k_cache.shape[1]} positions exceeds the grid's partitions"
+    return None
+
+
+def _config(d: int, dv: int, group: int, dtype: torch.dtype) -> dict:
+    """Tile shape: the group padded to a tl.dot's 16 rows; 64 positions per step (32 in float32, whose ieee
+    dots run on the FMA units). Checked for sm_90 spills by `python tools/cuda_aot.py`; not yet timed on hardware."""
+    fp32 = dtype == torch.float32 and not INTERPRET
+    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+    warps = 8 if fp32 and max(block_d, block_dv) >= 128 else 4  # float32 D = 128 spilled ~800 B at 4 warps (sm_90)
+    return {"BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": 32 if fp32 else 64, "BLOCK_D": block_d,
+            "BLOCK_DV": block_dv, "num_warps": warps, "num_stages": 2}
+
+
+@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale, softcap, sliding_window) -> torch.Tensor:
+    bsz, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    out = torch.empty((bsz, hq, dv), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    group = hq // hkv
+    cfg = _config(d, dv, group, q.dtype)
+    # partitions from the tables' capacity, not the longest context: no device-to-host read of context_lens;
+    # programs past a sequence's end (or before its window) exit after one load
+    n_parts = max(1, cdiv(block_tables.shape[1] * k_cache.shape[1], PART))
+    split = n_parts > 1
+    fp32 = dict(dtype=torch.float32, device=q.device)
+    part, ml = ((torch.empty((bsz * hkv, n_parts, cfg["BLOCK_G"], dv), **fp32),
+                 torch.empty((bsz * hkv, n_parts, cfg["BLOCK_G"], 2), **fp32)) if split else (out, out))
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    _paged_attention_kernel[(bsz * hkv, n_parts)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
+        hkv, group, d, dv, k_cache.shape[1], sliding_window or 0, n_parts,
+        *q.stride(), context_lens.stride(0), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        scale, float(softcap or 1.0),
+        SOFTCAP=softcap is not None, WINDOW=sliding_window is not None, SPLIT=split,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PART_LEN=PART, **cfg)
+    if split:
+        _paged_reduce_kernel[(bsz * hkv,)](part, ml, out, hkv, group, dv, n_parts, *out.stride(),
+                                           BLOCK_G=cfg["BLOCK_G"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=4)
+    return out

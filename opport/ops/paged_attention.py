@@ -1,0 +1,299 @@
+"""paged_attention: one decode step per sequence over its paged KV cache (vLLM's paged attention)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from opport import casegen as cg
+from opport.errors import ArgumentError, DTypeError, ShapeError
+from opport.ops.attention import SCALE_MAX
+from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_float, check_ndim, check_same_dtype, op
+
+NAME = "paged_attention"
+INDEX_DTYPE = "int32"  # block tables and context lengths, as vLLM passes them
+
+
+def _scalar_ok(x, positive: bool) -> bool:
+    ok = isinstance(x, (int, float, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
+    return ok and (x > 0 if positive else abs(x) <= SCALE_MAX)
+
+
+@op(
+    arrays=("q", "k_cache", "v_cache", "block_tables", "context_lens"),
+    constraints={
+        "paged_attention.dtype": "q is float32, float16, bfloat16 or float64",
+        "paged_attention.dtype_mismatch": "k_cache and v_cache have q's dtype",
+        "paged_attention.rank": "q [B, Hq, D], caches [num_blocks, block_size, Hkv, D/Dv], block_tables [B, max_blocks], "
+                                "context_lens [B]",
+        "paged_attention.batch": "block_tables and context_lens have q's B",
+        "paged_attention.gqa_ratio": "k_cache and v_cache have the same Hkv >= 1 and Hq % Hkv == 0",
+        "paged_attention.head_dim": "k_cache.shape[-1] == q.shape[-1] = D >= 1",
+        "paged_attention.cache_shape": "k_cache and v_cache share num_blocks and block_size >= 1",
+        "paged_attention.index_dtype": "block_tables and context_lens are int32",
+        "paged_attention.scale": "scale is None or a finite number, abs(scale) <= 1e4",
+        "paged_attention.softcap": "softcap is None or a finite number > 0",
+        "paged_attention.sliding_window": "sliding_window is None or an int >= 1",
+        "paged_attention.context_range": "0 <= context_lens[b] <= max_blocks * block_size",
+        "paged_attention.block_range": "the blocks a sequence reads (block_tables[b, :cdiv(context_lens[b], "
+                                       "block_size)]) are in [0, num_blocks)",
+    },
+)
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float | None = None,
+                    softcap: float | None = None, sliding_window: int | None = None):
+    """Decode attention over a paged KV cache, out [B, Hq, Dv].
+
+    Sequence b's keys are positions 0 .. context_lens[b] - 1; position p lives in block
+    block_tables[b, p // block_size] at offset p % block_size. q[b] is the token at position
+    context_lens[b] - 1 (already in the cache), so it sees every key of its sequence. Query head h reads KV
+    head h // (Hq / Hkv). scale defaults to 1/sqrt(D); softcap c turns the scaled scores s into
+    c * tanh(s / c) (Gemma 2); sliding_window W keeps the last W keys (positions > context_len - 1 - W).
+    A sequence of length 0 outputs 0, as does a row whose visible scores are all -inf; cache slots a
+    sequence does not see (the tail of its last block, other blocks) never reach its output, NaN or not.
+    Table entries past a sequence's last block are not read. Same numerics as `attention`.
+    """
+    check_float(NAME, "q", q)
+    check_same_dtype(NAME, "q", q, k_cache=k_cache, v_cache=v_cache)
+    for arg, m, nd in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4), ("block_tables", block_tables, 2),
+                       ("context_lens", context_lens, 1)):
+        check_ndim(NAME, arg, m, nd, constraint=f"{NAME}.rank")
+    b = q.shape[0]
+    for arg, m in (("block_tables", block_tables), ("context_lens", context_lens)):
+        check(m.shape[0] == b, ShapeError, NAME, arg, f"{NAME}.batch", f"B = {b} (as q)", m.shape)
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    check(hkv >= 1 and hq % hkv == 0, ShapeError, NAME, "k_cache", f"{NAME}.gqa_ratio", f"Hkv >= 1 dividing Hq = {hq}",
+          k_cache.shape)
+    check(v_cache.shape[2] == hkv, ShapeError, NAME, "v_cache", f"{NAME}.gqa_ratio", f"Hkv = {hkv} (as k_cache)",
+          v_cache.shape)
+    check(q.shape[2] >= 1 and k_cache.shape[3] == q.shape[2], ShapeError, NAME, "k_cache", f"{NAME}.head_dim",
+          f"head dim D = {q.shape[2]} (as q), >= 1", k_cache.shape)
+    check(k_cache.shape[1] >= 1 and v_cache.shape[:2] == k_cache.shape[:2], ShapeError, NAME, "v_cache",
+          f"{NAME}.cache_shape", f"[{k_cache.shape[0]}, {k_cache.shape[1]} >= 1, ...] (as k_cache)", v_cache.shape)
+    for arg, m in (("block_tables", block_tables), ("context_lens", context_lens)):
+        check(m.dtype == INDEX_DTYPE, DTypeError, NAME, arg, f"{NAME}.index_dtype", INDEX_DTYPE, m.dtype)
+    check(scale is None or _scalar_ok(scale, False), ArgumentError, NAME, "scale", f"{NAME}.scale",
+          f"None or a finite number, abs(scale) <= {SCALE_MAX:g}", repr(scale))
+    check(softcap is None or _scalar_ok(softcap, True), ArgumentError, NAME, "softcap", f"{NAME}.softcap",
+          "None or a finite number > 0", repr(softcap))
+    ok = sliding_window is None or isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool) \
+        and sliding_window >= 1
+    check(ok, ArgumentError, NAME, "sliding_window", f"{NAME}.sliding_window", "None or an int >= 1", repr(sliding_window))
+
+
+@paged_attention.check_values(("block_tables", "context_lens"))
+def _check_tables(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
+    num_blocks, bs = k_cache.shape[:2]
+    bt, lens = np.asarray(block_tables).astype(np.int64), np.asarray(context_lens).astype(np.int64)
+    cap = bt.shape[1] * bs
+    bad = (lens < 0) | (lens > cap)
+    first = int(np.flatnonzero(bad)[0]) if bad.any() else 0
+    check(not bad.any(), ArgumentError, NAME, "context_lens", f"{NAME}.context_range",
+          f"0 <= length <= max_blocks * block_size = {cap}", f"{int(lens[first])} for sequence {first}")
+    used = np.arange(bt.shape[1])[None, :] < -(-lens[:, None] // bs)
+    out = used & ((bt < 0) | (bt >= num_blocks))
+    where = np.argwhere(out)[0] if out.any() else (0, 0)
+    check(not out.any(), ArgumentError, NAME, "block_tables", f"{NAME}.block_range", f"blocks in [0, {num_blocks})",
+          f"block {int(bt[tuple(where)])} at [{int(where[0])}, {int(where[1])}]")
+
+
+def visible(length: int, sliding_window) -> tuple:
+    """(first, end) positions a query at position length - 1 sees."""
+    lo = 0 if sliding_window is None else max(0, length - sliding_window)
+    return lo, length
+
+
+def gather(cache, table, lo: int, hi: int):
+    """cache rows of positions lo .. hi - 1 of one sequence: [hi - lo, Hkv, D]."""
+    pos = np.arange(lo, hi)
+    bs = cache.shape[1]
+    return cache[np.asarray(table)[pos // bs].astype(np.int64), pos % bs]
+
+
+def softmax_rows(s):
+    """Safe softmax weights over the last axis: a row of all -inf gets weight 0 (its output is 0)."""
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(m == -np.inf, 0.0, m)
+    p = np.exp(s - m)
+    den = p.sum(axis=-1, keepdims=True)
+    return p, den
+
+
+@paged_attention.reference
+def _reference(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
+    bsz, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.zeros((bsz, hq, dv))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for b in range(bsz):
+            lo, hi = visible(int(context_lens[b]), sliding_window)
+            if hi <= lo:
+                continue
+            k = np.repeat(gather(k_cache, block_tables[b], lo, hi), g, axis=1)  # [n, Hq, D]
+            v = np.repeat(gather(v_cache, block_tables[b], lo, hi), g, axis=1)
+            s = np.einsum("hd,nhd->hn", q[b], k) * scale
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)
+            p, den = softmax_rows(s)
+            row = np.einsum("hn,nhd->hd", p, v)
+            out[b] = np.where(den == 0, 0.0, row / np.where(den == 0, 1.0, den))
+    return out
+
+
+_WHY = "docs/numerics.md 3.3: K-accumulating (over D and the context), norm-wise against max|r|, as attention"
+paged_attention.tolerance(
+    float64=Tolerance(1e-7, 1e-7, "normwise", reason=_WHY),
+    float32=Tolerance(1e-5, 1e-5, "normwise", reason=_WHY),
+    float16=Tolerance(2e-3, 1e-5, "normwise", reason=_WHY + "; fp32 accumulation"),
+    bfloat16=Tolerance(1.6e-2, 1e-5, "normwise", reason=_WHY + "; fp32 accumulation"),
+)
+
+
+def make_inputs(rng, dtype, lens, hq, hkv, d, block_size, dv=None, extra_blocks=3, qk_scale=1.0, pad_value=None):
+    """q, caches and tables for sequences of the given lengths: each sequence gets distinct blocks shuffled over
+    a cache with `extra_blocks` blocks nobody owns; every slot no sequence sees holds NaN (k) or inf (v), so a
+    kernel that reads past a context, or a block it was not given, shows in the output. Table entries past a
+    sequence's last block hold `pad_value` (default 0, as vLLM pads; the op never reads them, whatever they hold)."""
+    dv = dv or d
+    need = [-(-n // block_size) for n in lens]
+    max_blocks = max([1, *need])
+    num_blocks = sum(need) + extra_blocks
+    order = rng.permutation(num_blocks)
+    k_cache = cg.array((num_blocks, block_size, hkv, d), dtype, rng, "normal", qk_scale)
+    v_cache = cg.array((num_blocks, block_size, hkv, dv), dtype, rng)
+    seen_k = np.zeros((num_blocks, block_size), bool)
+    tables = np.full((len(lens), max_blocks), 0 if pad_value is None else pad_value, np.int32)
+    at = 0
+    for b, (n, m) in enumerate(zip(lens, need)):
+        tables[b, :m] = order[at:at + m]
+        at += m
+        pos = np.arange(n)
+        seen_k[tables[b, pos // block_size], pos % block_size] = True
+    k_cache[~seen_k] = cg.cast(np.nan, dtype)
+    v_cache[~seen_k] = cg.cast(np.inf, dtype)
+    q = cg.array((len(lens), hq, d), dtype, rng, "normal", qk_scale)
+    return q, k_cache, v_cache, tables, np.asarray(lens, np.int32)
+
+
+def make_case(name, dtype, lens, hq, hkv, d, block_size, dv=None, scale=None, softcap=None, sliding_window=None,
+              qk_scale=1.0, tags=(), pad_value=None):
+    rng = cg.rng_for(NAME, name, dtype)
+    args = make_inputs(rng, dtype, lens, hq, hkv, d, block_size, dv, qk_scale=qk_scale, pad_value=pad_value)
+    return Case(name, args, {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}, tags)
+
+
+def _window_nan(dtype: str) -> Case:
+    """Sliding window: NaN in the keys before the window (in the cache, in blocks the sequence owns) never
+    reaches the output."""
+    c = make_case("window-hides-nan", dtype, [70, 33], 4, 2, 32, 16, sliding_window=20)
+    q, kc, vc, bt, lens = c.args
+    kc, vc = kc.copy(), vc.copy()
+    for b in range(2):
+        pos = np.arange(int(lens[b]) - 20)
+        kc[bt[b, pos // 16], pos % 16, :, ::3] = cg.cast(np.nan, dtype)
+        vc[bt[b, pos // 16], pos % 16, :, 1::4] = cg.cast(-np.inf, dtype)
+    return Case(c.name, (q, kc, vc, bt, lens), c.kwargs, ("edge",))
+
+
+@paged_attention.cases
+def _cases(dtype):
+    yield make_case("decode-b16-gqa", dtype, [1, 17, 40, 63], 8, 2, 64, 16, tags=("llm",))
+    yield make_case("decode-b32-mha", dtype, [32, 5, 100], 4, 4, 32, 32)
+    yield make_case("mqa-b16", dtype, [48, 49], 4, 1, 64, 16)
+    yield make_case("long-context-split", dtype, [700, 3], 4, 1, 64, 16, qk_scale=2.0, tags=("llm",))
+    yield make_case("d128-b16", dtype, [130, 77], 8, 2, 128, 16, tags=("llm",))
+    yield make_case("dv-ne-d", dtype, [20, 9], 2, 1, 64, 16, dv=32)
+    yield make_case("block-size-8", dtype, [9, 24], 2, 2, 16, 8)
+    yield make_case("zero-length", dtype, [0, 12, 0], 2, 1, 32, 16, tags=("edge",))
+    # table entries past a sequence's last block hold a block id that does not exist: never read
+    yield make_case("padded-table", dtype, [3, 40, 17], 4, 2, 32, 16, pad_value=-1, tags=("edge",))
+    yield make_case("softcap", dtype, [60, 31], 4, 2, 32, 16, softcap=5.0, qk_scale=3.0)
+    yield make_case("sliding-window", dtype, [70, 10, 33], 4, 2, 32, 16, sliding_window=20)
+    yield make_case("window-of-one", dtype, [5, 16], 2, 1, 32, 32, sliding_window=1, tags=("edge",))
+    yield make_case("softcap-window-scale", dtype, [45], 4, 2, 32, 16, scale=0.3, softcap=2.0, sliding_window=32)
+    yield make_case("large-scores", dtype, [90, 17], 2, 1, 64, 16, qk_scale=5.0, tags=("edge",))
+    yield make_case("head-dim-1", dtype, [7, 20], 1, 1, 1, 16)
+    yield _window_nan(dtype)
+
+
+@paged_attention.strategy
+def _strategy(dtype):
+    from hypothesis import strategies as st
+
+    from opport.ops.attention import _well_conditioned_qk
+
+    @st.composite
+    def case(draw):
+        bsz, hkv, g = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4]))
+        bs = draw(st.sampled_from([8, 16, 32]))
+        lens = draw(st.lists(st.integers(0, 150), min_size=bsz, max_size=bsz))
+        d = draw(st.sampled_from([1, 8, 16, 32, 64]))
+        dv = draw(st.sampled_from([d, d, 16]))
+        scale = draw(st.sampled_from([None, None, 0.05, 1.0]))
+        softcap = draw(st.sampled_from([None, None, 1.0, 30.0]))
+        window = draw(st.sampled_from([None, None, 1, 16, 50]))
+        qk, seed = draw(st.sampled_from([0.1, 1.0, 3.0])), draw(cg.seeds())
+        qk = min(qk, _well_conditioned_qk(d, scale))
+        args = make_inputs(np.random.default_rng(seed), dtype, lens, hkv * g, hkv, d, bs, dv, qk_scale=qk)
+        return Case(f"hyp-{seed}", args, {"scale": scale, "softcap": softcap, "sliding_window": window}, ("hypothesis",))
+
+    return case()
+
+
+@paged_attention.error_cases
+def _error_cases():
+    def t(*shape, dt=np.float32):
+        return np.zeros(shape, dt)
+
+    q, kc, vc = t(2, 4, 16), t(5, 16, 2, 16), t(5, 16, 2, 16)
+    bt, lens = np.array([[0, 1], [2, 3]], np.int32), np.array([20, 3], np.int32)
+    yield ErrorCase(f"{NAME}.dtype", DTypeError, (t(2, 4, 16, dt=np.int32), kc, vc, bt, lens))
+    yield ErrorCase(f"{NAME}.dtype_mismatch", DTypeError, (q, t(5, 16, 2, 16, dt=np.float16), vc, bt, lens))
+    yield ErrorCase(f"{NAME}.rank", ShapeError, (t(2, 1, 4, 16), kc, vc, bt, lens))
+    yield ErrorCase(f"{NAME}.rank", ShapeError, (q, t(80, 2, 16), vc, bt, lens))
+    yield ErrorCase(f"{NAME}.rank", ShapeError, (q, kc, vc, bt.reshape(-1), lens))
+    yield ErrorCase(f"{NAME}.batch", ShapeError, (q, kc, vc, bt[:1], lens))
+    yield ErrorCase(f"{NAME}.batch", ShapeError, (q, kc, vc, bt, lens[:1]))
+    yield ErrorCase(f"{NAME}.gqa_ratio", ShapeError, (q, t(5, 16, 3, 16), t(5, 16, 3, 16), bt, lens))
+    yield ErrorCase(f"{NAME}.gqa_ratio", ShapeError, (q, kc, t(5, 16, 1, 16), bt, lens))
+    yield ErrorCase(f"{NAME}.head_dim", ShapeError, (q, t(5, 16, 2, 8), vc, bt, lens))
+    yield ErrorCase(f"{NAME}.cache_shape", ShapeError, (q, kc, t(5, 32, 2, 16), bt, lens))
+    yield ErrorCase(f"{NAME}.cache_shape", ShapeError, (q, t(5, 0, 2, 16), t(5, 0, 2, 16), bt, lens))
+    yield ErrorCase(f"{NAME}.index_dtype", DTypeError, (q, kc, vc, bt.astype(np.int64), lens))
+    yield ErrorCase(f"{NAME}.index_dtype", DTypeError, (q, kc, vc, bt, lens.astype(np.float32)))
+    yield ErrorCase(f"{NAME}.scale", ArgumentError, (q, kc, vc, bt, lens), {"scale": float("nan")})
+    yield ErrorCase(f"{NAME}.softcap", ArgumentError, (q, kc, vc, bt, lens), {"softcap": 0.0})
+    yield ErrorCase(f"{NAME}.softcap", ArgumentError, (q, kc, vc, bt, lens), {"softcap": float("inf")})
+    yield ErrorCase(f"{NAME}.sliding_window", ArgumentError, (q, kc, vc, bt, lens), {"sliding_window": 0})
+    yield ErrorCase(f"{NAME}.sliding_window", ArgumentError, (q, kc, vc, bt, lens), {"sliding_window": 4.0})
+    yield ErrorCase(f"{NAME}.context_range", ArgumentError, (q, kc, vc, bt, np.array([33, 3], np.int32)))
+    yield ErrorCase(f"{NAME}.context_range", ArgumentError, (q, kc, vc, bt, np.array([-1, 3], np.int32)))
+    yield ErrorCase(f"{NAME}.block_range", ArgumentError, (q, kc, vc, np.array([[0, 5], [2, 3]], np.int32), lens))
+    yield ErrorCase(f"{NAME}.block_range", ArgumentError, (q, kc, vc, np.array([[0, 1], [-1, 3]], np.int32), lens))
+
+
+@paged_attention.shape
+def _shape(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
+    return (*q.shape[:2], v_cache.shape[3])
+
+
+def visited_blocks(block_tables, block_size: int, sliding_window) -> int:
+    """Blocks read, from the tables' shape: every sequence uses its whole table (the bench's rows, and the
+    bound for others); a window reads at most cdiv(W - 1, block_size) + 1 blocks per sequence."""
+    bsz, max_blocks = block_tables.shape
+    per = max_blocks if sliding_window is None else min(max_blocks, -(-(sliding_window - 1) // block_size) + 1)
+    return bsz * per
+
+
+@paged_attention.cost
+def _cost(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
+    bsz, hq, d = q.shape
+    _, bs, hkv, dv = v_cache.shape
+    item = np.dtype(cg.np_dtype(q.dtype)).itemsize
+    blocks = visited_blocks(block_tables, bs, sliding_window)
+    kv = blocks * bs * hkv * (d + dv) * item
+    keys = blocks * bs
+    io = (q.size + bsz * hq * dv) * item + 4 * (block_tables.size + context_lens.size)
+    return Cost(bytes=kv + io, flops=2 * (hq // hkv) * hkv * keys * (d + dv))
