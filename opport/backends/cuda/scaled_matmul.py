@@ -16,6 +16,11 @@ from opport.dispatch import impl
 from opport.ops.scaled_matmul import BLOCK
 from opport.ops.scaled_matmul import scaled_matmul as spec
 
+# fp8 products summed inside the tensor core between two float32 additions of the partial sum: 32 = every wgmma
+# (K = 32 per instruction). Triton keeps fp8 wgmma only for values >= 32 (below, it falls back to mma.sync on
+# fp16 copies of the operands), and sm_90's default (2^30) would never promote.
+PROMOTE = tl.constexpr(32)
+
 
 @triton.jit
 def _operand(x, MANT: tl.constexpr, BIAS: tl.constexpr, E5M2: tl.constexpr, SUB_UNIT: tl.constexpr):
@@ -45,10 +50,10 @@ def _scaled_matmul_kernel(
     Args: PER_GROUP: some scale changes along K (128-blocks): each BLOCK_K step (BLOCK_K divides 128) is
     scaled as it is added; else the whole sum is scaled once at the end. MANT, BIAS, E5M2, SUB_UNIT: the fp8
     format (interpreter decoding).
-    Notes: tiles ordered in GROUP_M-row bands (L2 reuse of b's columns). The fp8 dot runs with
-    max_num_imprecise_acc=0: Hopper's fp8 wgmma accumulates with reduced precision (DeepSeek-V3 measured ~14
-    bits), so each wgmma's partial sum is added to the float32 accumulator on the CUDA cores (what DeepSeek-V3
-    calls promotion), keeping the float32-accumulation contract. Masked loads pad with code 0 (+0.0).
+    Notes: tiles ordered in GROUP_M-row bands (L2 reuse of b's columns). Hopper's fp8 wgmma accumulates with
+    reduced precision (DeepSeek-V3 measured ~14 bits), so the dot runs with max_num_imprecise_acc=PROMOTE (32):
+    each wgmma's partial sum is added to the float32 accumulator on the CUDA cores (DeepSeek-V3's promotion,
+    here every instruction rather than every 4). Masked loads pad with +0.0.
     Pseudocode: acc = 0; for k: p = a[tm, k] @ b[k, tn]; acc += p * sa[tm, g] * sb[g, tn] (or acc += p);
     out = (acc [* sa * sb]) + bias
     """
@@ -70,18 +75,18 @@ def _scaled_matmul_kernel(
     b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * b_sk + n64[None, :] * b_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < K - k), other=0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < K - k) & n_ok[None, :], other=0)
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < K - k), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < K - k) & n_ok[None, :], other=0.0)
         a = _operand(a, MANT, BIAS, E5M2, SUB_UNIT)
         b = _operand(b, MANT, BIAS, E5M2, SUB_UNIT)
         if PER_GROUP:
             g = k // 128
             s_a = tl.load(sa_row + g * sa_g, mask=m_ok, other=0.0)
             s_b = tl.load(sb_col + g * sb_g, mask=n_ok, other=0.0)
-            part = tl.dot(a, b, input_precision="ieee", max_num_imprecise_acc=0)
+            part = tl.dot(a, b, max_num_imprecise_acc=PROMOTE)
             acc += part * s_a[:, None] * s_b[None, :]
         else:
-            acc = tl.dot(a, b, acc, input_precision="ieee", max_num_imprecise_acc=0)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
         a_ptrs += BLOCK_K * a_sk
         b_ptrs += BLOCK_K * b_sk
     if not PER_GROUP:
@@ -100,11 +105,12 @@ def _config(m: int, n: int, k: int, per_group: bool) -> dict:
     if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
         return {"BLOCK_M": _fit(m, 128), "BLOCK_N": _fit(n, 128), "BLOCK_K": BLOCK if per_group else _fit(k, 128),
                 "GROUP_M": 8, "num_warps": 4, "num_stages": 1}
-    if m <= 64:  # decode-like: narrow M tile, more column tiles in flight
-        return {"BLOCK_M": _fit(m, 64), "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
-    # 128 x 256 x 128 fp8 tiles, 3 stages: (128 * 128 + 128 * 256) B * 3 = 144 KiB of shared memory
-    return {"BLOCK_M": 128, "BLOCK_N": 256 if n >= 256 else 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
-            "num_stages": 3}
+    if m <= 64:  # decode-like: wgmma's 64-row minimum, more column tiles in flight
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    # 128 x 128 x 128 fp8 tiles, 4 stages: (128 * 128 + 128 * 128) B * 4 = 128 KiB of shared memory. Not 128 x 256:
+    # the promoted partial sums double the accumulator's registers (128 x 256 spilled 64-1680 bytes per thread)
+    return {"BLOCK_M": 128, "BLOCK_N": 64 if per_group else 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
+            "num_stages": 4}
 
 
 def _fit(n: int, cap: int) -> int:
