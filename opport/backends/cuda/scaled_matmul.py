@@ -105,11 +105,12 @@ def _config(m: int, n: int, k: int, per_group: bool) -> dict:
     if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
         return {"BLOCK_M": _fit(m, 128), "BLOCK_N": _fit(n, 128), "BLOCK_K": BLOCK if per_group else _fit(k, 128),
                 "GROUP_M": 8, "num_warps": 4, "num_stages": 1}
+    block_k = BLOCK if per_group else _fit(k, 128)  # short K: small steps (a 128-step at K = 17 spilled 2.5 KB)
     if m <= 64:  # decode-like: wgmma's 64-row minimum, more column tiles in flight
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": block_k, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
     # 128 x 128 x 128 fp8 tiles, 4 stages: (128 * 128 + 128 * 128) B * 4 = 128 KiB of shared memory. Not 128 x 256:
     # the promoted partial sums double the accumulator's registers (128 x 256 spilled 64-1680 bytes per thread)
-    return {"BLOCK_M": 128, "BLOCK_N": 64 if per_group else 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
+    return {"BLOCK_M": 128, "BLOCK_N": 64 if per_group else 128, "BLOCK_K": block_k, "GROUP_M": 8, "num_warps": 8,
             "num_stages": 4}
 
 
@@ -150,8 +151,10 @@ def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, scale_a: torch.Tensor, s
     av, bv = (a2.view(torch.uint8), b_q.view(torch.uint8)) if INTERPRET else (a2, b_q)
     cfg = _config(rows, n, k, per_group)
     tiles = cdiv(rows, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
-    if not INTERPRET and tiles < 0.8 * sm_count(a_q.device) and cfg["BLOCK_N"] > 64:
-        cfg["BLOCK_N"] //= 2  # few output tiles (decode, short N): narrower tiles put more SMs to work
+    if not INTERPRET and rows <= 64 and tiles < 0.8 * sm_count(a_q.device):
+        # decode with few output tiles: 64-column tiles put more SMs to work (not in the 8-warp 128-row config,
+        # where 128 x 64 spilled 628 bytes per thread on a row-major b)
+        cfg["BLOCK_N"] = 64
         tiles = cdiv(rows, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     bias_t, bias_s = (bias, bias.stride(0)) if bias is not None else (out, 0)
     _scaled_matmul_kernel[(tiles,)](

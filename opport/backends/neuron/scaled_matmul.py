@@ -72,28 +72,28 @@ def _output_tile(b_hbm, sb_hbm, bias_hbm, out_hbm, aT_tiles, sa_sb, m0, mt, n0, 
     tiles_per_group = len(aT_tiles) // G
     acc_sb = nl.ndarray((mt, nt), dtype=nl.float32, buffer=nl.sbuf)
     for g in range(G):
-        part = nl.ndarray((mt, nt), dtype=nl.float32, buffer=nl.psum)
+        part_psum = nl.ndarray((mt, nt), dtype=nl.float32, buffer=nl.psum)
         for k in range(g * tiles_per_group, (g + 1) * tiles_per_group):
             k0 = k * TILE_K
             kt = min(TILE_K, K - k0)
             b_sb = nl.ndarray((kt, nt), dtype=b_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=b_sb, src=b_hbm[k0:k0 + kt, n0:n0 + nt])
-            nisa.nc_matmul(dst=part, stationary=aT_tiles[k], moving=b_sb)
-        sb_bc = nl.ndarray((mt, nt), dtype=nl.float32, buffer=nl.sbuf)
-        _row_broadcast(sb_bc, sb_hbm, g, n0, nt, mt)
+            nisa.nc_matmul(dst=part_psum, stationary=aT_tiles[k], moving=b_sb)
+        sbcast_sb = nl.ndarray((mt, nt), dtype=nl.float32, buffer=nl.sbuf)
+        _row_broadcast(sbcast_sb, sb_hbm, g, n0, nt, mt)
         if g == 0:
-            nisa.scalar_tensor_tensor(dst=acc_sb, data=part, op0=nl.multiply, operand0=sa_sb[0:mt, g:g + 1],
-                                      op1=nl.multiply, operand1=sb_bc)
+            nisa.scalar_tensor_tensor(dst=acc_sb, data=part_psum, op0=nl.multiply, operand0=sa_sb[0:mt, g:g + 1],
+                                      op1=nl.multiply, operand1=sbcast_sb)
         else:
-            scaled = nl.ndarray((mt, nt), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=scaled, data=part, op0=nl.multiply, operand0=sa_sb[0:mt, g:g + 1],
-                                      op1=nl.multiply, operand1=sb_bc)
-            nisa.tensor_tensor(dst=acc_sb, data1=acc_sb, data2=scaled, op=nl.add)
+            scaled_sb = nl.ndarray((mt, nt), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=scaled_sb, data=part_psum, op0=nl.multiply, operand0=sa_sb[0:mt, g:g + 1],
+                                      op1=nl.multiply, operand1=sbcast_sb)
+            nisa.tensor_tensor(dst=acc_sb, data1=acc_sb, data2=scaled_sb, op=nl.add)
     res_sb = nl.ndarray((mt, nt), dtype=out_hbm.dtype, buffer=nl.sbuf)
     if bias_hbm != None:  # noqa: E711 (NKI kernels compare with None by value)
-        bias_bc = nl.ndarray((mt, nt), dtype=nl.float32, buffer=nl.sbuf)
-        _row_broadcast(bias_bc, bias_hbm, 0, n0, nt, mt)
-        nisa.tensor_tensor(dst=res_sb, data1=acc_sb, data2=bias_bc, op=nl.add)
+        bias_row_sb = nl.ndarray((mt, nt), dtype=nl.float32, buffer=nl.sbuf)
+        _row_broadcast(bias_row_sb, bias_hbm, 0, n0, nt, mt)
+        nisa.tensor_tensor(dst=res_sb, data1=acc_sb, data2=bias_row_sb, op=nl.add)
     else:
         nisa.tensor_copy(dst=res_sb, src=acc_sb)
     nisa.dma_copy(dst=out_hbm[m0:m0 + mt, n0:n0 + nt], src=res_sb)
