@@ -108,5 +108,6 @@ WORKLOAD = Workload(
     torch_call="torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype) (CUDA, tensor / row scales); "
                "else (a.float() * sa) @ (b.float() * sb) + bias",
     numpy=numpy_composition, numpy_call="(a * sa) @ (b * sb) + bias in float32 (scales expanded)",
-    notes={"anchor": "torch._scaled_mm fp8 on H200: 1280 TFLOP/s at 8192^3, 1202 at 4096^3 (docs/performance.md 2e)"},
+    notes={"anchor": "torch._scaled_mm fp8 on H200: 1280 TFLOP/s at 8192^3, 1202 at 4096^3 (docs/performance.md 2e; "
+                 "docs/anchors/h200-training-decode-2026-11-29.json, op matmul_fp8)"},
 )
