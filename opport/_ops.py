@@ -318,8 +318,9 @@ def scaled_matmul(a_q, b_q, scale_a, scale_b, bias=None, out_dtype='bfloat16', *
     `out_dtype`.
 
     a_q [..., M, K] and b_q [K, N] share one fp8 format (float8_e4m3fn or float8_e5m2); b_q is the weight,
-    shared by a_q's batch dims (matmul's [K, N] layout: N contiguous). The scales' shapes choose the
-    granularity, each operand on its own (torch._scaled_mm's convention; DeepSeek-V3's blocks):
+    shared by a_q's batch dims (matmul's [K, N] layout; any strides, e.g. an nn.Linear weight's .t()). The
+    scales' shapes choose the granularity, each operand on its own (torch._scaled_mm's convention; DeepSeek-V3's
+    blocks):
     scale_a is (1, ..., 1) per tensor, a_q.shape[:-1] + (1,) per row, or a_q.shape[:-1] + (K // 128,) per
     1 x 128 block along K (exactly what `quantize_fp8(a, "tensor" | "token" | "block")` returns);
     scale_b is (1, 1) per tensor, (1, N) per column, or (K // 128, ceil(N / 128)) per 128 x 128 block (the
