@@ -131,7 +131,8 @@ def dequantized(a_q, b_q, scale_a, scale_b, dtype=np.float64) -> tuple:
 
 @scaled_matmul.reference
 def _reference(a_q, b_q, scale_a, scale_b, bias, out_dtype):
-    a, b = dequantized(a_q, b_q, scale_a, scale_b)
+    # in the inputs' dtype: float64 copies for the reference, float32 for the gate's plain-NumPy noise floor
+    a, b = dequantized(a_q, b_q, scale_a, scale_b, np.promote_types(scale_a.dtype, np.float32))
     with np.errstate(invalid="ignore", over="ignore"):
         out = np.matmul(a, b)
         return out if bias is None else out + bias
