@@ -340,6 +340,40 @@ def rope(x, cos, sin, interleaved=False, *, backend=None):
 rope.spec = _rope
 
 
+_scaled_matmul = _get_op('scaled_matmul')
+
+
+def scaled_matmul(a_q, b_q, scale_a, scale_b, bias=None, out_dtype='bfloat16', *, backend=None):
+    """(a_q * scale_a) @ (b_q * scale_b) + bias: 8-bit float operands, float32 accumulation, one rounding to
+    `out_dtype`.
+
+    a_q [..., M, K] and b_q [K, N] share one fp8 format (float8_e4m3fn or float8_e5m2); b_q is the weight,
+    shared by a_q's batch dims (matmul's [K, N] layout; any strides, e.g. an nn.Linear weight's .t()). The
+    scales' shapes choose the granularity, each operand on its own (torch._scaled_mm's convention; DeepSeek-V3's
+    blocks):
+    scale_a is (1, ..., 1) per tensor, a_q.shape[:-1] + (1,) per row, or a_q.shape[:-1] + (K // 128,) per
+    1 x 128 block along K (exactly what `quantize_fp8(a, "tensor" | "token" | "block")` returns);
+    scale_b is (1, 1) per tensor, (1, N) per column, or (K // 128, ceil(N / 128)) per 128 x 128 block (the
+    last column block may be partial). Shapes that match two granularities (M = 1, K = 128, N = 1) mean the
+    same product either way. 128-block scales need K % 128 == 0. Scales are float32 data: their values are not
+    validated (a zero scale gives 0, a negative one flips the sign, NaN gives NaN); quantize_fp8 never makes
+    a zero, negative or NaN scale. bias [N] has dtype out_dtype and is added in float32 before the rounding.
+    NaN codes give NaN rows/columns. Not differentiable (fp8 training is out of scope). A call's dtype is its
+    `out_dtype`.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (a_q, b_q, scale_a, scale_b, bias, out_dtype)
+    if a_q.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_scaled_matmul, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_scaled_matmul, b, backend)
+
+
+scaled_matmul.spec = _scaled_matmul
+
+
 _silu = _get_op('silu')
 
 
@@ -408,4 +442,4 @@ def swiglu(gate, up, *, backend=None):
 swiglu.spec = _swiglu
 
 
-__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "kv_cache_write", "layernorm", "linear_cross_entropy", "matmul", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu"]
+__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "kv_cache_write", "layernorm", "linear_cross_entropy", "matmul", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "scaled_matmul", "silu", "softmax", "swiglu"]
