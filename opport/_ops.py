@@ -94,8 +94,9 @@ def dequantize_fp8(q, scales, granularity='tensor', block=128, out_dtype='float3
     """q * scales (broadcast over each scaling group), computed in float32 and rounded once to `out_dtype`.
 
     q and scales are what `quantize_fp8(x, granularity, block, ...)` returned. NaN codes give NaN (and e5m2's
-    ±inf gives ±inf). The scales' values are data, so they are not validated: a zero or NaN scale gives
-    0 or NaN (quantize_fp8 never produces one). A call's dtype is its `out_dtype`.
+    ±inf gives ±inf). Every scale must be finite and > 0, as quantize_fp8 makes them: a zero, negative,
+    NaN or infinite one is a typed error before any kernel runs (the dispatcher reads the scales on the
+    host: on a GPU, one synchronisation per call). A call's dtype is its `out_dtype`.
 
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
     """
@@ -355,9 +356,10 @@ def scaled_matmul(a_q, b_q, scale_a, scale_b, bias=None, out_dtype='bfloat16', *
     1 x 128 block along K (exactly what `quantize_fp8(a, "tensor" | "token" | "block")` returns);
     scale_b is (1, 1) per tensor, (1, N) per column, or (K // 128, ceil(N / 128)) per 128 x 128 block (the
     last column block may be partial). Shapes that match two granularities (M = 1, K = 128, N = 1) mean the
-    same product either way. 128-block scales need K % 128 == 0. Scales are float32 data: their values are not
-    validated (a zero scale gives 0, a negative one flips the sign, NaN gives NaN); quantize_fp8 never makes
-    a zero, negative or NaN scale. bias [N] has dtype out_dtype and is added in float32 before the rounding.
+    same product either way. 128-block scales need K % 128 == 0. Scales are float32, finite and > 0 (as
+    quantize_fp8 makes them): a zero, negative, NaN or infinite one is a typed error before any kernel runs
+    (the dispatcher reads the scales on the host: on a GPU, one synchronisation per call). bias [N] has dtype
+    out_dtype and is added in float32 before the rounding.
     NaN codes give NaN rows/columns. Not differentiable (fp8 training is out of scope). A call's dtype is its
     `out_dtype`.
 
