@@ -98,8 +98,9 @@ def dequantize_fp8(q, scales, granularity='tensor', block=128, out_dtype='float3
     """q * scales (broadcast over each scaling group), computed in float32 and rounded once to `out_dtype`.
 
     q and scales are what `quantize_fp8(x, granularity, block, ...)` returned. NaN codes give NaN (and e5m2's
-    ±inf gives ±inf). The scales' values are data, so they are not validated: a zero or NaN scale gives
-    0 or NaN (quantize_fp8 never produces one). A call's dtype is its `out_dtype`.
+    ±inf gives ±inf). Every scale must be finite and > 0, as quantize_fp8 makes them: a zero, negative,
+    NaN or infinite one is a typed error before any kernel runs (the dispatcher reads the scales on the
+    host: on a GPU, one synchronisation per call). A call's dtype is its `out_dtype`.
 
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
     """
@@ -184,6 +185,36 @@ def layernorm(x, weight=None, bias=None, eps=1e-05, *, backend=None):
 
 
 layernorm.spec = _layernorm
+
+
+_linear_cross_entropy = _get_op('linear_cross_entropy')
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction='mean', label_smoothing=0.0, softcap=None, *, backend=None):
+    """Cross-entropy of the logits hidden @ weight.T (+ bias), computed without ever holding the N x V logits.
+
+    The logits z = hidden @ weight.T + bias ([N, V], float32 accumulation) are optionally softcapped,
+    z = softcap · tanh(z / softcap) (Gemma 2), then judged exactly as `cross_entropy(z, target, ignore_index,
+    reduction, label_smoothing)`: ignored rows 0 and out of the mean's count, every row ignored (or N = 0)
+    gives a NaN "mean", a target outside [0, V) that is not ignore_index a NaN row; float32 result.
+    Kernels walk the logits in tiles of tokens x vocabulary with an online log-sum-exp, so the extra memory
+    is O(tile), not O(N V) (at N 8192, V 128256 the logits alone would be 2 GiB in bfloat16). Forward, every
+    backend: the loss and lse [N] beside tiles (cpu: ROW_BLOCK x VOCAB_CHUNK = 256 x 4096 float32, 4 MiB;
+    cuda: registers; neuron: SBUF/PSUM). Backward: cpu, those tiles plus a VOCAB_CHUNK x H float32 dweight
+    accumulator; cuda, a float32 dlogits buffer of one vocabulary chunk (at most 2^25 elements, 128 MiB);
+    neuron, SBUF only; and for 16-bit inputs a float32 dhidden accumulator [N, H] (cpu, cuda).
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
+    if hidden.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_linear_cross_entropy, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_linear_cross_entropy, b, backend)
+
+
+linear_cross_entropy.spec = _linear_cross_entropy
 
 
 _matmul = _get_op('matmul')
@@ -314,6 +345,41 @@ def rope(x, cos, sin, interleaved=False, *, backend=None):
 rope.spec = _rope
 
 
+_scaled_matmul = _get_op('scaled_matmul')
+
+
+def scaled_matmul(a_q, b_q, scale_a, scale_b, bias=None, out_dtype='bfloat16', *, backend=None):
+    """(a_q * scale_a) @ (b_q * scale_b) + bias: 8-bit float operands, float32 accumulation, one rounding to
+    `out_dtype`.
+
+    a_q [..., M, K] and b_q [K, N] share one fp8 format (float8_e4m3fn or float8_e5m2); b_q is the weight,
+    shared by a_q's batch dims (matmul's [K, N] layout; any strides, e.g. an nn.Linear weight's .t()). The
+    scales' shapes choose the granularity, each operand on its own (torch._scaled_mm's convention; DeepSeek-V3's
+    blocks):
+    scale_a is (1, ..., 1) per tensor, a_q.shape[:-1] + (1,) per row, or a_q.shape[:-1] + (K // 128,) per
+    1 x 128 block along K (exactly what `quantize_fp8(a, "tensor" | "token" | "block")` returns);
+    scale_b is (1, 1) per tensor, (1, N) per column, or (K // 128, ceil(N / 128)) per 128 x 128 block (the
+    last column block may be partial). Shapes that match two granularities (M = 1, K = 128, N = 1) mean the
+    same product either way. 128-block scales need K % 128 == 0. Scales are float32, finite and > 0 (as
+    quantize_fp8 makes them): a zero, negative, NaN or infinite one is a typed error before any kernel runs
+    (the dispatcher reads the scales on the host: on a GPU, one synchronisation per call). bias [N] has dtype
+    out_dtype and is added in float32 before the rounding.
+    NaN codes give NaN rows/columns. Not differentiable (fp8 training is out of scope). A call's dtype is its
+    `out_dtype`.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (a_q, b_q, scale_a, scale_b, bias, out_dtype)
+    if a_q.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_scaled_matmul, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_scaled_matmul, b, backend)
+
+
+scaled_matmul.spec = _scaled_matmul
+
+
 _silu = _get_op('silu')
 
 
@@ -408,4 +474,4 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
 varlen_attention.spec = _varlen_attention
 
 
-__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "kv_cache_write", "layernorm", "matmul", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "silu", "softmax", "swiglu", "varlen_attention"]
+__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "kv_cache_write", "layernorm", "linear_cross_entropy", "matmul", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "scaled_matmul", "silu", "softmax", "swiglu", "varlen_attention"]

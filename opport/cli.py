@@ -117,7 +117,7 @@ def cmd_list(args) -> int:
 
     bs = list(backends().values())
     table = Table(title="opport kernels (op x backend; <op>_backward: gradients, <op>_forward: training forward)")
-    table.add_column("op")
+    table.add_column("op", min_width=max(len(name) for name in all_ops()))  # op names whole, even at 80 columns
     for b in bs:
         table.add_column(f"{escape(b.name)}\n[dim]{'unavailable' if b.unavailable() else escape(b.mode())}[/dim]")
     unlisted = {}  # backend -> why its kernels could not be loaded here

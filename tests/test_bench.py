@@ -56,6 +56,28 @@ def test_smoke_run_writes_the_design_json(smoke_report):
         assert r["GBps"] == pytest.approx(r["bytes"] / (r["ms"] * 1e6))
 
 
+def test_smoke_rows_record_peak_memory(smoke_report):
+    """Every checked row has the memory its call allocated at its peak (peak_MB); opport rows the baselines' over it."""
+    _, rep, _ = smoke_report
+    ok = [r for r in rep["rows"] if r["status"] == "ok"]
+    assert ok and all(r.get("peak_MB") is not None and r["peak_MB"] >= 0 for r in ok)
+    mine = [r for r in ok if r["impl"] == "opport" and r.get("mem_vs")]
+    assert mine
+    for r in mine:
+        for impl, ratio in r["mem_vs"].items():
+            base = next(b for b in ok if b["impl"] == impl and all(b[k] == r[k] for k in ("op", "shape", "dtype", "pass")))
+            assert ratio == pytest.approx(base["peak_MB"] / r["peak_MB"])
+
+
+def test_cpu_timer_peak_memory_sees_numpy_and_torch_allocations():
+    """8 MiB held inside the call, by NumPy (tracemalloc) or by torch's CPU allocator (the profiler's events)."""
+    assert HostTimer.peak_mb(lambda: np.ones(1 << 20).sum()) == pytest.approx(8, abs=0.5)
+    if HAS_TORCH:
+        import torch
+
+        assert HostTimer.peak_mb(lambda: torch.ones(1 << 20, dtype=torch.float64).sum()) == pytest.approx(8, abs=0.5)
+
+
 def test_smoke_run_has_correct_forward_backward_rows(smoke_report):
     """fwd+bwd rows beside the forward ones: gradients judged, roofline columns from forward + backward cost."""
     rc, rep, _ = smoke_report

@@ -166,7 +166,8 @@ def test_integer_arrays_come_from_the_declaration():
 
     assert int_arrays(toy) == {"labels"}
     assert int_arrays(get_op("cross_entropy")) == {"target"}
-    assert all(not int_arrays(s) for n, s in all_ops().items() if n != "cross_entropy")
+    assert int_arrays(get_op("linear_cross_entropy")) == {"target"}
+    assert all(not int_arrays(s) for n, s in all_ops().items() if n not in ("cross_entropy", "linear_cross_entropy"))
     toy.int_arrays = ("x",)  # the declaration field proposed for opport/spec.py wins when it exists
     assert int_arrays(toy) == {"x"}
 

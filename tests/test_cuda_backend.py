@@ -570,3 +570,22 @@ def test_varlen_attention_finds_each_sequence_among_many():
         out = opport.varlen_attention(*(to_torch(a) for a in (q, k, v, cu(lq), cu(lk))), backend="cuda", **kw)
     ref = spec.run_reference(q, k, v, cu(lq), cu(lk), **kw)
     assert np.allclose(out.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------- linear_cross_entropy (issue 19): the chunked backward
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("chunk", [16, 1 << 20])
+def test_linear_cross_entropy_backward_chunks(dtype, chunk, monkeypatch):
+    """One vocabulary chunk, or many (a dlogits buffer of 16 elements: one 64/128-column tile per chunk), give the
+    reference's gradients, and the same bits on a second run (no atomics)."""
+    from opport.backends.cuda import linear_cross_entropy as mod
+
+    monkeypatch.setattr(mod, "CHUNK_ELEMENTS", chunk)
+    bwd = get_op("linear_cross_entropy_backward")
+    for name in ("none-odd-vocab", "softcap", "smoothing-1-bias"):  # reduction "none": grads [N]
+        case = next(c for c in bwd.get_cases(dtype) if c.name == name)
+        first = _run_backward(bwd, case, dtype)
+        again = _run_backward(bwd, case, dtype)
+        assert all(torch.equal(a, b) for a, b in zip(first, again) if a is not None), name

@@ -28,7 +28,7 @@ FAMILIES = {
 LAYERS = 2
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
-PATCHED_OPS = ("rmsnorm", "swiglu", "rope", "attention", "add_rmsnorm")
+PATCHED_OPS = ("rmsnorm", "swiglu", "rope", "attention", "add_rmsnorm", "linear_cross_entropy")
 
 
 def _model(family="llama", dtype=torch.float32, **config):
@@ -66,9 +66,10 @@ def _logits(model, ids, **kwargs):
 def test_patch_swaps_every_block_and_unpatch_restores(family):
     model, ids = _model(family), _ids()
     before = _logits(model, ids)
-    assert patch(model) == {"rmsnorm": 2 * LAYERS + 1, "swiglu": LAYERS, "attention": LAYERS, "add_rmsnorm": LAYERS}
+    assert patch(model) == {"rmsnorm": 2 * LAYERS + 1, "swiglu": LAYERS, "attention": LAYERS, "add_rmsnorm": LAYERS,
+                            "linear_cross_entropy": 1}
     assert is_patched(model) and set(patch(model).values()) == {0}  # idempotent
-    assert unpatch(model) == 5 * LAYERS + 1 and not is_patched(model)
+    assert unpatch(model) == 5 * LAYERS + 2 and not is_patched(model)
     assert not any("forward" in vars(m) for m in model.modules())
     assert torch.equal(_logits(model, ids), before)
 
@@ -82,7 +83,35 @@ def test_patched_logits_match_unpatched_and_run_opport(family, calls):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # each layer's post-attention norm runs inside add_rmsnorm: one rmsnorm per layer plus the final norm
     assert calls == {"rmsnorm": LAYERS + 1, "swiglu": LAYERS, "rope": 2 * LAYERS, "attention": LAYERS,
-                     "add_rmsnorm": LAYERS}
+                     "add_rmsnorm": LAYERS, "linear_cross_entropy": 0}  # no labels: the logits as before
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_loss_with_labels_is_the_fused_linear_cross_entropy(family, calls):
+    """model.train() with labels: the loss from opport.linear_cross_entropy on the hidden states, logits None;
+    HF's shift, ignore_index and num_items_in_batch kept; its gradients are the unpatched model's."""
+    ids, labels = _ids(seq=9), _ids(seq=9)
+    labels[0, :3] = -100  # prompt tokens masked out, as a fine-tuning collator does
+    model = _model(family).train()
+    results = []
+    for patched in (False, True):
+        if patched:
+            patch(model)
+        model.zero_grad()
+        plain = model(ids, labels=labels)
+        summed = model(ids, labels=labels, num_items_in_batch=torch.tensor(11))
+        (plain.loss + summed.loss).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results.append((plain, summed, grads))
+    (want, want_sum, want_g), (got, got_sum, got_g) = results
+    assert got.logits is None and want.logits is not None
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_sum.loss, want_sum.loss, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_g, want_g):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    assert calls["linear_cross_entropy"] == 2
+    model.eval()
+    assert model(ids, labels=labels).logits is not None  # evaluation keeps the logits (and HF's loss)
 
 
 def test_decode_step_with_kv_cache_matches(calls):

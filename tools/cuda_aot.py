@@ -15,7 +15,8 @@ of what this does:
 - its shared memory fits the SM (`Required: X, Hardware limit: Y` at launch otherwise);
 - its grid fits CUDA's limits (y and z at most 65535);
 - registers and spills (ptxas -v), which the summary reports; spills are a warning, not a failure;
-- which tensor-core instruction the dots became (wgmma is Hopper's; mma.sync is the older path), and
+- which tensor-core instruction the dots became (wgmma is Hopper's; mma.sync is the older path) and its
+  operand types (e4m3 / e5m2: the fp8 tensor cores, bf16, f16, tf32), and
   the widest global load (16 bytes: memory traffic fully vectorised).
 
 Must run in a fresh process: the kernels have to be defined as compiled JIT functions, which a
@@ -69,6 +70,7 @@ class Build:
     registers: int | None = None
     spill_bytes: int | None = None
     mma: str | None = None  # the tensor-core instruction the dots became: "wgmma" (Hopper), "mma.sync", or None
+    mma_types: str | None = None  # its operand and accumulator types, e.g. "e4m3.e4m3->f32" (fp8 tensor cores)
     load_bytes: int | None = None  # the widest global load per thread (16: fully vectorised memory traffic)
     problems: list = field(default_factory=list)
 
@@ -139,6 +141,7 @@ class _Recorder:
             build.registers, build.spill_bytes = _cached_usage(md.hash, ptxas_log, kernel.asm.get("ptx"), self.report.arch)
             ptx = kernel.asm.get("ptx") or ""
             build.mma = "wgmma" if "wgmma." in ptx else "mma.sync" if "mma.sync" in ptx else None
+            build.mma_types = _mma_types(ptx)
             build.load_bytes = max((_width(m) for m in _LOAD.findall(ptx)), default=None)
             self.report.builds[md.hash] = build
             if self.progress:
@@ -164,6 +167,14 @@ def _describe(src) -> tuple:
 _USAGE = re.compile(r"Used (\d+) registers")
 _LOAD = re.compile(r"ld\.global(?:\.[\w:]+?)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 / mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+_MMA = re.compile(r"\b(?:wgmma\.mma_async|mma\.sync)(?:\.\w+)*?\.m\d+n\d+k\d+(?:\.row\.col)?\.(\w+)\.(\w+)\.(\w+)")
+
+
+def _mma_types(ptx: str) -> str | None:
+    """The first tensor-core instruction's "A.B->D" types (e4m3 / e5m2: fp8 tensor cores), or None without one."""
+    m = _MMA.search(ptx)
+    return None if m is None else f"{m.group(2)}.{m.group(3)}->{m.group(1)}"
 
 
 def _width(match: tuple) -> int:
@@ -360,8 +371,9 @@ def print_report(report: Report, console):
     for b in sorted(report.builds.values(), key=lambda b: (b.kernel, b.dtype, -b.shared)):
         consts = " ".join(f"{k}={v}" for k, v in b.constexprs.items())
         spill = "" if b.spill_bytes is None else (f"[yellow]{b.spill_bytes}[/yellow]" if b.spill_bytes else "0")
+        mma = " ".join(filter(None, (b.mma, b.mma_types)))
         t.add_row(b.kernel, b.dtype, consts, str(b.num_warps), str(b.num_stages), str(b.registers or ""), spill,
-                  f"{b.shared / 1024:.1f}", b.mma or "", str(b.load_bytes or ""), f"{b.seconds:.2f}", str(len(b.problems)))
+                  f"{b.shared / 1024:.1f}", mma, str(b.load_bytes or ""), f"{b.seconds:.2f}", str(len(b.problems)))
     console.print(t)
     for label, why in report.skipped:
         console.print(f"[dim]skipped {label}: {why}[/dim]")

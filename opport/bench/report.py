@@ -98,7 +98,7 @@ def print_rows(console, report: dict):
     base_names = sorted({k for r in rows for k in r.get("vs", {})})
     t = Table(title=f"opport bench --backend {report['backend']} ({report['mode']}) on {report['device']['name']}",
               caption=_ceiling_caption(report))
-    for col in ("op", "shape", "dtype", "pass", "impl", "ms [p20-p80]", "GB/s", "TFLOP/s", "roof %", "ok"):
+    for col in ("op", "shape", "dtype", "pass", "impl", "ms [p20-p80]", "GB/s", "TFLOP/s", "roof %", "ok", "peak MB"):
         t.add_column(col, justify="right" if col not in ("op", "shape", "pass", "impl") else "left")
     for name in base_names:
         t.add_column(f"vs {name}", justify="right")
@@ -111,7 +111,7 @@ def _cells(r: dict, base_names: list) -> list:
     if "ms" not in r:
         msg = r.get("error", r.get("status", ""))
         return [r["op"], r["shape"], r["dtype"], pass_of(r), r["impl"], f"[red]{r.get('status')}[/red]", msg[:60], "",
-                "", "", *["" for _ in base_names]]
+                "", "", "", *["" for _ in base_names]]
     ms = f"{r['ms']:.4g} [{r['p20_ms']:.3g}-{r['p80_ms']:.3g}]"
     if r.get("graph_ms") is not None:
         ms += f"\ngraph {r['graph_ms']:.3g}"
@@ -122,7 +122,15 @@ def _cells(r: dict, base_names: list) -> list:
         vs.append("" if v is None else f"[{'green' if v >= 1 else 'red'}]{v:.2f}x[/]")
     impl = r["impl"] if r["impl"] != "opport" else "[bold]opport[/bold]"
     return [r["op"], r["shape"], r["dtype"], pass_of(r), impl, ms, _f(r.get("GBps"), "{:.4g}"), _f(r.get("TFLOPs"), "{:.3g}"),
-            _f(r.get("roofline_pct"), "{:.0f}"), ok, *vs]
+            _f(r.get("roofline_pct"), "{:.0f}"), ok, _memory(r), *vs]
+
+
+def _memory(r: dict) -> str:
+    """Peak memory a call allocates beyond its inputs (MB), and for opport each baseline's peak over it."""
+    if r.get("peak_MB") is None:
+        return "-"
+    ratios = " ".join(f"{v:.3g}x {k}" for k, v in sorted(r.get("mem_vs", {}).items()))
+    return f"{r['peak_MB']:.4g}" + (f"\n({ratios})" if ratios else "")
 
 
 def _ceiling_caption(report: dict) -> str:

@@ -335,6 +335,10 @@ def _add_ratios(rows: list):
         if "graph_ms" in r and "graph_ms" in mine:
             vs_graph[r["impl"]] = r["graph_ms"] / mine["graph_ms"]
     mine["vs"] = vs
+    mem = {r["impl"]: r["peak_MB"] / mine["peak_MB"] for r in rows
+           if r is not mine and r.get("peak_MB") is not None and mine.get("peak_MB")}
+    if mem:
+        mine["mem_vs"] = mem  # baseline peak memory / opport's (> 1: opport allocates less)
     if vs_graph:
         mine["vs_graph"] = vs_graph
     fast = [k for k, v in vs.items() if v > 2.0]

@@ -3,7 +3,8 @@
     from opport.integrations.transformers import patch, unpatch
     patch(model)     # RMSNorm -> opport.rmsnorm, SwiGLU MLP -> opport.swiglu,
                      # rotary embedding -> opport.rope, attention -> opport.attention,
-                     # each decoder layer's residual add + post-attention RMSNorm -> opport.add_rmsnorm
+                     # each decoder layer's residual add + post-attention RMSNorm -> opport.add_rmsnorm,
+                     # the training loss (labels given, model.train()) -> opport.linear_cross_entropy
     unpatch(model)   # the original forwards again
 
 Patching replaces the `forward` of this model's own module instances (nothing global changes, other
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import sys
 
+import torch.nn.functional as F
+
 from opport.errors import UnsupportedError
 from opport.integrations import apply
 from opport.ops import get_op
@@ -39,7 +42,7 @@ def patch(model) -> dict:
     `model` for opport ops.
 
     Returns how many modules of each kind now run opport ({"rmsnorm": n, "swiglu": n, "attention": n,
-    "add_rmsnorm": n}, the last counting decoder layers).
+    "add_rmsnorm": n, "linear_cross_entropy": n}: decoder layers, then the causal-LM head).
     Patching an already patched model changes nothing. Raises UnsupportedError for other model types.
     """
     prefix = _family_prefix(model)
@@ -99,6 +102,8 @@ def _kind(module, prefix: str) -> str | None:
         return "attention"
     if cls.__name__ == f"{prefix}DecoderLayer":
         return "add_rmsnorm"
+    if cls.__name__ == f"{prefix}ForCausalLM":
+        return "linear_cross_entropy"
     if cls.__name__ == f"{prefix}MLP" and getattr(module.config, "hidden_act", None) in ("silu", "swish"):
         return "swiglu"
     return None
@@ -170,6 +175,41 @@ def _decoder_layer_forward(module, original):
     return forward
 
 
+def _causal_lm_forward(module, original):
+    """While training with labels: the loss from opport.linear_cross_entropy on the last hidden states and the
+    lm_head's weight (and bias), the logits never materialised, so the output's `logits` is None (as with
+    Liger's fused loss). HF's shift (labels[..., 1:], the last position ignored), `ignore_index`,
+    `shift_labels` and `num_items_in_batch` (sum over the batch's tokens divided by it) are kept; other calls,
+    and a model whose head has a final-logit softcap or slices `logits_to_keep`, run the model's own code."""
+    modeling = sys.modules[type(module).__module__]
+
+    def forward(input_ids=None, *args, labels=None, logits_to_keep=0, **kwargs):
+        plain = not args and isinstance(logits_to_keep, int) and logits_to_keep == 0
+        if labels is None or not module.training or not plain or _final_softcap(module) is not None:
+            return original(input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        shift_labels = kwargs.pop("shift_labels", None)
+        outputs = module.model(input_ids=input_ids, **kwargs)
+        hidden = outputs.last_hidden_state
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        head = module.lm_head
+        loss = _op("linear_cross_entropy", hidden.reshape(-1, hidden.shape[-1]), head.weight,
+                   shift_labels.reshape(-1).to(hidden.device), head.bias, ignore_index=ignore_index,
+                   reduction="mean" if num_items is None else "sum")
+        if num_items is not None:
+            loss = loss / num_items
+        rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+        return modeling.CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+    return forward
+
+
+def _final_softcap(module):
+    return getattr(module.config, "final_logit_softcapping", None)
+
+
 def _rotate(q, k, cos, sin, hf_rope):
     """q and k rotated by opport.rope; HF's tables are [B or 1, S, D] with the half-angle table repeated."""
     d = q.shape[-1]
@@ -192,7 +232,7 @@ def _opport_attends(module, q, k, attention_mask) -> bool:
 
 
 _FORWARDS = {"rmsnorm": _rmsnorm_forward, "swiglu": _mlp_forward, "attention": _attention_forward,
-             "add_rmsnorm": _decoder_layer_forward}
+             "add_rmsnorm": _decoder_layer_forward, "linear_cross_entropy": _causal_lm_forward}
 
 
 def _window(module):

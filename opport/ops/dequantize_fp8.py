@@ -7,7 +7,7 @@ import numpy as np
 from opport import casegen as cg
 from opport.dtypes import FLOATS, FP8, np_dtype
 from opport.errors import ArgumentError, DTypeError, ShapeError
-from opport.ops.quantize_fp8 import GRANULARITIES, dynamic_scales, grouped, scales_shape
+from opport.ops.quantize_fp8 import GRANULARITIES, check_scale_values, dynamic_scales, grouped, scales_shape
 from opport.spec import BASE_TOLERANCE, Case, Cost, ErrorCase, Tolerance, check, check_choice, check_ndim, op
 
 NAME = "dequantize_fp8"
@@ -24,6 +24,8 @@ NAME = "dequantize_fp8"
         "dequantize_fp8.block_divides": "granularity 'block': block divides q.shape[-1]",
         "dequantize_fp8.scales_shape": "scales has quantize_fp8's scales shape for q, granularity and block",
         "dequantize_fp8.out_dtype": "out_dtype is float32, float16, bfloat16 or float64",
+        "dequantize_fp8.scale_values": "every scale is finite and > 0, as quantize_fp8 makes them (checked on the host "
+                                       "before any kernel runs)",
     },
     dtype_param="out_dtype",
 )
@@ -31,8 +33,9 @@ def dequantize_fp8(q, scales, granularity="tensor", block=128, out_dtype="float3
     """q * scales (broadcast over each scaling group), computed in float32 and rounded once to `out_dtype`.
 
     q and scales are what `quantize_fp8(x, granularity, block, ...)` returned. NaN codes give NaN (and e5m2's
-    ±inf gives ±inf). The scales' values are data, so they are not validated: a zero or NaN scale gives
-    0 or NaN (quantize_fp8 never produces one). A call's dtype is its `out_dtype`.
+    ±inf gives ±inf). Every scale must be finite and > 0, as quantize_fp8 makes them: a zero, negative,
+    NaN or infinite one is a typed error before any kernel runs (the dispatcher reads the scales on the
+    host: on a GPU, one synchronisation per call). A call's dtype is its `out_dtype`.
     """
     check(q.dtype in FP8, DTypeError, NAME, "q", "dequantize_fp8.q_dtype", f"one of {FP8}", q.dtype)
     check_ndim(NAME, "q", q, 1, -1)
@@ -47,6 +50,11 @@ def dequantize_fp8(q, scales, granularity="tensor", block=128, out_dtype="float3
     check(tuple(scales.shape) == want, ShapeError, NAME, "scales", "dequantize_fp8.scales_shape", want, scales.shape)
     check(out_dtype in FLOATS, DTypeError, NAME, "out_dtype", "dequantize_fp8.out_dtype", f"one of {FLOATS}",
           repr(out_dtype))
+
+
+@dequantize_fp8.check_values(("scales",))
+def _check_scales(q, scales, granularity, block, out_dtype):
+    check_scale_values(NAME, "scales", scales)
 
 
 @dequantize_fp8.shape
@@ -113,6 +121,12 @@ def _error_cases():
                     {"granularity": "block", "block": 100})
     yield ErrorCase("dequantize_fp8.scales_shape", ShapeError, (q, np.ones((2, 1), np.float32)), {"granularity": "block"})
     yield ErrorCase("dequantize_fp8.out_dtype", DTypeError, (q, s), {"out_dtype": "float8_e4m3fn"})
+    tok = np.ones((2, 1), np.float32)
+    for v in (0.0, -1.0, np.nan, np.inf):
+        bad = tok.copy()
+        bad[1, 0] = v
+        yield ErrorCase("dequantize_fp8.scale_values", ArgumentError, (q.astype(np_dtype("float8_e5m2")), bad),
+                        {"granularity": "token"})
 
 
 @dequantize_fp8.cost

@@ -67,6 +67,17 @@ def quantize_fp8(x, granularity="tensor", block=128, dtype="float8_e4m3fn", scal
               "granularity 'tensor' with a static scale", repr(granularity))
 
 
+def check_scale_values(op: str, arg: str, scales) -> None:
+    """Scales arrays are multiplied by, as quantize_fp8 makes them: finite and > 0 (a zero scale silently zeroes
+    a group, a negative one flips its sign, NaN poisons it). Run by the dispatcher on the host before any
+    kernel (`check_values`): on a GPU that reads the scales back, one synchronisation per call."""
+    s = np.asarray(scales, np.float32)
+    bad = ~(np.isfinite(s) & (s > 0))
+    where = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.any() else ()
+    check(not bad.any(), ArgumentError, op, arg, f"{op}.scale_values", "finite scales > 0",
+          f"{s[where] if bad.any() else ''} at {where}")
+
+
 def scales_shape(shape: tuple, granularity: str, block: int) -> tuple:
     """The shape of the scales of an array shaped `shape` (x's rank; see quantize_fp8's docstring)."""
     if granularity == "tensor":

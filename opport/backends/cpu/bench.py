@@ -57,6 +57,43 @@ class HostTimer:
     def sync(self):
         """Nothing to wait for: host kernels have finished when they return."""
 
+    @staticmethod
+    def peak_mb(fn) -> float:
+        """Memory the call allocates at its peak beyond what was allocated before it: NumPy's and Python's
+        allocations (tracemalloc) plus, with torch loaded, its CPU allocator's (torch.profiler's memory events, which
+        tracemalloc cannot see) in a second call: the sum of the two peaks bounds the call's."""
+        import tracemalloc
+
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            fn()
+            peak = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+        torch = sys.modules.get("torch")  # a second call, apart: the profiler's own Python objects are not the call's
+        return round((peak + (_torch_cpu_peak(torch, fn) if torch is not None else 0)) / 2**20, 2)
+
+
+def _torch_cpu_peak(torch, fn) -> int:
+    """Peak bytes torch's CPU allocator holds during fn() beyond its start, from the profiler's events in time order:
+    an op's net allocation at its start, its net free at its end (autograd's evaluate_function frees its inputs
+    after its inner ops allocated: at its start the peak would be missed), "[memory]" frees where they happen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    deltas = []
+    for e in prof.events():
+        d = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        deltas.append((e.time_range.start if d > 0 or e.name == "[memory]" else e.time_range.end, d))
+    deltas.sort()
+    held = peak = 0
+    for _, d in deltas:
+        held += d
+        peak = max(peak, held)
+    return peak
+
 
 def timer(budget_ms: float | None, smoke: bool) -> HostTimer:
     return HostTimer(budget_ms=budget_ms or (30.0 if smoke else 200.0), warmup_ms=5.0 if smoke else 20.0)

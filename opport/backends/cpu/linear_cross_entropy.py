@@ -1,0 +1,147 @@
+"""linear_cross_entropy on NumPy: logits made one ROW_BLOCK x VOCAB_CHUNK tile at a time by BLAS, online logsumexp.
+
+Peak extra memory: a few float32 (float64 for float64 inputs) tiles of ROW_BLOCK x VOCAB_CHUNK (4 MiB each),
+per-row statistics [N], and in the backward a VOCAB_CHUNK x H dweight accumulator, the float32 dhidden
+accumulator [N, H] (the output itself for float32/float64) and the upcast 16-bit operand tiles; never N x V.
+"""
+
+import numpy as np
+
+from opport.arraymath import reduce_losses
+from opport.backends.cpu._common import upcast
+from opport.backends.cpu.cross_entropy import _at_target, _coefficients, _fix_rows
+from opport.dispatch import impl
+from opport.dtypes import acc_dtype
+from opport.ops.linear_cross_entropy import linear_cross_entropy as spec
+
+ROW_BLOCK = 256  # tokens per tile
+VOCAB_CHUNK = 4096  # vocabulary entries per tile: 256 x 4096 float32 = 4 MiB, GEMMs large enough for BLAS
+
+
+@impl(spec, "cpu")
+def linear_cross_entropy(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
+    """The loss of hidden @ weight.T (+ bias), softcapped, without the N x V logits (module docstring).
+
+    Dimensions: hidden [N, H], weight [V, H], target [N], bias [V]. Per block of ROW_BLOCK rows the
+    vocabulary is walked in VOCAB_CHUNK tiles: z = x @ w_tile^T (+ b) by BLAS in float32 (float64 stays
+    float64), the row max m, the scaled sum s of exp(z - m), the target's logit and (with smoothing) the
+    row sum of z are carried across tiles. Loss = (m - z_t) + log s, as cpu cross_entropy's.
+    """
+    return _forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)[0]
+
+
+@impl(spec.train_forward, "cpu")
+def linear_cross_entropy_forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
+    """The forward plus the per-row logsumexp m + log s [N] it has at hand, for the backward."""
+    return _forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
+
+
+def _tile_logits(x, weight, bias, c0, c1, softcap) -> tuple:
+    """(z, 1 - tanh² or None) for the rows x (already upcast) and vocabulary entries [c0, c1)."""
+    z = x @ upcast(weight[c0:c1]).T
+    if bias is not None:
+        z += upcast(bias[c0:c1])
+    if softcap is None:
+        return z, None
+    th = np.tanh(z / z.dtype.type(softcap))
+    np.multiply(th, z.dtype.type(softcap), out=z)
+    return z, 1 - th * th
+
+
+def _forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap) -> tuple:
+    """(reduced float32 loss, lse [N] in the accumulation dtype)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden.dtype.name)
+    t = target.astype(np.int64)
+    ignored, valid = t == ignore_index, (t >= 0) & (t < v)
+    eps = acc.type(label_smoothing)
+    loss, lse = np.empty(n, acc), np.empty(n, acc)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for r0 in range(0, n, ROW_BLOCK):
+            rows = slice(r0, min(r0 + ROW_BLOCK, n))
+            loss[rows], lse[rows] = _block_loss(upcast(hidden[rows]), weight, bias, t[rows], eps, softcap)
+        loss = np.where(ignored, acc.type(0), np.where(valid, loss, acc.type(np.nan)))
+        return reduce_losses(loss, ignored, reduction).astype(np.float32), lse
+
+
+def _block_loss(x, weight, bias, t, eps, softcap) -> tuple:
+    """(loss, lse) of one block of rows, over every vocabulary tile (online logsumexp)."""
+    rows, v = x.shape[0], weight.shape[0]
+    acc = x.dtype
+    m = np.full(rows, -np.inf, acc)
+    s, total, zt = np.zeros(rows, acc), np.zeros(rows, acc), np.zeros(rows, acc)
+    for c0 in range(0, v, VOCAB_CHUNK):
+        c1 = min(c0 + VOCAB_CHUNK, v)
+        z, _ = _tile_logits(x, weight, bias, c0, c1, softcap)
+        m_new = np.maximum(m, z.max(axis=1))
+        m_ref = np.where(m_new == -np.inf, acc.type(0), m_new)
+        s = s * np.exp(m - m_ref) + np.exp(z - m_ref[:, None]).sum(axis=1)
+        m = m_new
+        hit = np.flatnonzero((t >= c0) & (t < c1))
+        zt[hit] = z[hit, t[hit] - c0]
+        if eps:
+            total += z.sum(axis=1)
+    log_s = np.log(s)
+    nll = (m - zt) + log_s
+    if eps:
+        nll = (1 - eps) * nll + eps * ((m + log_s) - total / acc.type(v))
+    return nll, m + log_s
+
+
+@impl(spec.backward_op, "cpu")
+def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias, ignore_index, reduction, label_smoothing,
+                                  softcap):
+    """dhidden, dweight, dbias from the logits recomputed tile by tile (module docstring for the memory).
+
+    Dimensions: as the forward; lse [N]. Vocabulary tiles outside, row blocks inside: each tile's dweight
+    and dbias are summed in float32 over every row block, then rounded once into the output; dhidden
+    accumulates dlogits @ w_tile over the tiles. dlogits = c (exp(z - lse) - eps/V - (1 - eps) onehot) (the
+    target's entry through expm1 where p_t > 1/2, as cpu cross_entropy), times 1 - tanh² with a softcap.
+    Notes: ignored rows are 0, rows with a target outside [0, V) NaN (spreading to every dweight/dbias entry).
+    """
+    n, h = hidden.shape
+    v = weight.shape[0]
+    acc = acc_dtype(hidden.dtype.name)
+    t = target.astype(np.int64)
+    ignored, valid = t == ignore_index, (t >= 0) & (t < v)
+    coef = _coefficients(np.asarray(grad, acc), ignored, reduction)
+    eps, lse = acc.type(label_smoothing), lse.astype(acc, copy=False)
+    dh = np.zeros((n, h), acc)
+    dw = np.empty((v, h), weight.dtype)
+    db = None if bias is None else np.empty(v, bias.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for c0 in range(0, v, VOCAB_CHUNK):
+            c1 = min(c0 + VOCAB_CHUNK, v)
+            wc = upcast(weight[c0:c1])
+            dw_acc, db_acc = np.zeros((c1 - c0, h), acc), np.zeros(c1 - c0, acc)
+            for r0 in range(0, n, ROW_BLOCK):
+                rows = slice(r0, min(r0 + ROW_BLOCK, n))
+                x = upcast(hidden[rows])
+                d = _dlogits(x, weight, bias, c0, c1, softcap, t[rows], lse[rows], coef[rows], ignored[rows],
+                             valid[rows], eps)
+                dh[rows] += d @ wc
+                dw_acc += d.T @ x
+                db_acc += d.sum(axis=0)
+            dw[c0:c1] = dw_acc
+            if db is not None:
+                db[c0:c1] = db_acc
+        return dh.astype(hidden.dtype, copy=False), dw, db
+
+
+def _dlogits(x, weight, bias, c0, c1, softcap, t, lse, coef, ignored, valid, eps) -> np.ndarray:
+    """The loss's gradient for the logits of one tile (rows x [c0, c1)), before the tile's two GEMMs."""
+    v = weight.shape[0]
+    z, dcap = _tile_logits(x, weight, bias, c0, c1, softcap)
+    zl = z - lse[:, None]
+    y = np.exp(zl)
+    if eps:
+        y -= eps / y.dtype.type(v)
+    hit = np.flatnonzero(valid & ~ignored & (t >= c0) & (t < c1))
+    if hit.size:
+        col = t[hit] - c0
+        y[hit, col] = _at_target(y[hit, col], zl[hit, col], eps, v)
+    y *= coef[:, None]
+    _fix_rows(y, ignored, valid)
+    if dcap is not None:
+        y *= dcap
+    return y
