@@ -24,16 +24,28 @@ F = torch.nn.functional
 DIFFERENTIABLE = sorted(n for n, s in opport.all_ops().items() if s.backward_op is not None)
 
 
-def _attention_torch(q, k, v, causal, scale):
+def _attention_torch(q, k, v, causal, scale, softcap=None, sliding_window=None):
     hq, hkv, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if causal:  # bottom-right aligned: query i sees key j iff j <= i + sk - sq
-        seen = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
+    if softcap is not None:  # Gemma 2: on the scaled scores
+        s = softcap * torch.tanh(s / softcap)
+    if causal:  # bottom-right aligned: query i sees key j iff j <= i + sk - sq (and j > that - W in a window)
+        last = torch.arange(sq)[:, None] + sk - sq
+        seen = torch.arange(sk)[None, :] <= last
+        if sliding_window is not None:
+            seen &= torch.arange(sk)[None, :] > last - sliding_window
         s = s.masked_fill(~seen, float("-inf"))
     any_seen = torch.isfinite(s).any(-1, keepdim=True)
     p = torch.softmax(torch.where(any_seen, s, torch.zeros_like(s)), -1) * any_seen  # rows seeing no key: 0
     return p @ v
+
+
+def _linear_cross_entropy_torch(hidden, weight, target, bias, ii, red, ls, softcap):
+    z = hidden @ weight.T if bias is None else hidden @ weight.T + bias
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z, target.long(), ignore_index=ii, reduction=red, label_smoothing=ls)
 
 
 def _rope_torch(x, cos, sin, interleaved):
@@ -63,6 +75,7 @@ TORCH = {
     "attention": _attention_torch,
     "cross_entropy": lambda logits, target, ii, red, ls: F.cross_entropy(logits, target, ignore_index=ii,
                                                                           reduction=red, label_smoothing=ls),
+    "linear_cross_entropy": _linear_cross_entropy_torch,
 }
 
 
