@@ -45,7 +45,7 @@ def _load_v(v_hbm, b, g, k0, kt, Dv):
 
 
 @nki.jit
-def _attention_kernel(q_hbm, k_hbm, v_hbm, causal, scale, q_rows):
+def _attention_kernel(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, softcap=0.0, window=0):
     """Scaled dot-product attention with GQA and a bottom-right causal mask, flash-style (one pass over keys).
 
     Dimensions:
@@ -57,8 +57,11 @@ def _attention_kernel(q_hbm, k_hbm, v_hbm, causal, scale, q_rows):
         q_hbm: [B, Hq, Sq, D]; k_hbm: [B, Hkv, Sk, D]; v_hbm: [B, Hkv, Sk, Dv]; all float32/float16/bfloat16.
         causal: compile-time bool; query i sees key j iff j <= i + Sk - Sq.
         scale: compile-time float multiplying the scores.
-        q_rows: compile-time queries per tile: 128, or 1 to cut every row's keys exactly at its last
+        q_rows: compile-time queries per tile: 128, or 1 to cut every row's keys exactly at its first and last
             visible key (used when v holds inf/NaN: TensorE computes 0 * inf = NaN for masked keys).
+        softcap: compile-time float c > 0 (0.0: none): the scaled scores become c * tanh(s / c).
+        window: compile-time int W >= 1 (0: none; only with causal): query i sees key j iff
+            i + Sk - Sq - W < j <= i + Sk - Sq.
 
     Returns:
         out_hbm: [B, Hq, Sq, Dv] in q's dtype; rows that see no key (or whose visible scores are all
@@ -68,7 +71,9 @@ def _attention_kernel(q_hbm, k_hbm, v_hbm, causal, scale, q_rows):
         Per query tile: qT (D on the partitions) comes from a TensorE transpose; per 512-key tile, one
         nc_matmul writes the [rows, 512] scores to a PSUM bank, ScalarE evicts them with the scale
         applied, GpSimd affine_select writes -inf where key > row + Sk - Sq (only on tiles the diagonal
-        crosses; key tiles past the tile's last visible key are never computed), VectorE takes the row
+        crosses; key tiles past the tile's last visible key are never computed; with a window, a second
+        affine_select writes -inf before each row's first visible key, and key tiles wholly before the tile's
+        first row's window are never loaded nor computed), VectorE takes the row
         max, and one ScalarE activation computes p = exp(s - m) and its row sum together. The running
         max starts at -FLT_MAX, so fully masked rows give exp(-inf) = 0 and never NaN; l and o are
         rescaled by exp(m_old - m_new). p is transposed in 128-key pieces on TensorE and P @ V
@@ -81,16 +86,16 @@ def _attention_kernel(q_hbm, k_hbm, v_hbm, causal, scale, q_rows):
         for b, KV head g, query head h of g, query tile rows:
             m = -FLT_MAX; l = 0; o = 0
             for key tile j (up to the tile's last visible key):
-                s = scale * q @ k_j^T; s[masked] = -inf
+                s = scale * q @ k_j^T; s = c * tanh(s / c) (soft cap); s[masked] = -inf
                 m' = max(m, rowmax(s)); p = exp(s - m'); c = exp(m - m')
                 l = l * c + rowsum(p); o = o * c + p @ v_j; m = m'
             out = o / max(l, FLT_MIN)
     """
-    return _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, False)
+    return _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, False, softcap, window)
 
 
 @nki.jit
-def _attention_forward_kernel(q_hbm, k_hbm, v_hbm, causal, scale, q_rows):
+def _attention_forward_kernel(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, softcap=0.0, window=0):
     """The training forward: _attention_kernel's output plus each query row's log-sum-exp, saved for the backward.
 
     Dimensions:
@@ -111,10 +116,10 @@ def _attention_forward_kernel(q_hbm, k_hbm, v_hbm, causal, scale, q_rows):
     Pseudocode:
         as _attention_kernel, and per query tile: lse = m + log(l)
     """
-    return _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, True)
+    return _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, True, softcap, window)
 
 
-def _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, with_lse):
+def _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, with_lse, softcap, window):
     """Both kernels' body: the flash forward over every (batch, KV head, query head, query tile)."""
     B, Hq, Sq, D = q_hbm.shape
     Hkv, Sk = k_hbm.shape[1], k_hbm.shape[2]
@@ -128,6 +133,8 @@ def _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, with_lse):
     n_kt = (Sk + KT - 1) // KT
     item = 4 if q_hbm.dtype == nl.float32 else 2
     resident = Sk * item + ((Sk + KP - 1) // KP) * Dv * item <= KV_RESIDENT
+    if exact and window > 0:  # exact rows need tiles starting at each row's first key, not at 512-key boundaries
+        resident = False
 
     for b in range(B):
         for g in range(Hkv):
@@ -137,6 +144,10 @@ def _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, with_lse):
                 for t in range(n_kt):
                     k0 = t * KT
                     kt = min(KT, Sk - k0)
+                    if k0 + kt <= _window_start(window, 0, off, Sk):  # before every row's window: never loaded
+                        kT_tiles.append(None)
+                        v_tiles.append(None)
+                        continue
                     kT_sb = nl.ndarray((D, kt), dtype=k_hbm.dtype, buffer=nl.sbuf)
                     _load_kT(kT_sb, k_hbm, b, g, k0, kt, D)
                     kT_tiles.append(kT_sb)
@@ -146,20 +157,23 @@ def _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, with_lse):
                 for q0 in range(0, Sq, q_rows):
                     p = min(q_rows, Sq - q0)
                     k_end = min(Sk, max(0, q0 + p + off)) if causal else Sk  # keys past the last row's view: skipped
+                    k_lo = _window_start(window, q0, off, k_end)  # keys before the first row's window: skipped
+                    if resident:
+                        k_lo = k_lo // KT * KT
                     o_sb = nl.ndarray((p, Dv), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.memset(dst=o_sb, value=0.0)
                     m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.memset(dst=m_sb, value=NEG_BIG)
                     l_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.memset(dst=l_sb, value=0.0)
-                    if k_end > 0:
+                    if k_end > k_lo:
                         q_sb = nl.ndarray((p, D), dtype=q_hbm.dtype, buffer=nl.sbuf)
                         nisa.dma_copy(dst=q_sb, src=q_hbm[b, h, q0:q0 + p, 0:D])
                         qT_psum = nl.ndarray((D, p), dtype=q_hbm.dtype, buffer=nl.psum)
                         nisa.nc_transpose(dst=qT_psum, data=q_sb)
                         qT_sb = nl.ndarray((D, p), dtype=q_hbm.dtype, buffer=nl.sbuf)
                         nisa.tensor_copy(dst=qT_sb, src=qT_psum)
-                    for k0 in range(0, k_end, KT):
+                    for k0 in range(k_lo, k_end, KT):
                         kt = min(KT, k_end - k0)
                         if resident:
                             kT_sb = kT_tiles[k0 // KT]
@@ -172,10 +186,14 @@ def _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, with_lse):
                         s_psum = nl.ndarray((p, kt), dtype=nl.float32, buffer=nl.psum)
                         nisa.nc_matmul(dst=s_psum, stationary=qT_sb, moving=kT_sb[0:D, 0:kt])
                         s_sb = nl.ndarray((p, kt), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.activation(dst=s_sb, op=nl.copy, data=s_psum, scale=float(scale))
+                        _scores(s_sb, s_psum, scale, softcap)
                         if causal and k0 + kt - 1 > q0 + off:  # the diagonal crosses this tile
                             nisa.affine_select(dst=s_sb, pattern=[[-1, kt]], channel_multiplier=1, on_true_tile=s_sb,
                                                on_false_value=-math.inf, cmp_op=nl.greater_equal, offset=q0 + off - k0)
+                        edge = _window_edge(window, q0, p, k0, off)
+                        if edge != None:  # noqa: E711 (NKI kernels compare with None by value)
+                            nisa.affine_select(dst=s_sb, pattern=[[1, kt]], channel_multiplier=-1, on_true_tile=s_sb,
+                                               on_false_value=-math.inf, cmp_op=nl.greater_equal, offset=edge)
                         # online softmax: new max, correction, probabilities and their row sum
                         tmax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
                         nisa.tensor_reduce(dst=tmax_sb, op=nl.maximum, data=s_sb, axis=1, keepdims=True)
@@ -233,9 +251,29 @@ def _attention(q_hbm, k_hbm, v_hbm, causal, scale, q_rows, with_lse):
     return (out_hbm, lse_hbm) if with_lse else out_hbm
 
 
+def _window_start(window, q0, off, k_end):
+    """The first key the tile's first row q0 sees under a window W (0: none), at most k_end."""
+    return min(k_end, max(0, q0 + off + 1 - window)) if window > 0 else 0
+
+
+def _window_edge(window, q0, p, k0, off):
+    """affine_select's offset where the window's start crosses the tile from key k0 (the last row q0+p-1 misses
+    key k0), else None: key k0+j is visible to row q0+r iff (k0 - q0 - off + W - 1) - r + j >= 0."""
+    if window > 0 and k0 <= q0 + p - 1 + off - window:
+        return k0 - q0 - off + window - 1
+    return None
+
+
+def _scores(s_sb, s_psum, scale, softcap):
+    """s = scale * (q @ k^T) evicted from PSUM on ScalarE; with a soft cap c, s = c * tanh(scale / c * (q @ k^T))."""
+    if softcap > 0:
+        nisa.activation(dst=s_sb, op=nl.tanh, data=s_psum, scale=float(scale) / softcap)
+        nisa.tensor_scalar(dst=s_sb, data=s_sb, op0=nl.multiply, operand0=float(softcap))
+    else:
+        nisa.activation(dst=s_sb, op=nl.copy, data=s_psum, scale=float(scale))
+
+
 def _supports(q, k, v, causal, scale, softcap=None, sliding_window=None):
-    if softcap is not None or sliding_window is not None:
-        return "softcap and sliding_window are not in the NKI kernels yet (cpu runs them)"
     if q.shape[3] > D_MAX:
         return f"head dim {q.shape[3]} > {D_MAX}: q @ k^T contracts over the 128 partitions"
     if v.shape[3] > DV_MAX:
@@ -256,8 +294,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, 
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     # masked keys must add exactly nothing; with inf/NaN in v only an exact per-row key range guarantees that
     q_rows = 1 if causal and not np.isfinite(v).all() else Q_ROWS
-    args = (_host.contiguous(q), _host.contiguous(k), _host.contiguous(v), bool(causal), s, q_rows)
+    args = (_host.contiguous(q), _host.contiguous(k), _host.contiguous(v), bool(causal), s, q_rows,
+            *_cap_window(softcap, sliding_window))
     return _host.as_dtype(_host.run(_attention_kernel, *args), q.dtype.name, out_shape)
+
+
+def _cap_window(softcap, sliding_window) -> tuple:
+    """The kernels' compile-time (softcap, window): 0.0 and 0 for none."""
+    return (0.0 if softcap is None else float(softcap)), (0 if sliding_window is None else int(sliding_window))
 
 
 @impl(spec.train_forward, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
@@ -267,10 +311,11 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool,
     b, hq, sq, d = q.shape
     out_shape = (b, hq, sq, v.shape[3])
     if math.prod(out_shape) == 0 or k.shape[2] == 0:  # no rows, or no keys: out 0 and lse -inf by definition
-        return attention(q, k, v, causal, scale), np.full((b, hq, sq), -np.inf, np.float32)
+        return attention(q, k, v, causal, scale, softcap, sliding_window), np.full((b, hq, sq), -np.inf, np.float32)
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     q_rows = 1 if causal and not np.isfinite(v).all() else Q_ROWS  # as the forward
-    args = (_host.contiguous(q), _host.contiguous(k), _host.contiguous(v), bool(causal), s, q_rows)
+    args = (_host.contiguous(q), _host.contiguous(k), _host.contiguous(v), bool(causal), s, q_rows,
+            *_cap_window(softcap, sliding_window))
     out, lse = _host.run(_attention_forward_kernel, *args)
     return _host.as_dtype(out, q.dtype.name, out_shape), _host.as_dtype(lse, "float32", (b, hq, sq))
 
@@ -283,7 +328,8 @@ BWD_ROWS_RESIDENT = 64 * 1024  # bytes per partition for one KV head group's que
 
 
 @nki.jit
-def _attention_backward_kernel(do_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, causal, scale, q_rows, dead):
+def _attention_backward_kernel(do_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, causal, scale, q_rows, dead, softcap=0.0,
+                                window=0):
     """dq, dk, dv of attention from the saved output and log-sum-exp: FlashAttention-2's backward.
 
     Dimensions:
@@ -300,6 +346,10 @@ def _attention_backward_kernel(do_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, caus
             0 * NaN = NaN, so a masked pair must never meet in a contraction).
         dead: compile-time bool: some row has lse = -inf; its q and dO are zeroed (they must reach no dK or
             dV), its P and dS too, and its dq is written 0.
+        softcap, window: compile-time, as in the forward (0.0 / 0: none). With a soft cap, P = exp(c t - lse)
+            with t = tanh(scale S / c), and dS is multiplied by the cap's slope 1 - t^2. With a window, blocks
+            wholly before a query tile's first row's window are skipped, the window's start is masked, and D
+            is formed before the passes (key block 0 may be outside a tile's window).
 
     Returns:
         (dq_hbm, dk_hbm, dv_hbm) in q's dtype, shaped like q, k, v.
@@ -318,7 +368,8 @@ def _attention_backward_kernel(do_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, caus
         D = rowsum(dO * O) is formed as dP[:, key 0] + rowsum(dO * (O - v_0)): equal in exact arithmetic,
         but dP - D then cancels exactly where a row sees key 0 only (one key, or the first causal row:
         O = v_0, dq = dk = 0), where two float32 dot products of |dO| |v| would leave eps |dO| |v| of noise.
-        Key 0 is visible to every row that sees any key (the visible keys are a prefix).
+        Key 0 is visible to every row that sees any key (the visible keys are a prefix) unless a window
+        hides it; then the diagonal key plays its part (see _diag_dhat).
 
     Pseudocode:
         for b, KV head g:
@@ -347,22 +398,25 @@ def _attention_backward_kernel(do_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, caus
     rows_resident = len(descs) * ((D + Dv + q_rows * (1 + n_dvc)) * item + 16) <= BWD_ROWS_RESIDENT
     ins = (do_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm)
     outs = (dq_hbm, dk_hbm, dv_hbm)
-    meta = (causal, float(scale), dead)
+    meta = (causal, float(scale), dead, softcap, window, q_rows == 1)
     for b in range(B):
         for g in range(Hkv):
             keys = []
+            v0_sb = None  # key 0's values: D's reference row without a window (with one, each row's diagonal key)
             if keys_resident:
-                for k0 in range(0, Sk, KB):
-                    keys.append(_key_tile(k_hbm, v_hbm, b, g, k0, min(KB, Sk - k0)))
-                v0_sb = _v0_rows(keys[0][3][0:1, 0:Dv], min(q_rows, Sq))
-            else:
+                for k0 in range(0, Sk, KB):  # blocks before every row's window: never loaded
+                    seen = k0 >= _visible_start(window, 0, Sq, Sk)
+                    keys.append(_key_tile(k_hbm, v_hbm, b, g, k0, min(KB, Sk - k0)) if seen else None)
+                if window == 0:
+                    v0_sb = _v0_rows(keys[0][3][0:1, 0:Dv], min(q_rows, Sq))
+            elif window == 0:
                 v_row_sb = nl.ndarray((1, Dv), dtype=v_hbm.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=v_row_sb, src=v_hbm[b, g, 0:1, 0:Dv])
                 v0_sb = _v0_rows(v_row_sb, min(q_rows, Sq))
             rows = []
             if rows_resident:
                 for hh, q0, p in descs:
-                    rows.append(_row_tile(ins, v0_sb, b, g * group + hh, q0, p, dead))
+                    rows.append(_row_tile(ins, v0_sb, b, g * group + hh, q0, p, dead, window))
             _dkdv_pass(ins, outs, meta, keys, rows, descs, v0_sb, b, g)
             _dq_pass(ins, outs, meta, keys, rows, descs, v0_sb, b, g)
     return dq_hbm, dk_hbm, dv_hbm
@@ -371,6 +425,11 @@ def _attention_backward_kernel(do_hbm, q_hbm, k_hbm, v_hbm, o_hbm, lse_hbm, caus
 def _visible_end(causal, q0, p, Sq, Sk):
     """Keys [0, end) hold every key some row of the tile q0:q0+p sees (the last row sees the most)."""
     return min(Sk, max(0, q0 + p + Sk - Sq)) if causal else Sk
+
+
+def _visible_start(window, q0, Sq, Sk):
+    """The first key of the block grid (KB-aligned) that some row of the tile from q0 sees under a window."""
+    return _window_start(window, q0, Sk - Sq, Sk) // KB * KB
 
 
 def _diagonal(causal, q0, p, k0, kc, Sq, Sk):
@@ -383,84 +442,153 @@ def _dkdv_pass(ins, outs, meta, keys, rows, descs, v0_sb, b, g):
     """dk, dv of KV head g: per key block, dV and dK accumulate in PSUM over every query tile of the group."""
     q_hbm, k_hbm, v_hbm = ins[1], ins[2], ins[3]
     dk_hbm, dv_hbm = outs[1], outs[2]
-    causal, scale, dead = meta
+    causal, scale, dead, softcap, window, exact = meta
     Sq, D, Sk, Dv = q_hbm.shape[2], q_hbm.shape[3], k_hbm.shape[2], v_hbm.shape[3]
     group = q_hbm.shape[1] // k_hbm.shape[1]
-    dhat_tiles = []  # D of each query tile, set by its first block (key block 0, always visible)
-    for desc in descs:
-        dhat_tiles.append(nl.ndarray((desc[2], 1), dtype=nl.float32, buffer=nl.sbuf))
+    dhat_tiles = []  # D of each query tile, set by its first block (key block 0, always visible without a window)
+    for idx in range(len(descs)):
+        hh, q0, p = descs[idx]
+        dhat_tiles.append(nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf))
+        if window > 0:
+            rt = rows[idx] if len(rows) else _row_tile(ins, v0_sb, b, g * group + hh, q0, p, dead, window)
+            _diag_dhat(rt, _key_block(k_hbm, v_hbm, keys, b, g), q0, p, _visible_end(causal, q0, p, Sq, Sk), Sq, Sk,
+                       dhat_tiles[idx])
     for j in range(0, (Sk + KB - 1) // KB):
         k0 = j * KB
         kp = min(KB, Sk - k0)
-        kt = keys[j] if len(keys) else _key_tile(k_hbm, v_hbm, b, g, k0, kp)
+        kt = None  # loaded when a query tile sees the block
+        if k0 >= _visible_start(window, 0, Sq, Sk):
+            kt = keys[j] if len(keys) else _key_tile(k_hbm, v_hbm, b, g, k0, kp)
         dk_psum = nl.ndarray((kp, D), dtype=nl.float32, buffer=nl.psum)
         dv_psum = nl.ndarray((kp, Dv), dtype=nl.float32, buffer=nl.psum)
+        seen = False  # some query tile's matmul wrote the PSUM accumulators (a window can leave blocks unseen)
+        fix = None  # exact rows crossing the window's start: their dK, dV terms, keys before the window zeroed
         for idx in range(len(descs)):
             hh, q0, p = descs[idx]
             end = _visible_end(causal, q0, p, Sq, Sk)
-            if end <= k0:
+            if end <= k0 or _visible_start(window, q0, Sq, Sk) > k0:
                 continue
-            rt = rows[idx] if len(rows) else _row_tile(ins, v0_sb, b, g * group + hh, q0, p, dead)
+            rt = rows[idx] if len(rows) else _row_tile(ins, v0_sb, b, g * group + hh, q0, p, dead, window)
             kc = min(kp, end - k0)
-            mask = _diagonal(causal, q0, p, k0, kc, Sq, Sk)
-            p_parts, ds_parts = _block(rt, kt, dhat_tiles[idx], j == 0, kc, mask, scale, True)
+            masks = (_diagonal(causal, q0, p, k0, kc, Sq, Sk), _window_edge(window, q0, p, k0, Sk - Sq))
+            p_parts, ds_parts = _block(rt, kt, dhat_tiles[idx], j == 0 and window == 0, kc, masks, scale, softcap, True)
+            if exact and window > 0:  # all through SBUF: a NaN q or dO row times P = dS = 0 is NaN in PSUM
+                fix = _edge_terms(fix, p_parts, ds_parts, rt, kp, kc, k0 - (q0 + Sk - Sq + 1 - window))
+                continue
+            seen = True
             for part_sb in p_parts:
                 nisa.nc_matmul(dst=dv_psum[0:kc, 0:Dv], stationary=part_sb, moving=rt[2])
             for part_sb in ds_parts:
                 nisa.nc_matmul(dst=dk_psum[0:kc, 0:D], stationary=part_sb, moving=rt[0])
         dv_sb = nl.ndarray((kp, Dv), dtype=dv_hbm.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=dv_sb, src=dv_psum)
-        nisa.dma_copy(dst=dv_hbm[b, g, k0:k0 + kp, 0:Dv], src=dv_sb)
         dk_sb = nl.ndarray((kp, D), dtype=dk_hbm.dtype, buffer=nl.sbuf)
-        nisa.activation(dst=dk_sb, op=nl.copy, data=dk_psum, scale=scale)
+        if seen and fix != None:  # noqa: E711
+            nisa.tensor_tensor(dst=fix[0], data1=fix[0], data2=dv_psum, op=nl.add)
+            nisa.tensor_tensor(dst=fix[1], data1=fix[1], data2=dk_psum, op=nl.add)
+        if fix != None:  # noqa: E711
+            nisa.tensor_copy(dst=dv_sb, src=fix[0])
+            nisa.activation(dst=dk_sb, op=nl.copy, data=fix[1], scale=scale)
+        elif seen:
+            nisa.tensor_copy(dst=dv_sb, src=dv_psum)
+            nisa.activation(dst=dk_sb, op=nl.copy, data=dk_psum, scale=scale)
+        else:
+            nisa.memset(dst=dv_sb, value=0.0)
+            nisa.memset(dst=dk_sb, value=0.0)
+        nisa.dma_copy(dst=dv_hbm[b, g, k0:k0 + kp, 0:Dv], src=dv_sb)
         nisa.dma_copy(dst=dk_hbm[b, g, k0:k0 + kp, 0:D], src=dk_sb)
+
+
+def _edge_terms(fix, p_parts, ds_parts, rt, kp, kc, first):
+    """An exact (one-row) tile's dV = P^T dO and dK = dS^T q terms on a block under a window, in their own PSUM
+    tiles, with the keys before the window (block rows < -first) set to 0 by affine_select (selected:
+    0 * a non-finite q or dO is NaN), added to the block's float32 SBUF sums fix = (dV, dK), made if None."""
+    D, Dv = rt[0].shape[1], rt[2].shape[1]
+    if fix == None:  # noqa: E711
+        fix = (nl.ndarray((kp, Dv), dtype=nl.float32, buffer=nl.sbuf), nl.ndarray((kp, D), dtype=nl.float32, buffer=nl.sbuf))
+        nisa.memset(dst=fix[0], value=0.0)
+        nisa.memset(dst=fix[1], value=0.0)
+    for parts, moving, acc_sb in ((p_parts, rt[2], fix[0]), (ds_parts, rt[0], fix[1])):
+        n = moving.shape[1]
+        t_psum = nl.ndarray((kc, n), dtype=nl.float32, buffer=nl.psum)
+        for part_sb in parts:
+            nisa.nc_matmul(dst=t_psum, stationary=part_sb, moving=moving)
+        t_sb = nl.ndarray((kc, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=t_sb, src=t_psum)
+        nisa.affine_select(dst=t_sb, pattern=[[0, n]], channel_multiplier=1, on_true_tile=t_sb, on_false_value=0.0,
+                           cmp_op=nl.greater_equal, offset=first)
+        nisa.tensor_tensor(dst=acc_sb[0:kc, 0:n], data1=acc_sb[0:kc, 0:n], data2=t_sb, op=nl.add)
+    return fix
+
+
+def _masked_keys(k_sb, kc, first):
+    """k_sb[0:kc] with the keys before an exact row's window (rows < -first) set to 0: dS = 0 there, but
+    0 * a non-finite k is NaN in dQ = dS K."""
+    D = k_sb.shape[1]
+    km_sb = nl.ndarray((kc, D), dtype=k_sb.dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=km_sb, pattern=[[0, D]], channel_multiplier=1, on_true_tile=k_sb[0:kc, 0:D],
+                       on_false_value=0.0, cmp_op=nl.greater_equal, offset=first)
+    return km_sb
 
 
 def _dq_pass(ins, outs, meta, keys, rows, descs, v0_sb, b, g):
     """dq of the group's query heads: per query tile, dQ accumulates dS K in PSUM over the key blocks it sees."""
     q_hbm, k_hbm, v_hbm = ins[1], ins[2], ins[3]
     dq_hbm = outs[0]
-    causal, scale, dead = meta
+    causal, scale, dead, softcap, window, exact = meta
     Sq, D, Sk = q_hbm.shape[2], q_hbm.shape[3], k_hbm.shape[2]
     group = q_hbm.shape[1] // k_hbm.shape[1]
     for idx in range(len(descs)):
         hh, q0, p = descs[idx]
         h = g * group + hh
         end = _visible_end(causal, q0, p, Sq, Sk)
+        start = _visible_start(window, q0, Sq, Sk)
         dq_sb = nl.ndarray((p, D), dtype=dq_hbm.dtype, buffer=nl.sbuf)
-        if end == 0:  # no row of the tile sees a key: dq = 0
+        if end <= start:  # no row of the tile sees a key: dq = 0
             nisa.memset(dst=dq_sb, value=0.0)
             nisa.dma_copy(dst=dq_hbm[b, h, q0:q0 + p, 0:D], src=dq_sb)
             continue
-        rt = rows[idx] if len(rows) else _row_tile(ins, v0_sb, b, h, q0, p, dead)
+        rt = rows[idx] if len(rows) else _row_tile(ins, v0_sb, b, h, q0, p, dead, window)
         dhat_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if window > 0:
+            _diag_dhat(rt, _key_block(k_hbm, v_hbm, keys, b, g), q0, p, end, Sq, Sk, dhat_sb)
         dq_psum = nl.ndarray((p, D), dtype=nl.float32, buffer=nl.psum)
-        for k0 in range(0, end, KB):
+        for k0 in range(start, end, KB):
             kp = min(KB, Sk - k0)
             kt = keys[k0 // KB] if len(keys) else _key_tile(k_hbm, v_hbm, b, g, k0, kp)
             kc = min(kp, end - k0)
-            _, ds_parts = _block(rt, kt, dhat_sb, k0 == 0, kc, _diagonal(causal, q0, p, k0, kc, Sq, Sk), scale, False)
+            masks = (_diagonal(causal, q0, p, k0, kc, Sq, Sk), _window_edge(window, q0, p, k0, Sk - Sq))
+            _, ds_parts = _block(rt, kt, dhat_sb, k0 == 0 and window == 0, kc, masks, scale, softcap, False)
+            k_sb = kt[0][0:kc, 0:D]
+            if exact and masks[1] != None:  # noqa: E711
+                k_sb = _masked_keys(kt[0], kc, k0 - (q0 + Sk - Sq + 1 - window))
             for part_sb in ds_parts:
-                nisa.nc_matmul(dst=dq_psum, stationary=_transposed(part_sb, 0, kc), moving=kt[0][0:kc, 0:D])
+                nisa.nc_matmul(dst=dq_psum, stationary=_transposed(part_sb, 0, kc), moving=k_sb)
         nisa.activation(dst=dq_sb, op=nl.copy, data=dq_psum, scale=scale)
         if dead:
             nisa.tensor_copy_predicated(dst=dq_sb, src=0.0, predicate=rt[6].broadcast(1, D))
         nisa.dma_copy(dst=dq_hbm[b, h, q0:q0 + p, 0:D], src=dq_sb)
 
 
-def _block(rt, kt, dhat_sb, first, kc, mask, scale, want_p):
+def _block(rt, kt, dhat_sb, first, kc, masks, scale, softcap, want_p):
     """One (query tile, key block) of kc keys: (P's parts or None, dS's parts), each part [p, kc] in q's dtype.
 
     P = exp(scale S - lse) and dS = P (dP - D) are formed in float32; masked pairs get exactly 0 in both
-    (selected, not multiplied: a masked dP may be inf). On the first block of a query tile D = dP[:, 0] + delta
-    is formed. The parts sum to the float32 value (see _parts)."""
+    (selected, not multiplied: a masked dP may be inf). masks: the causal diagonal's and the window start's
+    affine_select offsets (None: not crossing). On the first block of a query tile D = dP[:, 0] + delta is
+    formed. With a soft cap c, P = exp(c t - lse) with t = tanh(scale S / c) and dS carries the slope 1 - t^2.
+    The parts sum to the float32 value (see _parts)."""
     q_nat_sb, qT_sb, do_nat_sb, doT_tiles, neg_lse_sb, delta_sb, dead_sb = rt
     kT_sb, vT_tiles = kt[1], kt[2]
     D, p = qT_sb.shape[0], qT_sb.shape[1]
     s_psum = nl.ndarray((p, kc), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=s_psum, stationary=qT_sb, moving=kT_sb[0:D, 0:kc])
     p_sb = nl.ndarray((p, kc), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p_sb, op=nl.exp, data=s_psum, bias=neg_lse_sb, scale=scale)
+    if softcap > 0:
+        t_sb = nl.ndarray((p, kc), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=t_sb, op=nl.tanh, data=s_psum, scale=scale / softcap)
+        nisa.activation(dst=p_sb, op=nl.exp, data=t_sb, bias=neg_lse_sb, scale=float(softcap))
+    else:
+        nisa.activation(dst=p_sb, op=nl.exp, data=s_psum, bias=neg_lse_sb, scale=scale)
     dp_psum = nl.ndarray((p, kc), dtype=nl.float32, buffer=nl.psum)
     for c in range(len(doT_tiles)):
         dvc = doT_tiles[c].shape[0]
@@ -470,13 +598,60 @@ def _block(rt, kt, dhat_sb, first, kc, mask, scale, want_p):
     ds_sb = nl.ndarray((p, kc), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=ds_sb, data=dp_psum, op0=nl.subtract, operand0=dhat_sb, op1=nl.multiply,
                               operand1=p_sb)
+    if softcap > 0:  # dS_raw = dS (1 - t^2)
+        slope_sb = nl.ndarray((p, kc), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=slope_sb, data1=t_sb, data2=t_sb, op=nl.multiply)
+        nisa.tensor_scalar(dst=slope_sb, data=slope_sb, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+        nisa.tensor_tensor(dst=ds_sb, data1=ds_sb, data2=slope_sb, op=nl.multiply)
     for t_sb in (p_sb, ds_sb):
-        if mask != None:  # noqa: E711 (NKI kernels compare with None by value)
+        if masks[0] != None:  # noqa: E711 (NKI kernels compare with None by value)
             nisa.affine_select(dst=t_sb, pattern=[[-1, kc]], channel_multiplier=1, on_true_tile=t_sb,
-                               on_false_value=0.0, cmp_op=nl.greater_equal, offset=mask)
+                               on_false_value=0.0, cmp_op=nl.greater_equal, offset=masks[0])
+        if masks[1] != None:  # noqa: E711
+            nisa.affine_select(dst=t_sb, pattern=[[1, kc]], channel_multiplier=-1, on_true_tile=t_sb,
+                               on_false_value=0.0, cmp_op=nl.greater_equal, offset=masks[1])
         if dead_sb != None:  # noqa: E711
             nisa.tensor_copy_predicated(dst=t_sb, src=0.0, predicate=dead_sb.broadcast(1, kc))
     return _parts(p_sb, q_nat_sb.dtype) if want_p else None, _parts(ds_sb, q_nat_sb.dtype)
+
+
+def _diag_rows(v_hbm, b, g, q0, p, Sq):
+    """[p, Dv] float32: row r holds v of its diagonal key q0 + r + Sk - Sq (0 for rows before key 0: they see
+    no key, are dead and zeroed)."""
+    Sk, Dv = v_hbm.shape[2], v_hbm.shape[3]
+    d0 = q0 + Sk - Sq
+    n0 = min(p, max(0, -d0))
+    rows_sb = nl.ndarray((p, Dv), dtype=v_hbm.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=rows_sb, value=0.0)
+    if n0 < p:  # DMA reaches any partition; the engines' tiles must start at partition 0 (or 32/64/96)
+        nisa.dma_copy(dst=rows_sb[n0:p, 0:Dv], src=v_hbm[b, g, d0 + n0:d0 + p, 0:Dv])
+    ref_sb = nl.ndarray((p, Dv), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=ref_sb, src=rows_sb)
+    return ref_sb
+
+
+def _diag_dhat(rt, key_block, q0, p, end, Sq, Sk, dhat_sb):
+    """D = dP[i, diagonal key of i] + delta (under a window; delta from _diag_rows' values): the diagonal is the
+    one key every live row sees, so dP - D cancels exactly where a row sees only it (window 1). dP is formed by
+    the very matmul _block issues on the block(s) holding the tile's diagonal (same operands, same kc: the same
+    float32 values) and its diagonal taken by an equality affine_select (exact: x + zeros)."""
+    doT_tiles, delta_sb = rt[3], rt[5]
+    d0 = q0 + Sk - Sq
+    nisa.tensor_copy(dst=dhat_sb, src=delta_sb)
+    for k0 in range(max(0, d0) // KB * KB, end, KB):
+        kc = min(KB, Sk - k0, end - k0)
+        vT_tiles = key_block(k0)[2]
+        dp_psum = nl.ndarray((p, kc), dtype=nl.float32, buffer=nl.psum)
+        for c in range(len(doT_tiles)):
+            dvc = doT_tiles[c].shape[0]
+            nisa.nc_matmul(dst=dp_psum, stationary=doT_tiles[c], moving=vT_tiles[c][0:dvc, 0:kc])
+        diag_sb = nl.ndarray((p, kc), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=diag_sb, src=dp_psum)
+        nisa.affine_select(dst=diag_sb, pattern=[[-1, kc]], channel_multiplier=1, on_true_tile=diag_sb,
+                           on_false_value=0.0, cmp_op=nl.equal, offset=d0 - k0)
+        part_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=part_sb, op=nl.add, data=diag_sb, axis=1, keepdims=True)
+        nisa.tensor_tensor(dst=dhat_sb, data1=dhat_sb, data2=part_sb, op=nl.add)
 
 
 def _parts(x_sb, dtype):
@@ -494,6 +669,12 @@ def _parts(x_sb, dtype):
     return [hi_sb, lo_sb]
 
 
+def _key_block(k_hbm, v_hbm, keys, b, g):
+    """k0 -> the key tile of the block from k0: the resident one, else loaded."""
+    Sk = k_hbm.shape[2]
+    return lambda k0: keys[k0 // KB] if len(keys) else _key_tile(k_hbm, v_hbm, b, g, k0, min(KB, Sk - k0))
+
+
 def _key_tile(k_hbm, v_hbm, b, g, k0, kp):
     """Keys k0:k0+kp of KV head g: (k [kp, D], k^T [D, kp], [v^T [<=128, kp] per 128 value columns], v [kp, Dv])."""
     D, Dv = k_hbm.shape[3], v_hbm.shape[3]
@@ -508,10 +689,11 @@ def _key_tile(k_hbm, v_hbm, b, g, k0, kp):
     return k_sb, kT_sb, vT_tiles, v_sb
 
 
-def _row_tile(ins, v0_sb, b, h, q0, p, dead):
+def _row_tile(ins, v0_sb, b, h, q0, p, dead, window):
     """Query rows q0:q0+p of head h: (q, q^T, dO, [dO^T per 128 value columns], -lse, delta, dead predicate).
 
-    delta = rowsum(dO * (O - v_0)) in float32 (see _attention_backward_kernel). With `dead`, rows with
+    delta = rowsum(dO * (O - v_0)) in float32 (see _attention_backward_kernel); with a window (key 0 may be
+    outside it), rowsum(dO * (O - v_i)) with v_i the values of row i's own diagonal key (see _diag_dhat). With `dead`, rows with
     lse = -inf get q = dO = 0 before anything uses them, and their predicate is returned (else None)."""
     do_hbm, q_hbm, o_hbm, lse_hbm = ins[0], ins[1], ins[4], ins[5]
     D, Dv = q_hbm.shape[3], do_hbm.shape[3]
@@ -535,7 +717,9 @@ def _row_tile(ins, v0_sb, b, h, q0, p, dead):
     o_sb = nl.ndarray((p, Dv), dtype=o_hbm.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=o_sb, src=o_hbm[b, h, q0:q0 + p, 0:Dv])
     diff_sb = nl.ndarray((p, Dv), dtype=nl.float32, buffer=nl.sbuf)  # O - v_0, then dO * (O - v_0)
-    nisa.tensor_tensor(dst=diff_sb, data1=o_sb, data2=v0_sb[0:p, 0:Dv], op=nl.subtract)
+    ref_sb = v0_sb[0:p, 0:Dv] if window == 0 else _diag_rows(ins[3], b, h // (q_hbm.shape[1] // ins[2].shape[1]), q0, p,
+                                                                q_hbm.shape[2])
+    nisa.tensor_tensor(dst=diff_sb, data1=o_sb, data2=ref_sb, op=nl.subtract)
     nisa.tensor_tensor(dst=diff_sb, data1=diff_sb, data2=do_sb, op=nl.multiply)
     delta_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=delta_sb, op=nl.add, data=diff_sb, axis=1, keepdims=True)
@@ -583,5 +767,6 @@ def attention_backward(grad: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
     q_rows = 1 if causal and not finite else Q_ROWS
     dead = bool(np.isneginf(lse).any())
     args = [_host.contiguous(a) for a in (grad, q, k, v, out, lse)]
-    dq, dk, dv = _host.run(_attention_backward_kernel, *args, bool(causal), s, q_rows, dead)
+    dq, dk, dv = _host.run(_attention_backward_kernel, *args, bool(causal), s, q_rows, dead,
+                           *_cap_window(softcap, sliding_window))
     return tuple(_host.as_dtype(r, q.dtype.name, a.shape) for r, a in zip((dq, dk, dv), (q, k, v)))

@@ -14,8 +14,6 @@ from opport.ops.varlen_attention import varlen_attention as spec
 
 
 def _supports(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window):
-    if softcap is not None or sliding_window is not None:
-        return "softcap and sliding_window are not in the NKI attention kernels yet (cpu runs them)"
     if q.shape[2] > D_MAX:
         return f"head dim {q.shape[2]} > {D_MAX}: q @ k^T contracts over the 128 partitions"
     if v.shape[2] > DV_MAX:
@@ -29,7 +27,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
     for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
         if qs.stop > qs.start:
-            o = dense(_heads(q[qs]), _heads(k[ks]), _heads(v[ks]), causal, scale)
+            o = dense(_heads(q[qs]), _heads(k[ks]), _heads(v[ks]), causal, scale, softcap, sliding_window)
             out[qs] = o[0].transpose(1, 0, 2)
     return out
 
