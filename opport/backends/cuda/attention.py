@@ -810,10 +810,11 @@ def _backward_supports(grad, q, k, v, out, lse, causal, scale, softcap=None, sli
     return _supports(q, k, v, causal, scale)  # the same grid (axis 1: B * Hkv) and head-dim limits
 
 
-def _backward_configs(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype) -> tuple:
+def _backward_configs(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype, capped: bool = False) -> tuple:
     """Tiles of the dq pass (BLOCK_M packed query rows per program, BLOCK_N keys a step) and of the dk/dv pass
     (BLOCK_N keys per program, BLOCK_M query rows a step). GPU numbers are design choices for Hopper, sized
-    by `tools/cuda_aot.py`'s registers and spills (docs/cuda.md), not timed."""
+    by `tools/cuda_aot.py`'s registers and spills (docs/cuda.md), not timed. `capped`: a soft cap or a window
+    (their per-score work costs registers)."""
     fit = lambda n, cap: max(16, min(cap, next_pow2(n)))  # noqa: E731 (tl.dot needs every dim >= 16)
     dims = {"BLOCK_D": max(16, next_pow2(d)), "BLOCK_DV": max(16, next_pow2(dv))}
     if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
@@ -828,10 +829,14 @@ def _backward_configs(rows: int, sk: int, d: int, dv: int, dtype: torch.dtype) -
         return ({"BLOCK_M": 64, "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 1},
                 {"BLOCK_M": 32, "BLOCK_N": 64, **dims, "num_warps": 8, "num_stages": 2})
     # D = 128, dq: every 32- and 64-row tile tried spilled in the causal launch (64 x 16: 36-176 bytes, 32 x 32:
-    # 64-256); 16 x 32 over 4 warps does not. dk/dv: 64 keys (wgmma) spilled 88-416 bytes; 32 keys do not
+    # 64-256); 16 x 32 over 4 warps does not, but with cap + window it spilled 24 bytes (1 stage: 16; 8 warps: none).
+    # dk/dv: 64 keys (wgmma) spilled 88-416 bytes; 32 keys do not
     if wide <= 128:
-        return ({"BLOCK_M": 16, "BLOCK_N": 32, **dims, "num_warps": 4, "num_stages": 2},
+        return ({"BLOCK_M": 16, "BLOCK_N": 32, **dims, "num_warps": 8 if capped else 4, "num_stages": 2},
                 {"BLOCK_M": 32, "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 1})
+    if capped:  # D = 256 with cap and/or window: 32 x 32 over 4 warps spilled 1.8-3.6 KB in both passes
+        return ({"BLOCK_M": 16, "BLOCK_N": 16, **dims, "num_warps": 8, "num_stages": 2},
+                {"BLOCK_M": 16, "BLOCK_N": 16, **dims, "num_warps": 8, "num_stages": 1})
     cfg = {"BLOCK_M": 32, "BLOCK_N": 32, **dims, "num_warps": 4, "num_stages": 1}
     return cfg, cfg
 
@@ -859,7 +864,7 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=Non
     causal = causal and (sq > 1 or sliding_window is not None)  # as the forward
     group = hq // hkv
     rows = group * sq  # a KV head's packed query rows
-    cfg_q, cfg_kv = _backward_configs(rows, sk, d, dv, q.dtype)
+    cfg_q, cfg_kv = _backward_configs(rows, sk, d, dv, q.dtype, softcap is not None or sliding_window is not None)
     extra = {"SOFTCAP": softcap is not None, "WINDOW": sliding_window is not None}
     cfg_q, cfg_kv = {**cfg_q, **extra}, {**cfg_kv, **extra}
     delta = torch.empty((2, bsz, hq, sq), dtype=torch.float32, device=q.device)  # D and dO . (v_j* - O) per row

@@ -128,9 +128,10 @@ def _supports(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, slidi
     return None
 
 
-def _config(mean_sq: int, d: int, dv: int, dtype: torch.dtype) -> dict:
+def _config(mean_sq: int, d: int, dv: int, dtype: torch.dtype, capped: bool = False) -> dict:
     """Tiles from the mean query length Tq / B (decode: 16-row tiles), known without reading cu_seqlens: attention's
-    prefill tiles otherwise (not yet timed on hardware; spills checked by tools/cuda_aot.py)."""
+    prefill tiles otherwise (not yet timed on hardware; spills checked by tools/cuda_aot.py). `capped`: a soft cap
+    or a window (their per-score work costs registers)."""
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     fit = lambda n, cap: max(16, min(cap, next_pow2(n)))  # noqa: E731 (tl.dot needs every dim >= 16)
     dims = {"BLOCK_D": block_d, "BLOCK_DV": block_dv}
@@ -141,7 +142,9 @@ def _config(mean_sq: int, d: int, dv: int, dtype: torch.dtype) -> dict:
         return {"BLOCK_M": 16, "BLOCK_N": 64 if wide <= 128 else 16, **dims, "num_warps": 8, "num_stages": 2}
     if wide <= 128:
         return {"BLOCK_M": fit(mean_sq, 128), "BLOCK_N": 64, **dims, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": fit(mean_sq, 64), "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 2}  # 16 B spilled (1 stage: 224)
+    # D = 256 with cap + window: 64 x 32 spilled 16 bytes (1 stage: 224, 4 warps: 1096); 64 x 16 spills none
+    n = 16 if capped else 32
+    return {"BLOCK_M": fit(mean_sq, 64), "BLOCK_N": n, **dims, "num_warps": 8, "num_stages": 2}
 
 
 @impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
@@ -155,7 +158,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
     if out.numel() == 0 or n_seq == 0:
         return out
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    cfg = _config(max(1, tq // n_seq), d, dv, q.dtype)
+    cfg = _config(max(1, tq // n_seq), d, dv, q.dtype, softcap is not None or sliding_window is not None)
     fast_blocks = _block_sums(cu_q, cfg["BLOCK_M"])
     flags = torch.empty((cdiv(tq, cfg["BLOCK_M"]) + n_seq, hq), dtype=torch.int32, device=q.device) if causal else out
     window = 0 if sliding_window is None else min(int(sliding_window), 2**30)
