@@ -25,12 +25,13 @@ OFFSET = 3  # elements before an offset view: odd, so the start is also misalign
 # dtype in about a minute (make run); fast: the CI gate; full: thousands of examples, every layout.
 TIERS = {
     "smoke": {"examples": 10, "examples_emulated": 3, "hyp_max": 1 << 16, "hyp_max_emulated": 1 << 12,
-              "case_max": 1 << 16, "case_max_emulated": 1 << 14, "layout_max": 1 << 14, "layouts": 2,
+              "case_max": 1 << 16, "case_max_emulated": 1 << 14, "layout_max": 1 << 14, "rotate": False,
               "skip_tags": ("large", "slow")},
     "fast": {"examples": 100, "examples_emulated": 100, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 15,
-             "case_max_emulated": 1 << 18, "layout_max": 1 << 16, "layouts_emulated": 4, "skip_tags": ("large", "slow")},
+             "case_max_emulated": 1 << 18, "layout_max": 1 << 16, "layout_max_emulated": 1 << 12, "rotate": True,
+             "skip_tags": ("large", "slow")},
     "full": {"examples": 1000, "examples_emulated": 1000, "hyp_max": None, "hyp_max_emulated": 1 << 20,
-             "case_max_emulated": None, "layout_max": 1 << 20, "layouts_emulated": None, "skip_tags": ()},
+             "case_max_emulated": None, "layout_max": 1 << 20, "rotate": True, "skip_tags": ()},
 }
 
 
@@ -85,14 +86,11 @@ def items_for(spec: OpSpec, backend: str, dtype: str, sel: Selection) -> list[It
     """Fixed cases, then their layout variants, then Hypothesis examples, filtered by `sel`."""
     explicit = bool(sel.cases)
     skip_tags, case_max = sel.knob("skip_tags"), sel.knob("case_max")
-    fixed = []
-    for c in spec.get_cases(dtype):
-        tier_ok = not (set(c.tags) & set(skip_tags)) and (case_max is None or elements(c) <= case_max)
-        if explicit or tier_ok:
-            fixed.append(c)
+    declared = [c for c in spec.get_cases(dtype) if explicit or not set(c.tags) & set(skip_tags)]
+    fixed = [c for c in declared if explicit or case_max is None or elements(c) <= case_max]
     out = [Item(spec.name, backend, dtype, c.name, c, tags=tuple(c.tags)) for c in fixed if sel.wants(c.name)]
     if sel.layouts:
-        out += [it for it in _layout_items(spec, backend, dtype, fixed, sel) if sel.wants(it.name)]
+        out += [it for it in _layout_items(spec, backend, dtype, declared, fixed, sel) if sel.wants(it.name)]
     if sel.cases and not any(fnmatch.fnmatchcase("hyp-0", p) or "hyp" in p for p in sel.cases):
         return out  # a named fixed case: no need to draw examples
     out += [Item(spec.name, backend, dtype, c.name, c, source="hypothesis", tags=tuple(c.tags))
@@ -100,32 +98,77 @@ def items_for(spec: OpSpec, backend: str, dtype: str, sel: Selection) -> list[It
     return out
 
 
-def _layout_items(spec, backend, dtype, fixed, sel) -> list[Item]:
-    """smoke and fast rotate one layout per eligible case (capped where the tier says); full runs all four."""
+def _layout_items(spec, backend, dtype, declared, fixed, sel) -> list[Item]:
+    """Coverage first: for every layout and every array argument it applies to, the smallest declared case
+    giving that argument that layout (every tier, whatever its size caps: so each strided read of each input
+    is checked on every backend, forward and backward). Then the full tier gives every case all four
+    layouts; fast rotates one layout per case under its size cap; smoke runs the coverage alone, so
+    whatever smoke runs, fast runs too (tests/test_conformance_tiers.py)."""
+    usable = lambda c: [lay for lay in LAYOUTS if applies(lay, c) and not (spec.writes and lay == "expanded")]
+    pairs = [] if sel.cases else coverage_pairs([c for c in declared if _taken(spec, c, backend)], usable)
     limit = sel.knob("layout_max")
-    cap = sel.knob("layouts")
-    every = bool(sel.cases) or sel.tier == "full"
-    items, k = [], 0
-    for c in fixed:
-        if elements(c) == 0 or elements(c) > limit and not sel.cases:
-            continue
-        # an op that writes in place is not given a broadcast (stride-0) view to write through
-        usable = [lay for lay in LAYOUTS if applies(lay, c) and not (spec.writes and lay == "expanded")]
-        if not usable:
-            continue
-        chosen = usable if every else [usable[k % len(usable)]]
-        k += 1
-        items += [Item(spec.name, backend, dtype, f"{c.name}@{lay}", c, lay, "layout", tuple(c.tags)) for lay in chosen]
-        if cap is not None and not every and len(items) >= cap:
-            break
+    if sel.cases or sel.tier == "full":
+        pairs += [(c, lay) for c in fixed if elements(c) and (sel.cases or elements(c) <= limit) for lay in usable(c)]
+    elif sel.knob("rotate"):
+        eligible = [c for c in fixed if 0 < elements(c) <= limit and usable(c)]
+        pairs += [(c, usable(c)[k % len(usable(c))]) for k, c in enumerate(eligible)]
+    items, seen = [], set()
+    for c, lay in pairs:
+        if (c.name, lay) not in seen:
+            seen.add((c.name, lay))
+            items.append(Item(spec.name, backend, dtype, f"{c.name}@{lay}", c, lay, "layout", tuple(c.tags)))
     return items
 
 
-def hypothesis_cases(spec: OpSpec, dtype: str, sel: Selection) -> list[Case]:
-    """`n` examples of the op's strategy, reproducible from `sel.seed` (and `n`).
+def _taken(spec: OpSpec, case: Case, backend: str) -> bool:
+    """Whether `backend` has a kernel for the case (coverage counts only cases a kernel runs, not ones it declines:
+    neuron declines e4m3 scaled_matmul, so its strided scales are covered by e5m2 cases)."""
+    from opport.dispatch.core import takes
+    from opport.errors import OpError
 
-    Drawn through `@given` with a fixed `@seed` (the derandomized CI profile at seed 0); elements
-    above the tier's cap are dropped, drawing up to twice as many to make up the count.
+    try:
+        return takes(spec, spec.bind(*case.args, **case.kwargs), backend)
+    except (OpError, ValueError, TypeError):  # not a backend here (mutants, tests), or the case is the kernel's to judge
+        return True
+
+
+def coverage_pairs(cases: list, usable) -> list:
+    """[(case, layout)]: for each layout and each argument position it can apply to in some case, the
+    smallest such case (`size`; declared order breaks ties)."""
+    best: dict = {}
+    for order, c in enumerate(cases):
+        if not elements(c):
+            continue
+        for lay in usable(c):
+            for pos in _positions(c):
+                a = _arg_at(c, pos)
+                key = (lay, pos)
+                if isinstance(a, np.ndarray) and _arg_applies(lay, a) and (key not in best or size(c) < best[key][0]):
+                    best[key] = (size(c), order, c)
+    picked = sorted({(order, lay): c for (lay, _), (_, order, c) in best.items()}.items(),
+                    key=lambda kv: (LAYOUTS.index(kv[0][1]), kv[0][0]))
+    return [(c, lay) for (_, lay), c in picked]
+
+
+def size(case: Case) -> tuple:
+    """Smallest first, but a case with an empty array last: its outputs may not depend on the others at all."""
+    return (any(a.size == 0 for a in _arrays(case)), elements(case))
+
+
+def _positions(case: Case) -> list:
+    return list(range(len(case.args))) + list(case.kwargs)
+
+
+def _arg_at(case: Case, pos):
+    return case.args[pos] if isinstance(pos, int) else case.kwargs[pos]
+
+
+def hypothesis_cases(spec: OpSpec, dtype: str, sel: Selection) -> list[Case]:
+    """`n` examples of the op's strategy, reproducible from `sel.seed`.
+
+    Draw i depends only on (seed, i) (`draw_examples`), so a tier with fewer examples or a tighter element
+    cap runs a subset of a larger tier's examples, under the same names. Draws above the tier's cap are
+    dropped, drawing up to twice as many to make up the count.
     """
     n = sel.n_examples()
     strategy = spec.get_strategy(dtype)
@@ -134,28 +177,46 @@ def hypothesis_cases(spec: OpSpec, dtype: str, sel: Selection) -> list[Case]:
     cap = sel.knob("hyp_max")
     drawn = draw_examples(strategy, 2 * n if cap else n, sel.seed)
     kept = [c for c in drawn if cap is None or elements(c) <= cap][:n]
-    seen: dict = {}
-    for c in kept:
-        seen[c.name] = seen.get(c.name, 0) + 1
-        if seen[c.name] > 1:
-            c.name = f"{c.name}~{seen[c.name]}"
     return kept
 
 
 def draw_examples(strategy, n: int, seed: int) -> list:
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import seed as hseed
+    """Examples 0..n-1 of `strategy`: 0 is its simplest example, i > 0 a random draw from Random(f"{seed}:{i}").
 
-    out = []
+    Each draw is independent of n and of the others (Hypothesis's engine, by contrast, adapts what it
+    generates to max_examples, so 6 examples are not the first 6 of 200), and of which modules are imported:
+    Hypothesis mixes constants found in the importing code's modules into its draws (`_get_local_constants`),
+    which made the gate draw different examples on different machines; here that pool is empty. A draw
+    the strategy rejects (filter, assume) is left out. Names repeated by earlier draws get `~<i>`.
+    """
+    from random import Random
 
-    @hseed(seed)
-    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
-    @given(strategy)
-    def collect(case):
-        out.append(case)
+    from hypothesis.control import BuildContext
+    from hypothesis.errors import StopTest, UnsatisfiedAssumption
+    from hypothesis.internal.conjecture import providers
+    from hypothesis.internal.conjecture.choice import ChoiceTemplate
+    from hypothesis.internal.conjecture.data import ConjectureData
 
-    collect()
+    out, seen = [], set()
+    saved = providers._get_local_constants
+    providers._get_local_constants = lambda: providers.Constants()
+    providers.CONSTANTS_CACHE.cache.clear()
+    try:
+        for i in range(n):
+            prefix = [ChoiceTemplate("simplest", count=None)] if i == 0 else None
+            data = ConjectureData(random=Random(f"{seed}:{i}"), prefix=prefix)
+            try:
+                with BuildContext(data, wrapped_test=None):
+                    case = data.draw(strategy)
+            except (StopTest, UnsatisfiedAssumption):  # rejected by a filter or assume()
+                continue
+            if case.name in seen:
+                case.name = f"{case.name}~{i}"
+            seen.add(case.name)
+            out.append(case)
+    finally:
+        providers._get_local_constants = saved
+        providers.CONSTANTS_CACHE.cache.clear()
     return out
 
 

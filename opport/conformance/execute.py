@@ -52,6 +52,16 @@ def direction(op: str) -> str:
         return "forward"
 
 
+def forward_name(op: str) -> str:
+    """The declared op a derived op belongs to (`rmsnorm_backward` -> `rmsnorm`); itself otherwise."""
+    try:
+        spec = get_op(op)
+    except OpError:
+        return op
+    parent = getattr(spec, "parent", None)
+    return parent.name if parent is not None else op
+
+
 def run_item(item: Item) -> dict:
     """Run one item; never raises (a harness or kernel exception becomes status `error`)."""
     res = new_result(item)

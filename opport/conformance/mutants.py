@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from opport.conformance.cases import Selection, items_for
+from opport.conformance.cases import Selection, items_for, size
 from opport.conformance.execute import run_item
 from opport.conformance.gate import BAD
 from opport.dtypes import FLOATS
@@ -59,8 +59,11 @@ def _ignore_strides(fn, spec):
     return kernel
 
 
-def as_if_contiguous(a: np.ndarray) -> np.ndarray:
-    """What a kernel that indexes `a` as row-major from its data pointer reads (never past the buffer: zeros there)."""
+def as_if_contiguous(a):
+    """What a kernel that indexes `a` as row-major from its data pointer reads (never past the buffer: zeros there).
+    NumPy arrays and torch tensors (on their own device) alike."""
+    if hasattr(a, "is_contiguous"):
+        return _torch_as_if_contiguous(a)
     if a.flags.c_contiguous or a.size == 0:
         return a
     from numpy.lib.array_utils import byte_bounds
@@ -71,6 +74,17 @@ def as_if_contiguous(a: np.ndarray) -> np.ndarray:
     out = np.zeros(a.size, a.dtype)
     out[:avail] = flat
     return out.reshape(a.shape)
+
+
+def _torch_as_if_contiguous(t):
+    import torch
+
+    if t.is_contiguous() or t.numel() == 0:
+        return t
+    avail = min(t.numel(), t.untyped_storage().nbytes() // t.element_size() - t.storage_offset())
+    out = torch.zeros(t.numel(), dtype=t.dtype, device=t.device)
+    out[:avail] = t.as_strided((avail,), (1,), t.storage_offset())
+    return out.view(t.shape)
 
 
 MAKERS = {"zeros": _zeros, "input": _input, "unwritten": _unwritten, "skip-last": _skip_last,
@@ -145,6 +159,74 @@ def _as_kernel(spec, fn):
         metas = spec.out_metas(bound)
         return tuple(None if o is None else np.asarray(o).astype(np_dtype(getattr(m[1], "name", m[1])))
                      for o, m in zip(outs, metas))
+
+    return kernel
+
+
+# --------------------------------------------------------------------------- strides, on every backend
+
+
+def stride_kills(spec, backend: str, dtype: str = "float32") -> dict:
+    """{array argument: the first fast-tier layout case that catches `backend`'s kernels reading that argument with
+    contiguous strides from its data pointer (None: none did)}, for each argument some case gives a strided view.
+
+    The bug class of a kernel, or a launcher that does not pass an input's strides (cuda cross_entropy_backward
+    once read a sliced lse that way: NaN gradients). The mutant is each of the backend's kernels with that one
+    argument replaced by `as_if_contiguous`, registered above them for the duration; the cases are what the fast
+    tier runs on this backend, so a survivor means the gate would miss the bug there.
+    """
+    from opport.dispatch import get_backend, impl, kernels, remove_kernel
+
+    b = get_backend(backend)
+    sel = Selection("fast", 0, 0, emulated=b.capabilities.emulated())
+    items = sorted((it for it in items_for(spec, backend, dtype, sel) if it.source == "layout"), key=lambda it: size(it.case))
+    real = kernels(spec, b)
+    out = {}
+    for pos in spec.array_pos:
+        hits = [it for it in items if _strided(spec, it, pos)]
+        if not hits:
+            continue
+        names = []
+        for k in real:
+            names.append(f"{k.name}.stride-mutant")
+            impl(spec, backend, dtypes=k.dtypes, supports=k.supports, priority=k.priority + 1000, name=names[-1],
+                 deterministic=k.deterministic)(_contiguous_at(k.fn, pos))
+        try:
+            caught = next((it.id for it in hits[:TRIES] if run_item(it)["status"] in BAD), None)
+            out[spec.params[pos]] = caught if caught or _reads(spec, hits[0].case, pos) else UNREAD
+        finally:
+            for n in names:
+                remove_kernel(spec, backend, n)
+    return out
+
+
+TRIES = 6  # strided cases tried per argument before calling the mutant a survivor
+UNREAD = "unread"  # the reference's outputs do not depend on the argument's values (matmul_backward's bias)
+
+
+def _reads(spec, case, pos: int) -> bool:
+    """Whether the reference's outputs change when the argument at `pos` changes (its values, not its shape)."""
+    bound = list(spec.bind(*case.args, **case.kwargs))
+    first = spec.run_reference(*bound)
+    bound[pos] = bound[pos] * 2 + 1
+    second = spec.run_reference(*bound)
+    pairs = zip(first, second) if isinstance(first, tuple) else [(first, second)]
+    return any(x is not None and not np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True) for x, y in pairs)
+
+
+def _strided(spec, item, pos: int) -> bool:
+    """Whether `item`'s layout gives the argument at signature position `pos` a non-contiguous view."""
+    from opport.conformance.cases import _arg_applies
+
+    a = spec.bind(*item.case.args, **item.case.kwargs)[pos]
+    return isinstance(a, np.ndarray) and item.layout != "offset" and _arg_applies(item.layout, a)
+
+
+def _contiguous_at(fn, pos: int):
+    def kernel(*bound):
+        args = list(bound)
+        args[pos] = as_if_contiguous(args[pos])
+        return fn(*args)
 
     return kernel
 

@@ -208,6 +208,7 @@ def print_summary(report, console: Console | None = None):
         console.print(f"\n[bold red]{len(fails)} failing case(s)[/bold red]" + (" (first 30)" if len(fails) > 30 else ""))
         for res in fails[:30]:
             console.print(failure_text(res), soft_wrap=True)
+    print_time(report, console)
     for e in report.stale:
         console.print(f"[yellow]stale known failure[/yellow] {e['pattern']} ({e['where']}): matched no case")
     for r in report.regressions:
@@ -220,6 +221,44 @@ def print_summary(report, console: Console | None = None):
     # a plain closing count line, as test runners end (CI logs are read for it)
     failed = sum(s[k] for k in ("fail", "error", "crash", "timeout", "lost", "xpass"))
     console.print(f"conformance: {s['pass']} passed, {failed} failed, {s['skip'] + s['xfail']} skipped", markup=False)
+
+
+# --------------------------------------------------------------------------- time
+
+
+def time_by_op(report) -> list:
+    """[{backend, op, seconds, share, cases}] slowest first: each op x backend's time in the workers (its cases plus
+    building them: Hypothesis draws, fixed cases), and its share of all of it. Derived ops count as their forward
+    op (`rmsnorm` holds rmsnorm, rmsnorm_backward, ...): the budget is per declared op."""
+    from opport.conformance.execute import forward_name
+
+    secs, counts = Counter(), Counter()
+    for c in report.cases:
+        key = (c["backend"], forward_name(c["op"]))
+        secs[key] += (c.get("duration_s") or 0.0) + (c.get("build_s") or 0.0)
+        counts[key] += 1
+    total = sum(secs.values()) or 1.0
+    return [{"backend": b, "op": op, "seconds": round(s, 2), "share": round(s / total, 4), "cases": counts[(b, op)]}
+            for (b, op), s in secs.most_common()]
+
+
+def print_time(report, console, top: int = 8):
+    """The slowest op x backend pairs and their share: where the gate's time goes (the per-op budget, docs/conformance.md)."""
+    rows = time_by_op(report)
+    if not rows:
+        return
+    total = sum(r["seconds"] for r in rows)
+    budget = [r for r in rows if r["share"] > OP_BUDGET_SHARE]
+    text = ", ".join(f"{r['op']}/{r['backend']} {r['seconds']:.0f} s ({100 * r['share']:.0f}%)" for r in rows[:top])
+    console.print(f"time in workers: {total:.0f} s; slowest: {text}", highlight=False)
+    for r in budget:
+        console.print(f"[yellow]over the per-op budget[/yellow] {r['op']}/{r['backend']}: {100 * r['share']:.0f}% of the "
+                      f"run (budget {100 * OP_BUDGET_SHARE:.0f}%): choose smaller cases", highlight=False)
+
+
+# One op x backend may take at most this share of a run's worker time (a fair share of 19 ops on 3 backends is
+# ~2%): the gate names the pairs above it so the fast tier stays inside make test's 15 minutes as ops are added.
+OP_BUDGET_SHARE = 0.08
 
 
 # --------------------------------------------------------------------------- files
@@ -242,13 +281,14 @@ def to_json(report) -> dict:
         "baseline_regressions": report.regressions,
         "hosts": report.hosts,  # host id -> opport/doctor.py's record; every case names its "host"
         "interrupted": report.interrupted,
+        "time_by_op": time_by_op(report),
         "cases": [_case_json(c) for c in report.cases],
     }
 
 
 def _case_json(c: dict) -> dict:
     keys = ("id", "op", "direction", "backend", "kernel", "dtype", "status", "metrics", "message", "repro", "case", "source",
-            "layout", "tags", "worst", "known_failure", "duration_s", "host")
+            "layout", "tags", "worst", "known_failure", "duration_s", "build_s", "host")
     return {k: c.get(k) for k in keys if k in c}
 
 

@@ -80,6 +80,7 @@ def batch_messages(batch: Batch):
     ("exit",) after a result that left the device unusable (the caller must end this process)."""
     from opport.conformance.execute import new_result, run_item
 
+    t0 = time.perf_counter()
     try:
         items = build_items(batch)
     except Exception as e:  # a broken case generator fails its batch, not the run
@@ -87,10 +88,13 @@ def batch_messages(batch: Batch):
 
         yield ("batch_error", f"building the cases failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
         return
+    build_s = round(time.perf_counter() - t0, 4)  # drawing examples, building fixed cases: the op's time too
     yield ("count", len(items))
     for i in range(batch.start, len(items)):
         yield ("start", i, dict(new_result(items[i]), index=i))
         res = dict(run_item(items[i]), index=i)
+        if i == batch.start:
+            res["build_s"] = build_s
         yield ("result", i, res)
         if res.get("sticky"):
             yield ("exit",)

@@ -147,14 +147,14 @@ def _cross_entropy_backward_kernel(
     # pointers
     grad_ptr, logits_ptr, target_ptr, lse_ptr, kept_ptr, out_ptr,
     # shapes, strides
-    n_rows, n_cols, g_s, l_s0, l_s1, t_s, o_s0, o_s1,
+    n_rows, n_cols, g_s, l_s0, l_s1, t_s, lse_s, o_s0, o_s1,
     ignore_index, smoothing,
     # meta-parameters
     MEAN: tl.constexpr, PRECISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dlogits[r, c] = coef[r] * (exp(x - lse[r]) - eps/V - (1 - eps) [c == t[r]]) for one [BLOCK_M, BLOCK_N] tile.
 
-    Dimensions: grad [N] (g_s = 1) or 0-d (g_s = 0); logits, out [N, V] strided; target, lse [N]; kept: the
+    Dimensions: grad [N] (g_s = 1) or 0-d (g_s = 0); logits, out [N, V] strided; target, lse [N] strided; kept: the
     count of non-ignored rows (device int64, "mean" only: no host sync).
     Notes: coef is the row's share of grad (grad[r]; grad; grad / max(kept, 1)), 0 for ignored rows (whose
     logits may hold NaN), NaN for targets outside [0, V). x - lse is exact wherever p is not negligible
@@ -170,7 +170,7 @@ def _cross_entropy_backward_kernel(
     row_ok = rows < n_rows
     mask = row_ok[:, None] & (cols < n_cols)[None, :]
     t = tl.load(target_ptr + rows * t_s, mask=row_ok, other=0).to(tl.int64)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + rows * lse_s, mask=row_ok, other=0.0)
     ignored = t == ignore_index
     valid = (t >= 0) & (t < n_cols)
     coef = tl.load(grad_ptr + rows * g_s, mask=row_ok, other=0.0)
@@ -275,7 +275,7 @@ def cross_entropy_backward(grad: torch.Tensor, logits: torch.Tensor, target: tor
     cfg = elementwise_config(Layout(n, v, (1, 1, n), ((0, 0, v, 1),)))  # out's (contiguous) layout
     _cross_entropy_backward_kernel[(cdiv(n, cfg.block_m) * cdiv(v, cfg.block_n),)](
         grad, logits, target, lse, kept, out, n, v, grad.stride(0) if grad.dim() else 0, *logits.stride(),
-        target.stride(0), *out.stride(), int(ignore_index), float(label_smoothing),
+        target.stride(0), lse.stride(0), *out.stride(), int(ignore_index), float(label_smoothing),
         MEAN=reduction == "mean", PRECISE=logits.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,
     )

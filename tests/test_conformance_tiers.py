@@ -1,0 +1,122 @@
+"""The tiers nest and cover every layout: `make run` (smoke) can never find what the CI gate (fast) does not run,
+and the gate reads every input of every op through each strided layout on every backend (issue 26)."""
+
+import functools
+import sys
+
+import numpy as np
+import pytest
+
+from opport.conformance import mutants
+from opport.conformance.cases import LAYOUTS, Selection, _arg_applies, draw_examples, items_for
+from opport.dispatch import get_backend, kernels
+from opport.ops import all_ops, get_op, with_derived
+
+SPECS = with_derived(all_ops().values())
+
+
+def _dtypes(spec, b) -> list:
+    """The dtypes the backend runs the op in (as the runner plans them)."""
+    return [d for d in spec.dtypes if d in b.dtypes and any(d in k.dtypes for k in kernels(spec, b))]
+
+
+def _ids(spec, backend, dtype, tier, emulated, examples=0):
+    return [it.id for it in items_for(spec, backend, dtype, Selection(tier, examples, 0, emulated=emulated))]
+
+
+@functools.cache
+def _tiers(backend: str) -> dict:
+    """{(spec, dtype): (smoke items, fast items)} without Hypothesis examples, for every op the backend runs."""
+    b = get_backend(backend)
+    emulated = b.capabilities.emulated()
+    return {(spec, dtype): tuple(items_for(spec, backend, dtype, Selection(tier, 0, 0, emulated=emulated))
+                                 for tier in ("smoke", "fast"))
+            for spec in SPECS if kernels(spec, b) for dtype in _dtypes(spec, b)}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "neuron"])
+def test_every_fixed_and_layout_case_smoke_runs_the_gate_runs(backend):
+    """Fixed cases and their layout variants, every op (and derived op) and dtype, as each backend selects them."""
+    missing = []
+    for (spec, dtype), (smoke, fast) in _tiers(backend).items():
+        assert smoke, f"{spec.name}/{dtype}: smoke runs nothing"
+        ran = {it.id for it in fast}
+        missing += [it.id for it in smoke if it.id not in ran]
+    assert missing == []
+
+
+@pytest.mark.parametrize("op", ["matmul", "cross_entropy_backward", "attention", "layernorm_backward"])
+@pytest.mark.parametrize("emulated", [False, True])
+def test_smoke_hypothesis_examples_are_among_the_gates(op, emulated):
+    spec = get_op(op)
+    for dtype in ("float32", "bfloat16"):
+        smoke = [i for i in _ids(spec, "cpu", dtype, "smoke", emulated, None) if "/hyp-" in i]
+        fast = set(_ids(spec, "cpu", dtype, "fast", emulated, None))
+        assert smoke and set(smoke) <= fast
+
+
+def test_example_i_does_not_depend_on_how_many_are_drawn():
+    strategy = get_op("softmax").get_strategy("float32")
+    few, many = draw_examples(strategy, 5, 0), draw_examples(strategy, 40, 0)
+    assert [c.name for c in few] == [c.name for c in many[:5]]
+    for a, b in zip(few, many):
+        assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(a.args, b.args) if isinstance(x, np.ndarray))
+    assert draw_examples(strategy, 5, 1)[1].name != few[1].name  # the seed matters
+
+
+def test_draws_do_not_depend_on_which_modules_are_imported(tmp_path, monkeypatch):
+    """Hypothesis mixes constants of the importing code's modules into its draws; the gate's draws must not move
+    when a module full of constants is imported (they did: CI and a laptop drew different examples)."""
+    strategy = get_op("matmul").get_strategy("float32")
+    before = draw_examples(strategy, 30, 0)
+    (tmp_path / "lots_of_constants.py").write_text(
+        "X = [" + ", ".join(str(v) for v in [3.25, -7.5, 1e30, 65504.0, 12345, -999, 0.1, 2**40]) + "]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import lots_of_constants  # noqa: F401
+
+    try:
+        after = draw_examples(strategy, 30, 0)
+    finally:
+        sys.modules.pop("lots_of_constants", None)
+    assert [c.name for c in before] == [c.name for c in after]
+    for a, b in zip(before, after):
+        assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(a.args, b.args) if isinstance(x, np.ndarray))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "neuron"])
+def test_the_gate_runs_every_layout_on_every_strided_argument(backend):
+    """For every op, dtype and array argument that some declared case can give a layout, the fast tier runs that
+    layout on that argument at least once (among cases the backend's kernels take)."""
+    gaps = []
+    for (spec, dtype), (_, items) in _tiers(backend).items():
+        fixed = [it.case for it in items if it.source == "fixed"]
+        ran = {(it.layout, pos) for it in items if it.source == "layout"
+               for pos, a in enumerate(spec.bind(*it.case.args, **it.case.kwargs))
+               if isinstance(a, np.ndarray) and _arg_applies(it.layout, a)}
+        for c in fixed:
+            for pos, a in enumerate(spec.bind(*c.args, **c.kwargs)):
+                for lay in LAYOUTS:
+                    if (isinstance(a, np.ndarray) and a.size and _arg_applies(lay, a) and (lay, pos) not in ran
+                            and not (spec.writes and lay == "expanded")):
+                        gaps.append(f"{spec.name}/{dtype}: {spec.params[pos]}@{lay}")
+    assert sorted(set(gaps)) == []
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "neuron"])
+def test_a_kernel_reading_any_input_with_contiguous_strides_is_caught(backend):
+    """The bug class of cuda cross_entropy_backward's sliced lse (NaN gradients): for every op, every kernel of the
+    backend with one argument read as row-major from its data pointer fails a fast-tier case."""
+    b = get_backend(backend)
+    survivors = {}
+    for spec in SPECS:
+        if kernels(spec, b):
+            kills = mutants.stride_kills(spec, backend)
+            survivors.update({f"{spec.name}.{arg}": None for arg, case in kills.items() if case is None})
+    assert survivors == {}
+
+
+def test_the_stride_mutant_is_caught_on_a_strided_saved_statistic():
+    """The mutant that made cuda cross_entropy_backward return NaN: lse read as contiguous."""
+    kills = mutants.stride_kills(get_op("cross_entropy_backward"), "cpu")
+    assert kills["lse"] and kills["lse"].endswith("@sliced")
+    assert mutants.stride_kills(get_op("matmul_backward"), "cpu")["bias"] == mutants.UNREAD  # dbias needs no bias values
