@@ -124,11 +124,16 @@ def _direct_calls(kernel, bound: tuple, array_kind: str):
     for i in torch_pos:
         native_bound[i] = to_numpy(bound[i])
 
+    def back(out):  # each output back to a tensor, as the dispatcher does: one array, several (a tuple), or None
+        if out.__class__ is tuple:
+            return tuple(None if o is None else from_native(o, like) for o in out)
+        return None if out is None else from_native(out, like)
+
     def converted():  # what a hand-written call converting just the tensors would do
         args = list(bound)
         for i in torch_pos:
             args[i] = to_numpy(args[i])
-        return from_native(kernel.fn(*args), like)
+        return back(kernel.fn(*args))
 
     note = "overhead_us: dispatch only (kernel timed with the same torch<->numpy conversions); total_added_us includes them"
     return (lambda: kernel.fn(*native_bound)), converted, note
