@@ -20,6 +20,7 @@ from opport import errors
 from opport.dispatch import context, registry
 from opport.dispatch.adapters import NumpyAdapter, adapter_for, array_type_error, metas_of, python_scalars
 from opport.dispatch.registry import backend_for_device, backends, get_backend, kernels
+from opport.dtypes import np_dtype
 
 
 class FallbackWarning(UserWarning):
@@ -319,6 +320,7 @@ def decide(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool
                                  got=", ".join(sorted({m.device for _, m in arrays})))
     device_type = arrays[0][1].device_type if arrays else "cpu"
     op.validate(*metas)
+    _check_out_sizes(op, metas)
 
     if name is not None:
         requested = "backend= keyword" if by_keyword else context.how_requested(None)
@@ -354,6 +356,27 @@ def decide(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool
     if chosen is None:
         d.error = f"no cpu kernel takes this call either (after: {fallback})"
     return d, chosen
+
+
+MAX_BYTES = 2**63 - 1  # the most bytes an array can span (NumPy's, torch's and JAX's int64 sizes): inputs are held
+# to it by the array libraries themselves, outputs (matmul's M x N from small operands) only here
+
+
+def _check_out_sizes(op, metas: list):
+    """Every output fits in an array: a shape whose bytes exceed MAX_BYTES (`opport explain matmul --shape
+    4294967296,1 --shape 1,4294967296`) is a typed error before any kernel, not a library's allocation error."""
+    for i, m in enumerate(op.out_metas(metas)):
+        if m is None:
+            continue
+        shape, dtype = m
+        size = 1
+        for d in shape:
+            size *= d
+        if size * np_dtype(getattr(dtype, "name", dtype)).itemsize > MAX_BYTES:
+            name = op.output_names[i] if i < len(op.output_names) else f"output {i}"
+            raise errors.ShapeError(op=op.name, arg=name, constraint=f"{op.name}.out_size",
+                                    expected=f"an output of at most {MAX_BYTES} bytes (int64 sizes)",
+                                    got=f"{name} of shape {tuple(shape)} ({dtype})")
 
 
 def _first_taker(op, b, dtype, metas, candidates):
