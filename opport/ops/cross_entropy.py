@@ -8,7 +8,7 @@ import numpy as np
 
 from opport import casegen as cg
 from opport.arraymath import reduce_losses
-from opport.dtypes import INTS
+from opport.dtypes import INTS, finfo
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.spec import (
     BASE_TOLERANCE,
@@ -78,16 +78,19 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
 
 @cross_entropy.reference
 def _reference(logits, target, ignore_index, reduction, label_smoothing):
+    """(m - x_t) + log(s) and, smoothed, mean(m - x) + log(s), with m the row max and s = sum(exp(x - m)): never
+    logsumexp - x_t, which loses log(V) beside |m| ~ 1e38 even in float64 (docs/numerics.md 3.5.1)."""
     n, v = logits.shape
     t = target.astype(np.int64)
     ignored = t == ignore_index
     valid = (t >= 0) & (t < v)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         m = logits.max(axis=1, initial=-np.inf)
-        lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
-        nll = lse - logits[np.arange(n), np.clip(t, 0, v - 1)]
-        loss = (1 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(axis=1)) if label_smoothing else nll
-    loss = np.where(ignored, 0.0, np.where(valid, loss, np.nan))
+        log_s = np.log(np.exp(logits - m[:, None]).sum(axis=1))
+        nll = (m - logits[np.arange(n), np.clip(t, 0, v - 1)]) + log_s
+        if label_smoothing:
+            nll = (1 - label_smoothing) * nll + label_smoothing * ((m[:, None] - logits).mean(axis=1) + log_s)
+    loss = np.where(ignored, 0.0, np.where(valid, nll, np.nan))
     return reduce_losses(loss, ignored, reduction)
 
 
@@ -139,6 +142,31 @@ def _cases(dtype):
     yield _case("heavy-tails", dtype, 8, 3000, dist="heavy", scale=3.0, reduction="none")
     yield _neg_inf_logits(dtype)
     yield _neg_inf_target_smoothing(dtype)
+    yield from _near_max(dtype)
+
+
+def _near_max(dtype: str):
+    """Logits near the dtype's maximum, inside the domain docs/numerics.md 3.5.1 defines: no smoothing at up to
+    0.99 of the maximum (a loss past float32's range is inf, as the exact value rounds), equal and nearly equal
+    rows there (loss log(V), and ~1e36: the reference must not lose log(V) beside |m|), smoothing while
+    V max|x| fits the accumulation dtype, and a "mean" whose float32 sum of losses still fits."""
+    fmax = float(finfo(dtype).max)
+    acc_max = float(np.finfo(np.float64 if dtype == "float64" else np.float32).max)
+    rng = cg.rng_for(NAME, "near-max", dtype)
+    n, v = 6, 64
+    t = rng.integers(0, v, n)
+    x = rng.uniform(-1, 1, (n, v)) * 0.99 * fmax
+    yield Case("near-max-spread", (cg.cast(x, dtype), t), {"reduction": "none"}, ("edge",))
+    x = np.empty((n, v))
+    x[:3] = fmax * (1 - rng.random((3, v)) * 2.0**-6)  # 1.6% below the maximum: 7 bits, exact in every dtype
+    x[3], x[4], x[5] = fmax, -fmax, rng.choice([-fmax, fmax])  # equal rows: log(V)
+    yield Case("near-max-equal-rows", (cg.cast(x, dtype), t), {"reduction": "none"}, ("edge",))
+    x = rng.uniform(-1, 1, (n, v)) * min(0.99 * fmax, 0.5 * acc_max / v)  # V max|x| at half the dtype's range
+    yield Case("near-max-smoothing", (cg.cast(x, dtype), t), {"reduction": "none", "label_smoothing": 0.1},
+               ("edge",))
+    x = rng.standard_normal((4, v))
+    x[np.arange(4), t[:4]] = -min(0.2 * float(np.finfo(np.float32).max), 0.99 * fmax)  # 4 losses of ~0.2 max
+    yield Case("near-max-mean", (cg.cast(x, dtype), t[:4]), {"reduction": "mean"}, ("edge",))
 
 
 def _neg_inf_logits(dtype: str) -> Case:
@@ -285,12 +313,18 @@ def _row_coefficients(grad: np.ndarray, ignored: np.ndarray, reduction: str) -> 
 
 @cross_entropy_backward.reference
 def _backward_reference(grad, logits, target, lse, ignore_index, reduction, label_smoothing):
-    n, v = logits.shape
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _dlogits(logits - lse[:, None], target, ignore_index, reduction, label_smoothing, grad)
+
+
+def _dlogits(shifted, target, ignore_index, reduction, label_smoothing, grad) -> tuple:
+    """(dlogits,) from shifted = x - logsumexp(row) [N, V] (float64): c (exp(shifted) - eps/V - (1 - eps) onehot)."""
+    n, v = shifted.shape
     t = target.astype(np.int64)
     ignored, valid = t == ignore_index, (t >= 0) & (t < v)
     eps = label_smoothing
     with np.errstate(invalid="ignore", over="ignore"):
-        d = np.exp(logits - lse[:, None])
+        d = np.exp(shifted)
         d -= eps / v
         rows = np.flatnonzero(valid)
         d[rows, t[rows]] -= 1 - eps
@@ -389,6 +423,19 @@ def cross_entropy_value_and_grad(logits, target, ignore_index=-100, reduction="m
     cross_entropy.validate(logits, target, ignore_index, reduction, label_smoothing)
 
 
+@cross_entropy_value_and_grad.reference
+def _value_and_grad_reference(logits, target, ignore_index, reduction, label_smoothing):
+    """The forward's reference and dlogits at a unit upstream gradient, with x - logsumexp formed as (x - m) - log(s)
+    from the row max m: a logsumexp held as one float64 number loses log(s) beside |m| ~ 1e38 (its ulp is ~1e22),
+    which the fused kernels, forming p from m and log(s) as well, do not (docs/numerics.md 3.5.1)."""
+    loss = _reference(logits, target, ignore_index, reduction, label_smoothing)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = logits.max(axis=1, initial=-np.inf)
+        x = logits - np.where(m == -np.inf, 0.0, m)[:, None]  # an all -inf row: NaN below, as its logsumexp -inf
+        shifted = x - np.log(np.exp(x).sum(axis=1))[:, None]
+    return (loss, *_dlogits(shifted, target, ignore_index, reduction, label_smoothing, np.ones(np.shape(loss))))
+
+
 @cross_entropy_value_and_grad.cost
 def _value_and_grad_cost(logits, target, ignore_index, reduction, label_smoothing):
     item = np.dtype(cg.np_dtype(logits.dtype)).itemsize
@@ -424,12 +471,16 @@ def check_targets(op: str, target, v: int, ignore_index) -> None:
     """Every target is a class in [0, V) or ignore_index: the one property of the inputs validation (metadata only)
     cannot see. Run by the dispatcher before any kernel (`check_values`) on host arrays; on device arrays only under
     OPPORT_CHECK_VALUES=1 (`on_device = False`: reading them back would synchronise on every call)."""
-    t = np.asarray(target).astype(np.int64, copy=False)
-    bad = (t != ignore_index) & ((t < 0) | (t >= v))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
+    t = np.asarray(target)
+    u = t.view(t.dtype.str.replace("i", "u")) if t.dtype.kind == "i" else t  # negatives wrap past any V
+    outside = np.count_nonzero(u >= v)  # one pass on the common path: a few us per call on small batches
+    if outside and not 0 <= ignore_index < v:
+        outside -= np.count_nonzero(t == ignore_index)
+    if outside:
+        t = t.astype(np.int64)
+        i = int(np.flatnonzero((t != ignore_index) & ((t < 0) | (t >= v)))[0])
         fail(ArgumentError, op, "target", f"{op}.target_range", f"class labels in [0, {v}) or ignore_index "
-             f"({ignore_index})", f"{int(t[i])} at row {i} ({int(bad.sum())} row(s) out of range)")
+             f"({ignore_index})", f"{int(t[i])} at row {i} ({outside} row(s) out of range)")
 
 
 def _check_target(logits, target, ignore_index, reduction, label_smoothing):

@@ -147,15 +147,15 @@ def _cross_entropy_backward_kernel(
     # pointers
     grad_ptr, logits_ptr, target_ptr, lse_ptr, kept_ptr, out_ptr,
     # shapes, strides
-    n_rows, n_cols, g_s, l_s0, l_s1, t_s, o_s0, o_s1,
+    n_rows, n_cols, g_s, l_s0, l_s1, t_s, lse_s, o_s0, o_s1,
     ignore_index, smoothing,
     # meta-parameters
     MEAN: tl.constexpr, PRECISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dlogits[r, c] = coef[r] * (exp(x - lse[r]) - eps/V - (1 - eps) [c == t[r]]) for one [BLOCK_M, BLOCK_N] tile.
 
-    Dimensions: grad [N] (g_s = 1) or 0-d (g_s = 0); logits, out [N, V] strided; target, lse [N]; kept: the
-    count of non-ignored rows (device int64, "mean" only: no host sync).
+    Dimensions: grad [N] (g_s its stride) or 0-d (g_s = 0); logits, out [N, V] strided; target, lse [N] strided
+    (a saved lse may be a view too); kept: the count of non-ignored rows (device int64, "mean" only: no host sync).
     Notes: coef is the row's share of grad (grad[r]; grad; grad / max(kept, 1)), 0 for ignored rows (whose
     logits may hold NaN), NaN for targets outside [0, V). x - lse is exact wherever p is not negligible
     (Sterbenz), so p carries only exp's error: libdevice's expf for float32 outputs (PRECISE; the fast exp's
@@ -170,7 +170,7 @@ def _cross_entropy_backward_kernel(
     row_ok = rows < n_rows
     mask = row_ok[:, None] & (cols < n_cols)[None, :]
     t = tl.load(target_ptr + rows * t_s, mask=row_ok, other=0).to(tl.int64)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + rows * lse_s, mask=row_ok, other=0.0)
     ignored = t == ignore_index
     valid = (t >= 0) & (t < n_cols)
     coef = tl.load(grad_ptr + rows * g_s, mask=row_ok, other=0.0)
@@ -189,11 +189,13 @@ def _cross_entropy_backward_kernel(
 
 @triton.jit
 def _target_term(d, smoothing, n_cols, PRECISE: tl.constexpr):
-    """p_t - eps/V - (1 - eps) from d = x_t - lse. Where p_t > 1/2 it is formed as expm1(d) + (eps - eps/V):
+    """p_t - eps/V - (1 - eps) from d = x_t - lse. Where p_t is in (1/2, 2) it is formed as expm1(d) + (eps - eps/V):
     1 - p_t then keeps its own relative precision (peaked rows: p_t - 1 ~ -1e-4 would carry exp's error of an
-    ulp of 1, 1e-3 relative), as the cpu kernel does."""
+    ulp of 1, 1e-3 relative), as the cpu kernel does. p_t > 1 comes only from a rounded lse (d ~ 0) or an lse that
+    is not the row's (a backward handed an inconsistent one: d may be +inf near the dtype's maximum, where
+    Kahan's formula would give inf * 0): beyond 2 the plain formula, inf as the reference."""
     e = exp_f32(d, PRECISE)
-    near_one = d > -0.6931471805599453
+    near_one = (d > -0.6931471805599453) & (d < 0.6931471805599453)
     return tl.where(near_one, _expm1(e, d) + (smoothing - smoothing / n_cols), (e - smoothing / n_cols) - (1.0 - smoothing))
 
 
@@ -275,7 +277,7 @@ def cross_entropy_backward(grad: torch.Tensor, logits: torch.Tensor, target: tor
     cfg = elementwise_config(Layout(n, v, (1, 1, n), ((0, 0, v, 1),)))  # out's (contiguous) layout
     _cross_entropy_backward_kernel[(cdiv(n, cfg.block_m) * cdiv(v, cfg.block_n),)](
         grad, logits, target, lse, kept, out, n, v, grad.stride(0) if grad.dim() else 0, *logits.stride(),
-        target.stride(0), *out.stride(), int(ignore_index), float(label_smoothing),
+        target.stride(0), lse.stride(0), *out.stride(), int(ignore_index), float(label_smoothing),
         MEAN=reduction == "mean", PRECISE=logits.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,
     )
