@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from opport import casegen as cg
-from opport.dtypes import INTS
+from opport.dtypes import INTS, finfo
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops import cross_entropy as ce
 from opport.spec import (
@@ -152,6 +152,26 @@ def _cases(dtype):
     yield _case("all-ignored-sum", dtype, 4, 16, 50, ignore=range(4), reduction="sum", tags=("edge",))
     yield _case("empty-batch-mean", dtype, 0, 16, 50, tags=("edge",))
     yield _case("empty-batch-none", dtype, 0, 16, 50, reduction="none", tags=("edge",))
+    yield from _near_max(dtype)
+
+
+def _near_max(dtype: str):
+    """Logits z = hidden @ weight.T near the dtype's maximum, inside docs/numerics.md 3.5.1's domain: to about half
+    the maximum without smoothing, and while V max|z| fits the accumulation dtype with it. H = 1 and z = (±2^a)
+    (k 2^b), |k| <= 255: every product is exact in every dtype, so the kernels' logits are the reference's (the
+    H-long dot near the maximum is matmul's contract, not this op's)."""
+    fmax = float(finfo(dtype).max)
+    acc_max = float(np.finfo(np.float64 if dtype == "float64" else np.float32).max)
+    rng = cg.rng_for(NAME, "near-max", dtype)
+    n, v = 6, 40
+    for name, top, smoothing in (("near-max-logits", 0.99 * fmax, 0.0),
+                                 ("near-max-smoothing", min(0.99 * fmax, 0.5 * acc_max / v), 0.1)):
+        e = int(np.floor(np.log2(top))) - 8  # |z| <= 255 2^e < top
+        a, b = e // 2, e - e // 2
+        h = np.ldexp(rng.choice([-1.0, 1.0], (n, 1)), a)
+        w = np.ldexp(rng.integers(-255, 256, (v, 1)).astype(np.float64), b)
+        kwargs = {"ignore_index": -100, "reduction": "none", "label_smoothing": smoothing, "softcap": None}
+        yield Case(name, (cg.cast(h, dtype), cg.cast(w, dtype), rng.integers(0, v, n), None), kwargs, ("edge",))
 
 
 @linear_cross_entropy.strategy
