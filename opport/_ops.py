@@ -74,9 +74,14 @@ def cross_entropy(logits, target, ignore_index=-100, reduction='mean', label_smo
     Row loss = logsumexp(row) - row[target]; with smoothing eps: (1 - eps)·that + eps·(logsumexp - mean(row)).
     Rows whose target == ignore_index have loss 0 and are left out of the mean's count; with every
     row ignored (or N = 0), "mean" is NaN, as in torch. reduction "none" -> [N], "sum"/"mean" -> 0-d.
-    A target outside [0, V) that is not ignore_index cannot be seen by validation (it looks at
-    shapes and dtypes only, which keeps calls cacheable and free of device syncs): that row's loss
-    is NaN, which poisons "sum" and "mean" (the departure PyTorch PR #195829 documents).
+    A target outside [0, V) that is not ignore_index is an ArgumentError (`cross_entropy.target_range`)
+    before any kernel runs when target is a host array (NumPy, a CPU tensor, a JAX array on the CPU: the
+    dispatcher reads it, at no synchronisation). On a device array (a CUDA tensor, a JAX array on a GPU)
+    reading it back would cost a synchronisation per call, so it is not read: that row's loss is NaN, which
+    poisons "sum" and "mean" (the departure PyTorch PR #195829 documents); OPPORT_CHECK_VALUES=1 turns the
+    check on for device arrays too (a debug switch). Under jax.jit the check runs when the compiled function
+    calls back (host arrays), so the error arrives wrapped in JAX's runtime error.
+    Logits near the dtype's maximum: docs/numerics.md 3.5.1 says which results are defined.
 
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
     """
@@ -97,7 +102,8 @@ _dequantize_fp8 = _get_op('dequantize_fp8')
 def dequantize_fp8(q, scales, granularity='tensor', block=128, out_dtype='float32', *, backend=None):
     """q * scales (broadcast over each scaling group), computed in float32 and rounded once to `out_dtype`.
 
-    q and scales are what `quantize_fp8(x, granularity, block, ...)` returned. NaN codes give NaN (and e5m2's
+    q and scales are what `quantize_fp8(x, granularity, block, ...)` returned; a per-tensor scale may also be 0-d
+    (shape (), as torch._scaled_mm users keep it), which kernels receive as (1, ..., 1). NaN codes give NaN (and e5m2's
     ±inf gives ±inf). Every scale must be finite and > 0, as quantize_fp8 makes them: a zero, negative,
     NaN or infinite one is a typed error before any kernel runs (the dispatcher reads the scales on the
     host: on a GPU, one synchronisation per call). A call's dtype is its `out_dtype`.
@@ -196,7 +202,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, r
     The logits z = hidden @ weight.T + bias ([N, V], float32 accumulation) are optionally softcapped,
     z = softcap · tanh(z / softcap) (Gemma 2), then judged exactly as `cross_entropy(z, target, ignore_index,
     reduction, label_smoothing)`: ignored rows 0 and out of the mean's count, every row ignored (or N = 0)
-    gives a NaN "mean", a target outside [0, V) that is not ignore_index a NaN row; float32 result.
+    gives a NaN "mean"; a target outside [0, V) that is not ignore_index is `linear_cross_entropy.target_range`
+    before any kernel for a host target (a NaN row for a device target, unless OPPORT_CHECK_VALUES=1: see
+    cross_entropy); logits near the dtype's maximum as docs/numerics.md 3.5.1; float32 result.
     Kernels walk the logits in tiles of tokens x vocabulary with an online log-sum-exp, so the extra memory
     is O(tile), not O(N V) (at N 8192, V 128256 the logits alone would be 2 GiB in bfloat16). Forward, every
     backend: the loss and lse [N] beside tiles (cpu: ROW_BLOCK x VOCAB_CHUNK = 256 x 4096 float32, 4 MiB;
@@ -359,11 +367,12 @@ def scaled_matmul(a_q, b_q, scale_a, scale_b, bias=None, out_dtype='bfloat16', *
     scale_a is (1, ..., 1) per tensor, a_q.shape[:-1] + (1,) per row, or a_q.shape[:-1] + (K // 128,) per
     1 x 128 block along K (exactly what `quantize_fp8(a, "tensor" | "token" | "block")` returns);
     scale_b is (1, 1) per tensor, (1, N) per column, or (K // 128, ceil(N / 128)) per 128 x 128 block (the
-    last column block may be partial). Shapes that match two granularities (M = 1, K = 128, N = 1) mean the
-    same product either way. 128-block scales need K % 128 == 0. Scales are float32, finite and > 0 (as
-    quantize_fp8 makes them): a zero, negative, NaN or infinite one is a typed error before any kernel runs
-    (the dispatcher reads the scales on the host: on a GPU, one synchronisation per call). bias [N] has dtype
-    out_dtype and is added in float32 before the rounding.
+    last column block may be partial). A per-tensor scale may also be 0-d (shape (), what `torch._scaled_mm`
+    users pass): the same product; kernels receive it as (1, ..., 1). Shapes that match two granularities
+    (M = 1, K = 128, N = 1) mean the same product either way. 128-block scales need K % 128 == 0. Scales
+    are float32, finite and > 0 (as quantize_fp8 makes them): a zero, negative, NaN or infinite one is a
+    typed error before any kernel runs (the dispatcher reads the scales on the host: on a GPU, one
+    synchronisation per call). bias [N] has dtype out_dtype and is added in float32 before the rounding.
     NaN codes give NaN rows/columns. Not differentiable (fp8 training is out of scope). A call's dtype is its
     `out_dtype`.
 

@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--arg", action="append", default=[], type=_arg_pair, metavar="NAME=VALUE", help="a scalar argument")
     for name, (module, help_) in SUBPACKAGES.items():
         importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_))
+    for p in sub.choices.values():  # `opport bench --debug ...` as well as `opport --debug bench ...`
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of any error")
     return parser
 
 

@@ -42,11 +42,12 @@ def to_torch(a, device=None):
     if not isinstance(a, np.ndarray):
         return a
     device = device or CUDA.torch_device()
+    a = np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray alone makes a 0-d array (a scale) 1-d
     if a.dtype == np_dtype("bfloat16"):
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).to(device)
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
     if a.dtype.name in FP8:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8)).view(getattr(torch, a.dtype.name)).to(device)
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return torch.from_numpy(a.view(np.uint8)).view(getattr(torch, a.dtype.name)).to(device)
+    return torch.from_numpy(a).to(device)
 
 
 def to_numpy(t):

@@ -28,7 +28,7 @@ from functools import partial
 import numpy as np
 
 from opport.bench.workloads import ArrayMaker, get_workload, seed_for
-from opport.dispatch import backends, clear_cache, explain, kernels
+from opport.dispatch import backends, clear_cache, explain, kernel_args, kernels
 from opport.public import function
 
 GATE_US, MOONSHOT_US = 5.0, 2.0
@@ -63,7 +63,7 @@ def _one(spec, wl, shape, kind: str, budget_ms: float) -> dict:
         kernel = next(k for k in kernels(spec, backends()[d.backend]) if k.name == d.kernel)
     except Exception as e:
         return {**row, "status": "error", "error": f"{type(e).__name__}: {e}"}
-    native, converted, note = _direct_calls(kernel, bound, backends()[d.backend].array_kind)
+    native, converted, note = _direct_calls(kernel, kernel_args(spec, bound), backends()[d.backend].array_kind)
     sync = _device_sync(device) if device != "cpu" else None
     public = partial(function(spec), *bound)
     public()  # fill the selection cache: the cached path is what is measured
@@ -124,11 +124,16 @@ def _direct_calls(kernel, bound: tuple, array_kind: str):
     for i in torch_pos:
         native_bound[i] = to_numpy(bound[i])
 
+    def back(out):  # each output back to a tensor, as the dispatcher does: one array, several (a tuple), or None
+        if out.__class__ is tuple:
+            return tuple(None if o is None else from_native(o, like) for o in out)
+        return None if out is None else from_native(out, like)
+
     def converted():  # what a hand-written call converting just the tensors would do
         args = list(bound)
         for i in torch_pos:
             args[i] = to_numpy(args[i])
-        return from_native(kernel.fn(*args), like)
+        return back(kernel.fn(*args))
 
     note = "overhead_us: dispatch only (kernel timed with the same torch<->numpy conversions); total_added_us includes them"
     return (lambda: kernel.fn(*native_bound)), converted, note

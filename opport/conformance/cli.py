@@ -32,8 +32,13 @@ def add_arguments(p):
     p.add_argument("--json", metavar="F", help="write the JSON report (docs/design.md section 6)")
     p.add_argument("--junit", metavar="F", help="write JUnit XML (one testcase per case, metrics as properties)")
     p.add_argument("--markdown", metavar="F", help="write a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)")
-    p.add_argument("--baseline", metavar="F", help="fail on new failures or metrics > 2x this baseline")
-    p.add_argument("--update-baseline", action="store_true", help="rewrite --baseline F from this run")
+    p.add_argument("--baseline", metavar="F",
+                   help="judge against this baseline (a ratchet): a case failing now and in F is reported as known in "
+                        "the baseline (xfail) and does not fail the run; a new failure, or a metric > 2x its value in "
+                        "F, does")
+    p.add_argument("--update-baseline", action="store_true",
+                   help="write this run's statuses and metrics into --baseline F (merged: cases not run keep their "
+                        "entry); this run is judged without it")
     p.add_argument("--known-failures", action="append", default=[], metavar="F",
                    help="an extra known-failures file (each backend's own known_failures.txt is always read)")
     p.add_argument("--workers", type=int, default=None, metavar="N",

@@ -6,9 +6,12 @@ crashes or times out is `xfail`; one that passes is `xpass`, which fails the run
 removed. Entries that matched no case of a run that covered their op and dtype are reported stale; an
 entry written `full: <pattern> | <reason>` names a full-tier draw and is judged stale in full runs only.
 
-The baseline is a JSON file of per-case status and metrics. Against it, a run fails on a new failure,
-or on a metric (`tol_ratio`, `floor_ratio`) more than 2x its baseline value (and worse by more than a
-small absolute slack, so noise near zero is not a regression).
+The baseline is a JSON file of per-case status and metrics: a ratchet. Against it, a case that fails now
+and failed (or was a known failure) in the baseline is known-in-baseline: `xfail`, with the reason, and
+does not fail the run; a case that passes now is fine whatever the baseline says; the run fails on a new
+failure (a case that failed now but passed in, or is missing from, the baseline), or on a metric
+(`tol_ratio`, `floor_ratio`) more than 2x its baseline value (and worse by more than a small absolute
+slack, so noise near zero is not a regression). `xpass` and `lost` are never excused by a baseline.
 """
 
 from __future__ import annotations
@@ -139,13 +142,19 @@ def write_baseline(path, cases: list, old: dict | None = None):
 
 
 def regressions(cases: list, baseline: dict) -> list[dict]:
-    """New failures and metrics more than 2x their baseline."""
+    """Judge a run's cases against a baseline (the ratchet, see the module docstring): a failure the baseline
+    already holds becomes `xfail` (known in the baseline) in `cases`, in place, so it does not fail the run;
+    returned are the new failures and the metrics more than 2x their baseline, each of which does."""
     out = []
     for c in cases:
         old = baseline.get(c["id"])
-        if c["status"] in BAD and (old is None or old["status"] not in BAD + ("xfail",)):
-            out.append({"id": c["id"], "kind": "new failure", "detail": f"{c['status']} (baseline: "
-                        f"{old['status'] if old else 'not in baseline'})"})
+        if c["status"] in BAD:
+            if old is not None and old["status"] in BAD + ("xfail",):
+                c["known_failure"] = f"known in the baseline (status there: {old['status']})"
+                c["status"] = "xfail"
+            else:
+                out.append({"id": c["id"], "kind": "new failure", "detail": f"{c['status']} (baseline: "
+                            f"{old['status'] if old else 'not in baseline'})"})
             continue
         if old is None or c["status"] != "pass" or old["status"] != "pass":
             continue

@@ -6,7 +6,7 @@ the CLI). The one upward import is backend discovery, by name (registry.py).
 """
 
 from opport.dispatch.context import is_strict, strict, use_backend
-from opport.dispatch.core import Decision, FallbackWarning, call, decide, explain, takes
+from opport.dispatch.core import Decision, FallbackWarning, call, decide, explain, kernel_args, takes
 from opport.dispatch.registry import (
     Backend,
     Capabilities,
@@ -23,6 +23,6 @@ from opport.dispatch.registry import (
 
 __all__ = [
     "Backend", "Capabilities", "Decision", "FallbackWarning", "Kernel", "backends", "call", "clear_cache", "decide",
-    "explain", "get_backend", "impl", "is_strict", "kernels", "register_backend", "remove_kernel", "strict",
+    "explain", "get_backend", "impl", "is_strict", "kernel_args", "kernels", "register_backend", "remove_kernel", "strict",
     "takes", "unregister_backend", "use_backend",
 ]

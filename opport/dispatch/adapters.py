@@ -245,10 +245,35 @@ def metas_of(op, bound: tuple) -> list:
     metas = list(bound)
     for i in op.array_pos:
         if bound[i] is not None:
-            metas[i] = meta_of(op, op.params[i], bound[i])
+            try:
+                metas[i] = meta_of(op, op.params[i], bound[i])
+            except errors.DTypeError:
+                raise _tracer_error(op, bound, i) or sys.exc_info()[1] from None
         elif i not in op.optional_pos:
             raise array_type_error(op, op.params[i], None)
     return metas
+
+
+def _tracer_error(op, bound: tuple, i: int) -> errors.DTypeError | None:
+    """The error for a traced JAX array (argument `i`) that reached the eager dispatcher, or None if it is not one.
+    It gets here when the call's first array is a NumPy array (the public functions route only calls whose first
+    array is not one: NumPy calls stay cheap), so that argument is named, with the fix; or when the op writes in
+    place (JAX arrays are immutable)."""
+    jax = sys.modules.get("jax")
+    if jax is None or not isinstance(bound[i], jax.core.Tracer):
+        return None
+    if op.writes:
+        return errors.DTypeError(op=op.name, arg=op.params[i], constraint=f"{op.name}.array_type",
+                                 expected=f"a NumPy array or torch tensor ({op.name} writes in place; JAX arrays are "
+                                          "immutable)", got=f"a traced JAX array ({type(bound[i]).__name__})")
+    first = next(j for j in op.array_pos if bound[j] is not None)
+    if first == i:  # the dispatcher called directly with a tracer first: the plain array_type error
+        return None
+    name, traced = op.params[first], op.params[i]
+    return errors.DTypeError(op=op.name, arg=name, constraint=f"{op.name}.array_type",
+                             expected=f"a JAX array, as {traced!r} is a traced one (inside jax.jit the first array "
+                                      f"argument decides how the call is traced: pass jnp.asarray({name}))",
+                             got=f"a NumPy array ({type(bound[first]).__name__})")
 
 
 def python_scalars(op, bound: tuple) -> tuple:

@@ -88,6 +88,15 @@ def strict_from(ctx: bool | None, raw) -> bool:
     return v is not None and v.lower() not in ("", "0", "false", "no")
 
 
+CHECK_VALUES_VAR = "OPPORT_CHECK_VALUES"
+
+
+def check_values() -> bool:
+    """OPPORT_CHECK_VALUES (read now): run value checks that would synchronise a device (class labels on a GPU) on
+    device arrays too. They always run on host arrays."""
+    return strict_from(None, ENV_GET(ENV_KEY(CHECK_VALUES_VAR)))
+
+
 def is_strict() -> bool:
     return strict_from(_strict.get(), ENV_GET(ENV_KEY(STRICT_VAR)))
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from opport import errors
 from opport.dispatch import context, registry
 from opport.dispatch.adapters import NumpyAdapter, adapter_for, array_type_error, metas_of, python_scalars
 from opport.dispatch.registry import backend_for_device, backends, get_backend, kernels
+from opport.dtypes import np_dtype
 
 
 class FallbackWarning(UserWarning):
@@ -78,15 +80,14 @@ class Decision:
 class Plan:
     """A cached decision plus the conversions that run it."""
 
-    __slots__ = ("fn", "convert", "back", "direct", "first", "decision", "kernel", "lock", "writes")
+    __slots__ = ("fn", "convert", "back", "direct", "first", "decision", "kernel", "lock", "writes", "check")
 
-    def __init__(self, kernel, convert, back, first, decision, lock=None, op=None):
+    def __init__(self, kernel, convert, back, first, decision, lock=None, op=None, check=None):
         self.kernel, self.convert, self.back, self.lock = kernel, convert, back, lock
-        self.direct = not convert and back is None  # the kernel takes the caller's arrays and returns its kind
+        self.check = check  # values validation cannot see (slot indices, scales, labels): on the caller's arrays
+        # the kernel takes the caller's arrays and returns their kind, and nothing else runs
+        self.direct = not convert and back is None and check is None
         self.fn = kernel.fn if lock is None else _serial(kernel.fn, lock)
-        checked = getattr(op, "_value_check", None)
-        if checked is not None:  # values validation cannot see (slot indices, block tables): before the kernel
-            self.fn = _value_checked(self.fn, *checked)
         self.writes = getattr(op, "write_pos", ())  # arguments written in place: copied back where converted
         self.first, self.decision = first, decision
 
@@ -94,12 +95,31 @@ class Plan:
 _backend_locks: dict = {}
 
 
-def _value_checked(fn, positions: tuple, check):
-    def run(*args):
-        check(*_host_values(args, positions))
-        return fn(*args)
+def value_check(op, bound: tuple):
+    """The op's value check (`@<op>.check_values`) as `check(bound)` for a plan, or None: it reads the arrays at its
+    positions on the host before any conversion or kernel. A check declared with `fn.on_device = False` would
+    cost a device synchronisation per call (cross_entropy's labels on a GPU): on device arrays it runs only while
+    OPPORT_CHECK_VALUES=1 (read per call), on host arrays (NumPy, CPU tensors, CPU JAX arrays) always."""
+    found = getattr(op, "_value_check", None)
+    if found is None:
+        return None
+    positions, fn = found
+    if getattr(fn, "on_device", True) or all(_on_host(bound[i]) for i in positions if bound[i] is not None):
+        return partial(_check_values, positions=positions, fn=fn)
+    return partial(_check_values_if_asked, positions=positions, fn=fn)
 
-    return run
+
+def _on_host(a) -> bool:
+    return a.__class__ is np.ndarray or adapter_for(a).meta(a).device == "cpu"
+
+
+def _check_values(bound: tuple, positions: tuple, fn):
+    fn(*_host_values(bound, positions))
+
+
+def _check_values_if_asked(bound: tuple, positions: tuple, fn):
+    if context.check_values():
+        fn(*_host_values(bound, positions))
 
 
 def _host_values(args: tuple, positions: tuple) -> tuple:
@@ -262,6 +282,8 @@ def takes(op, bound: tuple, backend: str | None) -> bool:
 
 
 def _run_converted(plan: Plan, bound: tuple):
+    if plan.check is not None:
+        plan.check(bound)
     like, orig = bound[plan.first], bound
     if plan.convert:
         bound = list(bound)
@@ -296,7 +318,7 @@ def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool
     plan = _make_plan(op, bound, kernel, decision)
     changed = tuple((i, _as_python) for i in op.scalar_pos if scalars[i] is not bound[i])
     if changed:
-        plan = Plan(kernel, plan.convert + changed, plan.back, plan.first, decision, plan.lock, op)
+        plan = Plan(kernel, plan.convert + changed, plan.back, plan.first, decision, plan.lock, op, plan.check)
     return plan
 
 
@@ -319,6 +341,7 @@ def decide(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool
                                  got=", ".join(sorted({m.device for _, m in arrays})))
     device_type = arrays[0][1].device_type if arrays else "cpu"
     op.validate(*metas)
+    _check_out_sizes(op, metas)
 
     if name is not None:
         requested = "backend= keyword" if by_keyword else context.how_requested(None)
@@ -354,6 +377,27 @@ def decide(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool
     if chosen is None:
         d.error = f"no cpu kernel takes this call either (after: {fallback})"
     return d, chosen
+
+
+MAX_BYTES = 2**63 - 1  # the most bytes an array can span (NumPy's, torch's and JAX's int64 sizes): inputs are held
+# to it by the array libraries themselves, outputs (matmul's M x N from small operands) only here
+
+
+def _check_out_sizes(op, metas: list):
+    """Every output fits in an array: a shape whose bytes exceed MAX_BYTES (`opport explain matmul --shape
+    4294967296,1 --shape 1,4294967296`) is a typed error before any kernel, not a library's allocation error."""
+    for i, m in enumerate(op.out_metas(metas)):
+        if m is None:
+            continue
+        shape, dtype = m
+        size = 1
+        for d in shape:
+            size *= d
+        if size * np_dtype(getattr(dtype, "name", dtype)).itemsize > MAX_BYTES:
+            name = op.output_names[i] if i < len(op.output_names) else f"output {i}"
+            raise errors.ShapeError(op=op.name, arg=name, constraint=f"{op.name}.out_size",
+                                    expected=f"an output of at most {MAX_BYTES} bytes (int64 sizes)",
+                                    got=f"{name} of shape {tuple(shape)} ({dtype})")
 
 
 def _first_taker(op, b, dtype, metas, candidates):
@@ -402,8 +446,33 @@ def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
                 convert.append((i, _resolve_neg))
     same_kind = (src is None or src.kind == b.array_kind) and not convert
     back = None if same_kind else src.from_native
+    convert += kernel_views(op, bound)  # after any conversion of the same argument
     lock = _backend_locks.setdefault(b.name, threading.Lock()) if b.serialized() else None
-    return Plan(kernel, tuple(convert), back, first if first is not None else 0, decision, lock, op)
+    return Plan(kernel, tuple(convert), back, first if first is not None else 0, decision, lock, op,
+                value_check(op, bound))
+
+
+def kernel_views(op, bound: tuple) -> list:
+    """[(position, reshape)] for the arrays the op declares kernels receive in another shape (`op.kernel_shapes(*bound)
+    -> {name: shape}`, e.g. scaled_matmul's 0-d per-tensor scales as (1, 1)): one normalisation before every
+    backend's kernels instead of one per kernel. Decided per plan: the shapes are part of the selection key."""
+    rule = getattr(op, "kernel_shapes", None)
+    if rule is None:
+        return []
+    return [(op.params.index(name), partial(_reshaped, shape=tuple(shape))) for name, shape in rule(*bound).items()]
+
+
+def kernel_args(op, bound: tuple) -> tuple:
+    """`bound` as the op's kernels receive it from the dispatcher (its `kernel_views` applied), for code that calls a
+    kernel directly (tests, `opport bench --overhead`)."""
+    out = list(bound)
+    for i, f in kernel_views(op, bound):
+        out[i] = f(out[i])
+    return tuple(out)
+
+
+def _reshaped(a, shape: tuple):
+    return a.reshape(shape)  # NumPy and torch alike: a view of the same memory
 
 
 def _normalizer(b):

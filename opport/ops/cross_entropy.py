@@ -8,7 +8,7 @@ import numpy as np
 
 from opport import casegen as cg
 from opport.arraymath import reduce_losses
-from opport.dtypes import INTS
+from opport.dtypes import INTS, finfo
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.spec import (
     BASE_TOLERANCE,
@@ -20,6 +20,7 @@ from opport.spec import (
     check_choice,
     check_float,
     check_grad,
+    fail,
     grad_constraints,
     op,
 )
@@ -38,6 +39,8 @@ REDUCTIONS = ("mean", "sum", "none")
         "cross_entropy.ignore_index": "ignore_index is an int in the int64 range (targets are int64)",
         "cross_entropy.reduction": f"reduction is one of {REDUCTIONS}",
         "cross_entropy.label_smoothing": "label_smoothing is a number in [0, 1]",
+        "cross_entropy.target_range": "every target is a class in [0, V) or ignore_index (read on the host before any "
+                                      "kernel: NumPy and CPU arrays always, device arrays under OPPORT_CHECK_VALUES=1)",
     },
     out_dtype="float32",
 )
@@ -47,9 +50,14 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
     Row loss = logsumexp(row) - row[target]; with smoothing eps: (1 - eps)·that + eps·(logsumexp - mean(row)).
     Rows whose target == ignore_index have loss 0 and are left out of the mean's count; with every
     row ignored (or N = 0), "mean" is NaN, as in torch. reduction "none" -> [N], "sum"/"mean" -> 0-d.
-    A target outside [0, V) that is not ignore_index cannot be seen by validation (it looks at
-    shapes and dtypes only, which keeps calls cacheable and free of device syncs): that row's loss
-    is NaN, which poisons "sum" and "mean" (the departure PyTorch PR #195829 documents).
+    A target outside [0, V) that is not ignore_index is an ArgumentError (`cross_entropy.target_range`)
+    before any kernel runs when target is a host array (NumPy, a CPU tensor, a JAX array on the CPU: the
+    dispatcher reads it, at no synchronisation). On a device array (a CUDA tensor, a JAX array on a GPU)
+    reading it back would cost a synchronisation per call, so it is not read: that row's loss is NaN, which
+    poisons "sum" and "mean" (the departure PyTorch PR #195829 documents); OPPORT_CHECK_VALUES=1 turns the
+    check on for device arrays too (a debug switch). Under jax.jit the check runs when the compiled function
+    calls back (host arrays), so the error arrives wrapped in JAX's runtime error.
+    Logits near the dtype's maximum: docs/numerics.md 3.5.1 says which results are defined.
     """
     check_float(NAME, "logits", logits)
     check(logits.ndim == 2 and logits.shape[1] >= 1, ShapeError, NAME, "logits", "cross_entropy.logits_shape",
@@ -70,16 +78,19 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
 
 @cross_entropy.reference
 def _reference(logits, target, ignore_index, reduction, label_smoothing):
+    """(m - x_t) + log(s) and, smoothed, mean(m - x) + log(s), with m the row max and s = sum(exp(x - m)): never
+    logsumexp - x_t, which loses log(V) beside |m| ~ 1e38 even in float64 (docs/numerics.md 3.5.1)."""
     n, v = logits.shape
     t = target.astype(np.int64)
     ignored = t == ignore_index
     valid = (t >= 0) & (t < v)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         m = logits.max(axis=1, initial=-np.inf)
-        lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
-        nll = lse - logits[np.arange(n), np.clip(t, 0, v - 1)]
-        loss = (1 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(axis=1)) if label_smoothing else nll
-    loss = np.where(ignored, 0.0, np.where(valid, loss, np.nan))
+        log_s = np.log(np.exp(logits - m[:, None]).sum(axis=1))
+        nll = (m - logits[np.arange(n), np.clip(t, 0, v - 1)]) + log_s
+        if label_smoothing:
+            nll = (1 - label_smoothing) * nll + label_smoothing * ((m[:, None] - logits).mean(axis=1) + log_s)
+    loss = np.where(ignored, 0.0, np.where(valid, nll, np.nan))
     return reduce_losses(loss, ignored, reduction)
 
 
@@ -129,16 +140,33 @@ def _cases(dtype):
     yield _case("logits-1e4", dtype, 4, 4099, scale=1e4, reduction="none", tags=("edge",))
     yield _case("logits-1e4-peaked", dtype, 4, 4099, scale=1e4, peaked=5.0, reduction="none", tags=("edge",))
     yield _case("heavy-tails", dtype, 8, 3000, dist="heavy", scale=3.0, reduction="none")
-    yield _out_of_range(dtype)
     yield _neg_inf_logits(dtype)
     yield _neg_inf_target_smoothing(dtype)
+    yield from _near_max(dtype)
 
 
-def _out_of_range(dtype: str) -> Case:
-    """Targets V and -1 (not ignore_index): NaN rows, which poison the mean; the ignored row stays 0."""
-    rng = cg.rng_for(NAME, "target-out-of-range", dtype)
-    t = np.array([3, 100, -1, -100, 7])
-    return Case("target-out-of-range", (cg.array((5, 100), dtype, rng), t), {"reduction": "none"}, ("edge",))
+def _near_max(dtype: str):
+    """Logits near the dtype's maximum, inside the domain docs/numerics.md 3.5.1 defines: no smoothing at up to
+    0.99 of the maximum (a loss past float32's range is inf, as the exact value rounds), equal and nearly equal
+    rows there (loss log(V), and ~1e36: the reference must not lose log(V) beside |m|), smoothing while
+    V max|x| fits the accumulation dtype, and a "mean" whose float32 sum of losses still fits."""
+    fmax = float(finfo(dtype).max)
+    acc_max = float(np.finfo(np.float64 if dtype == "float64" else np.float32).max)
+    rng = cg.rng_for(NAME, "near-max", dtype)
+    n, v = 6, 64
+    t = rng.integers(0, v, n)
+    x = rng.uniform(-1, 1, (n, v)) * 0.99 * fmax
+    yield Case("near-max-spread", (cg.cast(x, dtype), t), {"reduction": "none"}, ("edge",))
+    x = np.empty((n, v))
+    x[:3] = fmax * (1 - rng.random((3, v)) * 2.0**-6)  # 1.6% below the maximum: 7 bits, exact in every dtype
+    x[3], x[4], x[5] = fmax, -fmax, rng.choice([-fmax, fmax])  # equal rows: log(V)
+    yield Case("near-max-equal-rows", (cg.cast(x, dtype), t), {"reduction": "none"}, ("edge",))
+    x = rng.uniform(-1, 1, (n, v)) * min(0.99 * fmax, 0.5 * acc_max / v)  # V max|x| at half the dtype's range
+    yield Case("near-max-smoothing", (cg.cast(x, dtype), t), {"reduction": "none", "label_smoothing": 0.1},
+               ("edge",))
+    x = rng.standard_normal((4, v))
+    x[np.arange(4), t[:4]] = -min(0.2 * float(np.finfo(np.float32).max), 0.99 * fmax)  # 4 losses of ~0.2 max
+    yield Case("near-max-mean", (cg.cast(x, dtype), t[:4]), {"reduction": "mean"}, ("edge",))
 
 
 def _neg_inf_logits(dtype: str) -> Case:
@@ -204,6 +232,12 @@ def _error_cases():
     yield ErrorCase("cross_entropy.reduction", ArgumentError, (x, t), {"reduction": "avg"})
     yield ErrorCase("cross_entropy.label_smoothing", ArgumentError, (x, t), {"label_smoothing": 1.5})
     yield ErrorCase("cross_entropy.label_smoothing", ArgumentError, (x, t), {"label_smoothing": float("nan")})
+    for bad in ([0, 10, 1, 2], [0, -1, 1, 2], [-100, 3, 2**40, 1]):  # V, a negative label, far past V (not ignored)
+        yield ErrorCase("cross_entropy.target_range", ArgumentError, (x, np.array(bad)))
+    yield ErrorCase("cross_entropy.target_range", ArgumentError, (x, np.array([0, 1, 10, 2], np.int32)),
+                    {"ignore_index": 7, "reduction": "none"})  # a positive ignore_index leaves V out of range
+    yield ErrorCase("cross_entropy.target_range", ArgumentError, (x, np.array([0, 1, 255, 2], np.uint8)),
+                    {"ignore_index": -100, "label_smoothing": 0.1})
 
 
 @cross_entropy.shape
@@ -241,6 +275,7 @@ def _saved(logits, target, ignore_index, reduction, label_smoothing):
         **grad_constraints(NAME),
         f"{BWD}.saved": "lse is [N] in the accumulation dtype, float32 (float64 for float64 logits): the training "
                         "forward's per-row logsumexp",
+        f"{BWD}.target_range": "every target is a class in [0, V) or ignore_index (as cross_entropy.target_range)",
     },
 )
 def cross_entropy_backward(grad, logits, target, lse, ignore_index=-100, reduction="mean", label_smoothing=0.0):
@@ -251,7 +286,8 @@ def cross_entropy_backward(grad, logits, target, lse, ignore_index=-100, reducti
     eps = label_smoothing and c the row's share of the upstream gradient (grad[i] for "none", grad for
     "sum", grad / (non-ignored rows) for "mean"): dlogits = c (p - eps/V - (1 - eps) onehot(target)).
     Rows whose target is ignore_index get exactly 0 (whatever their logits hold); a target outside
-    [0, V) gives a NaN row, as its loss is NaN. A -inf logit has p = 0, so its gradient is c (-eps/V)
+    [0, V) is `cross_entropy_backward.target_range` on host arrays, a NaN row on device arrays (as its loss is
+    NaN; see cross_entropy). A -inf logit has p = 0, so its gradient is c (-eps/V)
     (minus (1 - eps) c if it is the target): finite, although the loss is +inf when smoothing meets a
     -inf logit (its mean term is -inf) or the target's logit is -inf; this is the formula's value and
     what torch's log_softmax backward gives.
@@ -277,12 +313,18 @@ def _row_coefficients(grad: np.ndarray, ignored: np.ndarray, reduction: str) -> 
 
 @cross_entropy_backward.reference
 def _backward_reference(grad, logits, target, lse, ignore_index, reduction, label_smoothing):
-    n, v = logits.shape
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _dlogits(logits - lse[:, None], target, ignore_index, reduction, label_smoothing, grad)
+
+
+def _dlogits(shifted, target, ignore_index, reduction, label_smoothing, grad) -> tuple:
+    """(dlogits,) from shifted = x - logsumexp(row) [N, V] (float64): c (exp(shifted) - eps/V - (1 - eps) onehot)."""
+    n, v = shifted.shape
     t = target.astype(np.int64)
     ignored, valid = t == ignore_index, (t >= 0) & (t < v)
     eps = label_smoothing
     with np.errstate(invalid="ignore", over="ignore"):
-        d = np.exp(logits - lse[:, None])
+        d = np.exp(shifted)
         d -= eps / v
         rows = np.flatnonzero(valid)
         d[rows, t[rows]] -= 1 - eps
@@ -307,6 +349,8 @@ def _backward_error_cases():
     yield ErrorCase(f"{BWD}.grad_dtype", DTypeError, (np.ones((), np.float16), x, t, lse))
     yield ErrorCase(f"{BWD}.saved", ShapeError, (g0, x, t, np.zeros(5, np.float32)))
     yield ErrorCase(f"{BWD}.saved", DTypeError, (g0, x, t, lse.astype(np.float64)))
+    yield ErrorCase(f"{BWD}.target_range", ArgumentError, (g0, x, np.array([0, 10, 1, 2]), lse))
+    yield ErrorCase(f"{BWD}.target_range", ArgumentError, (gn, x, np.array([0, -5, 1, 2]), lse), {"reduction": "none"})
 
 
 @cross_entropy_backward.cost
@@ -370,13 +414,26 @@ def cross_entropy_value_and_grad(logits, target, ignore_index=-100, reduction="m
     What training runs when the logits need a gradient and the backend has a kernel for it (as Liger-Kernel's
     cross-entropy): each row's logsumexp is reduced over vocabulary chunks, then the same row is walked again
     (from cache) writing dlogits = c (softmax - eps/V - (1 - eps) onehot(target)), c = 1 ("none", "sum") or
-    1 / (non-ignored rows) ("mean"), 0 for ignored rows, NaN for targets outside [0, V). The backward is then
+    1 / (non-ignored rows) ("mean"), 0 for ignored rows (targets outside [0, V): as cross_entropy). The backward is then
     only `upstream * dlogits` (per row for "none"), skipped where the upstream is exactly 1, in place on this
     op's own buffer: forward + backward read the logits once and write dlogits once, instead of reading them
     twice (`cross_entropy_forward` + `cross_entropy_backward`). dlogits has the logits' dtype; validation,
     cases and error cases are the forward's (errors name `cross_entropy`).
     """
     cross_entropy.validate(logits, target, ignore_index, reduction, label_smoothing)
+
+
+@cross_entropy_value_and_grad.reference
+def _value_and_grad_reference(logits, target, ignore_index, reduction, label_smoothing):
+    """The forward's reference and dlogits at a unit upstream gradient, with x - logsumexp formed as (x - m) - log(s)
+    from the row max m: a logsumexp held as one float64 number loses log(s) beside |m| ~ 1e38 (its ulp is ~1e22),
+    which the fused kernels, forming p from m and log(s) as well, do not (docs/numerics.md 3.5.1)."""
+    loss = _reference(logits, target, ignore_index, reduction, label_smoothing)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = logits.max(axis=1, initial=-np.inf)
+        x = logits - np.where(m == -np.inf, 0.0, m)[:, None]  # an all -inf row: NaN below, as its logsumexp -inf
+        shifted = x - np.log(np.exp(x).sum(axis=1))[:, None]
+    return (loss, *_dlogits(shifted, target, ignore_index, reduction, label_smoothing, np.ones(np.shape(loss))))
 
 
 @cross_entropy_value_and_grad.cost
@@ -405,3 +462,40 @@ def _vag_mutant_smoothing_dropped(logits, target, ignore_index, reduction, label
     loss, _ = cross_entropy_value_and_grad._reference(logits, target, ignore_index, reduction, label_smoothing)
     other = 0.0 if label_smoothing else 0.1
     return loss, cross_entropy_value_and_grad._reference(logits, target, ignore_index, reduction, other)[1]
+
+
+# --------------------------------------------------------------------------- class labels, checked on their values
+
+
+_UNSIGNED = {np.dtype(f"i{n}"): np.dtype(f"u{n}") for n in (1, 2, 4, 8)}  # the same bits, read without sign
+
+
+def check_targets(op: str, target, v: int, ignore_index) -> None:
+    """Every target is a class in [0, V) or ignore_index: the one property of the inputs validation (metadata only)
+    cannot see. Run by the dispatcher before any kernel (`check_values`) on host arrays; on device arrays only under
+    OPPORT_CHECK_VALUES=1 (`on_device = False`: reading them back would synchronise on every call)."""
+    t = target if target.__class__ is np.ndarray else np.asarray(target)
+    u = t.view(_UNSIGNED[t.dtype]) if t.dtype in _UNSIGNED else t  # negatives wrap past any V
+    outside = np.count_nonzero(u >= v)  # one pass on the common path: ~1 us per call on small batches
+    if outside and not 0 <= ignore_index < v:
+        outside -= np.count_nonzero(t == ignore_index)
+    if outside:
+        t = t.astype(np.int64)
+        i = int(np.flatnonzero((t != ignore_index) & ((t < 0) | (t >= v)))[0])
+        fail(ArgumentError, op, "target", f"{op}.target_range", f"class labels in [0, {v}) or ignore_index "
+             f"({ignore_index})", f"{int(t[i])} at row {i} ({outside} row(s) out of range)")
+
+
+def _check_target(logits, target, ignore_index, reduction, label_smoothing):
+    check_targets(NAME, target, logits.shape[1], ignore_index)
+
+
+def _check_backward_target(grad, logits, target, lse, ignore_index, reduction, label_smoothing):
+    check_targets(BWD, target, logits.shape[1], ignore_index)
+
+
+# the training forward and the fused value-and-grad validate as the forward does (errors name cross_entropy)
+for _spec, _fn in ((cross_entropy, _check_target), (cross_entropy.train_forward, _check_target),
+                   (cross_entropy.value_and_grad_op, _check_target), (cross_entropy_backward, _check_backward_target)):
+    _spec.check_values(("target",))(_fn)
+_check_target.on_device = _check_backward_target.on_device = False  # opport/dispatch/core.py `value_check`

@@ -22,7 +22,8 @@ NAME = "dequantize_fp8"
         "dequantize_fp8.granularity": "granularity is 'tensor', 'token' or 'block'",
         "dequantize_fp8.block": "block is an int > 0",
         "dequantize_fp8.block_divides": "granularity 'block': block divides q.shape[-1]",
-        "dequantize_fp8.scales_shape": "scales has quantize_fp8's scales shape for q, granularity and block",
+        "dequantize_fp8.scales_shape": "scales has quantize_fp8's scales shape for q, granularity and block (or, "
+                                       "per tensor, is 0-d)",
         "dequantize_fp8.out_dtype": "out_dtype is float32, float16, bfloat16 or float64",
         "dequantize_fp8.scale_values": "every scale is finite and > 0, as quantize_fp8 makes them (checked on the host "
                                        "before any kernel runs)",
@@ -32,7 +33,8 @@ NAME = "dequantize_fp8"
 def dequantize_fp8(q, scales, granularity="tensor", block=128, out_dtype="float32"):
     """q * scales (broadcast over each scaling group), computed in float32 and rounded once to `out_dtype`.
 
-    q and scales are what `quantize_fp8(x, granularity, block, ...)` returned. NaN codes give NaN (and e5m2's
+    q and scales are what `quantize_fp8(x, granularity, block, ...)` returned; a per-tensor scale may also be 0-d
+    (shape (), as torch._scaled_mm users keep it), which kernels receive as (1, ..., 1). NaN codes give NaN (and e5m2's
     ±inf gives ±inf). Every scale must be finite and > 0, as quantize_fp8 makes them: a zero, negative,
     NaN or infinite one is a typed error before any kernel runs (the dispatcher reads the scales on the
     host: on a GPU, one synchronisation per call). A call's dtype is its `out_dtype`.
@@ -47,9 +49,19 @@ def dequantize_fp8(q, scales, granularity="tensor", block=128, out_dtype="float3
         check(q.shape[-1] % block == 0, ShapeError, NAME, "q", "dequantize_fp8.block_divides",
               f"q.shape[-1] divisible by block {block}", q.shape)
     want = scales_shape(tuple(q.shape), granularity, block)
-    check(tuple(scales.shape) == want, ShapeError, NAME, "scales", "dequantize_fp8.scales_shape", want, scales.shape)
+    ok = tuple(scales.shape) == want or (granularity == "tensor" and scales.ndim == 0)
+    check(ok, ShapeError, NAME, "scales", "dequantize_fp8.scales_shape", f"{want}" + " or ()" * (granularity == "tensor"),
+          scales.shape)
     check(out_dtype in FLOATS, DTypeError, NAME, "out_dtype", "dequantize_fp8.out_dtype", f"one of {FLOATS}",
           repr(out_dtype))
+
+
+def _per_tensor_view(q, scales, granularity, block, out_dtype) -> dict:
+    """A 0-d per-tensor scale as the (1, ..., 1) array every kernel takes (a free reshape, by the dispatcher)."""
+    return {"scales": (1,) * q.ndim} if scales.ndim == 0 else {}
+
+
+dequantize_fp8.kernel_shapes = _per_tensor_view  # read by the dispatcher (opport/dispatch/core.py `kernel_views`)
 
 
 @dequantize_fp8.check_values(("scales",))
@@ -103,6 +115,8 @@ def _cases(dtype):
         yield Case(f"{short}-every-code", (codes.copy(), s), {"granularity": "token", "out_dtype": dtype}, ("edge",))
         q, s = quantized(np.zeros((2, 256)), "block", 128, fp8)
         yield Case(f"{short}-zero-blocks", (q, s), {"granularity": "block", "out_dtype": dtype}, ("edge",))
+        q, s = quantized(cg.array((3, 5, 40), "float64", cg.rng_for(NAME, f"{short}-tensor-0d", dtype)), "tensor", 128, fp8)
+        yield Case(f"{short}-tensor-0d-scale", (q, s.reshape(())), {"granularity": "tensor", "out_dtype": dtype})
     x = cg.array((256, 4096), "float64", rng)
     yield Case("llama8b-block-e4m3", quantized(x, "block", 128, "float8_e4m3fn"),
                {"granularity": "block", "out_dtype": dtype}, ("llm",))
@@ -120,6 +134,7 @@ def _error_cases():
     yield ErrorCase("dequantize_fp8.block_divides", ShapeError, (q, np.ones((2, 3), np.float32)),
                     {"granularity": "block", "block": 100})
     yield ErrorCase("dequantize_fp8.scales_shape", ShapeError, (q, np.ones((2, 1), np.float32)), {"granularity": "block"})
+    yield ErrorCase("dequantize_fp8.scales_shape", ShapeError, (q, np.ones((), np.float32)), {"granularity": "token"})
     yield ErrorCase("dequantize_fp8.out_dtype", DTypeError, (q, s), {"out_dtype": "float8_e4m3fn"})
     tok = np.ones((2, 1), np.float32)
     for v in (0.0, -1.0, np.nan, np.inf):

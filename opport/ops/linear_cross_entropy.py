@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from opport import casegen as cg
-from opport.dtypes import INTS
+from opport.dtypes import INTS, finfo
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops import cross_entropy as ce
 from opport.spec import (
@@ -42,6 +42,8 @@ REDUCTIONS = ce.REDUCTIONS
         f"{NAME}.reduction": f"reduction is one of {REDUCTIONS}",
         f"{NAME}.label_smoothing": "label_smoothing is a number in [0, 1]",
         f"{NAME}.softcap": "softcap is None or a finite number > 0",
+        f"{NAME}.target_range": "every target is a class in [0, V) or ignore_index (read on the host before any "
+                                "kernel: NumPy and CPU arrays always, device arrays under OPPORT_CHECK_VALUES=1)",
     },
     out_dtype="float32",
 )
@@ -52,7 +54,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, r
     The logits z = hidden @ weight.T + bias ([N, V], float32 accumulation) are optionally softcapped,
     z = softcap · tanh(z / softcap) (Gemma 2), then judged exactly as `cross_entropy(z, target, ignore_index,
     reduction, label_smoothing)`: ignored rows 0 and out of the mean's count, every row ignored (or N = 0)
-    gives a NaN "mean", a target outside [0, V) that is not ignore_index a NaN row; float32 result.
+    gives a NaN "mean"; a target outside [0, V) that is not ignore_index is `linear_cross_entropy.target_range`
+    before any kernel for a host target (a NaN row for a device target, unless OPPORT_CHECK_VALUES=1: see
+    cross_entropy); logits near the dtype's maximum as docs/numerics.md 3.5.1; float32 result.
     Kernels walk the logits in tiles of tokens x vocabulary with an online log-sum-exp, so the extra memory
     is O(tile), not O(N V) (at N 8192, V 128256 the logits alone would be 2 GiB in bfloat16). Forward, every
     backend: the loss and lse [N] beside tiles (cpu: ROW_BLOCK x VOCAB_CHUNK = 256 x 4096 float32, 4 MiB;
@@ -148,8 +152,26 @@ def _cases(dtype):
     yield _case("all-ignored-sum", dtype, 4, 16, 50, ignore=range(4), reduction="sum", tags=("edge",))
     yield _case("empty-batch-mean", dtype, 0, 16, 50, tags=("edge",))
     yield _case("empty-batch-none", dtype, 0, 16, 50, reduction="none", tags=("edge",))
-    yield _case("target-out-of-range", dtype, 5, 8, 100, targets=[3, 100, -1, -100, 7], reduction="none",
-                tags=("edge",))
+    yield from _near_max(dtype)
+
+
+def _near_max(dtype: str):
+    """Logits z = hidden @ weight.T near the dtype's maximum, inside docs/numerics.md 3.5.1's domain: to about half
+    the maximum without smoothing, and while V max|z| fits the accumulation dtype with it. H = 1 and z = (±2^a)
+    (k 2^b), |k| <= 255: every product is exact in every dtype, so the kernels' logits are the reference's (the
+    H-long dot near the maximum is matmul's contract, not this op's)."""
+    fmax = float(finfo(dtype).max)
+    acc_max = float(np.finfo(np.float64 if dtype == "float64" else np.float32).max)
+    rng = cg.rng_for(NAME, "near-max", dtype)
+    n, v = 6, 40
+    for name, top, smoothing in (("near-max-logits", 0.99 * fmax, 0.0),
+                                 ("near-max-smoothing", min(0.99 * fmax, 0.5 * acc_max / v), 0.1)):
+        e = int(np.floor(np.log2(top))) - 8  # |z| <= 255 2^e < top
+        a, b = e // 2, e - e // 2
+        h = np.ldexp(rng.choice([-1.0, 1.0], (n, 1)), a)
+        w = np.ldexp(rng.integers(-255, 256, (v, 1)).astype(np.float64), b)
+        kwargs = {"ignore_index": -100, "reduction": "none", "label_smoothing": smoothing, "softcap": None}
+        yield Case(name, (cg.cast(h, dtype), cg.cast(w, dtype), rng.integers(0, v, n), None), kwargs, ("edge",))
 
 
 @linear_cross_entropy.strategy
@@ -200,6 +222,10 @@ def _error_cases():
     yield ErrorCase(f"{NAME}.softcap", ArgumentError, (x, w, t), {"softcap": 0.0})
     yield ErrorCase(f"{NAME}.softcap", ArgumentError, (x, w, t), {"softcap": float("inf")})
     yield ErrorCase(f"{NAME}.softcap", ArgumentError, (x, w, t), {"softcap": True})
+    for bad in ([0, 10, 1, 2], [0, -1, 1, 2], [-100, 3, 2**40, 1]):  # V, a negative label, far past V (not ignored)
+        yield ErrorCase(f"{NAME}.target_range", ArgumentError, (x, w, np.array(bad)))
+    yield ErrorCase(f"{NAME}.target_range", ArgumentError, (x, w, np.array([0, 1, 10, 2], np.int32)),
+                    {"ignore_index": 7, "reduction": "none"})
 
 
 @linear_cross_entropy.shape
@@ -245,6 +271,7 @@ def _saved(hidden, weight, target, bias, ignore_index, reduction, label_smoothin
         **grad_constraints(NAME),
         f"{BWD}.saved": "lse is [N] in the accumulation dtype, float32 (float64 for float64 inputs): the training "
                         "forward's per-row logsumexp",
+        f"{BWD}.target_range": "every target is a class in [0, V) or ignore_index (as linear_cross_entropy.target_range)",
     },
 )
 def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias=None, ignore_index=-100, reduction="mean",
@@ -255,8 +282,9 @@ def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias=None, 
     tile, never stored. Per tile: dz = c (exp(z - lse) - eps/V - (1 - eps) onehot(target)) (cross_entropy's
     gradient, c the row's share of grad), dlogits = dz · (1 - tanh²(logits / softcap)) with a softcap, then
     dhidden += dlogits @ weight[tile], dweight[tile] += dlogits^T @ hidden, dbias[tile] += column sums.
-    Ignored rows contribute exactly 0; a target outside [0, V) makes its row NaN, and so every dweight and
-    dbias entry (as torch's matmul backward would). All three sum over V or over N: judged norm-wise.
+    Ignored rows contribute exactly 0; a target outside [0, V) is `linear_cross_entropy_backward.target_range`
+    for a host target; on a device target (not read back) it makes its row NaN, and so every dweight and dbias
+    entry (as torch's matmul backward would). All three sum over V or over N: judged norm-wise.
     """
     linear_cross_entropy.validate(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
     check_grad(BWD, grad, (hidden.shape[0],) if reduction == "none" else (), "float32")
@@ -295,6 +323,7 @@ def _backward_error_cases():
     yield ErrorCase(f"{BWD}.grad_dtype", DTypeError, (np.ones((), np.float16), x, w, t, lse))
     yield ErrorCase(f"{BWD}.saved", ShapeError, (g0, x, w, t, np.zeros(5, np.float32)))
     yield ErrorCase(f"{BWD}.saved", DTypeError, (g0, x, w, t, lse.astype(np.float64)))
+    yield ErrorCase(f"{BWD}.target_range", ArgumentError, (g0, x, w, np.array([0, 10, 1, 2]), lse))
 
 
 @linear_cross_entropy_backward.cost
@@ -348,3 +377,21 @@ def _mutant_dweight_last(grad, hidden, weight, target, lse, bias, ignore_index, 
     _, dw, db = _backward_reference(g, hidden, weight, t, lse, bias, ignore_index, reduction if reduction != "mean"
                                     else "sum", label_smoothing, softcap)
     return dh, dw, db
+
+
+# --------------------------------------------------------------------------- class labels, checked on their values
+
+
+def _check_target(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
+    ce.check_targets(NAME, target, weight.shape[0], ignore_index)
+
+
+def _check_backward_target(grad, hidden, weight, target, lse, bias, ignore_index, reduction, label_smoothing, softcap):
+    ce.check_targets(BWD, target, weight.shape[0], ignore_index)
+
+
+# host targets always, device targets under OPPORT_CHECK_VALUES=1 (see cross_entropy.check_targets)
+for _spec, _fn in ((linear_cross_entropy, _check_target), (linear_cross_entropy.train_forward, _check_target),
+                   (linear_cross_entropy_backward, _check_backward_target)):
+    _spec.check_values(("target",))(_fn)
+_check_target.on_device = _check_backward_target.on_device = False  # opport/dispatch/core.py `value_check`

@@ -27,8 +27,9 @@ OUT_DTYPES = ("float32", "float16", "bfloat16")
         "scaled_matmul.inner_dim": "b_q.shape[0] == a_q.shape[-1] (K)",
         "scaled_matmul.scale_dtype": "scale_a and scale_b are float32",
         "scaled_matmul.block_divides": "a 128-block scale (scale_a with a K axis, scale_b with K or N blocks) needs K % 128 == 0",
-        "scaled_matmul.scale_a_shape": "scale_a is (1, ..., 1), a_q.shape[:-1] + (1,) or a_q.shape[:-1] + (K // 128,)",
-        "scaled_matmul.scale_b_shape": "scale_b is (1, 1), (1, N) or (K // 128, ceil(N / 128))",
+        "scaled_matmul.scale_a_shape": "scale_a is () or (1, ..., 1), a_q.shape[:-1] + (1,) or a_q.shape[:-1] + "
+                                       "(K // 128,)",
+        "scaled_matmul.scale_b_shape": "scale_b is () or (1, 1), (1, N) or (K // 128, ceil(N / 128))",
         "scaled_matmul.out_dtype": "out_dtype is float32, float16 or bfloat16",
         "scaled_matmul.bias_shape": "bias.shape == (N,)",
         "scaled_matmul.bias_dtype": "bias has dtype out_dtype",
@@ -49,11 +50,12 @@ def scaled_matmul(a_q, b_q, scale_a, scale_b, bias=None, out_dtype="bfloat16"):
     scale_a is (1, ..., 1) per tensor, a_q.shape[:-1] + (1,) per row, or a_q.shape[:-1] + (K // 128,) per
     1 x 128 block along K (exactly what `quantize_fp8(a, "tensor" | "token" | "block")` returns);
     scale_b is (1, 1) per tensor, (1, N) per column, or (K // 128, ceil(N / 128)) per 128 x 128 block (the
-    last column block may be partial). Shapes that match two granularities (M = 1, K = 128, N = 1) mean the
-    same product either way. 128-block scales need K % 128 == 0. Scales are float32, finite and > 0 (as
-    quantize_fp8 makes them): a zero, negative, NaN or infinite one is a typed error before any kernel runs
-    (the dispatcher reads the scales on the host: on a GPU, one synchronisation per call). bias [N] has dtype
-    out_dtype and is added in float32 before the rounding.
+    last column block may be partial). A per-tensor scale may also be 0-d (shape (), what `torch._scaled_mm`
+    users pass): the same product; kernels receive it as (1, ..., 1). Shapes that match two granularities
+    (M = 1, K = 128, N = 1) mean the same product either way. 128-block scales need K % 128 == 0. Scales
+    are float32, finite and > 0 (as quantize_fp8 makes them): a zero, negative, NaN or infinite one is a
+    typed error before any kernel runs (the dispatcher reads the scales on the host: on a GPU, one
+    synchronisation per call). bias [N] has dtype out_dtype and is added in float32 before the rounding.
     NaN codes give NaN rows/columns. Not differentiable (fp8 training is out of scope). A call's dtype is its
     `out_dtype`.
     """
@@ -96,27 +98,30 @@ def _b_blockwise(s, n: int) -> bool:
 
 
 def a_scale_shapes(shape: tuple) -> tuple:
-    """scale_a's allowed shapes for a_q.shape: per tensor, per row, per 1 x 128 block (when K % 128 == 0)."""
+    """scale_a's allowed shapes for a_q.shape: per tensor (0-d too), per row, per 1 x 128 block (when K % 128 == 0)."""
     rows, k = tuple(shape[:-1]), shape[-1]
-    out = ((1,) * len(shape), rows + (1,))
+    out = ((), (1,) * len(shape), rows + (1,))
     return out + ((rows + (k // BLOCK,),) if k % BLOCK == 0 else ())
 
 
 def b_scale_shapes(k: int, n: int) -> tuple:
-    """scale_b's allowed shapes for b_q [K, N]: per tensor, per column, per 128 x 128 block (when K % 128 == 0)."""
-    out = ((1, 1), (1, n))
+    """scale_b's allowed shapes for b_q [K, N]: per tensor (0-d too), per column, per 128 x 128 block (when
+    K % 128 == 0)."""
+    out = ((), (1, 1), (1, n))
     return out + (((k // BLOCK, -(-n // BLOCK)),) if k % BLOCK == 0 else ())
 
 
 def expand_a(scale_a: np.ndarray, k: int) -> np.ndarray:
-    """scale_a broadcastable against a_q: each K group's scale repeated over its 128 columns."""
-    g = scale_a.shape[-1]
+    """scale_a broadcastable against a_q: each K group's scale repeated over its 128 columns (0-d as it is)."""
+    g = scale_a.shape[-1] if scale_a.ndim else 1
     return scale_a if g == 1 else np.repeat(scale_a, k // g, axis=-1)
 
 
 def expand_b(scale_b: np.ndarray, k: int, n: int) -> np.ndarray:
     """scale_b broadcastable against b_q [K, N]: K groups over their 128 rows, column blocks over their 128
-    columns (the last one cut at N)."""
+    columns (the last one cut at N); 0-d as it is."""
+    if scale_b.ndim == 0:
+        return scale_b
     s = scale_b if scale_b.shape[0] == 1 else np.repeat(scale_b, k // scale_b.shape[0], axis=0)
     if s.shape[1] not in (1, n):
         s = np.repeat(s, BLOCK, axis=1)[:, :n]
@@ -244,6 +249,13 @@ def _nan_row(case: Case, fp8: str) -> Case:
     return Case(case.name, (a_q, *case.args[1:]), case.kwargs, case.tags)
 
 
+def _scalar_scales(case: Case) -> Case:
+    """The case's per-tensor scales in their 0-d form (torch._scaled_mm's): the same product."""
+    a_q, b_q, sa, sb, c = case.args
+    sa, sb = (s.reshape(()) if s.size == 1 else s for s in (sa, sb))
+    return Case(case.name, (a_q, b_q, sa, sb, c), case.kwargs, case.tags)
+
+
 GRANULARITY_PAIRS = (("tensor", "tensor"), ("row", "col"), ("block", "block"))
 
 
@@ -259,6 +271,9 @@ def _cases(dtype):
                          fp8, dtype)
         yield _case("zero-blocks", dtype, fp8, (4, 256), 160, "block", "block", tags=("edge",), edit=_zero_blocks)
         yield _nan_row(_case("nan-row", dtype, fp8, (8, 64), 24, "tensor", "tensor", tags=("edge",)), fp8)
+        # 0-d per-tensor scales (torch._scaled_mm's form), e5m2 too: the form neuron's trn2 kernel takes
+        yield _scalar_scales(_case("tensor-0d-33x256x40", dtype, fp8, (33, 256), 40, "tensor", "tensor", bias=True))
+        yield _scalar_scales(_case("tensor-0d-batched", dtype, fp8, (2, 9, 64), 17, "tensor", "col"))
     fp8 = "float8_e4m3fn"
     yield _case("row-tensor-130x17x130", dtype, fp8, (130, 17), 130, "row", "tensor")
     yield _case("tensor-col-1x1x1", dtype, fp8, (1, 1), 1, "tensor", "col", bias=True)
@@ -335,6 +350,16 @@ def _error_cases():
         sa[2, 0] = sb[1, 0] = v
         yield ErrorCase("scaled_matmul.scale_values", ArgumentError, (a5, b5, sa, s11))
         yield ErrorCase("scaled_matmul.scale_values", ArgumentError, (a5, b5, s11, sb))
+
+
+def _per_tensor_views(a_q, b_q, scale_a, scale_b, bias, out_dtype) -> dict:
+    """0-d per-tensor scales as the (1, ..., 1) arrays every kernel takes (a free reshape, by the dispatcher)."""
+    shapes = {"scale_a": (1,) * a_q.ndim, "scale_b": (1, 1)}
+    return {name: shapes[name] for name, s in (("scale_a", scale_a), ("scale_b", scale_b)) if s.ndim == 0}
+
+
+# read by the dispatcher (opport/dispatch/core.py `kernel_views`): arrays a kernel receives reshaped
+scaled_matmul.kernel_shapes = _per_tensor_views
 
 
 @scaled_matmul.check_values(("scale_a", "scale_b"))

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from opport.accuracy import compare, contract
+from opport.dispatch import kernel_args
 from opport.dispatch.registry import get_backend, kernels
 from opport.dtypes import FLOATS
 from opport.public import function
@@ -54,7 +55,7 @@ def check_case(op, case, dtype: str, signed_zero: bool = True):
     __tracebackhide__ = True
     bound = op.bind(*case.args, **case.kwargs)
     before = _digest(bound)
-    out = cpu_kernel(op)(*bound)
+    out = cpu_kernel(op)(*kernel_args(op, bound))  # as the dispatcher hands it over (0-d scales as (1, 1))
     assert _digest(bound) == before, f"{op.name}/{case.name}: an input was mutated"
     assert_matches(op, case, dtype, out, signed_zero)
     again = function(op)(*case.args, **case.kwargs, backend="cpu")

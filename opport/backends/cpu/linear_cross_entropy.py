@@ -84,7 +84,7 @@ def _block_loss(x, weight, bias, t, eps, softcap) -> tuple:
     log_s = np.log(s)
     nll = (m - zt) + log_s
     if eps:
-        nll = (1 - eps) * nll + eps * ((m + log_s) - total / acc.type(v))
+        nll = (1 - eps) * nll + eps * ((m - total / acc.type(v)) + log_s)  # not (m + log s) - mean: log s lost at 1e35
     return nll, m + log_s
 
 

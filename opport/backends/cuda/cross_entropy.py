@@ -154,8 +154,8 @@ def _cross_entropy_backward_kernel(
 ):
     """dlogits[r, c] = coef[r] * (exp(x - lse[r]) - eps/V - (1 - eps) [c == t[r]]) for one [BLOCK_M, BLOCK_N] tile.
 
-    Dimensions: grad [N] (g_s = 1) or 0-d (g_s = 0); logits, out [N, V] strided; target, lse [N] strided; kept: the
-    count of non-ignored rows (device int64, "mean" only: no host sync).
+    Dimensions: grad [N] (g_s its stride) or 0-d (g_s = 0); logits, out [N, V] strided; target, lse [N] strided
+    (a saved lse may be a view too); kept: the count of non-ignored rows (device int64, "mean" only: no host sync).
     Notes: coef is the row's share of grad (grad[r]; grad; grad / max(kept, 1)), 0 for ignored rows (whose
     logits may hold NaN), NaN for targets outside [0, V). x - lse is exact wherever p is not negligible
     (Sterbenz), so p carries only exp's error: libdevice's expf for float32 outputs (PRECISE; the fast exp's
@@ -189,11 +189,13 @@ def _cross_entropy_backward_kernel(
 
 @triton.jit
 def _target_term(d, smoothing, n_cols, PRECISE: tl.constexpr):
-    """p_t - eps/V - (1 - eps) from d = x_t - lse. Where p_t > 1/2 it is formed as expm1(d) + (eps - eps/V):
+    """p_t - eps/V - (1 - eps) from d = x_t - lse. Where p_t is in (1/2, 2) it is formed as expm1(d) + (eps - eps/V):
     1 - p_t then keeps its own relative precision (peaked rows: p_t - 1 ~ -1e-4 would carry exp's error of an
-    ulp of 1, 1e-3 relative), as the cpu kernel does."""
+    ulp of 1, 1e-3 relative), as the cpu kernel does. p_t > 1 comes only from a rounded lse (d ~ 0) or an lse that
+    is not the row's (a backward handed an inconsistent one: d may be +inf near the dtype's maximum, where
+    Kahan's formula would give inf * 0): beyond 2 the plain formula, inf as the reference."""
     e = exp_f32(d, PRECISE)
-    near_one = d > -0.6931471805599453
+    near_one = (d > -0.6931471805599453) & (d < 0.6931471805599453)
     return tl.where(near_one, _expm1(e, d) + (smoothing - smoothing / n_cols), (e - smoothing / n_cols) - (1.0 - smoothing))
 
 

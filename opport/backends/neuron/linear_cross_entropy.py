@@ -102,7 +102,7 @@ def _lce_forward_kernel(hT_hbm, wT_hbm, b_hbm, target_hbm, ignore_index, reducti
         is folded into the running max m (start -FLT_MAX: no exp(-inf + inf)), the running sum s of
         exp(z - m) (one ScalarE exp with its row sum, the old sum rescaled by exp(m_old - m)), the target's
         logit (an iota/is_equal one-hot times z, reduced) and for smoothing the row sum of z. Loss =
-        (m - z_t) + log(s), smoothed (1 - eps) loss + eps (m + log(s) - sum(z)/V); out-of-range targets NaN,
+        (m - z_t) + log(s), smoothed (1 - eps) loss + eps ((m - sum(z)/V) + log(s)); out-of-range targets NaN,
         ignored rows 0 (predicated copies). "sum"/"mean" reduce [loss, kept] across partitions on TensorE.
 
     Pseudocode:
@@ -195,10 +195,11 @@ def _row_tile_loss(hT_hbm, wT_hbm, b_hbm, cols_sb, t_f_sb, r0, p, eps, softcap):
     loss_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # (m - z_t) + log(s)
     nisa.tensor_tensor(dst=loss_sb, data1=m_sb, data2=zt_sb, op=nl.subtract)
     nisa.tensor_tensor(dst=loss_sb, data1=loss_sb, data2=log_s_sb, op=nl.add)
-    if eps > 0.0:  # (1 - eps) loss + eps (lse - sum(z) / V)
+    if eps > 0.0:  # (1 - eps) loss + eps ((m - sum(z) / V) + log(s)): not lse - mean, which loses log(s) at |m| ~ 1e35
         smooth_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=smooth_sb, data=zsum_sb, op0=nl.multiply, operand0=-1.0 / V, op1=nl.add,
-                                  operand1=lse_sb)
+                                  operand1=m_sb)
+        nisa.tensor_tensor(dst=smooth_sb, data1=smooth_sb, data2=log_s_sb, op=nl.add)
         nisa.tensor_scalar(dst=smooth_sb, data=smooth_sb, op0=nl.multiply, operand0=eps)
         nisa.scalar_tensor_tensor(dst=loss_sb, data=loss_sb, op0=nl.multiply, operand0=1.0 - eps, op1=nl.add,
                                   operand1=smooth_sb)
