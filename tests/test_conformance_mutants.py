@@ -28,3 +28,19 @@ def test_as_if_contiguous_reads_the_buffer_not_the_view():
     assert np.array_equal(mutants.as_if_contiguous(buf[:, ::2]), [[0, 1], [2, 3], [4, 5]])
     stride0 = np.broadcast_to(np.arange(3.0), (4, 3))
     assert np.array_equal(mutants.as_if_contiguous(stride0), [[0, 1, 2]] + [[0, 0, 0]] * 3)  # never past the buffer
+
+
+def test_as_if_contiguous_keeps_ml_dtypes_and_torch_tensors():
+    import ml_dtypes
+    import torch
+
+    for dt in (ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn):
+        buf = np.arange(12.0).astype(dt).reshape(3, 4)
+        got = mutants.as_if_contiguous(buf.T)
+        bits = f"u{buf.itemsize}"  # the buffer's elements in memory order, whatever their values round to
+        assert got.dtype == buf.dtype and np.array_equal(got.view(bits), buf.reshape(4, 3).view(bits))
+    t = torch.arange(12.0).reshape(3, 4)
+    assert torch.equal(mutants.as_if_contiguous(t.T), torch.arange(12.0).reshape(4, 3))
+    assert torch.equal(mutants.as_if_contiguous(t[:, ::2]), torch.tensor([[0.0, 1], [2, 3], [4, 5]]))
+    stride0 = torch.arange(3.0).expand(4, 3)
+    assert torch.equal(mutants.as_if_contiguous(stride0), torch.tensor([[0.0, 1, 2]] + [[0.0] * 3] * 3))
