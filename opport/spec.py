@@ -183,6 +183,7 @@ class OpSpec:
         self.write_pos = tuple(self.params.index(w) for w in self.writes)
         self._written: Callable | None = None
         self._value_check: tuple | None = None  # (names, fn): a check of some arrays' values before any kernel
+        self._magnitude: Callable | None = None  # @<op>.magnitude: sum |terms| per output element (K-accumulating ops)
         if self.writes:
             self.output_names = ()
 
@@ -195,6 +196,22 @@ class OpSpec:
         self._reference = fn
         self.reference_takes_dtype = "input_dtype" in inspect.signature(fn).parameters
         return fn
+
+    def magnitude(self, fn):
+        """For ops whose outputs are sums (K-accumulating): `fn(*bound)` (float64 inputs) gives, per output, the sum of
+        the absolute values of its terms, sum_k |a_k b_k| (None for an output that is not one). A norm-wise tolerance
+        then also allows one unit roundoff of that magnitude per element: where a sum cancels (sum |terms| >> |sum|),
+        every summation order carries errors at that scale, and the verdict would otherwise depend on the order
+        (docs/numerics.md 3.8)."""
+        self._magnitude = fn
+        return fn
+
+    def get_magnitude(self, bound: tuple) -> tuple | None:
+        if self._magnitude is None:
+            return None
+        with np.errstate(all="ignore"):
+            out = self._magnitude(*bound)
+        return out if isinstance(out, tuple) else (out,)
 
     def cases(self, fn):
         self._cases = fn

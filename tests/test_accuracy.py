@@ -175,3 +175,49 @@ def test_like_moves_an_output_to_the_references_kind():
     assert isinstance(cmp.like(r.astype(np.float32), torch.from_numpy(r)), torch.Tensor)
     assert cmp.dtype_name(t) == "bfloat16" and cmp.contract(t, torch.from_numpy(r), "float32") == (
         "output dtype bfloat16, expected float32")
+
+
+def test_a_sum_that_cancels_is_allowed_one_roundoff_of_its_magnitude():
+    """docs/numerics.md 3.8: 342 loguniform terms (1e-4 .. 1e4) cancelling in pairs to ~16: a plain sequential float32
+    sum errs by 5.4e-3, 300x the norm-wise table's 1e-5 of |r|, inside one roundoff of sum |terms| (1.1e-2)."""
+    from opport.accuracy import compare, sum_allowance
+    from opport.spec import Tolerance
+
+    rng = np.random.default_rng(2)
+    x = np.exp(rng.uniform(np.log(1e-4), np.log(1e4), 171))
+    terms = np.concatenate([x, -x * (1 + rng.uniform(-1e-3, 1e-3, 171))]).astype(np.float32)
+    rng.shuffle(terms)
+    exact = np.array([terms.astype(np.float64).sum()])
+    seq = np.float32(0)
+    for t in terms:
+        seq = np.float32(seq + t)  # a correct float32 order, not NumPy's pairwise one
+    tol = Tolerance(1e-5, 1e-5, "normwise")
+    got = np.array([seq], np.float64)
+    cancel = sum_allowance(np.array([np.abs(terms.astype(np.float64)).sum()]), "float32")
+    assert not compare(got, exact, tol, "float32").ok  # the table alone judges the summation order
+    assert compare(got, exact, tol, "float32", cancel=cancel).ok
+    assert not compare(got + 2 * cancel, exact, tol, "float32", cancel=cancel).ok  # a real error is still one
+
+
+def test_the_noise_floor_is_not_judged_on_a_handful_of_elements():
+    from opport.accuracy import noise_floor
+    from opport.spec import Tolerance
+
+    ref = np.ones(4)
+    tol = Tolerance(1e-5, 1e-5, "normwise")
+    assert noise_floor(ref + 1e-5, ref, ref + 1e-9, tol, "float32").ok
+    big = np.ones(64)
+    assert not noise_floor(big + 1e-5, big, big + 1e-9, tol, "float32").ok
+
+
+def test_matmul_declares_its_magnitude_as_the_product_of_absolute_values():
+    from opport.ops import get_op
+
+    rng = np.random.default_rng(0)
+    a, b, bias = rng.standard_normal((3, 5)), rng.standard_normal((5, 4)), rng.standard_normal(4)
+    (mag,) = get_op("matmul").get_magnitude((a, b, bias))
+    np.testing.assert_allclose(mag, np.abs(a) @ np.abs(b) + np.abs(bias))
+    g = rng.standard_normal((3, 4))
+    da, db, dbias = get_op("matmul_backward").get_magnitude((g, a, b, bias))
+    np.testing.assert_allclose(db, np.abs(a).T @ np.abs(g))
+    np.testing.assert_allclose(dbias, np.abs(g).sum(0))

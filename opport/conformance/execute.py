@@ -198,24 +198,34 @@ def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict, 
     returns the problems."""
     override = case.tolerance is not None
     tol = output_tolerance(spec, dtype, index, case)
-    verdict = cmp.compare(arrays[0], ref, tol, out_dtype, override)
+    cancel = _cancel_allowance(spec, bound, dtype, index)
+    verdict = cmp.compare(arrays[0], ref, tol, out_dtype, override, cancel)
     res["metrics"] = dict(verdict.metrics)
     problems = []
     if not verdict.ok:
         problems.append(verdict.message)
         res["worst"] = {**verdict.worst, "inputs": _inputs_at(bound, spec, verdict.worst["index"], ref.shape)}
-    problems += _repeat_problems(arrays, ref, tol, out_dtype, kernel.deterministic, res, override)
+    problems += _repeat_problems(arrays, ref, tol, out_dtype, kernel.deterministic, res, override, cancel)
     out64 = arrays[0].astype(np.float64)
     for inv in spec.invariants if spec.n_outputs == 1 else ():
         msg = inv(out64, *bound)
         if msg:
             problems.append(f"invariant {getattr(inv, '__name__', 'invariant')}: {msg}")
     if verdict.ok:
-        floor = cmp.noise_floor(arrays[0], ref, plain_numpy(spec, bound, out_dtype, index), tol, out_dtype)
+        floor = cmp.noise_floor(arrays[0], ref, plain_numpy(spec, bound, out_dtype, index), tol, out_dtype, cancel)
         res["metrics"].update(floor.metrics)
         if not floor.ok:
             problems.append(floor.message)
     return problems
+
+
+def _cancel_allowance(spec, bound, dtype: str, index: int):
+    """One unit roundoff (accumulation dtype) of output `index`'s sum |terms|, for ops that declare `@magnitude`."""
+    if spec._magnitude is None:
+        return None
+    f64 = [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind in "fV" else a for a in bound]
+    mags = spec.get_magnitude(tuple(f64))
+    return cmp.sum_allowance(mags[index] if index < len(mags) else None, acc_dtype(dtype).name)
 
 
 def output_tolerance(spec, dtype: str, index: int, case) -> object:
@@ -298,13 +308,13 @@ def _storage(t) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _repeat_problems(arrays, ref, tol, out_dtype, deterministic: bool, res: dict, override: bool) -> list:
+def _repeat_problems(arrays, ref, tol, out_dtype, deterministic: bool, res: dict, override: bool, cancel=None) -> list:
     """Calls 2 and 3 (poisoned with the sentinel, then NaN) must equal call 1 bitwise, or pass on their own."""
     first = arrays[0]
     if not deterministic:
         out = []
         for k, o in enumerate(arrays[1:], 2):
-            v = cmp.compare(o, ref, tol, out_dtype, override)
+            v = cmp.compare(o, ref, tol, out_dtype, override, cancel)
             if not v.ok:
                 out.append(f"call {k}: {v.message}")
         return out

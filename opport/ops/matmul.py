@@ -190,6 +190,17 @@ def _backward_reference(grad, a, b, bias):
     return da, db, dbias
 
 
+# docs/numerics.md 3.8: each output is a sum; its sum |terms| is the same product of absolute values
+@matmul.magnitude
+def _magnitude(a, b, bias):
+    return _reference(np.abs(a), np.abs(b), None if bias is None else np.abs(bias))
+
+
+@matmul_backward.magnitude
+def _backward_magnitude(grad, a, b, bias):
+    return _backward_reference(np.abs(grad), np.abs(a), np.abs(b), bias)
+
+
 @matmul_backward.error_cases
 def _backward_error_cases():
     from opport.errors import DTypeError
