@@ -19,16 +19,18 @@ from opport.spec import Case, ErrorCase, OpSpec
 
 LAYOUTS = ("transposed", "sliced", "expanded", "offset")
 OFFSET = 3  # elements before an offset view: odd, so the start is also misaligned
-# Per tier: Hypothesis examples per op x dtype, element caps (all array arguments together), and how
-# many fixed cases also run under a non-contiguous layout. A `<knob>_emulated` value replaces `<knob>` on
-# a backend that emulates a device on this CPU (its Capabilities.emulated()). smoke: every op, backend and
-# dtype in about a minute (make run); fast: the CI gate; full: thousands of examples, every layout.
+# Per tier: Hypothesis examples per op x dtype, element caps (all array arguments together), and whether fixed
+# cases beyond the layout coverage (every tier's) get a rotating layout (`rotate`, at most `rotate_max` per op x
+# dtype). A `<knob>_emulated` value replaces `<knob>` on a backend that emulates a device on this CPU (its
+# Capabilities.emulated()). smoke: every op, backend and dtype in a few minutes (make run), a subset of fast;
+# fast: the CI gate; full: thousands of examples, every layout.
 TIERS = {
     "smoke": {"examples": 10, "examples_emulated": 3, "hyp_max": 1 << 16, "hyp_max_emulated": 1 << 12,
               "case_max": 1 << 16, "case_max_emulated": 1 << 14, "layout_max": 1 << 14, "rotate": False,
               "skip_tags": ("large", "slow")},
     "fast": {"examples": 100, "examples_emulated": 100, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 15,
-             "case_max_emulated": 1 << 18, "layout_max": 1 << 16, "layout_max_emulated": 1 << 12, "rotate": True,
+             "case_max_emulated": 1 << 18, "layout_max": 1 << 16, "layout_max_emulated": 1 << 14, "rotate": True,
+             "rotate_max_emulated": 4,
              "skip_tags": ("large", "slow")},
     "full": {"examples": 1000, "examples_emulated": 1000, "hyp_max": None, "hyp_max_emulated": 1 << 20,
              "case_max_emulated": None, "layout_max": 1 << 20, "rotate": True, "skip_tags": ()},
@@ -111,7 +113,7 @@ def _layout_items(spec, backend, dtype, declared, fixed, sel) -> list[Item]:
         pairs += [(c, lay) for c in fixed if elements(c) and (sel.cases or elements(c) <= limit) for lay in usable(c)]
     elif sel.knob("rotate"):
         eligible = [c for c in fixed if 0 < elements(c) <= limit and usable(c)]
-        pairs += [(c, usable(c)[k % len(usable(c))]) for k, c in enumerate(eligible)]
+        pairs += [(c, usable(c)[k % len(usable(c))]) for k, c in enumerate(eligible)][:sel.knob("rotate_max")]
     items, seen = [], set()
     for c, lay in pairs:
         if (c.name, lay) not in seen:
