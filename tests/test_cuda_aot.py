@@ -255,13 +255,14 @@ def kernel_key(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # define compiled JIT functions, as the tool does
     made = iter(range(100))
 
-    def key(factor="2.0", shift="1.0", block=64, ptr="*fp32", attrs=None, arch=90, **options):
+    def key(factor="2.0", shift="1.0", block=64, ptr="*fp32", attrs=None, arch=90, moved=0, lines=False, **options):
         i = next(made)  # each version from its own files: the key must come from the text, not the file or module
-        monkeypatch.setitem(sys.modules, "aot_helpers", _module(tmp_path / f"h{i}.py", "aot_helpers",
-                                                                HELPER.format(factor=factor)))
+        helper = "\n" * moved + HELPER.format(factor=factor)  # `moved` lines further down its file
+        monkeypatch.setitem(sys.modules, "aot_helpers", _module(tmp_path / f"h{i}.py", "aot_helpers", helper))
         mod = _module(tmp_path / f"k{i}.py", f"k{i}", KERNEL.format(shift=shift))
         src = ASTSource(mod.kernel, {"x_ptr": ptr, "n": "i32", "BLOCK": "constexpr"}, {(2,): block}, attrs or {})
-        return _tool().compile_key(src, GPUTarget("cuda", arch, 32), {"num_warps": 4, "num_stages": 3, **options})
+        options = {"num_warps": 4, "num_stages": 3, **options}
+        return _tool().compile_key(src, GPUTarget("cuda", arch, 32), options, lines=lines)
 
     return key
 
@@ -290,6 +291,14 @@ def test_the_record_key_changes_with_the_kernel_its_helpers_and_the_configuratio
     changed["ptxas version"] = kernel_key()
     assert {what: k for what, k in changed.items() if k == base} == {}
     assert len(set(changed.values())) == len(changed)
+
+
+def test_the_record_key_is_tritons_but_for_line_numbers(kernel_key):
+    """A helper moved down its file (an edit above it) compiles to the same code but for debug line info: Triton's
+    own key changes, the record's does not. The same text at the same lines gives Triton's key in any file."""
+    assert kernel_key(moved=3) == kernel_key()
+    assert kernel_key(moved=3, lines=True) != kernel_key(lines=True) == kernel_key(lines=True)
+    assert kernel_key(lines=True) != kernel_key()
 
 
 def test_a_configuration_in_the_record_is_not_compiled_again(tmp_path):

@@ -45,6 +45,7 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import inspect
 import io
 import json
 import math
@@ -160,23 +161,25 @@ class _Recorder:
             if entry is not None:
                 return _Recorded(key, entry)
             kernel = compile_(src, target=target, options=options, _env_vars=_env_vars)
-            if kernel.metadata.hash != key:  # the record's keys would mean nothing: Triton hashes differently now
-                raise RuntimeError(f"compile_key {key} differs from Triton's cache key {kernel.metadata.hash}: "
-                                   "update tools/cuda_aot.py's compile_key to this Triton version")
+            exact = compile_key(src, target, options, _env_vars, lines=True)
+            if kernel.metadata.hash != exact:  # compile_key no longer hashes what this Triton hashes
+                raise RuntimeError(f"compile_key(lines=True) {exact} differs from Triton's cache key "
+                                   f"{kernel.metadata.hash}: update tools/cuda_aot.py's compile_key to this Triton")
+            kernel.record_key = key
             return kernel
 
         JITFunction.run = run
         triton.compiler.compile = keyed_compile
 
     def record(self, name: str, kernel, grid, seconds: float, ptxas_log: str = ""):
-        md = kernel.metadata
+        md, key = kernel.metadata, getattr(kernel, "record_key", kernel.metadata.hash)
         if not callable(grid) and self.problem in self.report.grids:
             g = self.report.grids[self.problem]
             g["programs"] = max(g["programs"], math.prod(grid))
-        build = self.report.builds.get(md.hash)
+        build = self.report.builds.get(key)
         if build is None:
-            build = self._build(name, kernel, round(seconds, 3), ptxas_log)
-            self.report.builds[md.hash] = build
+            build = self._build(name, kernel, key, round(seconds, 3), ptxas_log)
+            self.report.builds[key] = build
             if self.progress:
                 how = "record" if build.source == "record" else f"{seconds:.1f} s"
                 print(f"{len(self.report.builds):4d} {name} {build.dtype} {build.constexprs} {how} ({self.problem})",
@@ -189,19 +192,19 @@ class _Recorder:
         if g is not None and any(n > lim or n < 1 for n, lim in zip(g, GRID_LIMIT)):
             self.report.failures.append((self.problem, f"{name}: grid {g} outside CUDA's limits {GRID_LIMIT}"))
 
-    def _build(self, name: str, kernel, seconds: float, ptxas_log: str) -> Build:
+    def _build(self, name: str, kernel, key: str, seconds: float, ptxas_log: str) -> Build:
         """The Build of a configuration seen for the first time: its record entry's figures, or the compiled
         kernel's (checked against the record entry of the same key in a cold run)."""
         md = kernel.metadata
         if isinstance(kernel, _Recorded):
-            return Build(**{k: kernel.entry.get(k) for k in RECORDED}, seconds=seconds, key=md.hash, source="record")
-        build = Build(name, *_describe(kernel.src), md.num_warps, md.num_stages, md.shared, seconds, key=md.hash)
+            return Build(**{k: kernel.entry.get(k) for k in RECORDED}, seconds=seconds, key=key, source="record")
+        build = Build(name, *_describe(kernel.src), md.num_warps, md.num_stages, md.shared, seconds, key=key)
         build.registers, build.spill_bytes = _cached_usage(md.hash, ptxas_log, kernel.asm.get("ptx"), self.report.arch)
         ptx = kernel.asm.get("ptx") or ""
         build.mma = "wgmma" if "wgmma." in ptx else "mma.sync" if "mma.sync" in ptx else None
         build.mma_types = _mma_types(ptx)
         build.load_bytes = max((_width(m) for m in _LOAD.findall(ptx)), default=None)
-        entry = self.entries.get(md.hash)
+        entry = self.entries.get(key)
         if entry is not None and entry != record_entry(build):
             diff = ", ".join(f"{k} {getattr(build, k)!r} (recorded {entry.get(k)!r})" for k in RECORDED
                              if record_entry(build).get(k) != entry.get(k))
@@ -225,23 +228,69 @@ class _Recorded:
 # --------------------------------------------------------------------------- the record
 
 
-def compile_key(src, target, options: dict | None, env_vars: dict | None = None) -> str:
-    """Triton's cache key for compiling `src` for `target` (the hash `triton.compiler.compile` computes before it
-    looks in its cache; the recorder checks the two agree on every compile).
+def compile_key(src, target, options: dict | None, env_vars: dict | None = None, lines: bool = False) -> str:
+    """The record's key for compiling `src` (an ASTSource) for `target` with `options`: Triton's own cache key
+    (the hash `triton.compiler.compile` computes before it looks in its cache) but for the kernels' line numbers.
 
-    It covers `src.hash()`: the kernel's `JITFunction.cache_key` (its source, the cache_key of every @triton.jit
-    function it calls, transitively, their first line numbers and the tl.constexpr globals they read), the
+    Triton's key covers `src.hash()`: the kernel's `cache_key` (its source, the cache_key of every @triton.jit
+    function it calls, transitively, the tl.constexpr globals they read, and each one's first line number), the
     signature (argument types), specialisation attributes (divisibility by 16, ...) and constexpr values; the
     options (num_warps, num_stages, ...); the backend's hash (ptxas version and target arch); `triton_key()`
-    (Triton's version, its compiler and language sources, libtriton); and the cache-invalidating environment."""
+    (Triton's version, its compiler and language sources, libtriton); the cache-invalidating environment.
+    The record's key is the same with `_source_key` for each function's cache_key: the same text, helpers and
+    constexprs, not the line numbers (a kernel that an edit above it moves down its file compiles to the same
+    code but for debug line info). `lines=True` gives Triton's key exactly, which the recorder checks against
+    every kernel it compiles."""
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.compiler.compiler import make_backend
-    from triton.runtime.cache import get_cache_key
+    from triton.runtime import cache
 
     backend = make_backend(target)
     opts = backend.parse_options(dict(options or {}, **src.parse_options()))
     env = get_cache_invalidating_env_vars() if env_vars is None else env_vars
-    return hashlib.sha256(get_cache_key(src, backend, opts, env).encode("utf-8")).hexdigest()
+    src_hash = src.hash() if lines else _src_hash(src)
+    key = f"{cache.triton_key()}-{src_hash}-{backend.hash()}-{opts.hash()}-{str(sorted(env.items()))}"
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _src_hash(src) -> str:
+    """`ASTSource.hash()` with `_source_key` in place of each JIT function's cache_key."""
+    from triton.runtime.jit import JITCallable
+
+    memo: dict = {}
+
+    def key(v):
+        return _source_key(v, memo) if isinstance(v, JITCallable) else v.cache_key if hasattr(v, "cache_key") else str(v)
+
+    sig = [v for _, v in sorted(src.signature.items())]
+    consts = "-".join(key(v) for _, v in sorted(src.constants.items()))
+    return hashlib.sha256(f"{key(src.fn)}-{str(src.attrs)}-{sig}-{consts}".encode()).hexdigest()
+
+
+def _source_key(fn, memo: dict) -> str:
+    """`JITCallable.cache_key` without line numbers: a hash of the function's source, of the `_source_key` of every
+    JIT function it references (and whether that one is noinline) and of the tl.constexpr globals it reads."""
+    from triton.language.core import constexpr
+    from triton.runtime.jit import BoundConstexprFunction, DependenciesFinder
+
+    fn = fn.__func__ if isinstance(fn, BoundConstexprFunction) else fn
+    if hasattr(fn, "_opport_source_key"):  # a function's source and globals do not change in a process
+        return fn._opport_source_key
+    if id(fn) in memo:
+        return memo[id(fn)]
+    memo[id(fn)] = f"recursion:{fn._fn_name}"  # as Triton does for a function that calls itself
+
+    class Finder(DependenciesFinder):
+        def _update_hash(self, func):
+            self.hasher.update((_source_key(func, memo) + str(getattr(func, "noinline", False))).encode())
+
+    finder = Finder(name=fn._fn_name, globals=fn.__globals__, nonlocals=inspect.getclosurevars(fn.fn).nonlocals,
+                    src=fn.src)
+    finder.visit(fn.parse())
+    consts = [(name, val) for (name, _), (val, _) in sorted(finder.used_global_vals.items(), key=lambda kv: kv[0][0])
+              if isinstance(val, constexpr)]
+    fn._opport_source_key = hashlib.sha256((finder.ret + str(consts)).encode()).hexdigest()
+    return fn._opport_source_key
 
 
 def record_entry(build: Build) -> dict:
