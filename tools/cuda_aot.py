@@ -67,6 +67,7 @@ SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}
 GRID_LIMIT = (2**31 - 1, 65535, 65535)
 DTYPES = ("float32", "float16", "bfloat16")
 RECORD = Path(__file__).with_name("cuda_aot_record.json")  # the verified configurations, refreshed by make aot-record
+KEY_HEX = 32  # a record key's hex digits: 128 bits of sha256, ample for a few thousand configurations
 
 
 @dataclass
@@ -93,9 +94,10 @@ class Build:
         return dict(vars(self))
 
 
-# what a record entry keeps of a Build: the figures the checks and the report use (not timings, not problems)
-RECORDED = ("kernel", "dtype", "constexprs", "num_warps", "num_stages", "shared", "registers", "spill_bytes", "mma",
-            "mma_types", "load_bytes")
+# what a record entry keeps of a Build, in the order of a record row: the figures the checks and the report use
+# (not timings, not problems)
+RECORDED = ("kernel", "dtype", "num_warps", "num_stages", "shared", "registers", "spill_bytes", "mma", "mma_types",
+            "load_bytes", "constexprs")
 
 
 @dataclass
@@ -106,6 +108,13 @@ class Report:
     skipped: list = field(default_factory=list)  # (problem, why no cuda kernel takes it)
     problems: int = 0
     grids: dict = field(default_factory=dict)  # problem -> {"bytes": model bytes, "programs": its largest launch}
+    labels: list = field(default_factory=list)  # every problem run
+    stale: list = field(default_factory=list)  # problems stopped at a launch not in the record (a deferring run)
+
+
+class _Miss(BaseException):
+    """A launch whose key is not in the record, in a run that defers compiling to other processes. A
+    BaseException, so that no `except Exception` in host code takes it for a launch that failed."""
 
 
 class _CompileOnlyDriver:
@@ -135,9 +144,10 @@ class _Recorder:
     `entries` is the record (compile key -> figures): a launch whose key is there is not compiled unless `cold`;
     when `cold`, a recompiled configuration must agree with its entry."""
 
-    def __init__(self, report: Report, progress: bool = False, entries: dict | None = None, cold: bool = False):
+    def __init__(self, report: Report, progress: bool = False, entries: dict | None = None, cold: bool = False,
+                 defer: bool = False):
         self.report, self.problem, self.progress = report, "", progress
-        self.entries, self.cold = entries or {}, cold
+        self.entries, self.cold, self.defer = entries or {}, cold, defer
 
     def install(self):
         """Wrap JITFunction.run (compile instead of launch) and the `triton.compiler.compile` that each JIT
@@ -160,6 +170,8 @@ class _Recorder:
             entry = None if rec.cold else rec.entries.get(key)
             if entry is not None:
                 return _Recorded(key, entry)
+            if rec.defer:
+                raise _Miss(key)
             kernel = compile_(src, target=target, options=options, _env_vars=_env_vars)
             exact = compile_key(src, target, options, _env_vars, lines=True)
             if kernel.metadata.hash != exact:  # compile_key no longer hashes what this Triton hashes
@@ -250,7 +262,8 @@ def compile_key(src, target, options: dict | None, env_vars: dict | None = None,
     env = get_cache_invalidating_env_vars() if env_vars is None else env_vars
     src_hash = src.hash() if lines else _src_hash(src)
     key = f"{cache.triton_key()}-{src_hash}-{backend.hash()}-{opts.hash()}-{str(sorted(env.items()))}"
-    return hashlib.sha256(key.encode()).hexdigest()
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return digest if lines else digest[:KEY_HEX]
 
 
 def _src_hash(src) -> str:
@@ -299,25 +312,26 @@ def record_entry(build: Build) -> dict:
 
 
 def load_record(path) -> dict:
-    """compile key -> entry; empty when there is no record (everything compiles)."""
+    """compile key -> entry (a dict of RECORDED fields); empty when there is no record (everything compiles)."""
     try:
         with open(path) as f:
-            return json.load(f)["configurations"]
+            data = json.load(f)
     except FileNotFoundError:
         return {}
+    return {k: {f: v for f, v in zip(data["fields"], row) if v is not None} for k, row in data["configurations"].items()}
 
 
 def save_record(path, entries: dict, arch: int):
-    """Write the record (compile key -> entry): a header, then one line per configuration, sorted by kernel so
-    that a kernel's change shows as its lines in a diff."""
+    """Write the record (compile key -> entry): a header naming the fields, then one line per configuration (its
+    key and the fields' values), sorted by kernel so that a kernel's change shows as its lines in a diff."""
     import triton
     from triton.backends.nvidia.compiler import get_ptxas_version
 
     ptxas = re.search(r"release [\d.]+, V[\d.]+", get_ptxas_version(arch))
-    header = {"format": 1, "arch": arch, "triton": triton.__version__, "ptxas": ptxas and ptxas.group(0),
-              "refresh": "make aot-record (python tools/cuda_aot.py --update-record)"}
+    header = {"format": 2, "arch": arch, "triton": triton.__version__, "ptxas": ptxas and ptxas.group(0),
+              "refresh": "make aot-record (python tools/cuda_aot.py --update-record)", "fields": RECORDED}
     rows = sorted(entries.items(), key=lambda kv: (kv[1]["kernel"], kv[1]["dtype"], kv[0]))
-    lines = [f"{json.dumps(key)}: {json.dumps(entry)}" for key, entry in rows]
+    lines = [f'"{key}":{json.dumps([entry.get(f) for f in RECORDED], separators=(",", ":"))}' for key, entry in rows]
     text = json.dumps(header)[:-1] + ', "configurations": {\n' + ",\n".join(lines) + "\n}}\n"
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -492,6 +506,7 @@ def check(report: Report, recorder: _Recorder, label: str, spec, make):
     from opport.dispatch.registry import get_backend, kernels
 
     report.problems += 1
+    report.labels.append(label)
     recorder.problem = label
     try:
         bound = make()
@@ -505,6 +520,8 @@ def check(report: Report, recorder: _Recorder, label: str, spec, make):
                 return
             reasons.append(f"{k.name}: {why}")
         report.skipped.append((label, "; ".join(reasons) or "no cuda kernel"))
+    except _Miss:
+        report.stale.append(label)
     except Exception as e:  # a compile error, or host code that needs data a meta tensor lacks
         report.failures.append((label, f"{type(e).__name__}: {str(e).strip()[:2000]}"))
 
@@ -513,9 +530,10 @@ def check(report: Report, recorder: _Recorder, label: str, spec, make):
 
 
 def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = True, progress: bool = False,
-        dtypes=DTYPES, record=RECORD, cold: bool = False) -> Report:
+        dtypes=DTYPES, record=RECORD, cold: bool = False, defer: bool = False) -> Report:
     """The check in this process. Launches whose key is in the `record` file are not compiled unless `cold`
-    (which also ignores Triton's cache: every configuration compiles, and must agree with its record entry)."""
+    (which also ignores Triton's cache: every configuration compiles, and must agree with its record entry).
+    `defer`: a problem that reaches a launch not in the record stops there and is listed in `report.stale`."""
     from opport.backends import cuda
 
     cuda.compile_only()
@@ -525,7 +543,7 @@ def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = T
     triton.knobs.nvidia.dump_ptxas_log = True  # Triton's own ptxas run reports registers and spills
     triton.knobs.compilation.always_compile = cold
     report = Report(arch)
-    recorder = _Recorder(report, progress, load_record(record) if record else {}, cold)
+    recorder = _Recorder(report, progress, load_record(record) if record else {}, cold, defer)
     recorder.install()
     specs = cuda_specs(ops or cuda_ops())
     for label, spec, make in problems(specs, tiers, cases, dtypes):
@@ -590,11 +608,18 @@ def cuda_specs(names) -> list:
 def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES, record=RECORD, cold: bool = False) -> Report:
     """`run` in fresh processes, at most `jobs` at a time, one per op with its derived ops (per op and dtype for
     the ops heavy in _COST, so that attention does not hold up the rest); their JSON reports merged, a
-    configuration that several ops launch once."""
+    configuration that several ops launch once.
+
+    With a record (and not `cold`), every problem first runs here, taking what the record has and compiling
+    nothing (each process would spend seconds importing torch and Triton for a fraction of a second of host
+    code); only the (op, dtype) units with a launch the record lacks then go to the processes."""
     cost = {n: _COST.get(n.removesuffix("_backward").removesuffix("_forward"), 1) for n in ops or cuda_ops()}
     units = [(n, dts) for n in sorted(cost, key=lambda n: -cost[n])
              for dts in ([(d,) for d in dtypes] if cost[n] > 1 else [tuple(dtypes)])]
     report = Report(arch)
+    if record and not cold:
+        report = run(arch, ops, tiers, cases, dtypes=dtypes, record=record, defer=True)
+        units = _stale_units(report, units)
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         def one(i, op, dts):
             cmd = [sys.executable, __file__, "--arch", str(arch), "--jobs", "1", f"--op={op}", f"--record={record or ''}",
@@ -619,6 +644,30 @@ def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES, r
                 else:
                     report.builds[b.key or len(report.builds)] = b
     return report
+
+
+def _stale_units(report: Report, units: list) -> list:
+    """The units (op, dtypes) to compile in processes after a deferring run: those with a stale problem, in its
+    dtypes only. The report keeps its results for every other (op or derived op, dtype): the units' replace them."""
+    stale = {(label.split()[0], label.rsplit(" ", 1)[1]) for label in report.stale}
+    covers = {op: {s.name for s in cuda_specs([op])} for op, _ in units}
+    units = [(op, tuple(d for d in dts if any((n, d) in stale for n in covers[op]))) for op, dts in units]
+    units = [(op, dts) for op, dts in units if dts]
+    redone = {(n, d) for op, dts in units for n in covers[op] for d in dts}
+
+    def keep(label: str) -> bool:
+        return (label.split()[0], label.rsplit(" ", 1)[1]) not in redone
+
+    report.labels = [p for p in report.labels if keep(p)]
+    report.problems, report.stale = len(report.labels), []
+    report.failures = [f for f in report.failures if keep(f[0])]
+    report.skipped = [s for s in report.skipped if keep(s[0])]
+    report.grids = {p: g for p, g in report.grids.items() if keep(p)}
+    for key, b in list(report.builds.items()):
+        b.problems = [p for p in b.problems if keep(p)]
+        if not b.problems:
+            del report.builds[key]
+    return units
 
 
 def main(argv=None) -> int:
