@@ -25,13 +25,15 @@ process that already picked Triton's interpreter cannot undo (the cuda backend's
 Exit 1 on any failure. A CI tool, not part of the runtime package: it checks the checkout it lives in.
 
 The record (tools/cuda_aot_record.json, committed; one line per configuration) holds what the check found
-for every configuration it verified, under Triton's own compile key: a hash of the kernel's source and of every
-@triton.jit function it calls (with their first line numbers and the constexpr globals they read), the
-signature, specialisation attributes and constexprs, the options (num_warps, num_stages, ...), the target
+for every configuration it verified, under Triton's own compile key but for line numbers (`compile_key`): a
+hash of the kernel's source and of every @triton.jit function it calls (with the constexpr globals they read),
+the signature, specialisation attributes and constexprs, the options (num_warps, num_stages, ...), the target
 arch, the ptxas version and Triton's own sources. A launch whose key is in the record is not compiled (its
-recorded figures are checked instead); any other is compiled and checked. `--cold` ignores the record and
-Triton's cache and compiles everything, and fails where a recompiled configuration disagrees with its
-record entry; `--update-record` rewrites the record from a full run (`make aot-record`).
+recorded figures are checked instead); any other is compiled and checked. With a record, `--jobs N` first
+runs every problem in this process from the record and compiles only the units it could not finish in the N
+processes. `--cold` ignores the record and Triton's cache and compiles everything, and fails where a
+recompiled configuration disagrees with its record entry; `--update-record` writes what a passing run saw
+(`make aot-record`).
 
 Triton caches each compiled configuration (~/.triton/cache); a configuration found there ran no ptxas, so
 its registers and spills come from running `ptxas -v` on the cached PTX, and that result is cached in the
