@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # torch is pinned to the CPU build that ships on this machine image; the [cuda] extra adds triton==3.6.0.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv chromium run test lint pytest conformance smoke aot bench clean
+.PHONY: venv chromium run test lint pytest conformance smoke aot aot-record bench clean
 
 venv: $(STAMP)
 
@@ -48,9 +48,15 @@ pytest: venv chromium
 conformance: venv
 	$(BIN)/opport conformance --backend all --tier fast --json conformance-report.json --junit conformance-report.xml
 
-# the sm_90 compile check on its own (pytest runs it too, in tests/test_cuda_aot.py)
+# the sm_90 compile check on its own, cold: ignores tools/cuda_aot_record.json and Triton's cache, compiles every
+# configuration and checks the record against what it finds (pytest runs the check with the record, in
+# tests/test_cuda_aot.py: only configurations not in the record compile there)
 aot: venv
-	$(BIN)/python tools/cuda_aot.py --json aot-report.json
+	$(BIN)/python tools/cuda_aot.py --cold --json aot-report.json
+
+# after changing a cuda kernel (or Triton): compile what the record lacks, check it, rewrite the record; commit it
+aot-record: venv
+	$(BIN)/python tools/cuda_aot.py --update-record --json aot-report.json
 
 bench: venv
 	$(BIN)/opport bench --backend cpu

@@ -7,9 +7,10 @@
 # matplotlib, and nothing can be fetched there, so opport runs from the checkout (PYTHONPATH=.).
 # Steps, each under its own time limit so that a hang in one still returns the others' results:
 #   1. versions, GPU and clocks; `opport doctor`                                  (~20 s)
-#   1b. `python tools/cuda_aot.py` on all cores: compiles every kernel configuration the later
+#   1b. `python tools/cuda_aot.py --cold` on all cores: compiles every kernel configuration the later
 #      steps launch into Triton's cache (same target, options and specialisations as the JIT on the H200,
-#      so those steps find them compiled), and repeats the sm_90 checks there           (<= 90 s)
+#      so those steps find them compiled), and repeats the sm_90 checks there; --cold because a
+#      configuration taken from tools/cuda_aot_record.json would not be compiled    (<= 90 s)
 #   2. `opport bench --backend cuda`: stops starting new shapes after BENCH_MIN   (default 5 min, ~6 in all)
 #   3. `opport bench --overhead`: dispatch overhead for numpy, torch-cpu and torch-cuda inputs (<= 60 s)
 #   4. the cuda conformance suite compiled on the GPU: fixed cases and CONF_EXAMPLES Hypothesis examples
@@ -36,7 +37,7 @@ conf_s=${CONF_S:-100}
 cat "$out/env.txt"
 
 echo "== sm_90 compile check, warming Triton's cache"
-timeout 90 "$py" tools/cuda_aot.py --jobs "$(nproc)" 2>/dev/null | tail -n 8
+timeout 90 "$py" tools/cuda_aot.py --cold --jobs "$(nproc)" 2>/dev/null | tail -n 8
 echo "aot exit status ${PIPESTATUS[0]}"
 
 echo "== bench (no new shape after ${bench_min} min)"

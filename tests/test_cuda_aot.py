@@ -3,19 +3,29 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+# The module fixture compiles only what is not in the record: with it fresh, the whole check (3,375 problems, 2,655
+# configurations, three dtypes) takes ~15 s and compiles nothing. Each configuration the record lacks costs ~1 s of
+# CPU to compile, so 900 s (pytest's default, made explicit) leaves room for a kernel change or two not yet in the
+# record; a change that makes most of it stale (a helper in _launch.py used everywhere, a new Triton or ptxas)
+# would need the cold check's time (53 min of CPU: ~27 min on 2 idle cores), so the fixture stops at FIXTURE_TIMEOUT and says to
+# refresh the record, which such a change must commit (make aot-record).
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
                        reason="needs torch and triton"),
-    pytest.mark.timeout(1800),  # the module fixture compiles every configuration cold in CI (~15 min on 2 cores)
+    pytest.mark.timeout(900),
 ]
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "cuda_aot.py"
+FIXTURE_TIMEOUT = 840  # below the module's timeout, so that a stale record fails with a message, not a stack dump
 
 
 def _tool():
@@ -27,21 +37,40 @@ def _tool():
     return sys.modules["cuda_aot"]
 
 
-# float16 kernels are bfloat16's twins (same tiles, same register and shared-memory use; only the conversions
-# differ), so CI compiles float32 and bfloat16: with eighteen ops a cold three-dtype run no longer fits CI's
-# half hour. `make aot` (python tools/cuda_aot.py) compiles all three.
-CI_DTYPES = ("float32", "bfloat16")
+def _env():
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 @pytest.fixture(scope="module")
-def sm90(tmp_path_factory):
-    """One run of the whole check (every op, every bench tier, every conformance case; float32 and bfloat16) in a
-    fresh process."""
+def sm90(tmp_path_factory, request):
+    """One run of the whole check (every op, every bench tier, every conformance case, all three dtypes) in a
+    fresh process, against the committed record: only configurations not in it are compiled."""
     out = tmp_path_factory.mktemp("aot") / "aot.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(TOOL), "--json", str(out), *[f"--dtype={d}" for d in CI_DTYPES]],
-                          capture_output=True, text=True, env=env, timeout=1800)
-    return proc, json.loads(out.read_text()) if out.exists() else None
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, str(TOOL), "--json", str(out)], capture_output=True, text=True,
+                              env=_env(), timeout=FIXTURE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the sm_90 check ran past {FIXTURE_TIMEOUT} s: is tools/cuda_aot_record.json stale? "
+                    "Refresh it with `make aot-record` and commit it with the kernel change")
+    report = json.loads(out.read_text()) if out.exists() else None
+    if report is not None:
+        _say_where_configurations_came_from(report, time.monotonic() - t0, request.config)
+    return proc, report
+
+
+def _say_where_configurations_came_from(report: dict, seconds: float, config):
+    recorded = sum(1 for b in report["builds"] if b["source"] == "record")
+    compiled = len(report["builds"]) - recorded
+    line = (f"sm_90 compile check: {len(report['builds'])} configurations, {recorded} from the record, {compiled} "
+            f"compiled, {seconds:.0f} s")
+    reporter, capture = (config.pluginmanager.get_plugin(n) for n in ("terminalreporter", "capturemanager"))
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # a fixture's output is captured otherwise
+            reporter.write_line(line)
+    if compiled:
+        warnings.warn(f"{line}: the compiled ones are not in tools/cuda_aot_record.json (refresh: make aot-record)",
+                      stacklevel=2)
 
 
 def test_every_kernel_compiles_for_sm90_within_its_limits(sm90):
@@ -187,3 +216,208 @@ def test_large_llm_problems_fill_the_h200(sm90):
     assert len(big) > 20
     thin = {p: g["programs"] for p, g in big.items() if g["programs"] < 0.8 * 132}
     assert thin == {}
+
+
+# --------------------------------------------------------------------------- the record of verified configurations
+
+HELPER = '''
+import triton
+
+
+@triton.jit
+def helper(x):
+    return x * {factor}
+'''
+KERNEL = '''
+import triton
+import triton.language as tl
+from aot_helpers import helper
+
+SHIFT = tl.constexpr({shift})
+
+
+@triton.jit
+def kernel(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, helper(tl.load(x_ptr + i, mask=i < n)) + SHIFT, mask=i < n)
+'''
+
+
+def _module(path: Path, name: str, text: str):
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def kernel_key(tmp_path, monkeypatch):
+    """key(factor=, shift=, ...): the record key of a small kernel whose helper (in another module, as the cuda
+    kernels' helpers live in _launch.py) multiplies by `factor`, the kernel adding the constexpr global `shift`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # define compiled JIT functions, as the tool does
+    made = iter(range(100))
+
+    def key(factor="2.0", shift="1.0", block=64, ptr="*fp32", attrs=None, arch=90, moved=0, lines=False, **options):
+        i = next(made)  # each version from its own files: the key must come from the text, not the file or module
+        helper = "\n" * moved + HELPER.format(factor=factor)  # `moved` lines further down its file
+        monkeypatch.setitem(sys.modules, "aot_helpers", _module(tmp_path / f"h{i}.py", "aot_helpers", helper))
+        mod = _module(tmp_path / f"k{i}.py", f"k{i}", KERNEL.format(shift=shift))
+        src = ASTSource(mod.kernel, {"x_ptr": ptr, "n": "i32", "BLOCK": "constexpr"}, {(2,): block}, attrs or {})
+        options = {"num_warps": 4, "num_stages": 3, **options}
+        return _tool().compile_key(src, GPUTarget("cuda", arch, 32), options, lines=lines)
+
+    return key
+
+
+def test_the_record_key_changes_with_the_kernel_its_helpers_and_the_configuration(kernel_key, monkeypatch):
+    import triton.backends.nvidia.compiler as nvidia
+    import triton.runtime.cache as cache
+
+    base = kernel_key()
+    assert re.fullmatch(r"[0-9a-f]{32}", base) and kernel_key() == base  # same text, other files: same key
+    changed = {
+        "helper source": kernel_key(factor="3.0"),  # the kernel's own text is the same
+        "constexpr global": kernel_key(shift="2.0"),
+        "constexpr argument": kernel_key(block=128),
+        "argument dtype": kernel_key(ptr="*bf16"),
+        "specialisation": kernel_key(attrs={(0,): [["tt.divisibility", 16]]}),
+        "num_warps": kernel_key(num_warps=8),
+        "num_stages": kernel_key(num_stages=4),
+        "arch": kernel_key(arch=80),
+    }
+    monkeypatch.setattr(cache, "triton_key", lambda: "3.6.1-other-sources")
+    changed["Triton version"] = kernel_key()
+    monkeypatch.undo()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(nvidia, "get_ptxas_version", lambda arch: "Cuda compilation tools, release 12.9, V12.9.0")
+    changed["ptxas version"] = kernel_key()
+    assert {what: k for what, k in changed.items() if k == base} == {}
+    assert len(set(changed.values())) == len(changed)
+
+
+def test_the_record_key_is_tritons_but_for_line_numbers(kernel_key):
+    """A helper moved down its file (an edit above it) compiles to the same code but for debug line info: Triton's
+    own key changes, the record's does not. The same text at the same lines gives Triton's key in any file."""
+    assert kernel_key(moved=3) == kernel_key()
+    assert kernel_key(moved=3, lines=True) != kernel_key(lines=True) == kernel_key(lines=True)
+    assert kernel_key(lines=True) != kernel_key()
+
+
+def test_a_configuration_in_the_record_is_not_compiled_again(tmp_path):
+    """End to end on two small kernels: the first run compiles them (its keys checked against Triton's own on each
+    compile) and records them; the second, with an empty Triton cache, compiles nothing and reports the same."""
+    record, cache = tmp_path / "record.json", tmp_path / "cache"
+    args = [sys.executable, str(TOOL), "--op=gelu", "--tier=smoke", "--no-cases", "--dtype=float32", f"--record={record}"]
+    runs = []
+    for i, extra in enumerate((["--jobs=1", "--update-record"], ["--jobs=2"])):
+        env = {**_env(), "TRITON_CACHE_DIR": str(cache / str(i))}
+        proc = subprocess.run(args + extra + ["--json", str(tmp_path / f"{i}.json")], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        runs.append(json.loads((tmp_path / f"{i}.json").read_text()))
+    first, second = ({b["key"]: b for b in r["builds"]} for r in runs)
+    assert len(first) == 2 and {b["source"] for b in first.values()} == {"compiled"}
+    assert set(second) == set(first) and {b["source"] for b in second.values()} == {"record"}
+    tool = _tool()
+    assert all(tool.record_entry(tool.Build(**second[k])) == tool.record_entry(tool.Build(**first[k])) for k in first)
+    assert not (cache / "1").exists() or not any((cache / "1").iterdir())  # nothing was compiled
+
+
+def test_the_record_holds_one_line_per_configuration(tmp_path):
+    tool = _tool()
+    entries = {"ab" * 32: {"kernel": "_k", "dtype": "bf16", "constexprs": {"BLOCK": 64}, "num_warps": 4,
+                           "num_stages": 3, "shared": 0, "registers": 40},
+               "cd" * 32: {"kernel": "_j", "dtype": "fp32", "constexprs": {}, "num_warps": 8, "num_stages": 1,
+                           "shared": 1024, "mma": "wgmma", "load_bytes": 16}}
+    tool.save_record(tmp_path / "r.json", entries, 90)
+    lines = (tmp_path / "r.json").read_text().splitlines()
+    assert len(lines) == 2 + len(entries) and lines[1].startswith('"' + "cd" * 32)  # sorted by kernel name
+    assert tool.load_record(tmp_path / "r.json") == entries
+    assert tool.load_record(tmp_path / "missing.json") == {}
+
+
+def _compiled_kernel(key: str, shared: int, ptx: str = ""):
+    """A compiled kernel as the recorder sees one, without compiling (no ptxas log, so no usage figures)."""
+    k = _fake_kernel(shared)
+    k.metadata.hash, k.asm = key, {"ptx": ptx} if ptx else {}
+    return k
+
+
+def test_a_cold_run_fails_where_a_recompiled_configuration_disagrees_with_the_record():
+    tool = _tool()
+    entry = {"kernel": "k", "dtype": "bf16", "constexprs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3,
+             "shared": 1024}
+    report = tool.Report(90)
+    rec = tool._Recorder(report, entries={"same": entry, "moved": {**entry, "shared": 2048}}, cold=True)
+    rec.problem = "agrees"
+    rec.record("k", _compiled_kernel("same", 1024), (1,), 0.1)
+    rec.problem = "disagrees"
+    rec.record("k", _compiled_kernel("moved", 1024), (1,), 0.1)
+    assert [p for p, _ in report.failures] == ["disagrees"] and "shared 1024 (recorded 2048)" in report.failures[0][1]
+    assert {b.source for b in report.builds.values()} == {"compiled"}
+
+
+def test_a_recorded_configuration_is_checked_with_its_recorded_figures():
+    """A record hit is not compiled, but its shared memory still meets the limit check, its figures the report."""
+    tool = _tool()
+    entry = {"kernel": "k", "dtype": "bf16", "constexprs": {"BLOCK": 64}, "num_warps": 8, "num_stages": 2,
+             "shared": 300_000, "registers": 96, "spill_bytes": 0, "mma": "wgmma", "load_bytes": 16}
+    report = tool.Report(90)
+    rec = tool._Recorder(report, entries={"h": entry})
+    rec.problem = "p"
+    rec.record("k", tool._Recorded("h", entry), (1,), 0.0)
+    build = report.builds["h"]
+    assert build.source == "record" and tool.record_entry(build) == entry and build.problems == ["p"]
+    assert [p for p, _ in report.failures] == ["p"]  # 300,000 bytes of shared memory > 227 KiB
+
+
+def test_the_record_is_written_only_from_a_passing_run_and_a_full_run_drops_stale_entries(tmp_path, capsys):
+    tool = _tool()
+    path = tmp_path / "r.json"
+    old = {"kernel": "k", "dtype": "fp32", "constexprs": {}, "num_warps": 4, "num_stages": 3, "shared": 0}
+    tool.save_record(path, {"stale": old}, 90)
+    report = tool.Report(90)
+    report.builds["new"] = tool.Build("k", "fp32", {}, 8, 3, 0, 0.1, key="new")
+    tool._update_record(report, str(path), full=False)
+    assert set(tool.load_record(path)) == {"stale", "new"}
+    tool._update_record(report, str(path), full=True)
+    assert set(tool.load_record(path)) == {"new"}
+    report.failures.append(("p", "a failure"))
+    report.builds["other"] = tool.Build("k", "fp32", {}, 2, 3, 0, 0.1, key="other")
+    tool._update_record(report, str(path), full=True)
+    assert set(tool.load_record(path)) == {"new"} and "not updated" in capsys.readouterr().err
+
+
+def test_the_committed_record_is_well_formed():
+    tool = _tool()
+    text = tool.RECORD.read_text()
+    entries = tool.load_record(tool.RECORD)
+    assert len(text.splitlines()) == 2 + len(entries) > 100
+    assert all(re.fullmatch(r"[0-9a-f]{32}", k) for k in entries)
+    required = {"kernel", "dtype", "constexprs", "num_warps", "num_stages", "shared"}
+    assert all(required <= set(e) <= set(tool.RECORDED) for e in entries.values())
+
+
+def test_only_the_op_and_dtype_units_with_a_stale_launch_go_to_compile_processes():
+    """After the first pass (record only), a unit with a problem the record could not finish is redone in a process,
+    in that problem's dtype alone; the first pass's results for it are dropped, the rest kept."""
+    tool = _tool()
+    report = tool.Report(90)
+    report.labels = ["gelu bench 8x256 float32", "gelu_backward case c float32", "gelu bench 8x256 bfloat16",
+                     "rope bench r bfloat16"]
+    report.problems, report.stale = 4, ["gelu_backward case c float32"]
+    report.grids = {p: {"bytes": 1, "programs": 1} for p in report.labels}
+    report.failures = [("gelu bench 8x256 float32", "x")]
+    report.builds = {"a": tool.Build("k", "fp32", {}, 4, 3, 0, 0.0, problems=report.labels[::2], key="a"),
+                     "b": tool.Build("j", "fp32", {}, 4, 3, 0, 0.0, problems=report.labels[1:2], key="b"),
+                     "c": tool.Build("r", "bf16", {}, 4, 3, 0, 0.0, problems=report.labels[3:], key="c")}
+    units = tool._stale_units(report, [("gelu", tool.DTYPES), ("rope", tool.DTYPES)])
+    assert units == [("gelu", ("float32",))]
+    assert report.labels == ["gelu bench 8x256 bfloat16", "rope bench r bfloat16"] and report.problems == 2
+    assert set(report.grids) == set(report.labels) and report.failures == [] and report.stale == []
+    assert {k: b.problems for k, b in report.builds.items()} == {"a": ["gelu bench 8x256 bfloat16"],
+                                                                   "c": ["rope bench r bfloat16"]}

@@ -1,6 +1,7 @@
 """Compile the cuda kernels for a GPU this machine does not have, and check what only a GPU would.
 
     python tools/cuda_aot.py [--arch 90] [--op NAME]... [--tier llm]... [--no-cases] [--json F] [--jobs N]
+                             [--cold] [--update-record] [--record F]
 
 Each problem (the bench's shapes of the chosen tiers and every conformance case, in float32, float16
 and bfloat16) goes through the kernel's host code on torch meta tensors, so tiles, layouts, grids and
@@ -23,6 +24,17 @@ Must run in a fresh process: the kernels have to be defined as compiled JIT func
 process that already picked Triton's interpreter cannot undo (the cuda backend's `compile_only()` hook).
 Exit 1 on any failure. A CI tool, not part of the runtime package: it checks the checkout it lives in.
 
+The record (tools/cuda_aot_record.json, committed; one line per configuration) holds what the check found
+for every configuration it verified, under Triton's own compile key but for line numbers (`compile_key`): a
+hash of the kernel's source and of every @triton.jit function it calls (with the constexpr globals they read),
+the signature, specialisation attributes and constexprs, the options (num_warps, num_stages, ...), the target
+arch, the ptxas version and Triton's own sources. A launch whose key is in the record is not compiled (its
+recorded figures are checked instead); any other is compiled and checked. With a record, `--jobs N` first
+runs every problem in this process from the record and compiles only the units it could not finish in the N
+processes. `--cold` ignores the record and Triton's cache and compiles everything, and fails where a
+recompiled configuration disagrees with its record entry; `--update-record` writes what a passing run saw
+(`make aot-record`).
+
 Triton caches each compiled configuration (~/.triton/cache); a configuration found there ran no ptxas, so
 its registers and spills come from running `ptxas -v` on the cached PTX, and that result is cached in the
 same cache entry (under the entry's key: the kernel source, options, target and Triton version).
@@ -34,6 +46,8 @@ import argparse
 import concurrent.futures
 import contextlib
 import functools
+import hashlib
+import inspect
 import io
 import json
 import math
@@ -54,6 +68,8 @@ if _ROOT not in sys.path:
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376}
 GRID_LIMIT = (2**31 - 1, 65535, 65535)
 DTYPES = ("float32", "float16", "bfloat16")
+RECORD = Path(__file__).with_name("cuda_aot_record.json")  # the verified configurations, refreshed by make aot-record
+KEY_HEX = 32  # a record key's hex digits: 128 bits of sha256, ample for a few thousand configurations
 
 
 @dataclass
@@ -73,19 +89,34 @@ class Build:
     mma_types: str | None = None  # its operand and accumulator types, e.g. "e4m3.e4m3->f32" (fp8 tensor cores)
     load_bytes: int | None = None  # the widest global load per thread (16: fully vectorised memory traffic)
     problems: list = field(default_factory=list)
+    key: str = ""  # Triton's compile key (see compile_key): what the record is keyed by
+    source: str = "compiled"  # "record": taken from the record, not compiled in this run
 
     def as_json(self) -> dict:
         return dict(vars(self))
 
 
+# what a record entry keeps of a Build, in the order of a record row: the figures the checks and the report use
+# (not timings, not problems)
+RECORDED = ("kernel", "dtype", "num_warps", "num_stages", "shared", "registers", "spill_bytes", "mma", "mma_types",
+            "load_bytes", "constexprs")
+
+
 @dataclass
 class Report:
     arch: int
-    builds: dict = field(default_factory=dict)  # metadata hash -> Build
+    builds: dict = field(default_factory=dict)  # compile key -> Build
     failures: list = field(default_factory=list)  # (problem, what went wrong)
     skipped: list = field(default_factory=list)  # (problem, why no cuda kernel takes it)
     problems: int = 0
     grids: dict = field(default_factory=dict)  # problem -> {"bytes": model bytes, "programs": its largest launch}
+    labels: list = field(default_factory=list)  # every problem run
+    stale: list = field(default_factory=list)  # problems stopped at a launch not in the record (a deferring run)
+
+
+class _Miss(BaseException):
+    """A launch whose key is not in the record, in a run that defers compiling to other processes. A
+    BaseException, so that no `except Exception` in host code takes it for a launch that failed."""
 
 
 class _CompileOnlyDriver:
@@ -110,15 +141,23 @@ class _CompileOnlyDriver:
 
 
 class _Recorder:
-    """Turns every JIT launch into a compile; records the config and checks it against the target."""
+    """Turns every JIT launch into a compile, or a record look-up; records the config and checks it against the target.
 
-    def __init__(self, report: Report, progress: bool = False):
+    `entries` is the record (compile key -> figures): a launch whose key is there is not compiled unless `cold`;
+    when `cold`, a recompiled configuration must agree with its entry."""
+
+    def __init__(self, report: Report, progress: bool = False, entries: dict | None = None, cold: bool = False,
+                 defer: bool = False):
         self.report, self.problem, self.progress = report, "", progress
+        self.entries, self.cold, self.defer = entries or {}, cold, defer
 
     def install(self):
+        """Wrap JITFunction.run (compile instead of launch) and the `triton.compiler.compile` that each JIT
+        function's binder picks up at its first launch (so must run before any kernel launches)."""
+        import triton.compiler
         from triton.runtime.jit import JITFunction
 
-        original = JITFunction.run
+        original, compile_ = JITFunction.run, triton.compiler.compile
         rec = self
 
         def run(self, *args, grid, warmup, **kwargs):
@@ -128,25 +167,37 @@ class _Recorder:
             rec.record(self.fn.__name__, kernel, grid, time.perf_counter() - t0, log.getvalue())
             return kernel
 
+        def keyed_compile(src, target=None, options=None, _env_vars=None):
+            key = compile_key(src, target, options, _env_vars)
+            entry = None if rec.cold else rec.entries.get(key)
+            if entry is not None:
+                return _Recorded(key, entry)
+            if rec.defer:
+                raise _Miss(key)
+            kernel = compile_(src, target=target, options=options, _env_vars=_env_vars)
+            exact = compile_key(src, target, options, _env_vars, lines=True)
+            if kernel.metadata.hash != exact:  # compile_key no longer hashes what this Triton hashes
+                raise RuntimeError(f"compile_key(lines=True) {exact} differs from Triton's cache key "
+                                   f"{kernel.metadata.hash}: update tools/cuda_aot.py's compile_key to this Triton")
+            kernel.record_key = key
+            return kernel
+
         JITFunction.run = run
+        triton.compiler.compile = keyed_compile
 
     def record(self, name: str, kernel, grid, seconds: float, ptxas_log: str = ""):
-        md = kernel.metadata
+        md, key = kernel.metadata, getattr(kernel, "record_key", kernel.metadata.hash)
         if not callable(grid) and self.problem in self.report.grids:
             g = self.report.grids[self.problem]
             g["programs"] = max(g["programs"], math.prod(grid))
-        build = self.report.builds.get(md.hash)
+        build = self.report.builds.get(key)
         if build is None:
-            build = Build(name, *_describe(kernel.src), md.num_warps, md.num_stages, md.shared, round(seconds, 3))
-            build.registers, build.spill_bytes = _cached_usage(md.hash, ptxas_log, kernel.asm.get("ptx"), self.report.arch)
-            ptx = kernel.asm.get("ptx") or ""
-            build.mma = "wgmma" if "wgmma." in ptx else "mma.sync" if "mma.sync" in ptx else None
-            build.mma_types = _mma_types(ptx)
-            build.load_bytes = max((_width(m) for m in _LOAD.findall(ptx)), default=None)
-            self.report.builds[md.hash] = build
+            build = self._build(name, kernel, key, round(seconds, 3), ptxas_log)
+            self.report.builds[key] = build
             if self.progress:
-                print(f"{len(self.report.builds):4d} {name} {build.dtype} {build.constexprs} {seconds:.1f} s "
-                      f"({self.problem})", file=sys.stderr, flush=True)
+                how = "record" if build.source == "record" else f"{seconds:.1f} s"
+                print(f"{len(self.report.builds):4d} {name} {build.dtype} {build.constexprs} {how} ({self.problem})",
+                      file=sys.stderr, flush=True)
         build.problems.append(self.problem)
         limit = SHARED_LIMIT.get(self.report.arch)
         if limit is not None and md.shared > limit:
@@ -154,6 +205,140 @@ class _Recorder:
         g = tuple(grid) + (1,) * (3 - len(grid)) if not callable(grid) else None
         if g is not None and any(n > lim or n < 1 for n, lim in zip(g, GRID_LIMIT)):
             self.report.failures.append((self.problem, f"{name}: grid {g} outside CUDA's limits {GRID_LIMIT}"))
+
+    def _build(self, name: str, kernel, key: str, seconds: float, ptxas_log: str) -> Build:
+        """The Build of a configuration seen for the first time: its record entry's figures, or the compiled
+        kernel's (checked against the record entry of the same key in a cold run)."""
+        md = kernel.metadata
+        if isinstance(kernel, _Recorded):
+            return Build(**{k: kernel.entry.get(k) for k in RECORDED}, seconds=seconds, key=key, source="record")
+        build = Build(name, *_describe(kernel.src), md.num_warps, md.num_stages, md.shared, seconds, key=key)
+        build.registers, build.spill_bytes = _cached_usage(md.hash, ptxas_log, kernel.asm.get("ptx"), self.report.arch)
+        ptx = kernel.asm.get("ptx") or ""
+        build.mma = "wgmma" if "wgmma." in ptx else "mma.sync" if "mma.sync" in ptx else None
+        build.mma_types = _mma_types(ptx)
+        build.load_bytes = max((_width(m) for m in _LOAD.findall(ptx)), default=None)
+        entry = self.entries.get(key)
+        if entry is not None and entry != record_entry(build):
+            diff = ", ".join(f"{k} {getattr(build, k)!r} (recorded {entry.get(k)!r})" for k in RECORDED
+                             if record_entry(build).get(k) != entry.get(k))
+            self.report.failures.append((self.problem, f"{name}: recompiled, disagrees with the record under the "
+                                         f"same key: {diff}"))
+        return build
+
+
+class _Recorded:
+    """What `triton.compiler.compile` returns for a configuration found in the record: nothing compiled, nothing
+    to launch; the recorder reads the entry's figures."""
+
+    def __init__(self, key: str, entry: dict):
+        from types import SimpleNamespace
+
+        self.entry = entry
+        self.metadata = SimpleNamespace(hash=key, num_warps=entry["num_warps"], num_stages=entry["num_stages"],
+                                        shared=entry["shared"])
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def compile_key(src, target, options: dict | None, env_vars: dict | None = None, lines: bool = False) -> str:
+    """The record's key for compiling `src` (an ASTSource) for `target` with `options`: Triton's own cache key
+    (the hash `triton.compiler.compile` computes before it looks in its cache) but for the kernels' line numbers.
+
+    Triton's key covers `src.hash()`: the kernel's `cache_key` (its source, the cache_key of every @triton.jit
+    function it calls, transitively, the tl.constexpr globals they read, and each one's first line number), the
+    signature (argument types), specialisation attributes (divisibility by 16, ...) and constexpr values; the
+    options (num_warps, num_stages, ...); the backend's hash (ptxas version and target arch); `triton_key()`
+    (Triton's version, its compiler and language sources, libtriton); the cache-invalidating environment.
+    The record's key is the same with `_source_key` for each function's cache_key: the same text, helpers and
+    constexprs, not the line numbers (a kernel that an edit above it moves down its file compiles to the same
+    code but for debug line info). `lines=True` gives Triton's key exactly, which the recorder checks against
+    every kernel it compiles."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler.compiler import make_backend
+    from triton.runtime import cache
+
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options or {}, **src.parse_options()))
+    env = get_cache_invalidating_env_vars() if env_vars is None else env_vars
+    src_hash = src.hash() if lines else _src_hash(src)
+    key = f"{cache.triton_key()}-{src_hash}-{backend.hash()}-{opts.hash()}-{str(sorted(env.items()))}"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return digest if lines else digest[:KEY_HEX]
+
+
+def _src_hash(src) -> str:
+    """`ASTSource.hash()` with `_source_key` in place of each JIT function's cache_key."""
+    from triton.runtime.jit import JITCallable
+
+    memo: dict = {}
+
+    def key(v):
+        return _source_key(v, memo) if isinstance(v, JITCallable) else v.cache_key if hasattr(v, "cache_key") else str(v)
+
+    sig = [v for _, v in sorted(src.signature.items())]
+    consts = "-".join(key(v) for _, v in sorted(src.constants.items()))
+    return hashlib.sha256(f"{key(src.fn)}-{str(src.attrs)}-{sig}-{consts}".encode()).hexdigest()
+
+
+def _source_key(fn, memo: dict) -> str:
+    """`JITCallable.cache_key` without line numbers: a hash of the function's source, of the `_source_key` of every
+    JIT function it references (and whether that one is noinline) and of the tl.constexpr globals it reads."""
+    from triton.language.core import constexpr
+    from triton.runtime.jit import BoundConstexprFunction, DependenciesFinder
+
+    fn = fn.__func__ if isinstance(fn, BoundConstexprFunction) else fn
+    if hasattr(fn, "_opport_source_key"):  # a function's source and globals do not change in a process
+        return fn._opport_source_key
+    if id(fn) in memo:
+        return memo[id(fn)]
+    memo[id(fn)] = f"recursion:{fn._fn_name}"  # as Triton does for a function that calls itself
+
+    class Finder(DependenciesFinder):
+        def _update_hash(self, func):
+            self.hasher.update((_source_key(func, memo) + str(getattr(func, "noinline", False))).encode())
+
+    finder = Finder(name=fn._fn_name, globals=fn.__globals__, nonlocals=inspect.getclosurevars(fn.fn).nonlocals,
+                    src=fn.src)
+    finder.visit(fn.parse())
+    consts = [(name, val) for (name, _), (val, _) in sorted(finder.used_global_vals.items(), key=lambda kv: kv[0][0])
+              if isinstance(val, constexpr)]
+    fn._opport_source_key = hashlib.sha256((finder.ret + str(consts)).encode()).hexdigest()
+    return fn._opport_source_key
+
+
+def record_entry(build: Build) -> dict:
+    """The figures the record keeps for a configuration (fields that are None are left out)."""
+    return {k: getattr(build, k) for k in RECORDED if getattr(build, k) is not None}
+
+
+def load_record(path) -> dict:
+    """compile key -> entry (a dict of RECORDED fields); empty when there is no record (everything compiles)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    return {k: {f: v for f, v in zip(data["fields"], row) if v is not None} for k, row in data["configurations"].items()}
+
+
+def save_record(path, entries: dict, arch: int):
+    """Write the record (compile key -> entry): a header naming the fields, then one line per configuration (its
+    key and the fields' values), sorted by kernel so that a kernel's change shows as its lines in a diff."""
+    import triton
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    ptxas = re.search(r"release [\d.]+, V[\d.]+", get_ptxas_version(arch))
+    header = {"format": 2, "arch": arch, "triton": triton.__version__, "ptxas": ptxas and ptxas.group(0),
+              "refresh": "make aot-record (python tools/cuda_aot.py --update-record)", "fields": RECORDED}
+    rows = sorted(entries.items(), key=lambda kv: (kv[1]["kernel"], kv[1]["dtype"], kv[0]))
+    lines = [f'"{key}":{json.dumps([entry.get(f) for f in RECORDED], separators=(",", ":"))}' for key, entry in rows]
+    text = json.dumps(header)[:-1] + ', "configurations": {\n' + ",\n".join(lines) + "\n}}\n"
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _describe(src) -> tuple:
@@ -323,6 +508,7 @@ def check(report: Report, recorder: _Recorder, label: str, spec, make):
     from opport.dispatch.registry import get_backend, kernels
 
     report.problems += 1
+    report.labels.append(label)
     recorder.problem = label
     try:
         bound = make()
@@ -336,6 +522,8 @@ def check(report: Report, recorder: _Recorder, label: str, spec, make):
                 return
             reasons.append(f"{k.name}: {why}")
         report.skipped.append((label, "; ".join(reasons) or "no cuda kernel"))
+    except _Miss:
+        report.stale.append(label)
     except Exception as e:  # a compile error, or host code that needs data a meta tensor lacks
         report.failures.append((label, f"{type(e).__name__}: {str(e).strip()[:2000]}"))
 
@@ -344,7 +532,10 @@ def check(report: Report, recorder: _Recorder, label: str, spec, make):
 
 
 def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = True, progress: bool = False,
-        dtypes=DTYPES) -> Report:
+        dtypes=DTYPES, record=RECORD, cold: bool = False, defer: bool = False) -> Report:
+    """The check in this process. Launches whose key is in the `record` file are not compiled unless `cold`
+    (which also ignores Triton's cache: every configuration compiles, and must agree with its record entry).
+    `defer`: a problem that reaches a launch not in the record stops there and is listed in `report.stale`."""
     from opport.backends import cuda
 
     cuda.compile_only()
@@ -352,8 +543,9 @@ def run(arch: int = 90, ops=(), tiers=("smoke", "small", "llm"), cases: bool = T
 
     triton.runtime.driver.set_active(_CompileOnlyDriver(arch))
     triton.knobs.nvidia.dump_ptxas_log = True  # Triton's own ptxas run reports registers and spills
+    triton.knobs.compilation.always_compile = cold
     report = Report(arch)
-    recorder = _Recorder(report, progress)
+    recorder = _Recorder(report, progress, load_record(record) if record else {}, cold, defer)
     recorder.install()
     specs = cuda_specs(ops or cuda_ops())
     for label, spec, make in problems(specs, tiers, cases, dtypes):
@@ -366,21 +558,24 @@ def print_report(report: Report, console):
 
     t = Table(title=f"cuda kernels compiled for sm_{report.arch} (one row per compiled configuration)")
     for col in ("kernel", "dtype", "constexprs", "warps", "stages", "regs", "spill B", "shared KiB", "mma", "load B",
-                "compile s", "problems"):
+                "compile s", "problems"):  # compile s: "record" for a configuration taken from the record
         t.add_column(col, justify="left" if col in ("kernel", "dtype", "constexprs") else "right")
     for b in sorted(report.builds.values(), key=lambda b: (b.kernel, b.dtype, -b.shared)):
         consts = " ".join(f"{k}={v}" for k, v in b.constexprs.items())
         spill = "" if b.spill_bytes is None else (f"[yellow]{b.spill_bytes}[/yellow]" if b.spill_bytes else "0")
         mma = " ".join(filter(None, (b.mma, b.mma_types)))
         t.add_row(b.kernel, b.dtype, consts, str(b.num_warps), str(b.num_stages), str(b.registers or ""), spill,
-                  f"{b.shared / 1024:.1f}", mma, str(b.load_bytes or ""), f"{b.seconds:.2f}", str(len(b.problems)))
+                  f"{b.shared / 1024:.1f}", mma, str(b.load_bytes or ""),
+                  "record" if b.source == "record" else f"{b.seconds:.2f}", str(len(b.problems)))
     console.print(t)
     for label, why in report.skipped:
         console.print(f"[dim]skipped {label}: {why}[/dim]")
     for label, what in report.failures:
         console.print(f"[red]FAILED {label}: {what}[/red]")
     spilled = sum(1 for b in report.builds.values() if b.spill_bytes)
-    console.print(f"aot sm_{report.arch}: {report.problems} problems, {len(report.builds)} kernel configurations, "
+    recorded = sum(1 for b in report.builds.values() if b.source == "record")
+    console.print(f"aot sm_{report.arch}: {report.problems} problems, {len(report.builds)} kernel configurations "
+                  f"({recorded} from the record, {len(report.builds) - recorded} compiled), "
                   f"{len(report.failures)} failures, {len(report.skipped)} skipped, {spilled} configurations spill")
 
 
@@ -412,18 +607,27 @@ def cuda_specs(names) -> list:
     return specs
 
 
-def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES) -> Report:
+def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES, record=RECORD, cold: bool = False) -> Report:
     """`run` in fresh processes, at most `jobs` at a time, one per op with its derived ops (per op and dtype for
-    the ops heavy in _COST, so that attention does not hold up the rest); their JSON reports merged."""
+    the ops heavy in _COST, so that attention does not hold up the rest); their JSON reports merged, a
+    configuration that several ops launch once.
+
+    With a record (and not `cold`), every problem first runs here, taking what the record has and compiling
+    nothing (each process would spend seconds importing torch and Triton for a fraction of a second of host
+    code); only the (op, dtype) units with a launch the record lacks then go to the processes."""
     cost = {n: _COST.get(n.removesuffix("_backward").removesuffix("_forward"), 1) for n in ops or cuda_ops()}
     units = [(n, dts) for n in sorted(cost, key=lambda n: -cost[n])
              for dts in ([(d,) for d in dtypes] if cost[n] > 1 else [tuple(dtypes)])]
     report = Report(arch)
+    if record and not cold:
+        report = run(arch, ops, tiers, cases, dtypes=dtypes, record=record, defer=True)
+        units = _stale_units(report, units)
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         def one(i, op, dts):
-            cmd = [sys.executable, __file__, "--arch", str(arch), "--jobs", "1", f"--op={op}",
+            cmd = [sys.executable, __file__, "--arch", str(arch), "--jobs", "1", f"--op={op}", f"--record={record or ''}",
                    "--json", f"{tmp}/{i}.json", *[f"--dtype={d}" for d in dts], *[f"--tier={t}" for t in tiers]]
-            code = subprocess.run(cmd + ([] if cases else ["--no-cases"]), stdout=subprocess.DEVNULL).returncode
+            cmd += ([] if cases else ["--no-cases"]) + (["--cold"] if cold else [])
+            code = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
             return op, code, f"{tmp}/{i}.json"
 
         for op, code, path in pool.map(lambda u: one(*u), [(i, op, dts) for i, (op, dts) in enumerate(units)]):
@@ -436,9 +640,36 @@ def run_parallel(jobs: int, arch: int, ops, tiers, cases: bool, dtypes=DTYPES) -
             report.failures += [tuple(x) for x in part["failures"]]
             report.skipped += [tuple(x) for x in part["skipped"]]
             report.grids.update(part["grids"])
-            for b in part["builds"]:
-                report.builds[len(report.builds)] = Build(**b)
+            for b in map(lambda b: Build(**b), part["builds"]):
+                if b.key in report.builds:
+                    report.builds[b.key].problems += b.problems
+                else:
+                    report.builds[b.key or len(report.builds)] = b
     return report
+
+
+def _stale_units(report: Report, units: list) -> list:
+    """The units (op, dtypes) to compile in processes after a deferring run: those with a stale problem, in its
+    dtypes only. The report keeps its results for every other (op or derived op, dtype): the units' replace them."""
+    stale = {(label.split()[0], label.rsplit(" ", 1)[1]) for label in report.stale}
+    covers = {op: {s.name for s in cuda_specs([op])} for op, _ in units}
+    units = [(op, tuple(d for d in dts if any((n, d) in stale for n in covers[op]))) for op, dts in units]
+    units = [(op, dts) for op, dts in units if dts]
+    redone = {(n, d) for op, dts in units for n in covers[op] for d in dts}
+
+    def keep(label: str) -> bool:
+        return (label.split()[0], label.rsplit(" ", 1)[1]) not in redone
+
+    report.labels = [p for p in report.labels if keep(p)]
+    report.problems, report.stale = len(report.labels), []
+    report.failures = [f for f in report.failures if keep(f[0])]
+    report.skipped = [s for s in report.skipped if keep(s[0])]
+    report.grids = {p: g for p, g in report.grids.items() if keep(p)}
+    for key, b in list(report.builds.items()):
+        b.problems = [p for p in b.problems if keep(p)]
+        if not b.problems:
+            del report.builds[key]
+    return units
 
 
 def main(argv=None) -> int:
@@ -452,22 +683,46 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", action="append", default=[], choices=DTYPES, help="only this dtype (repeatable)")
     p.add_argument("--json", metavar="F", help="write the report as JSON")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes to split the ops over (default: one per CPU)")
+    p.add_argument("--cold", action="store_true",
+                   help="ignore the record and Triton's cache: compile and check every configuration (make aot); fails "
+                   "where a recompiled configuration disagrees with its record entry")
+    p.add_argument("--update-record", action="store_true",
+                   help="after a check that passed, write what it saw to the record (make aot-record); a full check "
+                   "(no --op, --tier, --dtype, --no-cases) also drops the entries it did not see")
+    p.add_argument("--record", metavar="F", default=str(RECORD),
+                   help=f"the record of verified configurations (default {RECORD.relative_to(_ROOT)}; '' for none)")
     args = p.parse_args(argv)
     from rich.console import Console
 
     tiers = tuple(args.tier) or ("smoke", "small", "llm")
     dtypes = tuple(args.dtype) or DTYPES
     if args.jobs > 1:
-        report = run_parallel(args.jobs, args.arch, args.op, tiers, not args.no_cases, dtypes)
+        report = run_parallel(args.jobs, args.arch, args.op, tiers, not args.no_cases, dtypes, args.record, args.cold)
     else:
-        report = run(args.arch, args.op, tiers, not args.no_cases, progress=True, dtypes=dtypes)
+        report = run(args.arch, args.op, tiers, not args.no_cases, True, dtypes, args.record, args.cold)
     print_report(report, Console(width=None if sys.stdout.isatty() else 200))
+    if args.update_record:
+        _update_record(report, args.record, full=not (args.op or args.tier or args.dtype or args.no_cases))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"arch": report.arch, "problems": report.problems, "failures": report.failures,
                        "skipped": report.skipped, "builds": [b.as_json() for b in report.builds.values()],
                        "grids": report.grids}, f, indent=1)
     return 1 if report.failures else 0
+
+
+def _update_record(report: Report, path: str, full: bool):
+    """Write a passing run's configurations to the record; a full run's replace it (stale entries go), a partial
+    run's are added to it. A failing run leaves it as it was."""
+    if report.failures:
+        print(f"record not updated: {len(report.failures)} failures", file=sys.stderr)
+        return
+    before = load_record(path)
+    seen = {b.key: record_entry(b) for b in report.builds.values() if b.key}
+    entries = seen if full else {**before, **seen}
+    save_record(path, entries, report.arch)
+    print(f"record {path}: {len(entries)} configurations ({len(set(seen) - set(before))} new, "
+          f"{len(set(before) - set(entries))} dropped)")
 
 
 if __name__ == "__main__":
