@@ -505,13 +505,14 @@ def _bind_case(spec, case):
 def check(report: Report, recorder: _Recorder, label: str, spec, make):
     """Run the problem's cuda kernel host code; its launches compile through the recorder."""
     from opport.dispatch.adapters import metas_of
+    from opport.dispatch.core import kernel_args
     from opport.dispatch.registry import get_backend, kernels
 
     report.problems += 1
     report.labels.append(label)
     recorder.problem = label
     try:
-        bound = make()
+        bound = kernel_args(spec, make())  # as the dispatcher hands them over (0-d per-tensor scales as (1, 1))
         report.grids[label] = {"bytes": spec.get_cost(*metas_of(spec, bound)).bytes, "programs": 0}
         dtype = str(spec.dtype_of(bound)).removeprefix("torch.")  # a backward's: its first input's, not grad's
         reasons = []
