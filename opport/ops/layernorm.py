@@ -96,7 +96,7 @@ def _case(name, dtype, shape, dist="normal", scale=1.0, weight=True, bias=True, 
 
 
 # (offset, spread) of "large-offset" per dtype: a float32 mean of 1e6 + N(0, 1) is off by up to 0.03 in every
-# x - mean (docs/numerics.md, "Rows with a large common offset"); float64 (cpu) likewise at 1e15 (ulp 0.125).
+# x - mean (docs/numerics.md 3.8); float64 (cpu) likewise at 1e15 (ulp 0.125).
 # A 16-bit row can hold only a few bits of spread under its offset: here one standard deviation is 8 ulps of
 # the offset (offset / spread 250 in float16, 31 in bfloat16), which float32 statistics must keep.
 _LARGE_OFFSET = {"float32": (1e6, 1.0), "float64": (1e15, 1.0), "float16": (2000.0, 8.0), "bfloat16": (2000.0, 64.0)}

@@ -46,11 +46,11 @@ def _centred_scaled(d: np.ndarray, xf: np.ndarray, eps, tmp=None) -> tuple:
     """d = (xf - mean) / sqrt(var + eps) in d's dtype (xf's, or float64 for float32 xf); returns var and
     1 / sqrt(var + eps).
 
-    Each row is shifted by its first element x0 before any sum (docs/numerics.md, "Rows with a large
-    common offset"): c = x - x0 is exact where x lies within a factor of 2 of x0 (Sterbenz) and otherwise
-    errs by <= u |x - x0| <= 2u D, D = max|x - mean|; so d = c - mean(c) errs by <= (2 log2(n) + 6) u D to
-    first order (NumPy's pairwise sums), whatever |mean|. Without the shift the mean alone is off by up to
-    u |mean| / 2: 0.03 in every d of a float32 row 1e6 + N(0, 1).
+    Each row is shifted by its first element x0 before any sum (docs/numerics.md 3.8): c = x - x0 is exact
+    where x lies within a factor of 2 of x0 (Sterbenz) and otherwise errs by <= u |x - x0| <= 2u D,
+    D = max|x - mean|; so d = c - mean(c) errs by <= (2 log2(n) + 6) u D to first order (NumPy's pairwise
+    sums), whatever |mean|. Without the shift the mean alone is off by up to u |mean| / 2: 0.03 in every d
+    of a float32 row 1e6 + N(0, 1).
     """
     np.subtract(xf, xf[:, :1].astype(d.dtype, copy=False), out=d)  # a constant row is exactly 0 from here on
     d -= row_mean(d)

@@ -84,13 +84,13 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
         so rows beyond 2^40 cannot overflow the float32 statistics; layernorm is scale invariant
         once eps becomes max(eps * s^2, FLT_MIN). Each row is then shifted by its first element x0
         (`shifted`: x s - x0 s in the same VectorE instruction as the scaling; exact for x within a
-        factor of 2 of x0, else off by <= u |x - x0| <= 2u max|x - mean|), so the statistics are of
-        the row's spread and not of its mean: a float32 mean of 1e6 + N(0, 1) would be off by up to
-        0.03 in every x - mean (docs/numerics.md, "Rows with a large common offset"). VectorE
-        bn_stats computes (count, mean, M2) for each 512-element slice in float32 and one bn_aggr
-        merges them into the row mean and variance of the shifted row: one pass, no E[x^2] - E[x]^2
-        cancellation; the centred values then err by <= (log2(N) + 3) u max|x - mean|, whatever
-        |mean|. rstd = rsqrt(var + eps) is one ScalarE
+        factor of 2 of x0, else off by <= u |x - x0| <= 2u D, D = max|x - mean|), so the statistics
+        are of the row's spread and not of its mean: a float32 mean of 1e6 + N(0, 1) would be off by
+        up to 0.03 in every x - mean (docs/numerics.md 3.8). VectorE bn_stats computes (count, mean,
+        M2) for each 512-element slice in float32 and one bn_aggr merges them into the row mean and
+        variance of the shifted row: one pass, no E[x^2] - E[x]^2 cancellation; the centred values
+        then err by <= (2k + 6) u D to first order (k: the error growth of those float32 sums,
+        log2(N) for a tree), whatever |mean|. rstd = rsqrt(var + eps) is one ScalarE
         activation. The affine part is one or two VectorE instructions per chunk:
         scalar_tensor_tensor((x - mean) * w) then scalar_tensor_tensor(. * rstd + b). Weight and bias
         are read from HBM once and replicated across the partitions on TensorE (load_row_broadcast). Rows up
