@@ -52,6 +52,18 @@ def attention(q, k, v, causal=False, scale=None, softcap=None, sliding_window=No
     softmax. sliding_window W (requires causal=True; FlashAttention's window_size=(W - 1, 0)): query i,
     whose causal limit is p = i + Sk - Sq, sees key j iff p - W < j <= p, so W = 1 sees only key p.
 
+    Range (docs/numerics.md 3.9), with M the largest finite value of the accumulation dtype (float32 for 16-
+    and 32-bit inputs, float64 for float64): a query row's output is defined while, for each key it sees,
+    sum_d |q_d| |k_d| max(1, 2|scale|) <= M (no partial sum of a score overflows, unscaled, scaled, or times
+    log2(e) for an exp2), and, per output column, the sum over its visible keys of |v| is <= M (no partial
+    weighted sum of v overflows: the unnormalised weights are <= 1); `range_bounds` computes both. There
+    it is the exact result rounded to the dtype (finite: it is an average of v). float16 inputs are always
+    inside. A score that overflows is ±inf, as torch's float32 attention computes it: a row with a visible
+    +inf score is NaN, a key at -inf gets weight 0 (the exact limit, which the reference agrees with).
+    Between the bound and overflow the result is unspecified. The backward additionally needs the saved
+    float32 lse to pin the probabilities, P = exp(s - lse), to within the tolerance: |lse| u << 1
+    (u = 2^-24), i.e. scores far below 1e5; past that its gradients are unspecified.
+
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
     """
     b = (q, k, v, causal, scale, softcap, sliding_window)
@@ -233,6 +245,14 @@ def matmul(a, b, bias=None, *, backend=None):
 
     16-bit inputs are multiplied with float32 accumulation; K = 0 gives zeros (plus bias).
     A 2-d b is shared by every batch entry of a; a batched b must have a's batch dims exactly.
+
+    Range (docs/numerics.md 3.9): an output element is defined while sum_k |a_ik| |b_kj| + |bias_j|
+    (`accumulation_bound`: no partial sum in any order exceeds it) is at most the largest finite value of
+    the accumulation dtype (float32 for 16- and 32-bit inputs, float64 for float64). There it is the exact
+    result rounded to the output dtype: beyond the dtype's range that is ±inf, as torch's float16 matmul
+    gives inf above 65504. Past the bound the accumulation may overflow: the element is ±inf where every
+    term has one sign (the exact result then overflows too), otherwise unspecified (±inf or NaN, by the
+    order of the sum), as in torch's float32 matmul.
 
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
     """

@@ -202,7 +202,7 @@ class OpSpec:
         the absolute values of its terms, sum_k |a_k b_k| (None for an output that is not one). A norm-wise tolerance
         then also allows one unit roundoff of that magnitude per element: where a sum cancels (sum |terms| >> |sum|),
         every summation order carries errors at that scale, and the verdict would otherwise depend on the order
-        (docs/numerics.md 3.8)."""
+        (docs/numerics.md 3.10)."""
         self._magnitude = fn
         return fn
 

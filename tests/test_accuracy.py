@@ -178,7 +178,7 @@ def test_like_moves_an_output_to_the_references_kind():
 
 
 def test_a_sum_that_cancels_is_allowed_one_roundoff_of_its_magnitude():
-    """docs/numerics.md 3.8: 342 loguniform terms (1e-4 .. 1e4) cancelling in pairs to ~16: a plain sequential float32
+    """docs/numerics.md 3.10: 342 loguniform terms (1e-4 .. 1e4) cancelling in pairs to ~16: a plain sequential float32
     sum errs by 5.4e-3, 300x the norm-wise table's 1e-5 of |r|, inside one roundoff of sum |terms| (1.1e-2)."""
     from opport.accuracy import compare, sum_allowance
     from opport.spec import Tolerance

@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from opport import casegen as cg
+from opport.dtypes import finfo
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.spec import (
     Case,
@@ -32,6 +33,7 @@ NAME = "attention"
 # scales near the bound (1/sqrt(D), 1, 1/D; a temperature of 0.01 gives 100·(1/sqrt(D))).
 SCALE_MAX = 1e4
 WINDOW_MAX = 2**31 - 1  # kernels index keys in int32
+SCALE_RULE = "scale is None or a finite real scalar (Python or NumPy, not an array or tensor), abs(scale) <= 1e4"
 
 
 @op(
@@ -45,7 +47,7 @@ WINDOW_MAX = 2**31 - 1  # kernels index keys in int32
         "attention.head_dim": "k.shape[-1] == q.shape[-1] = D >= 1",
         "attention.kv_seq": "k and v have the same key length Sk",
         "attention.causal": "causal is True or False",
-        "attention.scale": "scale is None or a finite number, abs(scale) <= 1e4",
+        "attention.scale": SCALE_RULE,
         "attention.softcap": "softcap is None or a finite number > 0",
         "attention.sliding_window": "sliding_window is None or an int, 1 <= W <= 2**31 - 1, given with causal=True",
     },
@@ -64,6 +66,18 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, softcap
     softcap c (Gemma 2, FlashAttention's softcap): the scaled scores s become c·tanh(s / c) before the
     softmax. sliding_window W (requires causal=True; FlashAttention's window_size=(W - 1, 0)): query i,
     whose causal limit is p = i + Sk - Sq, sees key j iff p - W < j <= p, so W = 1 sees only key p.
+
+    Range (docs/numerics.md 3.9), with M the largest finite value of the accumulation dtype (float32 for 16-
+    and 32-bit inputs, float64 for float64): a query row's output is defined while, for each key it sees,
+    sum_d |q_d| |k_d| max(1, 2|scale|) <= M (no partial sum of a score overflows, unscaled, scaled, or times
+    log2(e) for an exp2), and, per output column, the sum over its visible keys of |v| is <= M (no partial
+    weighted sum of v overflows: the unnormalised weights are <= 1); `range_bounds` computes both. There
+    it is the exact result rounded to the dtype (finite: it is an average of v). float16 inputs are always
+    inside. A score that overflows is ±inf, as torch's float32 attention computes it: a row with a visible
+    +inf score is NaN, a key at -inf gets weight 0 (the exact limit, which the reference agrees with).
+    Between the bound and overflow the result is unspecified. The backward additionally needs the saved
+    float32 lse to pin the probabilities, P = exp(s - lse), to within the tolerance: |lse| u << 1
+    (u = 2^-24), i.e. scores far below 1e5; past that its gradients are unspecified.
     """
     check_float(NAME, "q", q)
     check_same_dtype(NAME, "q", q, k=k, v=v)
@@ -78,15 +92,24 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, softcap
           f"head dim D = {q.shape[3]} (as q), >= 1", k.shape)
     check(v.shape[2] == k.shape[2], ShapeError, NAME, "v", "attention.kv_seq", f"Sk = {k.shape[2]} (as k)", v.shape)
     check_bool(NAME, "causal", causal)
-    ok = scale is None or (isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool) and math.isfinite(scale)
-                           and abs(scale) <= SCALE_MAX)
-    check(ok, ArgumentError, NAME, "scale", "attention.scale", f"None or a finite number, abs(scale) <= {SCALE_MAX:g}",
-          repr(scale))
+    check_scale(NAME, scale)
     check_softcap_window(NAME, softcap, sliding_window, causal)
 
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool)
+
+
+def check_scale(name: str, scale) -> None:
+    """`<name>.scale` (shared by attention, varlen_attention and paged_attention): None, or a finite real scalar with
+    |scale| <= SCALE_MAX. An array or tensor of any shape is refused, a 1-element one included: a scale multiplies
+    every score of every head, and an array there is a per-head or per-batch scale mistaken for one, or a device
+    value that would need a synchronisation to read. (A 0-d NumPy array reaches this check as its Python scalar:
+    the dispatcher passes NumPy scalars and 0-d arrays in scalar positions as Python scalars, for every op.)"""
+    ok = scale is None or (_is_number(scale) and math.isfinite(scale) and abs(scale) <= SCALE_MAX)
+    got = f"{type(scale).__name__} of shape {tuple(scale.shape)}" if hasattr(scale, "shape") and not ok else repr(scale)
+    check(ok, ArgumentError, name, "scale", f"{name}.scale",
+          f"None or a finite real scalar (not an array or tensor), abs(scale) <= {SCALE_MAX:g}", got)
 
 
 def check_softcap_window(name: str, softcap, sliding_window, causal: bool) -> None:
@@ -116,6 +139,30 @@ def visible_keys(sq: int, sk: int, causal: bool, window: int | None = None) -> n
     """For each query row, how many keys it sees."""
     lo, hi = visible_range(sq, sk, causal, window)
     return hi - lo
+
+
+def range_bounds(q, k, v, causal: bool = False, scale=None, sliding_window=None) -> tuple:
+    """(scores, values) in float64 for the op's Range: the largest sum_d |q_d| |k_d| max(1, 2|scale|) over the
+    (query, key) pairs that are visible, and the largest sum of |v| over one row's visible keys (per output
+    column). Both at most M, the accumulation dtype's largest finite value: defined."""
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    if sq == 0 or sk == 0:
+        return 0.0, 0.0
+    g = hq // k.shape[1]
+    qa = np.abs(np.asarray(q, np.float64))
+    ka = np.repeat(np.abs(np.asarray(k, np.float64)), g, axis=1)
+    va = np.repeat(np.abs(np.asarray(v, np.float64)), g, axis=1)
+    factor = max(1.0, 2 * abs(1.0 / math.sqrt(d) if scale is None else scale))
+    lo, hi = visible_range(sq, sk, causal, sliding_window)
+    scores = values = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i in range(sq):
+            if hi[i] > lo[i]:
+                keys = slice(lo[i], hi[i])
+                scores = max(scores, float(np.einsum("bhd,bhkd->bhk", qa[:, :, i], ka[:, :, keys]).max()) * factor)
+                values = max(values, float(va[:, :, keys].sum(axis=2).max()))
+    return scores, values
 
 
 def capped(s: np.ndarray, softcap) -> np.ndarray:
@@ -239,6 +286,45 @@ def _cases(dtype):
     yield _nonfinite_v_on_diagonal(dtype)
     yield _nonfinite_visible(dtype)
     yield from _softcap_window_cases(dtype)
+    yield from _range_cases(dtype)
+
+
+def _range_cases(dtype):
+    """The edge of the op's Range (docs/numerics.md 3.9), whose backward stays defined too. "near-max-qk": q, k of
+    random signs with range_bounds' scores at 0.9 M (float16: q, k up to 65504, whose products would overflow a
+    float16 score), under a tiny scale that leaves the scaled scores std ~3. "near-max-v": q = k = 0 (uniform
+    weights) and v with range_bounds' values at 0.9 M (float16: v up to 65504): the output is the mean of v.
+    "past-max-negative": two of three keys score about -6 M (every product one sign), which overflows to -inf
+    and gets weight 0, the exact limit too; every row also sees moderate keys. "past-max-softcap": those keys at
+    +6 M under a soft cap: +inf capped to the cap, as the exact score is."""
+    rng = cg.rng_for(NAME, "range", dtype)
+    big = float(np.finfo(np.float64 if dtype == "float64" else np.float32).max)
+    wide = dtype != "float16"  # float16's products cannot reach float32's maximum
+
+    def signed(*shape):
+        return rng.uniform(0.5, 1, shape) * rng.choice([-1, 1], shape)
+
+    uq, uk = signed(1, 2, 16, 32), signed(1, 1, 24, 32)
+    c = math.sqrt(0.9 * big / range_bounds(uq, uk, uk, True, 1e-30)[0]) if wide else float(finfo(dtype).max)
+    q, k = cg.cast(uq * c, dtype), cg.cast(uk * c, dtype)
+    s = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64) / c, np.repeat(k.astype(np.float64) / c, 2, axis=1))
+    v = cg.cast(rng.standard_normal((1, 1, 24, 32)) * 10, dtype)
+    yield Case("near-max-qk", (q, k, v), {"causal": True, "scale": 3.0 / (float(s.std()) * c * c)}, ("edge",))
+    vv = signed(1, 1, 128, 8)
+    scale_v = 0.9 * big / np.abs(vv).sum(axis=2).max() if wide else float(finfo(dtype).max)
+    zeros = cg.cast(np.zeros((1, 2, 4, 8)), dtype)
+    yield Case("near-max-v", (zeros, zeros[:, :1].repeat(32, axis=2), cg.cast(vv * scale_v, dtype)),
+               {"causal": False, "scale": None}, ("edge",))
+    if dtype in ("float32", "bfloat16"):  # (float64 scores of -6 M: NumPy's own einsum returns NaN)
+        cq = math.sqrt(2 * big / 32)  # |q . k| = 32 cq^2 u^2 >= 2 M for the far keys
+        q = cg.cast(rng.uniform(1, 2, (1, 2, 12, 32)) * cq, dtype)
+        far = np.arange(20) % 3 != 0
+        k = np.where(far[:, None], -2 * cq, rng.standard_normal((20, 32)) / (4 * cq))[None, None]
+        v = cg.cast(rng.standard_normal((1, 1, 20, 16)), dtype)
+        yield Case("past-max-negative", (q, cg.cast(k, dtype), v), {"causal": True, "scale": 1.0}, ("edge",))
+        # the far keys at +6 M instead: +inf, capped to exactly the cap as the exact score is
+        yield Case("past-max-softcap", (q, cg.cast(np.abs(k), dtype), v), {"causal": True, "scale": 1.0, "softcap": 8.0},
+                   ("edge",))
 
 
 def _softcap_window_cases(dtype):
@@ -327,6 +413,8 @@ def _error_cases():
     yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": "0.1"})
     yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": 1e300})  # issue 15 item 3
     yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": -2e4})
+    for bad in (np.array([0.5]), np.array([[0.5]]), np.full(4, 0.5), [0.5]):  # a 1-element array is not a scalar
+        yield ErrorCase("attention.scale", ArgumentError, (q, k, v), {"scale": bad})
     for bad in (0.0, -1.0, float("inf"), float("nan"), True, "50"):
         yield ErrorCase("attention.softcap", ArgumentError, (q, k, v), {"softcap": bad})
     for bad in (0, -3, 2.5, True, 2**31):

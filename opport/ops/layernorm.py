@@ -59,10 +59,11 @@ def _normalised(x, eps):
     so that xhat = (x s - mean(x s)) / std. The forward and its VJP share this definition."""
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         s = row_scale(x, 2.0**400)  # float64 squares overflow near 1.3e154
-        xs = x * s
-        mean = np.mean(xs, axis=-1, keepdims=True)
-        mean += np.mean(xs - mean, axis=-1, keepdims=True)  # one refinement: a constant row centres to exactly 0
-        d = xs - mean
+        # shifted by the row's first element (exact near it): float64 inputs with a mean >> spread keep their digits
+        c = x * s - x[..., :1] * s
+        mean = np.mean(c, axis=-1, keepdims=True)
+        mean += np.mean(c - mean, axis=-1, keepdims=True)  # one refinement: a constant row centres to exactly 0
+        d = c - mean
         var = np.mean(d * d, axis=-1, keepdims=True)
         std = np.sqrt(var + _scaled_eps(s, eps))
         return d / std, std, s
@@ -94,6 +95,18 @@ def _case(name, dtype, shape, dist="normal", scale=1.0, weight=True, bias=True, 
     return Case(name, (x, w, b), {"eps": eps}, tags)
 
 
+# (offset, spread) of "large-offset" per dtype: a float32 mean of 1e6 + N(0, 1) is off by up to 0.03 in every
+# x - mean (docs/numerics.md 3.8); float64 (cpu) likewise at 1e15 (ulp 0.125).
+# A 16-bit row can hold only a few bits of spread under its offset: here one standard deviation is 8 ulps of
+# the offset (offset / spread 250 in float16, 31 in bfloat16), which float32 statistics must keep.
+_LARGE_OFFSET = {"float32": (1e6, 1.0), "float64": (1e15, 1.0), "float16": (2000.0, 8.0), "bfloat16": (2000.0, 64.0)}
+
+
+def _large_offset(dtype):
+    shift, spread = _LARGE_OFFSET[dtype]
+    return _case("large-offset", dtype, (8, 1000), scale=spread, shift=shift, tags=("edge",))
+
+
 @layernorm.cases
 def _cases(dtype):
     big = 13437.7 if dtype == "float16" else 4988429.2
@@ -114,6 +127,7 @@ def _cases(dtype):
     consts = cg.cast(np.repeat([[-3.0], [0.1], [1e3], [big]], 64, axis=1), dtype)
     yield Case("constant-rows", (consts, None, None), {"eps": 1e-5}, ("edge",))
     yield _case("offset-rows", dtype, (4, 256), shift=8.0, tags=("edge",))  # mean >> std: the centring matters
+    yield _large_offset(dtype)
     yield _case("large", dtype, (4, 256), scale=big, tags=("edge",))
     yield _case("tiny", dtype, (4, 256), scale=1e-4, tags=("edge",))
     yield _case("eps-dominates", dtype, (4, 64), scale=1e-3, eps=0.5)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from opport import casegen as cg
+from opport.dtypes import finfo
 from opport.errors import ShapeError
 from opport.spec import (
     Case,
@@ -41,6 +42,14 @@ def matmul(a, b, bias=None):
 
     16-bit inputs are multiplied with float32 accumulation; K = 0 gives zeros (plus bias).
     A 2-d b is shared by every batch entry of a; a batched b must have a's batch dims exactly.
+
+    Range (docs/numerics.md 3.9): an output element is defined while sum_k |a_ik| |b_kj| + |bias_j|
+    (`accumulation_bound`: no partial sum in any order exceeds it) is at most the largest finite value of
+    the accumulation dtype (float32 for 16- and 32-bit inputs, float64 for float64). There it is the exact
+    result rounded to the output dtype: beyond the dtype's range that is ±inf, as torch's float16 matmul
+    gives inf above 65504. Past the bound the accumulation may overflow: the element is ±inf where every
+    term has one sign (the exact result then overflows too), otherwise unspecified (±inf or NaN, by the
+    order of the sum), as in torch's float32 matmul.
     """
     check_float(NAME, "a", a)
     check_same_dtype(NAME, "a", a, b=b, bias=bias)
@@ -53,6 +62,15 @@ def matmul(a, b, bias=None):
     if bias is not None:
         check(bias.shape == (b.shape[-1],), ShapeError, NAME, "bias", "matmul.bias_shape", f"({b.shape[-1]},) = (N,)",
               bias.shape)
+
+
+def accumulation_bound(a, b, bias=None) -> np.ndarray:
+    """Per output element, sum_k |a_ik| |b_kj| + |bias_j| in float64: the largest magnitude any partial sum of
+    the element can reach, in any order. The result is defined where it is at most the accumulation dtype's
+    largest finite value (the op's Range)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.matmul(np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64)))
+        return out if bias is None else out + np.abs(np.asarray(bias, np.float64))
 
 
 @matmul.reference
@@ -107,6 +125,34 @@ def _cases(dtype):
     yield _case("heavy-tails", dtype, (64, 64), (64, 64), dist="heavy")
     yield _with_specials(_case("nan-inf-rows", dtype, (17, 64), (64, 17), dist="uniform", scale=(1.0, 1.0), tags=("edge",)),
                          dtype)
+    yield from _range_cases(dtype)
+
+
+def _range_cases(dtype):
+    """The edge of the op's Range (docs/numerics.md 3.9). "near-max": just inside, finite and accurate on every
+    backend (accumulation_bound up to 0.9 of the accumulation dtype's maximum; float16: results of exactly
+    ±65504 in exact arithmetic). "past-max": every product of a sum one sign and the exact result twice the
+    output dtype's maximum (float16: ±65536): ±inf, as the rounded reference."""
+    rng = cg.rng_for(NAME, "range", dtype)
+    if dtype == "float16":
+        # rows of ±32 against columns of 2047/64 give ±65504 exactly (every partial sum exact in float32), and
+        # columns of 32 give ±65536 -> ±inf; the other columns are random (|result| ~ 5e3)
+        a = np.where(np.arange(8)[:, None] % 2, -32.0, 32.0) * np.ones((8, 64))
+        rand = rng.uniform(-32, 32, (64, 12))
+        for name, edge in (("near-max", 2047 / 64), ("past-max", 32.0)):
+            b = np.concatenate([np.full((64, 4), edge), rand], axis=1)
+            yield Case(name, (cg.cast(a, dtype), cg.cast(b, dtype), None), {}, ("edge",))
+        return
+    big = float(finfo(dtype).max)  # bfloat16's is float32's, to 0.4%
+    ua, ub = rng.uniform(0.5, 1, (17, 64)) * rng.choice([-1, 1], (17, 64)), rng.uniform(0.5, 1, (64, 17))
+    ub = ub * rng.choice([-1, 1], (64, 17))
+    c = np.sqrt(0.85 * big / accumulation_bound(ua, ub).max())
+    bias = rng.uniform(-0.05, 0.05, 17) * big
+    yield Case("near-max", (cg.cast(ua * c, dtype), cg.cast(ub * c, dtype), cg.cast(bias, dtype)), {}, ("edge",))
+    c = np.sqrt(2 * big / 64)  # every sum: 64 products of one sign, twice the maximum in all
+    signs = np.where(np.arange(17) % 2, -1.0, 1.0)
+    yield Case("past-max", (cg.cast(np.full((17, 64), c), dtype), cg.cast(np.full((64, 17), c) * signs, dtype), None), {},
+               ("edge",))
 
 
 @matmul.strategy
@@ -190,7 +236,7 @@ def _backward_reference(grad, a, b, bias):
     return da, db, dbias
 
 
-# docs/numerics.md 3.8: each output is a sum; its sum |terms| is the same product of absolute values
+# docs/numerics.md 3.10: each output is a sum; its sum |terms| is the same product of absolute values
 @matmul.magnitude
 def _magnitude(a, b, bias):
     return _reference(np.abs(a), np.abs(b), None if bias is None else np.abs(bias))
@@ -236,6 +282,18 @@ def _backward_cases(dtype):
                      rng.standard_normal((17, 17)) * big)
     g = rng.standard_normal((3, 33, 17))  # [..., N, M] memory: a transposed (non-contiguous) upstream gradient
     yield Case("strided-grad", (cg.cast(g, dtype).swapaxes(-1, -2), *fwd.args), {}, ())
+    yield _near_max_grad(dtype, rng)
+
+
+def _near_max_grad(dtype: str, rng) -> Case:
+    """da = grad b^T and db = a^T grad are matmuls with the forward's Range: a, b and grad of random signs with each
+    gradient's accumulation_bound (and the forward's) up to 0.85 of the dtype's maximum (which for float16 is
+    far inside float32's: its gradients then stay finite too)."""
+    a, b, g = (rng.uniform(0.5, 1, s) * rng.choice([-1, 1], s) for s in ((17, 16), (16, 17), (17, 17)))
+    worst = max(accumulation_bound(a, b).max(), accumulation_bound(g, b.T).max(), accumulation_bound(a.T, g).max())
+    c = np.sqrt(0.85 * float(finfo(dtype).max) / worst)
+    fwd = Case("near-max-grad", (cg.cast(a * c, dtype), cg.cast(b * c, dtype), cg.cast(rng.standard_normal(17), dtype)), {})
+    return _grad_case("near-max-grad", dtype, fwd, g * c)
 
 
 @matmul_backward.mutant("db-of-last-batch")

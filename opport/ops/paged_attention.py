@@ -8,16 +8,15 @@ import numpy as np
 
 from opport import casegen as cg
 from opport.errors import ArgumentError, DTypeError, ShapeError
-from opport.ops.attention import SCALE_MAX
+from opport.ops.attention import SCALE_RULE, check_scale
 from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_float, check_ndim, check_same_dtype, op
 
 NAME = "paged_attention"
 INDEX_DTYPE = "int32"  # block tables and context lengths, as vLLM passes them
 
 
-def _scalar_ok(x, positive: bool) -> bool:
-    ok = isinstance(x, (int, float, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
-    return ok and (x > 0 if positive else abs(x) <= SCALE_MAX)
+def _positive(x) -> bool:
+    return isinstance(x, (int, float, np.floating)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 @op(
@@ -32,7 +31,7 @@ def _scalar_ok(x, positive: bool) -> bool:
         "paged_attention.head_dim": "k_cache.shape[-1] == q.shape[-1] = D >= 1",
         "paged_attention.cache_shape": "k_cache and v_cache share num_blocks and block_size >= 1",
         "paged_attention.index_dtype": "block_tables and context_lens are int32",
-        "paged_attention.scale": "scale is None or a finite number, abs(scale) <= 1e4",
+        "paged_attention.scale": SCALE_RULE,
         "paged_attention.softcap": "softcap is None or a finite number > 0",
         "paged_attention.sliding_window": "sliding_window is None or an int >= 1",
         "paged_attention.context_range": "0 <= context_lens[b] <= max_blocks * block_size",
@@ -72,9 +71,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: floa
           f"{NAME}.cache_shape", f"[{k_cache.shape[0]}, {k_cache.shape[1]} >= 1, ...] (as k_cache)", v_cache.shape)
     for arg, m in (("block_tables", block_tables), ("context_lens", context_lens)):
         check(m.dtype == INDEX_DTYPE, DTypeError, NAME, arg, f"{NAME}.index_dtype", INDEX_DTYPE, m.dtype)
-    check(scale is None or _scalar_ok(scale, False), ArgumentError, NAME, "scale", f"{NAME}.scale",
-          f"None or a finite number, abs(scale) <= {SCALE_MAX:g}", repr(scale))
-    check(softcap is None or _scalar_ok(softcap, True), ArgumentError, NAME, "softcap", f"{NAME}.softcap",
+    check_scale(NAME, scale)
+    check(softcap is None or _positive(softcap), ArgumentError, NAME, "softcap", f"{NAME}.softcap",
           "None or a finite number > 0", repr(softcap))
     ok = sliding_window is None or isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool) \
         and sliding_window >= 1
@@ -264,6 +262,8 @@ def _error_cases():
     yield ErrorCase(f"{NAME}.index_dtype", DTypeError, (q, kc, vc, bt.astype(np.int64), lens))
     yield ErrorCase(f"{NAME}.index_dtype", DTypeError, (q, kc, vc, bt, lens.astype(np.float32)))
     yield ErrorCase(f"{NAME}.scale", ArgumentError, (q, kc, vc, bt, lens), {"scale": float("nan")})
+    for bad in (np.array([0.5]), [0.5]):  # a 1-element array is not a scalar
+        yield ErrorCase(f"{NAME}.scale", ArgumentError, (q, kc, vc, bt, lens), {"scale": bad})
     yield ErrorCase(f"{NAME}.softcap", ArgumentError, (q, kc, vc, bt, lens), {"softcap": 0.0})
     yield ErrorCase(f"{NAME}.softcap", ArgumentError, (q, kc, vc, bt, lens), {"softcap": float("inf")})
     yield ErrorCase(f"{NAME}.sliding_window", ArgumentError, (q, kc, vc, bt, lens), {"sliding_window": 0})

@@ -27,7 +27,7 @@ NAME = "varlen_attention"
         "varlen_attention.cu_shape": "cu_seqlens_q and cu_seqlens_k are 1-d of the same length B + 1 >= 1",
         "varlen_attention.cu_values": "each cu_seqlens starts at 0, never decreases and ends at its T (Tq, Tk)",
         "varlen_attention.causal": "causal is True or False",
-        "varlen_attention.scale": "scale is None or a finite number, abs(scale) <= 1e4",
+        "varlen_attention.scale": dense.SCALE_RULE,
         "varlen_attention.softcap": "softcap is None or a finite number > 0",
         "varlen_attention.sliding_window": "sliding_window is None or an int, 1 <= W <= 2**31 - 1, given with causal=True",
     },
@@ -59,9 +59,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
     check(cu_seqlens_k.shape == cu_seqlens_q.shape, ShapeError, NAME, "cu_seqlens_k", f"{NAME}.cu_shape",
           f"{cu_seqlens_q.shape} (as cu_seqlens_q)", cu_seqlens_k.shape)
     check_bool(NAME, "causal", causal)
-    ok = scale is None or (dense._is_number(scale) and math.isfinite(scale) and abs(scale) <= dense.SCALE_MAX)
-    check(ok, ArgumentError, NAME, "scale", f"{NAME}.scale", f"None or a finite number, abs(scale) <= {dense.SCALE_MAX:g}",
-          repr(scale))
+    dense.check_scale(NAME, scale)
     dense.check_softcap_window(NAME, softcap, sliding_window, causal)
 
 
@@ -195,6 +193,8 @@ def _error_cases():
     yield ErrorCase(f"{NAME}.cu_values", ArgumentError, (q, k, v, c, np.array([0, 5, 13], np.int32)))  # beyond Tk
     yield ErrorCase(f"{NAME}.causal", ArgumentError, (q, k, v, c, ck), {"causal": 1})
     yield ErrorCase(f"{NAME}.scale", ArgumentError, (q, k, v, c, ck), {"scale": float("nan")})
+    for bad in (np.array([0.5]), [0.5]):  # a 1-element array is not a scalar
+        yield ErrorCase(f"{NAME}.scale", ArgumentError, (q, k, v, c, ck), {"scale": bad})
     yield ErrorCase(f"{NAME}.softcap", ArgumentError, (q, k, v, c, ck), {"softcap": 0.0})
     yield ErrorCase(f"{NAME}.sliding_window", ArgumentError, (q, k, v, c, ck), {"causal": True, "sliding_window": 0})
     yield ErrorCase(f"{NAME}.sliding_window", ArgumentError, (q, k, v, c, ck), {"sliding_window": 8})

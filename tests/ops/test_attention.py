@@ -235,3 +235,20 @@ def test_cost_counts_window_pairs():
     metas = [NumpyAdapter.meta(np.ones(s, np.float16)) for s in ((1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))]
     windowed = spec.get_cost(*metas, causal=True, sliding_window=3)
     assert windowed.flops == 4 * 1 * 4 * (1 + 2 + 3 * 6) * 16  # rows see 1, 2, then 3 keys each
+
+
+@pytest.mark.parametrize("op", ["attention", "varlen_attention", "paged_attention"])
+def test_scale_is_a_scalar_not_an_array_or_tensor(op):
+    torch = pytest.importorskip("torch")
+    from opport.ops import get_op
+
+    spec_ = get_op(op)
+    case = next(iter(spec_.get_cases("float32")))
+    fn = getattr(opport, op)
+    want = fn(*case.args, **{**case.kwargs, "scale": 0.5})
+    for same in (np.float32(0.5), np.array(0.5)):  # NumPy scalars, and 0-d arrays as everywhere in opport
+        np.testing.assert_array_equal(fn(*case.args, **{**case.kwargs, "scale": same}), want)
+    for bad in (np.array([0.5]), np.array([[0.5]]), torch.tensor(0.5), torch.tensor([0.5]), [0.5]):
+        with pytest.raises(opport.ArgumentError) as info:
+            fn(*case.args, **{**case.kwargs, "scale": bad})
+        assert info.value.constraint == f"{op}.scale" and info.value.arg == "scale"

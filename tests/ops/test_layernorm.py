@@ -48,6 +48,22 @@ def test_large_mean_small_spread_is_centred_accurately():
     assert np.max(np.abs(got - want)) < 1e-5  # a one-pass float32 mean is off by ~5e-5 here (torch: 7e-5)
 
 
+@pytest.mark.parametrize(("dtype", "offset"), [("float32", 1e6), ("float64", 1e15)])
+def test_large_common_offset_forward_and_backward(dtype, offset):
+    # the mean of offset + N(0, 1) rounds by up to half an ulp of the offset (0.03 at 1e6 in float32, 0.06 at 1e15
+    # in float64): every x - mean was off by that before the rows were shifted by their first element
+    from opport.dispatch import call
+    from opport.ops.layernorm import layernorm_backward
+
+    rng = np.random.default_rng(11)
+    x, g = (offset + rng.standard_normal((4, 1000))).astype(dtype), rng.standard_normal((4, 1000)).astype(dtype)
+    w = rng.uniform(-2, 2, 1000).astype(dtype)
+    want = spec.run_reference(x, w, w)
+    assert np.max(np.abs(opport.layernorm(x, w, w) - want)) < 1e-5
+    for got, ref in zip(call(layernorm_backward, (g, x, w, w, 1e-5), "cpu"), layernorm_backward.run_reference(g, x, w, w)):
+        assert np.max(np.abs(got - ref)) < 1e-5 * max(1.0, np.max(np.abs(ref)))
+
+
 def test_views_and_public_call():
     rng = np.random.default_rng(8)
     x = rng.standard_normal((10, 16)).astype(np.float32)

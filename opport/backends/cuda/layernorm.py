@@ -40,9 +40,12 @@ def _layernorm_kernel(
     """y = (x - mean) / sqrt(var + eps) * w + b over each row, population variance.
 
     Dimensions: x, out [n_rows, n_cols] strided views; w, b [n_cols].
-    Notes: statistics are of x shifted by its row's first element x0 (exact for constant rows, and
-    no loss when mean >> std), then two-pass: the variance is the mean of squared deviations (no
-    E[x^2] - E[x]^2 cancellation). Rows are divided by s, a power of two near max|x| when that is
+    Notes: statistics are of x shifted by its row's first element x0 (docs/numerics.md 3.8): x/s - x0/s
+    is exact for x within a factor of 2 of x0 (Sterbenz) and for constant rows, and otherwise errs by
+    <= u |x - x0| / s <= 2u D / s (D = max|x - mean|), so the centred values err by <= (2k + 6) u D / s
+    whatever |mean| (k = log2(n) for whole rows' tree sums, n / BLOCK_N + log2(BLOCK_N) chunked); a plain
+    float32 mean would be off by up to u |mean| / 2 (0.03 at 1e6). Then two-pass: the variance is the
+    mean of squared deviations (no E[x^2] - E[x]^2 cancellation). Rows are divided by s, a power of two near max|x| when that is
     >= 2 (exact), with eps / s**2 in place of eps: layernorm is scale invariant, and float32 squares
     then never overflow. SINGLE keeps the row in registers (one read); otherwise three passes over
     L2-resident chunks: running s and shifted sum (rescaled when s grows), squared deviations, output.
