@@ -64,7 +64,7 @@ FUSED = [s for s in DIFFERENTIABLE if s.value_and_grad_op is not None]
 def test_value_and_grad_reference_is_the_forward_and_its_unit_vjp(spec):
     """The fused value-and-grad's float64 reference: output 0 is the forward's reference bit for bit, and each
     gradient agrees with central finite differences of the forward along random directions (upstream 1),
-    and with the backward's reference at grad = 1 on the unrounded statistics."""
+    and with the backward's reference at grad = 1 on the unrounded statistics (to float64's rounding)."""
     from tests.ops._grad import _fd_try, _steps, as64, backward_args64
 
     vag, bwd = spec.value_and_grad_op, spec.backward_op
@@ -73,8 +73,11 @@ def test_value_and_grad_reference_is_the_forward_and_its_unit_vjp(spec):
         out, *grads = vag.run_reference(*bound)
         np.testing.assert_array_equal(out, spec.run_reference(*bound))
         ones = np.ones(np.shape(out))
-        for got, want in zip(grads, bwd.run_reference(*backward_args64(bwd, bound, ones))):
-            np.testing.assert_array_equal(got, want)
+        # float64 rounding apart: the fused reference may form x - lse as (x - m) - log(s) (cross_entropy's), which
+        # keeps log(s) beside |m| ~ 1e38 where one float64 lse cannot (docs/numerics.md 3.5.1): no comparison there
+        near_max = case.name.startswith("near-max")
+        for got, want in zip(grads, () if near_max else bwd.run_reference(*backward_args64(bwd, bound, ones))):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
         rng = np.random.default_rng(0)
         for name, dx in zip(vag.wrt, grads):
             i = spec.params.index(name)
