@@ -151,9 +151,9 @@ def ulp_of(r, dtype: str):
 def compare(out, ref, tol, out_dtype: str, override: bool = False, cancel=None) -> Verdict:
     """Special values exactly, then finite values under `tol` (a spec.Tolerance); see the module docstring.
 
-    `override`: `tol` is the case's own tolerance (rule 6 is then the case author's call). `cancel`: for a
-    norm-wise output that is a sum, one unit roundoff of sum |terms| per element (`sum_allowance`), added to the
-    allowance: what any summation order may lose where the sum cancels.
+    `override`: `tol` is the case's own tolerance (rule 6 is then the case author's call). `cancel`: for an
+    output that is a sum (norm-wise or element-wise), one unit roundoff of sum |terms| per element (`sum_allowance`),
+    added to the allowance: what any summation order may lose where the sum cancels.
     """
     if tuple(out.shape) != tuple(ref.shape):  # never let broadcasting judge a wrong shape
         return Verdict(False, {}, f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
@@ -229,6 +229,8 @@ def _allowance(ops, err, r, fin, tol, dtype: str, override: bool = False, cancel
                 allowed = allowed + (ops.f64(cancel) if ops is _NumpyOps else ops.xp.as_tensor(cancel).to(allowed))
         elif tol.metric == "elementwise":
             allowed = _rule6_atol(tol, maxr, override) + tol.rtol * absr
+            if cancel is not None:
+                allowed = allowed + (ops.f64(cancel) if ops is _NumpyOps else ops.xp.as_tensor(cancel).to(allowed))
             # the correctly rounded result always passes: where rule 6 caps atol below the dtype's own spacing
             # (outputs near or under a 16-bit dtype's subnormals), rounding alone must not fail a kernel
             allowed = xp.maximum(allowed, 0.5 * ulp_of(xp.where(fin, r, 0.0), dtype))
@@ -298,7 +300,10 @@ def noise_floor(out: np.ndarray, ref: np.ndarray, base: np.ndarray, tol, out_dty
         return Verdict(True, {"rmse_base": _num(rmse_base), "rmse_ratio": _num(rmse / rmse_base) if rmse_base > 0 else None})
     m = FLOOR_MULT.get(out_dtype, FLOOR_MULT_LOW) if r.size >= FLOOR_SMALL else FLOOR_MULT_LOW
     scale = float(np.abs(rf).max()) if tol.metric == "normwise" else _rms(rf)
-    extra = float(np.max(np.asarray(cancel)[fin])) if cancel is not None and tol.metric == "normwise" else 0.0
+    extra = 0.0
+    if cancel is not None and tol.metric != "ulp_or_abs":  # the same statistic as the tolerance's |r| term
+        c = np.asarray(cancel, np.float64)[fin]
+        extra = float(c.max()) if tol.metric == "normwise" else _rms(c)
     allowance = m * rmse_base + (tol.atol + tol.rtol * scale + extra) / 10.0
     metrics = {"rmse_base": _num(rmse_base), "rmse_ratio": _num(rmse / rmse_base) if rmse_base > 0 else None,
                "floor_ratio": _num(rmse / allowance) if allowance > 0 else (0.0 if rmse == 0 else None)}

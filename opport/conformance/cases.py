@@ -28,8 +28,8 @@ TIERS = {
     "smoke": {"examples": 10, "examples_emulated": 3, "hyp_max": 1 << 16, "hyp_max_emulated": 1 << 12,
               "case_max": 1 << 16, "case_max_emulated": 1 << 14, "layout_max": 1 << 14, "rotate": False,
               "skip_tags": ("large", "slow")},
-    "fast": {"examples": 100, "examples_emulated": 100, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 15,
-             "case_max_emulated": 1 << 18, "layout_max": 1 << 16, "layout_max_emulated": 1 << 14, "rotate": True,
+    "fast": {"examples": 100, "examples_emulated": 25, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 13,
+             "case_max_emulated": 1 << 16, "layout_max": 1 << 16, "layout_max_emulated": 1 << 14, "rotate": True,
              "rotate_max_emulated": 4,
              "skip_tags": ("large", "slow")},
     "full": {"examples": 1000, "examples_emulated": 1000, "hyp_max": None, "hyp_max_emulated": 1 << 20,
@@ -177,19 +177,19 @@ def hypothesis_cases(spec: OpSpec, dtype: str, sel: Selection) -> list[Case]:
     if strategy is None or n <= 0:
         return []
     cap = sel.knob("hyp_max")
-    drawn = draw_examples(strategy, 2 * n if cap else n, sel.seed)
-    kept = [c for c in drawn if cap is None or elements(c) <= cap][:n]
-    return kept
+    return draw_examples(strategy, 2 * n if cap else n, sel.seed, keep=lambda c: cap is None or elements(c) <= cap,
+                         stop=n)
 
 
-def draw_examples(strategy, n: int, seed: int) -> list:
+def draw_examples(strategy, n: int, seed: int, keep=lambda case: True, stop: int | None = None) -> list:
     """Examples 0..n-1 of `strategy`: 0 is its simplest example, i > 0 a random draw from Random(f"{seed}:{i}").
 
     Each draw is independent of n and of the others (Hypothesis's engine, by contrast, adapts what it
     generates to max_examples, so 6 examples are not the first 6 of 200), and of which modules are imported:
     Hypothesis mixes constants found in the importing code's modules into its draws (`_get_local_constants`),
     which made the gate draw different examples on different machines; here that pool is empty. A draw
-    the strategy rejects (filter, assume) is left out. Names repeated by earlier draws get `~<i>`.
+    the strategy rejects (filter, assume) or `keep` refuses is left out; drawing ends once `stop` are kept.
+    Names repeated by earlier draws get `~<i>`.
     """
     from random import Random
 
@@ -212,10 +212,13 @@ def draw_examples(strategy, n: int, seed: int) -> list:
                     case = data.draw(strategy)
             except (StopTest, UnsatisfiedAssumption):  # rejected by a filter or assume()
                 continue
-            if case.name in seen:
+            if case.name in seen:  # named before `keep`: a draw's name is the same in every tier
                 case.name = f"{case.name}~{i}"
             seen.add(case.name)
-            out.append(case)
+            if keep(case):
+                out.append(case)
+            if stop is not None and len(out) >= stop:
+                break
     finally:
         providers._get_local_constants = saved
         providers.CONSTANTS_CACHE.cache.clear()
