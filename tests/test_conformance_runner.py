@@ -349,4 +349,4 @@ def test_smoke_tier_is_a_sample_of_fast():
         smoke, fast = ({it.name for it in items_for(spec, "x", "float32", Selection(tier, emulated=emulated))}
                        for tier in ("smoke", "fast"))
         fixed = lambda names: {n for n in names if not n.startswith("hyp-") and "@" not in n}
-        assert fixed(smoke) and fixed(smoke) <= fixed(fast) and len(smoke) < len(fast) / 2
+        assert fixed(smoke) and smoke <= fast and len(smoke) < len(fast)  # every case, tests/test_conformance_tiers.py

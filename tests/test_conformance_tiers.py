@@ -120,3 +120,24 @@ def test_the_stride_mutant_is_caught_on_a_strided_saved_statistic():
     kills = mutants.stride_kills(get_op("cross_entropy_backward"), "cpu")
     assert kills["lse"] and kills["lse"].endswith("@sliced")
     assert mutants.stride_kills(get_op("matmul_backward"), "cpu")["bias"] == mutants.UNREAD  # dbias needs no bias values
+
+
+def test_covered_by_judges_the_smoke_tier_from_the_gates_report(tmp_path):
+    """`make test`'s last step: smoke's cases judged from the fast run's report; one the report lacks is an error."""
+    import json
+
+    from opport.conformance.report import write_json
+    from opport.conformance.runner import Options, covered, run
+
+    fast = run(Options(backends=("cpu",), ops=("silu",), dtypes=("float32",), tier="fast", workers=0))
+    path = tmp_path / "gate.json"
+    write_json(fast, path)
+    smoke = Options(backends=("cpu",), ops=("silu",), dtypes=("float32",), tier="smoke")
+    judged = run(smoke, execute=covered(str(path)))
+    assert judged.exit_code == 0 and judged.summary["pass"] > 10
+    data = json.loads(path.read_text())
+    data["cases"] = [c for c in data["cases"] if "@" not in c["id"]]  # a gate that ran no layouts
+    path.write_text(json.dumps(data))
+    judged = run(smoke, execute=covered(str(path)))
+    lacking = [c for c in judged.cases if c["status"] == "error"]
+    assert judged.exit_code == 1 and lacking and all("@" in c["id"] and "not run by" in c["message"] for c in lacking)

@@ -52,6 +52,10 @@ def add_arguments(p):
     p.add_argument("--no-bad-inputs", action="store_true", help="skip the bad-input cases")
     p.add_argument("--self-test", action="store_true",
                    help="check the gate itself: 5 mutant kernels per op must be caught, a crashing backend isolated")
+    p.add_argument("--covered-by", metavar="REPORT",
+                   help="run nothing: every case this run would run must be in REPORT (a --json report of a larger "
+                        "tier) with the same verdict it would need here; a case REPORT lacks fails. CI's check that "
+                        "the smoke tier (make run) is green whenever the gate is")
     p.add_argument("-q", "--quiet", action="store_true", help="no live progress")
     # the results store (docs/store.md)
     p.add_argument("--store", metavar="DB", help="append this run to a SQLite results store (`opport history DB`)")
@@ -76,7 +80,7 @@ def run(args) -> int:
                    known_failures=tuple(args.known_failures), baseline=None if args.update_baseline else args.baseline,
                    errors=not args.no_bad_inputs, layouts=not args.no_layouts)
     try:
-        report = _run(opts, args.quiet, args.cluster, args.dashboard)
+        report = _run(opts, args.quiet, args.cluster, args.dashboard, args.covered_by)
     except (OpError, ValueError) as e:  # unknown op/backend/dtype, a --setup hook that failed
         print(f"opport conformance: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -154,13 +158,16 @@ def _baseline_problem(path: str, update: bool) -> str | None:
     return ra.writable("--baseline", path)
 
 
-def _run(opts, quiet: bool, cluster: str | None = None, dashboard: bool = False):
+def _run(opts, quiet: bool, cluster: str | None = None, dashboard: bool = False, covered_by: str | None = None):
     from opport.conformance import report as rep
+    from opport.conformance.runner import covered
     from opport.conformance.runner import run as run_suite
 
     _check_names(opts)
     live = None if quiet else rep.Live(Console(stderr=True, width=None if sys.stderr.isatty() else 160))
-    if cluster:
+    if covered_by:
+        report = run_suite(opts, live, covered(covered_by))
+    elif cluster:
         from opport.fleet.conformance import run as run_on_cluster
 
         report = run_on_cluster(opts, live, cluster, dashboard)

@@ -248,6 +248,8 @@ def print_time(report, console, top: int = 8):
     if not rows:
         return
     total = sum(r["seconds"] for r in rows)
+    if not total:  # nothing ran here (--covered-by)
+        return
     budget = [r for r in rows if r["share"] > OP_BUDGET_SHARE] if len(rows) >= 1 / OP_BUDGET_SHARE else []  # a whole run
     text = ", ".join(f"{r['op']}/{r['backend']} {r['seconds']:.0f} s ({100 * r['share']:.0f}%)" for r in rows[:top])
     console.print(f"time in workers: {total:.0f} s; slowest: {text}", highlight=False)
