@@ -37,3 +37,72 @@ def pair_views(a: np.ndarray, interleaved: bool):
     """Views of the two members of each rotated pair: (a[..., 0::2], a[..., 1::2]) or the two halves."""
     h = a.shape[-1] // 2
     return (a[..., 0::2], a[..., 1::2]) if interleaved else (a[..., :h], a[..., h:])
+
+
+# fp8 scaling (quantize_fp8, dequantize_fp8, scaled_matmul)
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}  # the formats' largest finite values (OCP FP8)
+
+SCALE_FLOOR = float(np.finfo(np.float32).tiny)  # smallest normal float32: the scale of an all-zero group (never 0)
+
+
+def scales_shape(shape: tuple, granularity: str, block: int) -> tuple:
+    """The shape of the scales of an array shaped `shape` (x's rank; see quantize_fp8's docstring)."""
+    if granularity == "tensor":
+        return (1,) * len(shape)
+    return tuple(shape[:-1]) + ((1,) if granularity == "token" else (shape[-1] // block,))
+
+
+def grouped(x: np.ndarray, granularity: str, block: int) -> np.ndarray:
+    """x viewed as (*scales shape, group elements): the last axis is one scaling group."""
+    if granularity == "tensor":
+        return x.reshape((1,) * x.ndim + (-1,))
+    if granularity == "token":
+        return x[..., None, :]
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+
+
+BLOCK = 128  # DeepSeek-V3's block: a scaled in 1 x 128 blocks along K, b in 128 x 128 blocks
+
+
+def expand_a(scale_a: np.ndarray, k: int) -> np.ndarray:
+    """scale_a broadcastable against a_q: each K group's scale repeated over its 128 columns (0-d as it is)."""
+    g = scale_a.shape[-1] if scale_a.ndim else 1
+    return scale_a if g == 1 else np.repeat(scale_a, k // g, axis=-1)
+
+
+def expand_b(scale_b: np.ndarray, k: int, n: int) -> np.ndarray:
+    """scale_b broadcastable against b_q [K, N]: K groups over their 128 rows, column blocks over their 128
+    columns (the last one cut at N); 0-d as it is."""
+    if scale_b.ndim == 0:
+        return scale_b
+    s = scale_b if scale_b.shape[0] == 1 else np.repeat(scale_b, k // scale_b.shape[0], axis=0)
+    if s.shape[1] not in (1, n):
+        s = np.repeat(s, BLOCK, axis=1)[:, :n]
+    return s
+
+
+# packed and paged sequences (varlen_attention, kv_cache_write, paged_attention)
+PAD = -1  # a slot of -1 is skipped: a padding token (vLLM's convention)
+
+
+def sequences(cu_seqlens_q, cu_seqlens_k):
+    """(q token slice, k token slice) per sequence."""
+    cq, ck = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
+    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+
+
+def cu(lengths) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def visible(length: int, sliding_window) -> tuple:
+    """(first, end) positions a query at position length - 1 sees."""
+    lo = 0 if sliding_window is None else max(0, length - sliding_window)
+    return lo, length
+
+
+def gather(cache, table, lo: int, hi: int):
+    """cache rows of positions lo .. hi - 1 of one sequence: [hi - lo, Hkv, D]."""
+    pos = np.arange(lo, hi)
+    bs = cache.shape[1]
+    return cache[np.asarray(table)[pos // bs].astype(np.int64), pos % bs]

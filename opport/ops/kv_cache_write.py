@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from opport import casegen as cg
+from opport.arraymath import PAD
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_float, check_ndim, check_same_dtype, op
 
 NAME = "kv_cache_write"
 SLOT_DTYPES = ("int32", "int64")  # what vLLM's slot_mapping holds (int64) and what 32-bit index paths take
-PAD = -1  # a slot of -1 is skipped: a padding token (vLLM's convention)
 
 
 @op(

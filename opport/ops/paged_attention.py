@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from opport import casegen as cg
+from opport.arraymath import gather, visible
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops.attention import SCALE_RULE, check_scale
 from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_float, check_ndim, check_same_dtype, op
@@ -93,19 +94,6 @@ def _check_tables(q, k_cache, v_cache, block_tables, context_lens, scale, softca
     where = np.argwhere(out)[0] if out.any() else (0, 0)
     check(not out.any(), ArgumentError, NAME, "block_tables", f"{NAME}.block_range", f"blocks in [0, {num_blocks})",
           f"block {int(bt[tuple(where)])} at [{int(where[0])}, {int(where[1])}]")
-
-
-def visible(length: int, sliding_window) -> tuple:
-    """(first, end) positions a query at position length - 1 sees."""
-    lo = 0 if sliding_window is None else max(0, length - sliding_window)
-    return lo, length
-
-
-def gather(cache, table, lo: int, hi: int):
-    """cache rows of positions lo .. hi - 1 of one sequence: [hi - lo, Hkv, D]."""
-    pos = np.arange(lo, hi)
-    bs = cache.shape[1]
-    return cache[np.asarray(table)[pos // bs].astype(np.int64), pos % bs]
 
 
 def softmax_rows(s):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from opport import casegen as cg
+from opport.arraymath import FP8_MAX, SCALE_FLOOR, grouped, scales_shape
 from opport.dtypes import FP8, np_dtype
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.spec import BASE_TOLERANCE, Case, Cost, ErrorCase, Tolerance, check, check_choice, check_float, check_ndim, op
 
 NAME = "quantize_fp8"
 GRANULARITIES = ("tensor", "token", "block")
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}  # the formats' largest finite values (OCP FP8)
-SCALE_FLOOR = float(np.finfo(np.float32).tiny)  # smallest normal float32: the scale of an all-zero group (never 0)
 
 # q is judged as the nearest fp8 value to the exact quotient x / scale (docs/numerics.md 3.7): within half an
 # fp8 ulp, plus 2^-16 ulp for a kernel's float32 division (<= 2 float32 ulps: 2^-22 relative, under 2^-18 of an
@@ -76,22 +75,6 @@ def check_scale_values(op: str, arg: str, scales) -> None:
     where = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.any() else ()
     check(not bad.any(), ArgumentError, op, arg, f"{op}.scale_values", "finite scales > 0",
           f"{s[where] if bad.any() else ''} at {where}")
-
-
-def scales_shape(shape: tuple, granularity: str, block: int) -> tuple:
-    """The shape of the scales of an array shaped `shape` (x's rank; see quantize_fp8's docstring)."""
-    if granularity == "tensor":
-        return (1,) * len(shape)
-    return tuple(shape[:-1]) + ((1,) if granularity == "token" else (shape[-1] // block,))
-
-
-def grouped(x: np.ndarray, granularity: str, block: int) -> np.ndarray:
-    """x viewed as (*scales shape, group elements): the last axis is one scaling group."""
-    if granularity == "tensor":
-        return x.reshape((1,) * x.ndim + (-1,))
-    if granularity == "token":
-        return x[..., None, :]
-    return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
 
 
 @quantize_fp8.outputs(("q", "scales"))

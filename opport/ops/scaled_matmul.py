@@ -7,13 +7,13 @@ import math
 import numpy as np
 
 from opport import casegen as cg
+from opport.arraymath import BLOCK, expand_a, expand_b
 from opport.dtypes import FP8, np_dtype
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops.quantize_fp8 import FP8_MAX, SCALE_FLOOR, check_scale_values
 from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_ndim, op
 
 NAME = "scaled_matmul"
-BLOCK = 128  # DeepSeek-V3's block: a scaled in 1 x 128 blocks along K, b in 128 x 128 blocks
 OUT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -109,23 +109,6 @@ def b_scale_shapes(k: int, n: int) -> tuple:
     K % 128 == 0)."""
     out = ((), (1, 1), (1, n))
     return out + (((k // BLOCK, -(-n // BLOCK)),) if k % BLOCK == 0 else ())
-
-
-def expand_a(scale_a: np.ndarray, k: int) -> np.ndarray:
-    """scale_a broadcastable against a_q: each K group's scale repeated over its 128 columns (0-d as it is)."""
-    g = scale_a.shape[-1] if scale_a.ndim else 1
-    return scale_a if g == 1 else np.repeat(scale_a, k // g, axis=-1)
-
-
-def expand_b(scale_b: np.ndarray, k: int, n: int) -> np.ndarray:
-    """scale_b broadcastable against b_q [K, N]: K groups over their 128 rows, column blocks over their 128
-    columns (the last one cut at N); 0-d as it is."""
-    if scale_b.ndim == 0:
-        return scale_b
-    s = scale_b if scale_b.shape[0] == 1 else np.repeat(scale_b, k // scale_b.shape[0], axis=0)
-    if s.shape[1] not in (1, n):
-        s = np.repeat(s, BLOCK, axis=1)[:, :n]
-    return s
 
 
 def dequantized(a_q, b_q, scale_a, scale_b, dtype=np.float64) -> tuple:

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from opport import casegen as cg
+from opport.arraymath import cu, sequences
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops import attention as dense
 from opport.spec import Case, Cost, ErrorCase, check, check_bool, check_float, check_ndim, check_same_dtype, op
@@ -65,20 +66,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
 
 @varlen_attention.check_values(("cu_seqlens_q", "cu_seqlens_k"))
 def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars):
-    for arg, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
-        check(int(cu[0]) == 0, ArgumentError, NAME, arg, f"{NAME}.cu_values", "cu[0] == 0", int(cu[0]))
-        steps = np.diff(cu.astype(np.int64))
+    for arg, cuv, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        check(int(cuv[0]) == 0, ArgumentError, NAME, arg, f"{NAME}.cu_values", "cu[0] == 0", int(cuv[0]))
+        steps = np.diff(cuv.astype(np.int64))
         bad = int(np.argmax(steps < 0)) if (steps < 0).any() else None
         check(bad is None, ArgumentError, NAME, arg, f"{NAME}.cu_values", "non-decreasing values",
-              None if bad is None else f"cu[{bad}] = {cu[bad]} > cu[{bad + 1}] = {cu[bad + 1]}")
-        check(int(cu[-1]) == total, ArgumentError, NAME, arg, f"{NAME}.cu_values", f"cu[-1] == {total} (the token count)",
-              int(cu[-1]))
-
-
-def sequences(cu_seqlens_q, cu_seqlens_k):
-    """(q token slice, k token slice) per sequence."""
-    cq, ck = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
-    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+              None if bad is None else f"cu[{bad}] = {cuv[bad]} > cu[{bad + 1}] = {cuv[bad + 1]}")
+        check(int(cuv[-1]) == total, ArgumentError, NAME, arg, f"{NAME}.cu_values", f"cu[-1] == {total} (the token count)",
+              int(cuv[-1]))
 
 
 def _as_dense(x):
@@ -97,10 +92,6 @@ def _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, slid
 
 
 varlen_attention.tolerance(**dense.attention.tolerances)  # attention's: the same K-accumulation, per sequence
-
-
-def cu(lengths) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def _case(name, dtype, lq, lk, hq, hkv, d, dv=None, tags=(), qk_scale=1.0, **kw):

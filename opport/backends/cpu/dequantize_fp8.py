@@ -4,11 +4,11 @@ import functools
 
 import numpy as np
 
+from opport.arraymath import grouped
 from opport.backends.cpu.quantize_fp8 import _chunks
 from opport.dispatch import impl
 from opport.dtypes import np_dtype
 from opport.ops.dequantize_fp8 import dequantize_fp8 as spec
-from opport.ops.quantize_fp8 import grouped
 
 
 @functools.cache

@@ -2,8 +2,8 @@
 
 import numpy as np
 
+from opport.arraymath import PAD
 from opport.dispatch import impl
-from opport.ops.kv_cache_write import PAD
 from opport.ops.kv_cache_write import kv_cache_write as spec
 
 

@@ -4,9 +4,9 @@ import math
 
 import numpy as np
 
+from opport.arraymath import gather, visible
 from opport.backends.cpu._common import store, upcast
 from opport.dispatch import impl
-from opport.ops.paged_attention import gather, visible
 from opport.ops.paged_attention import paged_attention as spec
 
 CHUNK_KEYS = 2048  # keys gathered per step: [chunk, Hkv, D] temporaries of a few MiB at D = 128, Hkv = 8

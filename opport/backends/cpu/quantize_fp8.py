@@ -4,10 +4,10 @@ import functools
 
 import numpy as np
 
+from opport.arraymath import FP8_MAX, SCALE_FLOOR, grouped, scales_shape
 from opport.backends.cpu._common import BLOCK_ELEMS
 from opport.dispatch import impl
 from opport.dtypes import np_dtype
-from opport.ops.quantize_fp8 import FP8_MAX, SCALE_FLOOR, grouped, scales_shape
 from opport.ops.quantize_fp8 import quantize_fp8 as spec
 
 

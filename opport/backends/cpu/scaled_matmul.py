@@ -4,11 +4,11 @@ import math
 
 import numpy as np
 
+from opport.arraymath import expand_a, expand_b
 from opport.backends.cpu._common import upcast
 from opport.backends.cpu.dequantize_fp8 import decode_table
 from opport.dispatch import impl
 from opport.dtypes import np_dtype
-from opport.ops.scaled_matmul import expand_a, expand_b
 from opport.ops.scaled_matmul import scaled_matmul as spec
 
 PANEL_ELEMS = 1 << 24  # float32 elements of one dequantised panel of b (64 MiB; 16 MiB panels measured 2x slower)

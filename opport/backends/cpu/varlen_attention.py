@@ -2,9 +2,9 @@
 
 import numpy as np
 
+from opport.arraymath import sequences
 from opport.backends.cpu.attention import _attention
 from opport.dispatch import impl
-from opport.ops.varlen_attention import sequences
 from opport.ops.varlen_attention import varlen_attention as spec
 
 

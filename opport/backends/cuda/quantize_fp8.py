@@ -12,6 +12,7 @@ hardware conversion (cvt.rn, after the clamp). docs/cuda.md lists both.
 
 import torch
 
+from opport.arraymath import FP8_MAX, SCALE_FLOOR, scales_shape
 from opport.backends.cuda._launch import (
     INTERPRET,
     INTERPRETED,
@@ -26,7 +27,6 @@ from opport.backends.cuda._launch import (
     triton,
 )
 from opport.dispatch import impl
-from opport.ops.quantize_fp8 import FP8_MAX, SCALE_FLOOR, scales_shape
 from opport.ops.quantize_fp8 import quantize_fp8 as spec
 
 # (mantissa bits, exponent bias, NaN code) of each format: what the interpreter's bit path needs

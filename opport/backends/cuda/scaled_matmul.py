@@ -9,11 +9,11 @@ import math
 
 import torch
 
+from opport.arraymath import BLOCK
 from opport.backends.cuda._launch import INTERPRET, INTERPRETED, cdiv, f32, narrow, next_pow2, sm_count, tl, triton
 from opport.backends.cuda.dequantize_fp8 import fp8_value
 from opport.backends.cuda.quantize_fp8 import FORMAT
 from opport.dispatch import impl
-from opport.ops.scaled_matmul import BLOCK
 from opport.ops.scaled_matmul import scaled_matmul as spec
 
 # fp8 products summed inside the tensor core between two float32 additions of the partial sum: 32 = every wgmma

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from opport.arraymath import grouped
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.backends.neuron.quantize_fp8 import fp8_unsupported
 from opport.dispatch import impl
 from opport.ops.dequantize_fp8 import dequantize_fp8 as spec
-from opport.ops.quantize_fp8 import grouped
 
 FMAX = 8192  # free-dim chunk: the fp8 codes and the output (<= 4 bytes) <= 40 KiB per partition
 

@@ -6,11 +6,11 @@ import math
 
 import numpy as np
 
+from opport.arraymath import visible
 from opport.backends.neuron import _host
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
 from opport.ops.paged_attention import paged_attention as spec
-from opport.ops.paged_attention import visible
 
 KP = 128  # positions per tile: the P @ V contraction and the k transpose run over the 128 partitions
 D_MAX = 128  # head dim: q @ k^T contracts over the partitions

@@ -11,10 +11,10 @@ import os
 
 import numpy as np
 
+from opport.arraymath import FP8_MAX, SCALE_FLOOR, grouped, scales_shape
 from opport.backends.neuron import _host, nki_compat
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
-from opport.ops.quantize_fp8 import FP8_MAX, SCALE_FLOOR, grouped, scales_shape
 from opport.ops.quantize_fp8 import quantize_fp8 as spec
 
 FMAX = 4096  # free-dim chunk: the input, |x|, a predicate and the quotient <= 56 KiB per partition (fp32)

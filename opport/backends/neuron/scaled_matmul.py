@@ -11,12 +11,12 @@ import math
 
 import numpy as np
 
+from opport.arraymath import BLOCK
 from opport.backends.neuron import _host
 from opport.backends.neuron.matmul import TILE_K, TILE_M, TILE_N, _transposed_row_tile
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.backends.neuron.quantize_fp8 import fp8_unsupported
 from opport.dispatch import impl
-from opport.ops.scaled_matmul import BLOCK
 from opport.ops.scaled_matmul import scaled_matmul as spec
 
 

@@ -6,10 +6,10 @@ and runs the dense kernel on each sequence's [1, H, S, D] view, so a sequence on
 
 import numpy as np
 
+from opport.arraymath import sequences
 from opport.backends.neuron.attention import D_MAX, DV_MAX
 from opport.backends.neuron.attention import attention as dense
 from opport.dispatch import impl
-from opport.ops.varlen_attention import sequences
 from opport.ops.varlen_attention import varlen_attention as spec
 
 

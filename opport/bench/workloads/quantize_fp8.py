@@ -2,8 +2,8 @@
 
 import numpy as np
 
+from opport.arraymath import FP8_MAX, SCALE_FLOOR
 from opport.bench.workloads import LLAMA3_8B, LLAMA3_70B, Shape, Workload
-from opport.ops.quantize_fp8 import FP8_MAX, SCALE_FLOOR
 
 H8, H70 = LLAMA3_8B["hidden"], LLAMA3_70B["hidden"]
 DSV3 = 7168  # DeepSeek-V3's hidden size, whose activations are quantised in 1 x 128 blocks

@@ -3,8 +3,8 @@ each paired with an `attention` row of the same total tokens (equal lengths) to 
 
 import numpy as np
 
+from opport.arraymath import cu
 from opport.bench.workloads import Shape, Workload, acc
-from opport.ops.varlen_attention import cu
 
 
 def _s(name, lengths, hq, hkv, d, tiers, softcap=None, window=None):
