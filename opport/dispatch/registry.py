@@ -215,12 +215,11 @@ def remove_kernel(spec, backend: str, name: str):
 
 
 def kernel_modules(spec, backend: Backend) -> tuple:
-    """Where `spec`'s kernels for `backend` live: the backend's module named like the op, and, for an op a
-    plugin package declares, that package's own `<package>.backends.<backend>.<op>` (opport's layout)."""
-    mods = (f"{backend.package}.{spec.module}",)
-    if spec.package != "opport":
-        mods += (f"{spec.package}.backends.{backend.name}.{spec.module}",)
-    return mods
+    """Where `spec`'s kernels for `backend` live: the backend's module named like the op and, where a backend
+    keeps an op's backward apart (a large kernel pair), `<op>_backward`; for an op a plugin package declares,
+    also that package's own `<package>.backends.<backend>.<op>` (opport's layout)."""
+    pkgs = (backend.package,) + ((f"{spec.package}.backends.{backend.name}",) if spec.package != "opport" else ())
+    return tuple(f"{pkg}.{spec.module}{part}" for pkg in pkgs for part in ("", "_backward"))
 
 
 def has_kernel_module(spec, backend: Backend) -> bool:
