@@ -285,7 +285,6 @@ def _derived(name: str) -> list:
 def _judge_outputs(spec, case, dtype: str) -> list:
     """Each output of a derived op (training forward or backward) on neuron against the float64 reference,
     capacity-checked, with the conformance suite's per-output tolerance; the problems found."""
-    from opport.conformance.execute import output_tolerance
 
     with opport.strict(), capacity_checked():
         outs = _on_neuron(spec, case.args, case.kwargs)
@@ -297,7 +296,7 @@ def _judge_outputs(spec, case, dtype: str) -> list:
             continue
         ref = np.asarray(ref)
         why = cmp.contract(np.asarray(out), ref, meta[1])
-        verdict = None if why else cmp.compare(out, ref, output_tolerance(spec, dtype, i, case), meta[1])
+        verdict = None if why else cmp.compare(out, ref, spec.tolerance_for(dtype, i, case), meta[1])
         if why or not verdict.ok:
             problems.append(f"{spec.name}/{dtype}/{case.name} output {i}: {why or verdict.message}")
     return problems

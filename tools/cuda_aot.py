@@ -461,7 +461,7 @@ def problems(specs, tiers, cases: bool, dtypes=DTYPES):
     from opport.bench.workloads import get_workload
 
     for spec in specs:
-        fwd = spec.parent or spec
+        fwd = spec.forward
         wl = get_workload(fwd)
         for dtype in dtypes:
             if dtype not in spec.dtypes:
@@ -596,13 +596,13 @@ def cuda_specs(names) -> list:
     """The specs `names` select: an op and those of its derived ops (`<op>_forward`, `<op>_backward`) that the cuda
     backend has a kernel for, or a derived op alone. Imports the ops' cuda kernel modules (nothing compiles)."""
     from opport.dispatch.registry import get_backend, kernels
-    from opport.ops import get_op, with_derived
+    from opport.ops import get_op
 
     cuda = get_backend("cuda")
     specs = []
     for name in names:
         spec = get_op(name)
-        for d in [spec] if spec.parent else with_derived([spec]):
+        for d in spec.family():
             if (d is spec or kernels(d, cuda)) and d not in specs:
                 specs.append(d)
     return specs

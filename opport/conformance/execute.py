@@ -58,8 +58,7 @@ def forward_name(op: str) -> str:
         spec = get_op(op)
     except OpError:
         return op
-    parent = getattr(spec, "parent", None)
-    return parent.name if parent is not None else op
+    return spec.forward.name
 
 
 def run_item(item: Item) -> dict:
@@ -140,20 +139,10 @@ def _outputs(value) -> list:
     return [None if v is None else np.asarray(v) for v in value] if isinstance(value, tuple) else [np.asarray(value)]
 
 
-def output_names(spec) -> list:
-    if spec.direction == "backward":
-        return [f"d{n}" for n in spec.wrt]
-    if spec.direction == "forward_train":
-        return ["out", *spec.stats]
-    if spec.direction == "value_and_grad":
-        return ["out", *(f"d{n}" for n in spec.wrt)]
-    return list(spec.output_names)
-
-
 def _contract(spec, outs: list, refs: list, metas: list) -> str | None:
     if len(outs) != len(refs):
-        return f"returned {len(outs)} outputs, expected {len(refs)} ({', '.join(output_names(spec))})"
-    for name, o, r, m in zip(output_names(spec), outs, refs, metas):
+        return f"returned {len(outs)} outputs, expected {len(refs)} ({', '.join(list(spec.output_labels))})"
+    for name, o, r, m in zip(list(spec.output_labels), outs, refs, metas):
         if (o is None) != (m is None):
             return f"{name}: {'no output' if o is None else 'an output'} where {'one' if m is not None else 'None'} is due"
         broken = o is not None and cmp.contract(o, r, m[1])
@@ -164,7 +153,7 @@ def _contract(spec, outs: list, refs: list, metas: list) -> str | None:
 
 def _judge_outputs(spec, case, dtype, bound, calls: list, refs: list, metas: list, kernel, res: dict) -> list:
     """`_judge` for each output; one output's metrics are the result's, several keep the worst one's and all."""
-    names, problems, per = output_names(spec), [], {}
+    names, problems, per = list(spec.output_labels), [], {}
     for j, (name, ref, m) in enumerate(zip(names, refs, metas)):
         if m is None:
             continue
@@ -197,7 +186,7 @@ def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict, 
     """Values, repeated calls, invariants and the noise floor of output `index`; fills res metrics/worst,
     returns the problems."""
     override = case.tolerance is not None
-    tol = output_tolerance(spec, dtype, index, case)
+    tol = spec.tolerance_for(dtype, index, case)
     cancel = _cancel_allowance(spec, bound, dtype, index)
     verdict = cmp.compare(arrays[0], ref, tol, out_dtype, override, cancel)
     res["metrics"] = dict(verdict.metrics)
@@ -228,20 +217,6 @@ def _cancel_allowance(spec, bound, dtype: str, index: int):
     return cmp.sum_allowance(mags[index] if index < len(mags) else None, acc_dtype(dtype).name)
 
 
-def output_tolerance(spec, dtype: str, index: int, case) -> object:
-    """Output `index`'s tolerance: the case's override or the op's; a backward's per gradient (norm-wise where
-    it sums over rows); a training forward's statistics at the accumulation dtype's base tolerance; a fused
-    value-and-grad's output as the forward's, its gradients as the backward's; a forward's named outputs their
-    declared tolerance (add_rmsnorm's sum)."""
-    if spec.direction in ("backward", "value_and_grad", "forward"):
-        return spec.tolerance_for(dtype, index, case)
-    if spec.direction == "forward_train" and index > 0:
-        from opport.spec import BASE_TOLERANCE
-
-        return BASE_TOLERANCE[acc_dtype(dtype).name]
-    return case.tolerance or spec.tolerances[dtype]
-
-
 def _fail(res: dict, msg: str, more: list):
     res["status"] = "fail"
     res["message"] = "; ".join([*more, msg])
@@ -263,7 +238,7 @@ def _call(spec, b, laid, poison) -> tuple:
     the contract). Derived ops (training forward, backward) are called through the dispatcher, as autograd
     and `opport.vjp` call them; ops through their public function."""
     with poisoned(poison), strict():
-        if spec.direction == "forward":
+        if spec.public:
             out = function(spec)(*laid.args, backend=b.name, **laid.kwargs)
         else:
             out = call(spec, spec.bind(*laid.args, **laid.kwargs), b.name)
@@ -423,7 +398,7 @@ def _laid_out(laid, bound: list, positions: tuple) -> bool:
 
 def _judge_written(spec, case, dtype: str, got, old, ref, region, res: dict) -> list:
     """The region against the reference; everything else bitwise as it was."""
-    tol = output_tolerance(spec, dtype, 0, case)
+    tol = spec.tolerance_for(dtype, 0, case)
     verdict = cmp.compare(got[region], np.asarray(ref, np.float64), tol, dtype, case.tolerance is not None)
     res["metrics"] = {**res["metrics"], **verdict.metrics} if res["metrics"] else dict(verdict.metrics)
     out = [] if verdict.ok else [f"written region: {verdict.message}"]

@@ -97,7 +97,7 @@ def plan(options: Options) -> Plan:
         if why:
             if not everything:
                 p.preset += [_preset(s.name, name, "n/a", "backend-unavailable", why) for s in specs
-                             if s.direction == "forward"]  # one row per op, not per derived op
+                             if s.public]  # one row per op, not per derived op
             continue
         sel = Selection(options.tier, options.examples, options.seed, tuple(options.cases), b.capabilities.emulated(),
                         options.layouts)
@@ -105,7 +105,7 @@ def plan(options: Options) -> Plan:
         p.selections[name] = sel
         for spec in specs:
             ks = kernels(spec, b)
-            if spec.direction != "forward" and not ks:
+            if spec.kernels_optional and not ks:
                 continue  # a backend without backward kernels: nothing to check (calls fall back to cpu)
             _plan_op(p, spec, b, sel, options, ks)
     p.batches.sort(key=lambda bt: not p.selections[bt.backend].emulated)  # slow (emulated) backends first: shorter tail
@@ -118,7 +118,7 @@ def _specs(options: Options, all_ops, get_op, with_derived) -> list:
     if not options.ops:
         return with_derived(all_ops().values())
     named = [get_op(n) for n in options.ops]
-    return list(dict.fromkeys(d for s in named for d in (with_derived([s]) if s.direction == "forward" else [s])))
+    return list(dict.fromkeys(d for s in named for d in s.family()))
 
 
 def _plan_op(p: Plan, spec, b, sel: Selection, options: Options, ks: list):
@@ -133,7 +133,7 @@ def _plan_op(p: Plan, spec, b, sel: Selection, options: Options, ks: list):
             continue
         p.batches.append(Batch("cases", spec.name, b.name, d, sel))
         p.covered.add((spec.name, b.name, d))
-    if options.errors and spec.direction != "forward_train":  # a training forward validates as its forward
+    if options.errors and spec.own_error_cases:
         p.batches.append(Batch("errors", spec.name, b.name, "n/a", sel))
 
 

@@ -27,7 +27,7 @@ class HostBench:
     def __init__(self, backend: str, tier: str, dtypes: list, args):
         from rich.console import Console
 
-        from opport.bench.cli import setup_run
+        from opport.bench.plan import setup_run
         from opport.bench.profile import profile
         from opport.dispatch import get_backend
         from opport.fleet.host import here
@@ -58,7 +58,7 @@ class HostBench:
 
 def run(console, specs, prof, tier: str, dtypes: list, args) -> int:
     """The cluster run: start the host actors, run every problem on every host kind, print, write, exit status."""
-    from opport.bench.cli import bad_rows, round_robin
+    from opport.bench.plan import bad_rows, round_robin
 
     with connect(args.cluster, dashboard=args.dashboard) as ray:
         passes = _passes(args)
@@ -73,9 +73,9 @@ def run(console, specs, prof, tier: str, dtypes: list, args) -> int:
         console.print(f"[red]opport {r['op']} {r['shape']} {r['dtype']} {r.get('pass', 'fwd')} on {r['host']}: "
                       f"{r.get('error') or r.get('error_detail') or 'output differs from the reference'}[/red]")
     if args.json:
-        from opport.bench.cli import _write_json
+        from opport.bench.plan import write_json
 
-        _write_json(args.json, report)
+        write_json(args.json, report)
     return 130 if interrupted else (1 if bad_rows(rows) or not rows else 0)
 
 
@@ -196,14 +196,14 @@ def _lost(job: tuple, why: str, host: str | None = None) -> dict:
 def _report(prof, tier: str, dtypes: list, args, passes: list, fleet: _Fleet, rows: list, skipped: list) -> dict:
     from opport.bench import env
     from opport.bench import report as rep
-    from opport.bench.cli import _command
+    from opport.bench.plan import command
 
     by_host = collections.defaultdict(list)
     for r in rows:
         by_host[r.get("host")].append(r)
     hosts = fleet.book.records
     return {"backend": prof.backend.name, "mode": {h: rec.get("mode") for h, rec in hosts.items()}, "tier": tier,
-            "dtypes": dtypes, "command": _command(args, tier) + f" --cluster {args.cluster}", "passes": passes,
+            "dtypes": dtypes, "command": command(args, tier) + f" --cluster {args.cluster}", "passes": passes,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "versions": env.versions(), "hosts": hosts, "hosts_left_out": fleet.failed, "skipped": skipped,
             "summary": {h: rep.summary(rs) for h, rs in by_host.items() if h in hosts and hosts[h]["measures"] == "time"},

@@ -64,7 +64,7 @@ def schema(spec) -> str:
 def _returns(spec) -> str:
     if spec.writes:
         return "()"
-    if spec.direction == "backward":
+    if spec.returns_list:
         return "Tensor[]"
     return "Tensor" if spec.n_outputs == 1 else f"({', '.join(['Tensor'] * spec.n_outputs)})"
 
@@ -118,7 +118,7 @@ def register(spec):
 def _real_kernel(spec):
     def kernel(*args, backend=None, **kwargs):  # torch passes the arguments as its caller gave them
         out = call(spec, spec.bind(*args, **kwargs), backend)
-        return _unaliased([g for g in out if g is not None]) if spec.direction == "backward" else out
+        return _unaliased([g for g in out if g is not None]) if spec.returns_list else out
 
     kernel.__name__ = spec.name
     return kernel
@@ -145,7 +145,7 @@ def _fake_kernel(spec):
             return None
         like = next(a for a in (bound[i] for i in spec.array_pos) if a is not None)
         outs = [like.new_empty(m[0], dtype=getattr(torch, m[1])) for m in spec.out_metas(metas) if m is not None]
-        if spec.direction == "backward":
+        if spec.returns_list:
             return outs
         return outs[0] if len(outs) == 1 else tuple(outs)
 

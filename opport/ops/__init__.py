@@ -49,17 +49,12 @@ def get_op(name: str) -> OpSpec:
     ops = all_ops()
     if name in ops:
         return ops[name]
-    derived = {d.name: d for spec in ops.values() for d in derived_ops(spec)}
+    derived = {d.name: d for spec in ops.values() for d in spec.derived}
     if name not in derived:
         raise ArgumentError(op="opport", arg="op", constraint="op.name", expected=f"one of {tuple(ops)}", got=repr(name))
     return derived[name]
 
 
-def derived_ops(spec) -> list:
-    """The op's training forward, backward and fused value-and-grad, those it declares."""
-    return [d for d in (spec.train_forward, spec.backward_op, spec.value_and_grad_op) if d is not None]
-
-
 def with_derived(specs) -> list:
     """Each op followed by its training forward, backward and fused value-and-grad, where it declares them."""
-    return [d for spec in specs for d in (spec, *derived_ops(spec))]
+    return [d for spec in specs for d in spec.family()]

@@ -494,8 +494,7 @@ def _check_backward_target(grad, logits, target, lse, ignore_index, reduction, l
     check_targets(BWD, target, logits.shape[1], ignore_index)
 
 
-# the training forward and the fused value-and-grad validate as the forward does (errors name cross_entropy)
-for _spec, _fn in ((cross_entropy, _check_target), (cross_entropy.train_forward, _check_target),
-                   (cross_entropy.value_and_grad_op, _check_target), (cross_entropy_backward, _check_backward_target)):
-    _spec.check_values(("target",))(_fn)
+# the training forward and the fused value-and-grad take the forward's check (errors name cross_entropy)
+cross_entropy.check_values(("target",))(_check_target)
+cross_entropy_backward.check_values(("target",))(_check_backward_target)
 _check_target.on_device = _check_backward_target.on_device = False  # opport/dispatch/core.py `value_check`
