@@ -87,7 +87,7 @@ def run(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from opport._version import __version__
-    from opport.dtypes import FLOATS, INTS
+    from opport.dtypes import FLOATS
 
     parser = _Parser(prog="opport", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"opport {__version__}")
@@ -99,8 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("op")
     ex.add_argument("--shape", action="append", required=True, type=_shape, metavar="D0,D1,...",
                     help="shape of each array argument in order (repeat; '()' for 0-d, 'none' for an omitted optional array)")
-    ex.add_argument("--dtype", default="float32", choices=FLOATS + INTS,
-                    help="dtype of the floating arrays (integer arrays are int64)")
+    ex.add_argument("--dtype", default="float32", choices=FLOATS,
+                    help="the call's dtype: of the arrays that take the op's dtypes (the others: their declared domain's "
+                         "first dtype, e.g. int64 labels, int32 indices, float8_e4m3fn codes, float32 scales)")
+    ex.add_argument("--arg-dtype", action="append", default=[], type=_arg_pair, metavar="NAME=DTYPE",
+                    help="the dtype of one array argument (e.g. target=int32, a_q=float8_e5m2)")
     ex.add_argument("--backend", default=None)
     ex.add_argument("--arg", action="append", default=[], type=_arg_pair, metavar="NAME=VALUE", help="a scalar argument")
     for name, (module, help_) in SUBPACKAGES.items():
@@ -175,7 +178,10 @@ def cmd_explain(args) -> int:
     from opport.ops import get_op
 
     spec = get_op(args.op)
-    kwargs = {**_scalars(spec, args.arg), **_arrays(spec, args.shape, args.dtype)}
+    scalars = _scalars(spec, args.arg)
+    if spec.dtype_pos is not None and args.dtype in spec.dtypes:  # the scalar that names the call's dtype
+        scalars.setdefault(spec.params[spec.dtype_pos], args.dtype)
+    kwargs = {**scalars, **_arrays(spec, args.shape, args.dtype, _dtype_pairs(args.arg_dtype))}
     Console().print(explain(spec, backend=args.backend, **kwargs))
     return 0
 
@@ -227,8 +233,10 @@ def _literal(text: str):
         return text
 
 
-def _arrays(spec, shapes: list, dtype: str) -> dict:
-    """Metadata-only arrays of the given shapes, in the op's array order (integer arrays get int64)."""
+def _arrays(spec, shapes: list, dtype: str, per_arg: dict) -> dict:
+    """Metadata-only arrays of the given shapes, in the op's array order, each in a dtype its declared domain
+    accepts (opport/spec/domains.py): `--arg-dtype NAME=DTYPE` if given, else `--dtype` where the domain has it,
+    else the domain's first (integer indices, fp8 codes, float32 scales)."""
     names = spec.arrays
     required = [n for n in names if spec.signature.parameters[n].default is spec.signature.empty]
     if len(shapes) > len(names):
@@ -237,12 +245,27 @@ def _arrays(spec, shapes: list, dtype: str) -> dict:
     if missing:
         raise UsageError(f"{spec.name} needs a --shape for each of {', '.join(required)} "
                          f"(in order; missing: {', '.join(missing)})")
-    ints = int_arrays(spec)
+    unknown = [n for n in per_arg if n not in names]
+    if unknown:
+        raise UsageError(f"--arg-dtype {unknown[0]}: {spec.name} has no array argument {unknown[0]!r} "
+                         f"(it has: {', '.join(names)})")
     out = {}
     for name, dims in zip(names, shapes):
         if dims is None and name in required:
             raise UsageError(f"--shape none: {spec.name}'s {name} is required")
-        out[name] = None if dims is None else _placeholder(name, dims, "int64" if name in ints else dtype)
+        out[name] = None if dims is None else _placeholder(name, dims, per_arg.get(name) or spec.domain(name).example(dtype))
+    return out
+
+
+def _dtype_pairs(pairs) -> dict:
+    from opport.dtypes import FLOATS, FP8, INTS
+
+    known = FLOATS + INTS + FP8
+    out = {}
+    for name, value in pairs:
+        if value not in known:
+            raise UsageError(f"--arg-dtype {name}={value}: not a dtype (one of {', '.join(known)})")
+        out[name] = value
     return out
 
 
@@ -256,16 +279,6 @@ def _placeholder(name: str, dims: tuple, dtype: str):
         return np.broadcast_to(np.zeros((), np_dtype(dtype)), dims)
     except ValueError as e:  # more than 64 dims, or more elements than NumPy can index
         raise UsageError(f"--shape {','.join(map(str, dims)) or '()'} for {name}: too large for an array ({e})") from e
-
-
-def int_arrays(spec) -> set:
-    """The op's array arguments that hold integers (cross_entropy's target), from its declaration."""
-    declared = getattr(spec, "int_arrays", None)  # proposed OpSpec field (op(..., int_arrays=...)); not there yet
-    if declared is not None:
-        return set(declared)
-    # Fallback until the declaration has that field: the array whose dtype constraint, `<op>.<arg>_dtype`,
-    # says it is an integer array (cross_entropy.target_dtype: "target is an integer array (...)").
-    return {a for a in spec.arrays if "integer" in spec.constraints.get(f"{spec.name}.{a}_dtype", "")}
 
 
 COMMANDS = {"list": cmd_list, "doctor": cmd_doctor, "explain": cmd_explain}

@@ -12,7 +12,7 @@ import pytest
 
 import opport
 from opport import cli
-from opport.cli import int_arrays, main
+from opport.cli import main
 from opport.errors import OpError
 
 ROOT = Path(__file__).parents[1]
@@ -156,20 +156,20 @@ def test_subcommands_are_inside_the_boundary(command, error, names, monkeypatch,
 # --------------------------------------------------------------------------- explain's arrays
 
 
-def test_integer_arrays_come_from_the_declaration():
+def test_array_dtypes_come_from_the_declared_domains():
     from opport.ops import all_ops, get_op
-    from opport.spec import op
+    from opport.spec import INDEX, op
 
-    @op(arrays=("x", "labels"), constraints={"toy.labels_dtype": "labels is an integer array"})
+    @op(arrays=("x", "labels"), domains={"labels": INDEX})
     def toy(x, labels):
         """A declaration whose integer array is not called target."""
 
-    assert int_arrays(toy) == {"labels"}
-    assert int_arrays(get_op("cross_entropy")) == {"target"}
-    assert int_arrays(get_op("linear_cross_entropy")) == {"target"}
-    assert all(not int_arrays(s) for n, s in all_ops().items() if n not in ("cross_entropy", "linear_cross_entropy"))
-    toy.int_arrays = ("x",)  # the declaration field proposed for opport/spec.py wins when it exists
-    assert int_arrays(toy) == {"x"}
+    assert toy.domain("labels") is INDEX and toy.domain("x").dtypes == toy.dtypes
+    assert get_op("cross_entropy").domain("target") is INDEX
+    assert get_op("cross_entropy_backward").domain("target") is INDEX  # derived specs read the forward's
+    odd = {n for n, s in all_ops().items() if s.domains}
+    assert odd == {"cross_entropy", "linear_cross_entropy", "kv_cache_write", "paged_attention", "varlen_attention",
+                   "dequantize_fp8", "scaled_matmul", "rope"}
 
 
 def test_explain_gives_integer_arrays_an_integer_dtype(capsys):

@@ -12,12 +12,14 @@ from opport.dtypes import INTS, finfo
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.spec import (
     BASE_TOLERANCE,
+    INDEX,
     Case,
     Cost,
     ErrorCase,
     Tolerance,
     check,
     check_choice,
+    check_domain,
     check_float,
     check_grad,
     fail,
@@ -31,6 +33,7 @@ REDUCTIONS = ("mean", "sum", "none")
 
 @op(
     arrays=("logits", "target"),
+    domains={"target": INDEX},
     constraints={
         "cross_entropy.dtype": "logits is float32, float16, bfloat16 or float64",
         "cross_entropy.logits_shape": "logits is 2-d [N, V] with V >= 1",
@@ -62,8 +65,7 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
     check_float(NAME, "logits", logits)
     check(logits.ndim == 2 and logits.shape[1] >= 1, ShapeError, NAME, "logits", "cross_entropy.logits_shape",
           "2-d [N, V] with V >= 1", logits.shape)
-    check(target.dtype in INTS, DTypeError, NAME, "target", "cross_entropy.target_dtype", f"one of {', '.join(INTS)}",
-          target.dtype)
+    check_domain(NAME, "target", target, INDEX)
     check(target.shape == logits.shape[:1], ShapeError, NAME, "target", "cross_entropy.target_shape",
           f"({logits.shape[0]},) = (N,)", target.shape)
     ok = isinstance(ignore_index, (int, np.integer)) and not isinstance(ignore_index, (bool, np.bool_)) \

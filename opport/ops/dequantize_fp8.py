@@ -8,13 +8,27 @@ from opport import casegen as cg
 from opport.dtypes import FLOATS, FP8, np_dtype
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops.quantize_fp8 import GRANULARITIES, check_scale_values, dynamic_scales, grouped, scales_shape
-from opport.spec import BASE_TOLERANCE, Case, Cost, ErrorCase, Tolerance, check, check_choice, check_ndim, op
+from opport.spec import (
+    BASE_TOLERANCE,
+    FLOAT32,
+    FP8_CODES,
+    Case,
+    Cost,
+    ErrorCase,
+    Tolerance,
+    check,
+    check_choice,
+    check_domain,
+    check_ndim,
+    op,
+)
 
 NAME = "dequantize_fp8"
 
 
 @op(
     arrays=("q", "scales"),
+    domains={"q": FP8_CODES, "scales": FLOAT32},
     constraints={
         "dequantize_fp8.q_dtype": "q is float8_e4m3fn or float8_e5m2",
         "dequantize_fp8.q_rank": "q has at least one dimension",
@@ -39,9 +53,9 @@ def dequantize_fp8(q, scales, granularity="tensor", block=128, out_dtype="float3
     NaN or infinite one is a typed error before any kernel runs (the dispatcher reads the scales on the
     host: on a GPU, one synchronisation per call). A call's dtype is its `out_dtype`.
     """
-    check(q.dtype in FP8, DTypeError, NAME, "q", "dequantize_fp8.q_dtype", f"one of {FP8}", q.dtype)
+    check_domain(NAME, "q", q, FP8_CODES)
     check_ndim(NAME, "q", q, 1, -1)
-    check(scales.dtype == "float32", DTypeError, NAME, "scales", "dequantize_fp8.scales_dtype", "float32", scales.dtype)
+    check_domain(NAME, "scales", scales, FLOAT32)
     check_choice(NAME, "granularity", granularity, GRANULARITIES)
     check(isinstance(block, (int, np.integer)) and not isinstance(block, bool) and block > 0, ArgumentError, NAME,
           "block", "dequantize_fp8.block", "an int > 0", repr(block))

@@ -8,14 +8,27 @@ import numpy as np
 from opport import casegen as cg
 from opport.arraymath import PAD
 from opport.errors import ArgumentError, DTypeError, ShapeError
-from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_float, check_ndim, check_same_dtype, op
+from opport.spec import (
+    Case,
+    Cost,
+    Domain,
+    ErrorCase,
+    Tolerance,
+    check,
+    check_domain,
+    check_float,
+    check_ndim,
+    check_same_dtype,
+    op,
+)
 
 NAME = "kv_cache_write"
-SLOT_DTYPES = ("int32", "int64")  # what vLLM's slot_mapping holds (int64) and what 32-bit index paths take
+SLOTS = Domain("an int32 or int64 array", ("int32", "int64"))  # vLLM's slot_mapping is int64; 32-bit index paths
 
 
 @op(
     arrays=("key", "value", "k_cache", "v_cache", "slot_mapping"),
+    domains={"slot_mapping": SLOTS},
     writes=("k_cache", "v_cache"),
     constraints={
         "kv_cache_write.dtype": "key is float32, float16, bfloat16 or float64",
@@ -53,8 +66,7 @@ def kv_cache_write(key, value, k_cache, v_cache, slot_mapping):
           "(k_cache's blocks, value's Hkv, Dv)", v_cache.shape)
     check(value.shape[1] == key.shape[1], ShapeError, NAME, "value", f"{NAME}.heads", f"Hkv = {key.shape[1]} (as key)",
           value.shape)
-    check(slot_mapping.dtype in SLOT_DTYPES, DTypeError, NAME, "slot_mapping", f"{NAME}.slot_dtype",
-          " or ".join(SLOT_DTYPES), slot_mapping.dtype)
+    check_domain(NAME, "slot_mapping", slot_mapping, SLOTS, f"{NAME}.slot_dtype")
 
 
 @kv_cache_write.check_values(("slot_mapping",))
@@ -136,7 +148,7 @@ def _strategy(dtype):
         hkv, d = draw(st.integers(1, 3)), draw(st.sampled_from([1, 8, 16, 24, 64]))
         dv = draw(st.sampled_from([d, 8]))
         pad, seed = draw(st.integers(0, t)), draw(cg.seeds())
-        c = make_case(f"hyp-{seed}", dtype, t, hkv, d, num_blocks, bs, dv, pad, draw(st.sampled_from(SLOT_DTYPES)),
+        c = make_case(f"hyp-{seed}", dtype, t, hkv, d, num_blocks, bs, dv, pad, draw(st.sampled_from(SLOTS.dtypes)),
                       draw(cg.dists()), ("hypothesis",))
         return c
 

@@ -11,12 +11,14 @@ from opport.dtypes import INTS, finfo
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops import cross_entropy as ce
 from opport.spec import (
+    INDEX,
     Case,
     Cost,
     ErrorCase,
     Tolerance,
     check,
     check_choice,
+    check_domain,
     check_float,
     check_grad,
     check_same_dtype,
@@ -30,6 +32,7 @@ REDUCTIONS = ce.REDUCTIONS
 
 @op(
     arrays=("hidden", "weight", "target", "bias"),
+    domains={"target": INDEX},
     constraints={
         f"{NAME}.dtype": "hidden is float32, float16, bfloat16 or float64",
         f"{NAME}.dtype_mismatch": "weight and bias have hidden's dtype",
@@ -73,8 +76,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, r
     if bias is not None:
         check(bias.shape == weight.shape[:1], ShapeError, NAME, "bias", f"{NAME}.bias_shape",
               f"({weight.shape[0]},) = (V,)", bias.shape)
-    check(target.dtype in INTS, DTypeError, NAME, "target", f"{NAME}.target_dtype", f"one of {', '.join(INTS)}",
-          target.dtype)
+    check_domain(NAME, "target", target, INDEX)
     check(target.shape == hidden.shape[:1], ShapeError, NAME, "target", f"{NAME}.target_shape",
           f"({hidden.shape[0]},) = (N,)", target.shape)
     ok = isinstance(ignore_index, (int, np.integer)) and not isinstance(ignore_index, (bool, np.bool_)) \

@@ -10,7 +10,19 @@ from opport import casegen as cg
 from opport.arraymath import gather, visible
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops.attention import SCALE_RULE, check_scale
-from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_float, check_ndim, check_same_dtype, op
+from opport.spec import (
+    INT32,
+    Case,
+    Cost,
+    ErrorCase,
+    Tolerance,
+    check,
+    check_domain,
+    check_float,
+    check_ndim,
+    check_same_dtype,
+    op,
+)
 
 NAME = "paged_attention"
 INDEX_DTYPE = "int32"  # block tables and context lengths, as vLLM passes them
@@ -22,6 +34,7 @@ def _positive(x) -> bool:
 
 @op(
     arrays=("q", "k_cache", "v_cache", "block_tables", "context_lens"),
+    domains={"block_tables": INT32, "context_lens": INT32},
     constraints={
         "paged_attention.dtype": "q is float32, float16, bfloat16 or float64",
         "paged_attention.dtype_mismatch": "k_cache and v_cache have q's dtype",
@@ -71,7 +84,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: floa
     check(k_cache.shape[1] >= 1 and v_cache.shape[:2] == k_cache.shape[:2], ShapeError, NAME, "v_cache",
           f"{NAME}.cache_shape", f"[{k_cache.shape[0]}, {k_cache.shape[1]} >= 1, ...] (as k_cache)", v_cache.shape)
     for arg, m in (("block_tables", block_tables), ("context_lens", context_lens)):
-        check(m.dtype == INDEX_DTYPE, DTypeError, NAME, arg, f"{NAME}.index_dtype", INDEX_DTYPE, m.dtype)
+        check_domain(NAME, arg, m, INT32, f"{NAME}.index_dtype")
     check_scale(NAME, scale)
     check(softcap is None or _positive(softcap), ArgumentError, NAME, "softcap", f"{NAME}.softcap",
           "None or a finite number > 0", repr(softcap))

@@ -8,13 +8,14 @@ from opport import casegen as cg
 from opport.arraymath import pair_views
 from opport.dtypes import FLOATS
 from opport.errors import ArgumentError, DTypeError, ShapeError
-from opport.spec import Case, Cost, ErrorCase, check, check_bool, check_float, check_ndim, op
+from opport.spec import FLOATING, Case, Cost, ErrorCase, check, check_bool, check_domain, check_float, check_ndim, op
 
 NAME = "rope"
 
 
 @op(
     arrays=("x", "cos", "sin"),
+    domains={"cos": FLOATING, "sin": FLOATING},
     constraints={
         "rope.dtype": "x is float32, float16, bfloat16 or float64",
         "rope.x_rank": "x is 4-d [B, H, S, D]",
@@ -40,7 +41,7 @@ def rope(x, cos, sin, interleaved=False):
     d = x.shape[-1]
     check(d % 2 == 0, ShapeError, NAME, "x", "rope.head_dim_even", "an even head dim D", d)
     for arg, t in (("cos", cos), ("sin", sin)):
-        check(t.dtype in FLOATS, DTypeError, NAME, arg, "rope.table_dtype", f"one of {', '.join(FLOATS)}", t.dtype)
+        check_domain(NAME, arg, t, FLOATING, "rope.table_dtype")
     check(sin.dtype == cos.dtype, DTypeError, NAME, "sin", "rope.table_dtype", f"{cos.dtype} (as cos)", sin.dtype)
     b, _, s, _ = x.shape
     shapes = ((s, d // 2), (1, s, d // 2)) + (((b, s, d // 2),) if b != 1 else ())  # (1, ...) is (B, ...) when B = 1

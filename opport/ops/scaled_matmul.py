@@ -11,7 +11,7 @@ from opport.arraymath import BLOCK, expand_a, expand_b
 from opport.dtypes import FP8, np_dtype
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops.quantize_fp8 import FP8_MAX, SCALE_FLOOR, check_scale_values
-from opport.spec import Case, Cost, ErrorCase, Tolerance, check, check_ndim, op
+from opport.spec import FLOAT32, FP8_CODES, Case, Cost, ErrorCase, Tolerance, check, check_domain, check_ndim, op
 
 NAME = "scaled_matmul"
 OUT_DTYPES = ("float32", "float16", "bfloat16")
@@ -19,6 +19,7 @@ OUT_DTYPES = ("float32", "float16", "bfloat16")
 
 @op(
     arrays=("a_q", "b_q", "scale_a", "scale_b", "bias"),
+    domains={"a_q": FP8_CODES, "b_q": FP8_CODES, "scale_a": FLOAT32, "scale_b": FLOAT32},
     constraints={
         "scaled_matmul.fp8_dtype": "a_q is float8_e4m3fn or float8_e5m2",
         "scaled_matmul.dtype_mismatch": "b_q has a_q's fp8 dtype (no mixed e4m3 x e5m2)",
@@ -59,7 +60,7 @@ def scaled_matmul(a_q, b_q, scale_a, scale_b, bias=None, out_dtype="bfloat16"):
     NaN codes give NaN rows/columns. Not differentiable (fp8 training is out of scope). A call's dtype is its
     `out_dtype`.
     """
-    check(a_q.dtype in FP8, DTypeError, NAME, "a_q", "scaled_matmul.fp8_dtype", f"one of {FP8}", a_q.dtype)
+    check_domain(NAME, "a_q", a_q, FP8_CODES, "scaled_matmul.fp8_dtype")
     check(b_q.dtype == a_q.dtype, DTypeError, NAME, "b_q", "scaled_matmul.dtype_mismatch", f"{a_q.dtype} (as a_q)",
           b_q.dtype)
     check_ndim(NAME, "a_q", a_q, 2, -1)
@@ -68,7 +69,7 @@ def scaled_matmul(a_q, b_q, scale_a, scale_b, bias=None, out_dtype="bfloat16"):
     check(b_q.shape[0] == k, ShapeError, NAME, "b_q", "scaled_matmul.inner_dim", f"b_q.shape[0] == {k} (a_q's K)",
           b_q.shape)
     for arg, s in (("scale_a", scale_a), ("scale_b", scale_b)):
-        check(s.dtype == "float32", DTypeError, NAME, arg, "scaled_matmul.scale_dtype", "float32", s.dtype)
+        check_domain(NAME, arg, s, FLOAT32, "scaled_matmul.scale_dtype")
     _check_scale(scale_a, "scale_a", a_scale_shapes(tuple(a_q.shape)), _a_blockwise(scale_a, a_q), k)
     _check_scale(scale_b, "scale_b", b_scale_shapes(k, n), _b_blockwise(scale_b, n), k)
     check(out_dtype in OUT_DTYPES, DTypeError, NAME, "out_dtype", "scaled_matmul.out_dtype", f"one of {OUT_DTYPES}",

@@ -10,13 +10,26 @@ from opport import casegen as cg
 from opport.arraymath import cu, sequences
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops import attention as dense
-from opport.spec import Case, Cost, ErrorCase, check, check_bool, check_float, check_ndim, check_same_dtype, op
+from opport.spec import (
+    INT32,
+    Case,
+    Cost,
+    ErrorCase,
+    check,
+    check_bool,
+    check_domain,
+    check_float,
+    check_ndim,
+    check_same_dtype,
+    op,
+)
 
 NAME = "varlen_attention"
 
 
 @op(
     arrays=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
+    domains={"cu_seqlens_q": INT32, "cu_seqlens_k": INT32},
     constraints={
         "varlen_attention.dtype": "q is float32, float16, bfloat16 or float64",
         "varlen_attention.dtype_mismatch": "k and v have q's dtype",
@@ -55,7 +68,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
           f"head dim D = {q.shape[2]} (as q), >= 1", k.shape)
     check(v.shape[0] == k.shape[0], ShapeError, NAME, "v", f"{NAME}.kv_tokens", f"Tk = {k.shape[0]} (as k)", v.shape)
     for arg, m in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        check(m.dtype == "int32", DTypeError, NAME, arg, f"{NAME}.cu_dtype", "int32", m.dtype)
+        check_domain(NAME, arg, m, INT32, f"{NAME}.cu_dtype")
         check(m.ndim == 1 and m.shape[0] >= 1, ShapeError, NAME, arg, f"{NAME}.cu_shape", "1-d, length B + 1 >= 1", m.shape)
     check(cu_seqlens_k.shape == cu_seqlens_q.shape, ShapeError, NAME, "cu_seqlens_k", f"{NAME}.cu_shape",
           f"{cu_seqlens_q.shape} (as cu_seqlens_q)", cu_seqlens_k.shape)

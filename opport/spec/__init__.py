@@ -40,12 +40,12 @@ from opport.spec.checks import (
     grad_constraints,
 )
 from opport.spec.derived import BackwardSpec, TrainForwardSpec, ValueAndGradSpec
-from opport.spec.domains import FLOAT32, FLOATING, FP8, INDEX, INT32, Domain, check_domain
+from opport.spec.domains import FLOAT32, FLOATING, FP8_CODES, INDEX, INT32, Domain, check_domain
 from opport.spec.opspec import OpSpec, op
 from opport.spec.records import BASE_TOLERANCE, Case, Cost, ErrorCase, Meta, Tolerance, contiguous_strides
 
 __all__ = [
-    "BASE_TOLERANCE", "FLOAT32", "FLOATING", "FP8", "GRAD_CONSTRAINTS", "INDEX", "INT32", "BackwardSpec", "Case",
+    "BASE_TOLERANCE", "FLOAT32", "FLOATING", "FP8_CODES", "GRAD_CONSTRAINTS", "INDEX", "INT32", "BackwardSpec", "Case",
     "Cost", "Domain", "ErrorCase", "Meta", "OpSpec", "Spec", "Tolerance", "TrainForwardSpec", "ValueAndGradSpec",
     "check", "check_axis", "check_bool", "check_choice", "check_domain", "check_eps", "check_float", "check_grad",
     "check_ndim", "check_same_dtype", "contiguous_strides", "fail", "grad_constraints", "op",

@@ -34,7 +34,7 @@ FLOATING = Domain("a floating array", FLOATS)
 INDEX = Domain("an integer array", INTS)
 INT32 = Domain("an int32 array", ("int32",))
 FLOAT32 = Domain("a float32 array", ("float32",))
-FP8 = Domain("an fp8 array", ("float8_e4m3fn", "float8_e5m2"))
+FP8_CODES = Domain("an fp8 array", ("float8_e4m3fn", "float8_e5m2"))
 
 
 def check_domain(op: str, arg: str, meta, domain: Domain, constraint: str | None = None) -> None:
