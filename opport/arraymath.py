@@ -106,3 +106,25 @@ def gather(cache, table, lo: int, hi: int):
     pos = np.arange(lo, hi)
     bs = cache.shape[1]
     return cache[np.asarray(table)[pos // bs].astype(np.int64), pos % bs]
+
+
+# attention's visibility and soft cap (the references and the cpu kernels)
+def visible_range(sq: int, sk: int, causal: bool, window: int | None = None) -> tuple:
+    """For each query row, the keys it sees as [lo, hi): hi = min(Sk, max(0, i + Sk - Sq + 1)) when causal
+    (Sk otherwise), lo = max(0, hi_unclipped - W) with a window W (never above hi)."""
+    i = np.arange(sq)
+    limit = i + sk - sq + 1  # one past the last visible key (bottom-right)
+    hi = np.clip(limit, 0, sk) if causal else np.full(sq, sk)
+    lo = np.zeros(sq, np.int64) if window is None else np.minimum(np.clip(limit - window, 0, sk), hi)
+    return lo, hi
+
+
+def visible_keys(sq: int, sk: int, causal: bool, window: int | None = None) -> np.ndarray:
+    """For each query row, how many keys it sees."""
+    lo, hi = visible_range(sq, sk, causal, window)
+    return hi - lo
+
+
+def capped(s: np.ndarray, softcap) -> np.ndarray:
+    """The scores after the soft cap: c·tanh(s / c) (s itself without one)."""
+    return s if softcap is None else softcap * np.tanh(s / softcap)

@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from opport import casegen as cg
+from opport.arraymath import capped, visible_keys, visible_range
 from opport.dtypes import finfo
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.spec import (
@@ -21,18 +22,13 @@ from opport.spec import (
     check_grad,
     check_ndim,
     check_same_dtype,
+    check_scale,
+    check_softcap_window,
     grad_constraints,
     op,
 )
 
 NAME = "attention"
-# Every backend computes the scaled scores in float32 (for 16- and 32-bit inputs): with |scale| <= 1e4 they
-# overflow only where q·k itself nearly does (as any float32 product would), and scores of 1e4 already carry
-# float32 rounding of 1e-3, which softmax turns into weights off by 0.1%. scale = 1e300 was accepted and
-# rounded to inf: every output NaN where the float64 reference is finite (issue 15 item 3). No model uses
-# scales near the bound (1/sqrt(D), 1, 1/D; a temperature of 0.01 gives 100·(1/sqrt(D))).
-SCALE_MAX = 1e4
-WINDOW_MAX = 2**31 - 1  # kernels index keys in int32
 SCALE_RULE = "scale is None or a finite real scalar (Python or NumPy, not an array or tensor), abs(scale) <= 1e4"
 
 
@@ -96,51 +92,6 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, softcap
     check_softcap_window(NAME, softcap, sliding_window, causal)
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool)
-
-
-def check_scale(name: str, scale) -> None:
-    """`<name>.scale` (shared by attention, varlen_attention and paged_attention): None, or a finite real scalar with
-    |scale| <= SCALE_MAX. An array or tensor of any shape is refused, a 1-element one included: a scale multiplies
-    every score of every head, and an array there is a per-head or per-batch scale mistaken for one, or a device
-    value that would need a synchronisation to read. (A 0-d NumPy array reaches this check as its Python scalar:
-    the dispatcher passes NumPy scalars and 0-d arrays in scalar positions as Python scalars, for every op.)"""
-    ok = scale is None or (_is_number(scale) and math.isfinite(scale) and abs(scale) <= SCALE_MAX)
-    got = f"{type(scale).__name__} of shape {tuple(scale.shape)}" if hasattr(scale, "shape") and not ok else repr(scale)
-    check(ok, ArgumentError, name, "scale", f"{name}.scale",
-          f"None or a finite real scalar (not an array or tensor), abs(scale) <= {SCALE_MAX:g}", got)
-
-
-def check_softcap_window(name: str, softcap, sliding_window, causal: bool) -> None:
-    """softcap: None or finite > 0; sliding_window: None or an int in [1, 2**31 - 1], only with causal=True
-    (shared by the ops that take the same definitions: `<name>.softcap`, `<name>.sliding_window`)."""
-    ok = softcap is None or (_is_number(softcap) and math.isfinite(softcap) and softcap > 0)
-    check(ok, ArgumentError, name, "softcap", f"{name}.softcap", "None or a finite number > 0", repr(softcap))
-    ok = sliding_window is None or (isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool)
-                                    and 1 <= sliding_window <= WINDOW_MAX)
-    check(ok, ArgumentError, name, "sliding_window", f"{name}.sliding_window",
-          f"None or an int in [1, {WINDOW_MAX}]", repr(sliding_window))
-    check(sliding_window is None or causal is True, ArgumentError, name, "sliding_window", f"{name}.sliding_window",
-          "causal=True with a sliding window", f"causal={causal!r}")
-
-
-def visible_range(sq: int, sk: int, causal: bool, window: int | None = None) -> tuple:
-    """For each query row, the keys it sees as [lo, hi): hi = min(Sk, max(0, i + Sk - Sq + 1)) when causal
-    (Sk otherwise), lo = max(0, hi_unclipped - W) with a window W (never above hi)."""
-    i = np.arange(sq)
-    limit = i + sk - sq + 1  # one past the last visible key (bottom-right)
-    hi = np.clip(limit, 0, sk) if causal else np.full(sq, sk)
-    lo = np.zeros(sq, np.int64) if window is None else np.minimum(np.clip(limit - window, 0, sk), hi)
-    return lo, hi
-
-
-def visible_keys(sq: int, sk: int, causal: bool, window: int | None = None) -> np.ndarray:
-    """For each query row, how many keys it sees."""
-    lo, hi = visible_range(sq, sk, causal, window)
-    return hi - lo
-
-
 def range_bounds(q, k, v, causal: bool = False, scale=None, sliding_window=None) -> tuple:
     """(scores, values) in float64 for the op's Range: the largest sum_d |q_d| |k_d| max(1, 2|scale|) over the
     (query, key) pairs that are visible, and the largest sum of |v| over one row's visible keys (per output
@@ -163,11 +114,6 @@ def range_bounds(q, k, v, causal: bool = False, scale=None, sliding_window=None)
                 scores = max(scores, float(np.einsum("bhd,bhkd->bhk", qa[:, :, i], ka[:, :, keys]).max()) * factor)
                 values = max(values, float(va[:, :, keys].sum(axis=2).max()))
     return scores, values
-
-
-def capped(s: np.ndarray, softcap) -> np.ndarray:
-    """The scores after the soft cap: c·tanh(s / c) (s itself without one)."""
-    return s if softcap is None else softcap * np.tanh(s / softcap)
 
 
 @attention.reference

@@ -27,6 +27,8 @@ the dispatcher.
 from opport.spec.base import Spec
 from opport.spec.checks import (
     GRAD_CONSTRAINTS,
+    SCALE_MAX,
+    WINDOW_MAX,
     check,
     check_axis,
     check_bool,
@@ -36,6 +38,8 @@ from opport.spec.checks import (
     check_grad,
     check_ndim,
     check_same_dtype,
+    check_scale,
+    check_softcap_window,
     fail,
     grad_constraints,
 )
@@ -45,8 +49,9 @@ from opport.spec.opspec import OpSpec, op
 from opport.spec.records import BASE_TOLERANCE, Case, Cost, ErrorCase, Meta, Tolerance, contiguous_strides
 
 __all__ = [
-    "BASE_TOLERANCE", "FLOAT32", "FLOATING", "FP8_CODES", "GRAD_CONSTRAINTS", "INDEX", "INT32", "BackwardSpec", "Case",
-    "Cost", "Domain", "ErrorCase", "Meta", "OpSpec", "Spec", "Tolerance", "TrainForwardSpec", "ValueAndGradSpec",
-    "check", "check_axis", "check_bool", "check_choice", "check_domain", "check_eps", "check_float", "check_grad",
-    "check_ndim", "check_same_dtype", "contiguous_strides", "fail", "grad_constraints", "op",
+    "BASE_TOLERANCE", "FLOAT32", "FLOATING", "FP8_CODES", "GRAD_CONSTRAINTS", "INDEX", "INT32", "BackwardSpec",
+    "Case", "Cost", "Domain", "ErrorCase", "Meta", "OpSpec", "Spec", "Tolerance", "TrainForwardSpec",
+    "ValueAndGradSpec", "SCALE_MAX", "WINDOW_MAX", "check", "check_axis", "check_scale", "check_softcap_window",
+    "check_bool", "check_choice", "check_domain", "check_eps", "check_float", "check_grad", "check_ndim",
+    "check_same_dtype", "contiguous_strides", "fail", "grad_constraints", "op",
 ]
