@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
-from opport.dtypes import FLOATS
 from opport.errors import BackendUnavailableError
 
 
@@ -182,16 +181,19 @@ def backend_for_device(device_type: str) -> Backend:
     return backends()["cpu"]
 
 
-def impl(spec, backend: str, dtypes=FLOATS, supports=None, priority=0, name=None, deterministic=True):
+def impl(spec, backend: str, dtypes=None, supports=None, priority=0, name=None, deterministic=True):
     """Register the decorated function as a kernel of `backend` for the op `spec`.
 
     The kernel takes the op's bound arguments in signature order (arrays of the backend's kind) and returns
-    its output. `supports(*metas)` returns None when it takes a call, else the reason it does not.
+    its output. `dtypes`: only where the kernel narrows what the op and the backend declare (by default, the
+    op's dtypes that the backend runs). `supports(*metas)` returns None when it takes a call, else the reason
+    it does not.
     """
 
     def register(fn):
         kname = name or f"{backend}.{fn.__name__}"
-        k = Kernel(spec, backend, fn, kname, tuple(dtypes), supports, priority, deterministic)
+        k = Kernel(spec, backend, fn, kname, tuple(dtypes or _default_dtypes(spec, backend)), supports, priority,
+                   deterministic)
         with _lock:
             ks = [old for old in _kernels.get((spec, backend), []) if old.name != kname]  # reload-safe
             ks.append(k)
@@ -201,6 +203,12 @@ def impl(spec, backend: str, dtypes=FLOATS, supports=None, priority=0, name=None
         return fn
 
     return register
+
+
+def _default_dtypes(spec, backend: str) -> tuple:
+    """The op's dtypes that the backend declares (all of them for a backend not registered, as tests make)."""
+    b = backends().get(backend)
+    return tuple(d for d in spec.dtypes if b is None or d in b.dtypes)
 
 
 def remove_kernel(spec, backend: str, name: str):

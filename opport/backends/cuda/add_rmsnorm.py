@@ -13,7 +13,7 @@ from opport.dispatch import impl
 from opport.ops.add_rmsnorm import add_rmsnorm as spec
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight, eps: float):
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -22,7 +22,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight, eps: float):
     return normed, total
 
 
-@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "cuda")
 def add_rmsnorm_backward(grad_normed: torch.Tensor, grad_sum: torch.Tensor, total: torch.Tensor, weight, eps: float):
     """dx and dresidual are one tensor (one write)."""
     dx, dw = launch_backward(grad_normed, grad_sum, total, weight, eps)

@@ -211,13 +211,13 @@ def _expm1(u, d):
     return tl.where(um1 == 0.0, d, um1 * (d / log_f32(tl.where(um1 == 0.0, 0.5, u))))
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
                   label_smoothing: float) -> torch.Tensor:
     return _forward(logits, target, ignore_index, reduction, label_smoothing, None)
 
 
-@impl(spec.train_forward, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.train_forward, "cuda")
 def cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
                           label_smoothing: float):
     """The forward plus each row's logsumexp [N] (float32), written by the same single pass."""
@@ -243,7 +243,7 @@ def _forward(logits, target, ignore_index: int, reduction: str, label_smoothing:
     return total / (target != ignore_index).sum().to(torch.float32)
 
 
-@impl(spec.value_and_grad_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.value_and_grad_op, "cuda")
 def cross_entropy_value_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
                                  label_smoothing: float):
     """(loss, dlogits [N, V] in logits' dtype for a unit upstream gradient) from one program per block of rows:
@@ -265,7 +265,7 @@ def cross_entropy_value_and_grad(logits: torch.Tensor, target: torch.Tensor, ign
     return (total if reduction == "sum" else total / kept.to(torch.float32)), out
 
 
-@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "cuda")
 def cross_entropy_backward(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
                            ignore_index: int, reduction: str, label_smoothing: float):
     """dlogits [N, V] in logits' dtype from the saved lse: one read of the logits, one write (see the kernel)."""

@@ -67,7 +67,7 @@ def _dequantize_fp8_kernel(
     tl.store(out_ptr + at(i0, i1, i2, c2, o_s0, o_s1, o_s2, o_sc), narrow(v * s, out_ptr.dtype.element_ty), mask=mask)
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, granularity: str, block: int, out_dtype: str):
     out = torch.empty(q.shape, dtype=getattr(torch, out_dtype), device=q.device)
     if out.numel() == 0:

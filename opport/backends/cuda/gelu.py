@@ -47,7 +47,7 @@ def _gelu_kernel(
     tl.store(out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc), narrow(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return elementwise(_gelu_kernel, [x], out, TANH=approximate == "tanh")
@@ -145,7 +145,7 @@ def _gelu_tanh_grad(x, PRECISE: tl.constexpr):
     return (slope * e * q + tl.where(two_u >= 0, 1.0, e)) * q
 
 
-@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "cuda")
 def gelu_backward(grad: torch.Tensor, x: torch.Tensor, approximate: str):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return (elementwise(_gelu_bwd_kernel, [grad, x], dx, TANH=approximate == "tanh", PRECISE=x.dtype == torch.float32),)

@@ -53,7 +53,7 @@ def _supports(key, value, k_cache, v_cache, slot_mapping):
     return None
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "cuda", supports=_supports)
 def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     t, hkv, d = key.shape

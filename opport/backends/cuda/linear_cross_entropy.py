@@ -41,7 +41,6 @@ from opport.backends.cuda.matmul import _column_sum, _k_loop
 from opport.dispatch import impl
 from opport.ops.linear_cross_entropy import linear_cross_entropy as spec
 
-DTYPES = ("float32", "float16", "bfloat16")
 CHUNK_ELEMENTS = (1 << 12) if INTERPRET else (1 << 25)  # dlogits buffer; small in the interpreter: several chunks
 # forward programs per SM: the vocabulary is split so that few tokens (N 1024: 16 row blocks) still fill the GPU;
 # in the interpreter 2 programs in all, so that single-row-block cases run two splits and their combination
@@ -268,13 +267,13 @@ def _strides(hidden, weight, target, bias) -> tuple:
     return (*hidden.stride(), *weight.stride(), b_s, target.stride(0))
 
 
-@impl(spec, "cuda", dtypes=DTYPES)
+@impl(spec, "cuda")
 def linear_cross_entropy(hidden, weight, target, bias, ignore_index: int, reduction: str, label_smoothing: float,
                          softcap):
     return _forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap, None)
 
 
-@impl(spec.train_forward, "cuda", dtypes=DTYPES)
+@impl(spec.train_forward, "cuda")
 def linear_cross_entropy_forward(hidden, weight, target, bias, ignore_index: int, reduction: str,
                                  label_smoothing: float, softcap):
     """The forward plus each row's logsumexp [N] (float32), written by the same programs."""
@@ -317,7 +316,7 @@ def _chunk_cols(n: int, v: int, block_v: int) -> int:
     return min(cols, cdiv(v, block_v) * block_v)
 
 
-@impl(spec.backward_op, "cuda", dtypes=DTYPES)
+@impl(spec.backward_op, "cuda")
 def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias, ignore_index: int, reduction: str,
                                   label_smoothing: float, softcap):
     """dhidden, dweight, dbias chunk by chunk of the vocabulary (module docstring): the logits are recomputed,

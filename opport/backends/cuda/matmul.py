@@ -164,13 +164,13 @@ def _batch_layout(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
     return lay
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def matmul(a: torch.Tensor, b: torch.Tensor, bias) -> torch.Tensor:
     out = torch.empty((*a.shape[:-2], a.shape[-2], b.shape[-1]), dtype=a.dtype, device=a.device)
     return _gemm(a, b, bias, out)
 
 
-@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "cuda")
 def matmul_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias):
     """da = grad b^T and db = a^T grad through the forward's GEMM kernel on transposed views (no copies);
     a shared b's db sums every batch entry inside one accumulator (REDUCE_BATCH); dbias is a two-stage

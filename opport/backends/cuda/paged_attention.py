@@ -183,7 +183,7 @@ def _config(d: int, dv: int, group: int, dtype: torch.dtype) -> dict:
             "BLOCK_DV": block_dv, "num_warps": warps, "num_stages": 2}
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "cuda", supports=_supports)
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale, softcap, sliding_window) -> torch.Tensor:
     bsz, hq, d = q.shape

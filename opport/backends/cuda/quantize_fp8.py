@@ -130,7 +130,7 @@ def _launch(x, q, a, s, lay, stage: int, group_w: int, n_groups: int, fmt: tuple
     )
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def quantize_fp8(x: torch.Tensor, granularity: str, block: int, dtype: str, scale):
     """Token and block scaling: one launch (each program reads its rows' group, once when it fits BLOCK_N).
     Tensor scaling: amax per row, amax of those, then q (three launches, x read twice)."""

@@ -112,7 +112,7 @@ def _scale_store(xs, r, w_ptr, w_s, cols, mask, out_ptrs, HAS_WEIGHT: tl.constex
     tl.store(out_ptrs, narrow(y, out_ptrs.dtype.element_ty), mask=mask)
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def rmsnorm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -282,7 +282,7 @@ def _bracket(gw, x, xhat, mean_gx, eps_s, r, ONE_COL: tl.constexpr):
         return gw - xhat * mean_gx
 
 
-@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "cuda")
 def rmsnorm_backward(grad: torch.Tensor, x: torch.Tensor, weight, eps: float):
     return launch_backward(grad, None, x, weight, eps)
 

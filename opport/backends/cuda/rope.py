@@ -71,12 +71,12 @@ def _table_strides(t: torch.Tensor) -> tuple:
     return (0 if t.shape[0] == 1 else t.stride(0), *t.stride()[1:])
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return _rotate(x, cos, sin, interleaved, inverse=False)
 
 
-@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "cuda")
 def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
     """dx: grad rotated back by the same tables (the forward kernel with -sin); strided grads read in place."""
     return (_rotate(grad, cos, sin, interleaved, inverse=True),)

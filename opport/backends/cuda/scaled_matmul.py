@@ -131,7 +131,7 @@ def _scale_strides(scale_a: torch.Tensor, scale_b: torch.Tensor, rows: int, n: i
     return sa, sb, strides, ga > 1 or gk > 1
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def scaled_matmul(a_q: torch.Tensor, b_q: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, bias,
                   out_dtype: str) -> torch.Tensor:
     """Host side: a's batch dims fold into M (a reshape: a copy only for a view whose rows cannot merge); a, b

@@ -33,7 +33,7 @@ def _silu_kernel(
     tl.store(out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc), y, mask=mask)
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def silu(x: torch.Tensor) -> torch.Tensor:
     return elementwise(_silu_kernel, [x], torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
@@ -65,7 +65,7 @@ def _silu_bwd_kernel(
     tl.store(dx_ptr + at(i0, i1, i2, cols, d_s0, d_s1, d_s2, d_sc), narrow(dx, dx_ptr.dtype.element_ty), mask=mask)
 
 
-@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "cuda")
 def silu_backward(grad: torch.Tensor, x: torch.Tensor):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return (elementwise(_silu_bwd_kernel, [grad, x], dx, PRECISE=x.dtype == torch.float32),)

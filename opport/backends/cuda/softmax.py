@@ -72,7 +72,7 @@ def _softmax_kernel(
             tl.store(out_ptr + at(i0, i1, i2, c, o_s0, o_s1, o_s2, o_sc), narrow(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def softmax(x: torch.Tensor, axis: int) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -160,7 +160,7 @@ def _softmax_dx(g, y, s):
     return tl.where(is_finite(dx), dx, (g.to(tl.float64) * y64 - y64 * s).to(tl.float32))
 
 
-@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "cuda")
 def softmax_backward(grad: torch.Tensor, out: torch.Tensor, axis: int):
     dx = torch.empty(out.shape, dtype=out.dtype, device=out.device)
     if dx.numel() == 0:

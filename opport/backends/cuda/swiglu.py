@@ -54,7 +54,7 @@ def _swiglu_f32(g, u):
     return tl.where(g == float("-inf"), neg_zero_like(u) * u, y)
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "cuda")
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return elementwise(_swiglu_kernel, [gate, up], torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
 
@@ -93,7 +93,7 @@ def _swiglu_bwd_kernel(
              mask=mask)
 
 
-@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "cuda")
 def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     dup = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
