@@ -1,7 +1,8 @@
-"""The files generated from the op declarations: the op reference (docs/ops.md) and the public op
-functions (opport/_ops.py). After adding or changing an op, regenerate both:
+"""The files generated from the op declarations: the op reference (docs/ops.md), the op table of
+docs/design.md section 1 and the public op functions (opport/_ops.py). After adding or changing an op,
+regenerate them:
 
-    python -m opport.opdoc          # writes docs/ops.md and opport/_ops.py; a test checks both are current
+    python -m opport.opdoc          # writes docs/ops.md, docs/design.md's table, opport/_ops.py; a test checks
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 from opport.ops import builtin_ops
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = {"docs/ops.md": lambda: render(), "opport/_ops.py": lambda: _public_functions()}
+GENERATED = {"docs/ops.md": lambda: render(), "docs/design.md": lambda: _design(), "opport/_ops.py": lambda: _public_functions()}
+TABLE = ("<!-- the op table: generated from the declarations by `python -m opport.opdoc` (a test checks it is current) -->\n",
+         "<!-- end of the op table -->\n")
 
 
 def render() -> str:
@@ -30,6 +33,31 @@ def render() -> str:
                    else ""), ""]
         out += _constraints(spec) + _tolerances(spec) + _backward(spec)
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out))  # one blank line between blocks
+
+
+def _design() -> str:
+    """docs/design.md with its op table (section 1) made from the declarations."""
+    text = (ROOT / "docs/design.md").read_text()
+    start, end = text.index(TABLE[0]) + len(TABLE[0]), text.index(TABLE[1])
+    return text[:start] + op_table() + text[end:]
+
+
+def op_table() -> str:
+    """One row per op: its signature, the first paragraph of its docstring, what its arrays take, its gradients."""
+    rows = ["| op | signature | semantics ([ops.md](ops.md) has the rest) | array dtypes | gradients |",
+            "|---|---|---|---|---|"]
+    for name, spec in builtin_ops().items():
+        summary = inspect.cleandoc(spec.__doc__ or "").split("\n\n")[0].replace("\n", " ").replace("|", "\\|")
+        odd = [f"{a}: {', '.join(spec.domains[a].dtypes)}" for a in spec.arrays if a in spec.domains]
+        dtypes = "; ".join([f"{', '.join(spec.dtypes)}" + (" (the others)" if odd else "")] + odd)
+        grads = ", ".join(f"d{w}" for w in spec.backward_op.wrt) if spec.backward_op else "none"
+        rows.append(f"| {name} | `{name}{_plain(spec.signature)}` | {summary} | {dtypes} | {grads} |")
+    return "\n".join(rows) + "\n"
+
+
+def _plain(sig: inspect.Signature) -> str:
+    """The signature without annotations, as a user calls it."""
+    return "(" + ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in sig.parameters.values()) + ")"
 
 
 def _constraints(spec) -> list:

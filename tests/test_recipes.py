@@ -119,8 +119,8 @@ def bench_rows(site: Path, tmp: Path, *argv: str) -> list:
 
 def test_adding_an_op_with_a_cpu_kernel_only(tmp_path):
     doc = "adding-an-op.md"
-    declaration = block(doc, "python", "@op(") + "\n\n" + block(doc, "python", ".backward(")
-    kernel = block(doc, "python", "@impl(")
+    declaration = block(doc, "python", "@square.reference") + "\n\n" + block(doc, "python", ".backward(")
+    kernel = block(doc, "python", "square as spec")
     pyproject = block(doc, "toml", '"opport.ops"')
     site, pkg = tmp_path / "site", "recipe_square"  # the docs' "mypackage"
     files = {f"{pkg}/__init__.py": "", f"{pkg}/ops/__init__.py": "", f"{pkg}/backends/__init__.py": "",
@@ -146,6 +146,30 @@ def test_adding_an_op_with_a_cpu_kernel_only(tmp_path):
         aot = json.loads(report.read_text())
         compiled = {p.split()[0] for b in aot["builds"] for p in b["problems"]}
         assert aot["failures"] == aot["skipped"] == [] and "square" not in compiled and len(compiled) >= 10, aot
+
+
+def test_adding_an_op_with_an_integer_argument_and_two_outputs(tmp_path):
+    """The page's second op: an integer argument with its declared domain, a value check, two outputs."""
+    doc = "adding-an-op.md"
+    declaration, kernel = block(doc, "python", "@pick_rows.outputs"), block(doc, "python", "pick_rows as spec")
+    pyproject = block(doc, "toml", '"opport.ops"').replace("square", "pick_rows")
+    site, pkg = tmp_path / "site", "recipe_pick"
+    files = {f"{pkg}/__init__.py": "", f"{pkg}/ops/__init__.py": "", f"{pkg}/backends/__init__.py": "",
+             f"{pkg}/backends/cpu/__init__.py": "", f"{pkg}/ops/pick_rows.py": declaration,
+             f"{pkg}/backends/cpu/pick_rows.py": kernel.replace("from opport.ops.pick_rows", f"from {pkg}.ops.pick_rows")}
+    written = install(site, "recipe-pick", files, pyproject.replace("mypackage", pkg))
+
+    ruff(site, written, [pkg])
+    call = ("import numpy as np, opport; rows, sums = opport.pick_rows(np.ones((3, 2), np.float32), np.array([2, 0])); "
+            "print(rows.shape, sums.tolist())")
+    found = run(site, "-c", call)
+    check(found, "a call")
+    assert "(2, 2) [2.0, 2.0]" in found.stdout, found.stdout
+    pytest_selected(site, ("tests/test_validation.py", "tests/test_explain_every_op.py"), "pick_rows")
+    explained = run(site, "-m", "opport", "explain", "pick_rows", "--shape", "64,130", "--shape", "7", "--backend", "cpu")
+    check(explained, "opport explain")
+    assert "cpu.pick_rows" in explained.stdout
+    assert "cpu.pick_rows" in conformance_kernels(site, tmp_path, "--backend", "cpu", "--op", "pick_rows")
 
 
 def test_adding_a_backend_with_one_kernel(tmp_path):
