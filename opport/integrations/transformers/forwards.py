@@ -69,7 +69,7 @@ def base_model(module, input_ids=None, attention_mask=None, position_ids=None, *
     if args or ref is None or layouts.KEY in kwargs:  # positional extras or an invalid call: the model's code decides
         return forward(input_ids, attention_mask, position_ids, *args, **kwargs)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    kwargs[layouts.KEY] = layouts.read(attention_mask, position_ids, cache, kwargs, ref.shape[0])
+    kwargs[layouts.KEY] = layouts.read(attention_mask, position_ids, cache, kwargs, ref.shape)
     return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
 
@@ -109,18 +109,17 @@ def _why_not(module, layout, attention_mask, q, k, v, cache, window, kwargs) -> 
         return op, "dropout"
     if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
         return op, "output_attentions"
-    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True) or not getattr(module.config, "is_causal", True):
+    causal = (kwargs.get("is_causal"), getattr(module, "is_causal", True), getattr(module.config, "is_causal", True))
+    if False in causal:
         return op, "non_causal"
     if (layout is None and attention_mask is not None) or (layout is not None and layout.kind == "custom"):
         return op, "custom_mask"
     if cache is not None and not layouts.in_token_order(cache, module.layer_idx):
         return op, "static_cache"
-    if varlen and layout.kind == "padded":
-        rows = layout.rows(k.shape[2], k.device)
-        if rows is None:
-            return op, "mask_length"
-        if window is not None and not rows[2]:
-            return op, "window_gaps"
+    if layout is not None and layout.kind == "misfit":
+        return op, "mask_length"
+    if window is not None and varlen and layout.kind == "padded" and not layout.rows(k.shape[2], k.device)[2]:
+        return op, "window_gaps"
     if varlen and get_op(op).backward_op is None and torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad):
         return op, "no_backward"

@@ -24,7 +24,7 @@ CAUSES = {
     "non_causal": ("is_causal", "bidirectional attention (the patched forward runs causal attention)"),
     "custom_mask": ("attention_mask", "a 4-D or prepared attention mask, whose token layout opport cannot read"),
     "static_cache": ("cache", "a cache layer other than a DynamicCache's (its keys are not the last tokens in order)"),
-    "mask_length": ("attention_mask", "a padding mask shorter than the keys"),
+    "mask_length": ("attention_mask", "a 2-D attention mask whose length is not the cached plus the new tokens"),
     "window_gaps": ("attention_mask", "a sliding window over a padding mask with a gap inside a row"),
     "no_backward": ("q", "gradients are needed and varlen_attention has no backward kernel (not differentiable)"),
     "dtype_mismatch": ("weight", "activations and weight of different dtypes (the op takes one dtype)"),

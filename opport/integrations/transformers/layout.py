@@ -11,7 +11,8 @@ keyword `opport_layout`), which maps the call to varlen_attention:
 - packed: `cu_seq_lens_q` (and `_k`) as FlashAttention's varlen path takes them, or `position_ids` that
   break (the next position is not the previous + 1: Hugging Face's rule) while there is no padding and
   nothing in the cache: one sequence per document;
-- custom: a 4-D or prepared mask (a dict of masks): opport cannot read its layout, the attention hands back.
+- custom: a 4-D or prepared mask (a dict of masks): opport cannot read its layout, the attention hands back;
+  misfit: a 2-D mask whose length is not the cached plus the new tokens: the same.
 """
 
 from __future__ import annotations
@@ -33,10 +34,7 @@ class Layout:
 
     def rows(self, n: int, device):
         """Padded: (flat indices of the valid tokens among the last n columns, their int32 cu_seqlens, whether
-        each row's valid tokens are contiguous), or None when the mask has fewer than n columns. Memoized: the
-        queries and keys of every layer share it."""
-        if n > self.mask.shape[1]:
-            return None
+        each row's valid tokens are contiguous). Memoized: the queries and keys of every layer share it."""
         if n not in self._rows:
             m = self.mask[:, self.mask.shape[1] - n:].to(device)
             counts = m.sum(1)
@@ -50,27 +48,29 @@ class Layout:
 
 DENSE = Layout("dense")
 CUSTOM = Layout("custom")
+MISFIT = Layout("misfit")  # a 2-D mask whose length is not the cached plus the new tokens
 
 
-def read(attention_mask, position_ids, cache, kwargs: dict, batch: int) -> Layout:
-    """The layout of this forward's batch (see the module docstring for the rules)."""
-    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2):
-        return CUSTOM
-    if attention_mask is not None and not bool(attention_mask.all()):
-        return Layout("padded", mask=attention_mask.bool())
+def read(attention_mask, position_ids, cache, kwargs: dict, shape) -> Layout:
+    """The layout of this forward's batch of `shape` (B, S, ...) tokens (the module docstring has the rules)."""
+    batch, seq = shape[0], shape[1]
+    past = 0 if cache is None else int(cache.get_seq_length())
+    if attention_mask is not None:
+        if not (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2):
+            return CUSTOM
+        if attention_mask.shape[1] != past + seq:  # Hugging Face pads or slices it: not the tokens one to one
+            return MISFIT
+        if not bool(attention_mask.all()):
+            return Layout("padded", mask=attention_mask.bool())
     cu_q = kwargs.get("cu_seq_lens_q")
     if cu_q is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
         return Layout("packed", cu_q=cu_q.to(torch.int32), cu_k=(cu_q if cu_k is None else cu_k).to(torch.int32))
-    if position_ids is not None and position_ids.ndim == 2 and _past(cache) == 0:
+    if position_ids is not None and position_ids.ndim == 2 and past == 0:
         cu = _documents(position_ids, batch)
         if cu is not None:
             return Layout("packed", cu_q=cu, cu_k=cu)
     return DENSE
-
-
-def _past(cache) -> int:
-    return 0 if cache is None else int(cache.get_seq_length())
 
 
 def _documents(position_ids, batch: int):
