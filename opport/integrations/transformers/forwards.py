@@ -89,16 +89,17 @@ def attention(module, hidden_states, position_embeddings, attention_mask=None, p
         k, v = cache.update(k, v, module.layer_idx)
     window = _window(module)
     op, cause = _why_not(module, layout, attention_mask, q, k, v, cache, window, kwargs)
+    weights = None  # the attention probabilities: only the model's own (eager) code forms them
     if cause is not None:
         hand_back(module, op, cause)
-        out = _fallback(module, q, k, v, attention_mask, window, kwargs)
+        out, weights = _fallback(module, q, k, v, attention_mask, window, kwargs)
     elif op == "varlen_attention":
         out = _varlen(module, layout, q, k, v, window)
     else:
         out = _op("attention", module, q, k, v, causal=True, scale=module.scaling,
                   sliding_window=window).transpose(1, 2)
     out = out.reshape(*input_shape, -1).contiguous()
-    return module.o_proj(out), None
+    return module.o_proj(out), weights
 
 
 def _why_not(module, layout, attention_mask, q, k, v, cache, window, kwargs) -> tuple:
@@ -147,9 +148,8 @@ def _fallback(module, q, k, v, attention_mask, window, kwargs):
     modeling = sys.modules[type(module).__module__]
     fn = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
                                                         modeling.eager_attention_forward)
-    out, _ = fn(module, q, k, v, attention_mask, scaling=module.scaling, sliding_window=window,
-                dropout=module.attention_dropout if module.training else 0.0, **kwargs)
-    return out
+    return fn(module, q, k, v, attention_mask, scaling=module.scaling, sliding_window=window,
+              dropout=module.attention_dropout if module.training else 0.0, **kwargs)
 
 
 def _window(module):
