@@ -35,13 +35,18 @@ class Bound:
 
     @property
     def __signature__(self):  # the original's (generate and Trainer read forward's parameter names)
-        return inspect.signature(original(self.module))
+        saved = vars(self.module)[SAVED][0]
+        return inspect.signature(saved if saved is not None else partial(type(self.module).forward, self.module))
 
 
-def original(module):
-    """The forward `patch` replaced: the one the module had in its __dict__, else its class's."""
+def call_original(module, *args, **kwargs):
+    """The forward `patch` replaced (the one the module had in its __dict__, else its class's) on these arguments.
+    The class's function is called with the module, not bound: torch.compile, resuming after a graph break,
+    rebuilds a bound method as `module.forward`, which is the patched forward again."""
     saved = vars(module)[SAVED][0]
-    return saved if saved is not None else type(module).forward.__get__(module, type(module))
+    if saved is not None:
+        return saved(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
 
 
 def _op(name: str, module, *args, **kwargs):
@@ -54,7 +59,7 @@ def _op(name: str, module, *args, **kwargs):
 def rmsnorm(module, hidden_states):
     if hidden_states.dtype != module.weight.dtype:
         hand_back(module, "rmsnorm", "dtype_mismatch")
-        return original(module)(hidden_states)
+        return call_original(module, hidden_states)
     return _op("rmsnorm", module, hidden_states, module.weight, module.variance_epsilon)
 
 
@@ -64,13 +69,13 @@ def mlp(module, x):
 
 def base_model(module, input_ids=None, attention_mask=None, position_ids=None, *args, **kwargs):
     """The base model (LlamaModel, ...): reads the batch's token layout once for all attention layers."""
-    forward = original(module)
     ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
     if args or ref is None or layouts.KEY in kwargs:  # positional extras or an invalid call: the model's code decides
-        return forward(input_ids, attention_mask, position_ids, *args, **kwargs)
+        return call_original(module, input_ids, attention_mask, position_ids, *args, **kwargs)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     kwargs[layouts.KEY] = layouts.read(attention_mask, position_ids, cache, kwargs, ref.shape)
-    return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    return call_original(module, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         **kwargs)
 
 
 def attention(module, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, cache=None,
@@ -117,8 +122,8 @@ def _why_not(module, layout, attention_mask, q, k, v, cache, window, kwargs) -> 
         return op, "custom_mask"
     if cache is not None and not layouts.in_token_order(cache, module.layer_idx):
         return op, "static_cache"
-    if layout is not None and layout.kind == "misfit":
-        return op, "mask_length"
+    if layout is not None and layout.kind in ("misfit", "traced"):
+        return op, "mask_length" if layout.kind == "misfit" else "traced_layout"
     if window is not None and varlen and layout.kind == "padded" and not layout.rows(k.shape[2], k.device)[2]:
         return op, "window_gaps"
     if varlen and get_op(op).backward_op is None and torch.is_grad_enabled() and (
@@ -164,7 +169,7 @@ def decoder_layer(module, hidden_states, *args, **kwargs):
     Gradient checkpointing is kept as the layer's own forward applies it."""
     if args:  # the model passes everything after hidden_states by name
         hand_back(module, "add_rmsnorm", "positional_args")
-        return original(module)(hidden_states, *args, **kwargs)
+        return call_original(module, hidden_states, *args, **kwargs)
     if module.gradient_checkpointing and module.training and torch.is_grad_enabled():
         if kwargs.get("use_cache"):  # as GradientCheckpointingLayer: the replay must not write the cache again
             kwargs["use_cache"] = False
@@ -192,15 +197,14 @@ def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kw
     Liger's fused loss). HF's shift (labels[..., 1:], the last position ignored), `ignore_index`,
     `shift_labels` and `num_items_in_batch` (sum over the batch's tokens divided by it) are kept. Without
     labels, or in evaluation, the model's own head runs (its logits are the output)."""
-    forward = original(module)
     if labels is None or not module.training:
-        return forward(input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        return call_original(module, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     cause = ("positional_args" if args else
              "logits_to_keep" if not (isinstance(logits_to_keep, int) and logits_to_keep == 0) else
              "final_softcap" if getattr(module.config, "final_logit_softcapping", None) is not None else None)
     if cause is not None:
         hand_back(module, "linear_cross_entropy", cause)
-        return forward(input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        return call_original(module, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     shift_labels = kwargs.pop("shift_labels", None)

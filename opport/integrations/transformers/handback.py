@@ -11,6 +11,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import torch
+
 from opport.dispatch import FallbackWarning
 from opport.dispatch.context import is_strict
 from opport.errors import UnsupportedError
@@ -27,6 +29,8 @@ CAUSES = {
     "mask_length": ("attention_mask", "a 2-D attention mask whose length is not the cached plus the new tokens"),
     "window_gaps": ("attention_mask", "a sliding window over a padding mask with a gap inside a row"),
     "no_backward": ("q", "gradients are needed and varlen_attention has no backward kernel (not differentiable)"),
+    "traced_layout": ("attention_mask", "a padding mask or position_ids under torch.compile (their values decide "
+                                        "the layout, which a traced graph cannot read)"),
     "dtype_mismatch": ("weight", "activations and weight of different dtypes (the op takes one dtype)"),
     "positional_args": ("args", "arguments after the first passed by position"),
     "logits_to_keep": ("logits_to_keep", "logits_to_keep slices the hidden states before the head"),
@@ -65,18 +69,36 @@ def hand_back(module, op: str, cause: str) -> None:
     arg, why = CAUSES[cause]
     constraint = f"transformers.{op}.{cause}"
     where = f"{op} in {type(module).__name__}"
-    if is_strict():
-        raise UnsupportedError(op=op, arg=arg, constraint=constraint, expected="a call opport can run", got=why,
-                               message=f"{where}: would be handed back to the model's own code: {why}; "
-                                       f"strict mode refuses [{constraint}]")
+    _refuse(op, arg, constraint, why, where)
     counts = vars(module)[STATE]
     by_cause = counts.handed_back.setdefault(op, {})
     by_cause[cause] = by_cause.get(cause, 0) + 1
     if constraint not in counts.warned:
         counts.warned.add(constraint)
-        warnings.warn(f"opport.integrations.transformers: {where} handed back to the model's own code: {why} "
-                      f"[{constraint}] (counted in stats(model); raises under opport.strict())", HandBackWarning,
-                      stacklevel=3)
+        _warn(f"opport.integrations.transformers: {where} handed back to the model's own code: {why} "
+              f"[{constraint}] (counted in stats(model); raises under opport.strict())")
+
+
+# torch.compile cannot trace strict mode (a ContextVar) or warnings.warn: marked as constant results, the two
+# below run in Python when a graph is traced and their outcome is fixed into it (strict mode refuses at trace
+# time, wrapped in torch's error, as the JAX integration fixes strict mode at trace time; the warning is given
+# once, then). Eagerly the mark changes nothing. The counts are traced: dynamo replays them on every run.
+
+
+@torch._dynamo.assume_constant_result
+def _refuse(op: str, arg: str, constraint: str, why: str, where: str) -> bool:
+    """Raise UnsupportedError under strict mode (nothing has run yet)."""
+    if is_strict():
+        raise UnsupportedError(op=op, arg=arg, constraint=constraint, expected="a call opport can run", got=why,
+                               message=f"{where}: would be handed back to the model's own code: {why}; "
+                                       f"strict mode refuses [{constraint}]")
+    return False
+
+
+@torch._dynamo.assume_constant_result
+def _warn(message: str) -> bool:
+    warnings.warn(message, HandBackWarning, stacklevel=4)
+    return True
 
 
 def summary(counts: Counts, ops) -> dict:

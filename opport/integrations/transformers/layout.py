@@ -12,7 +12,8 @@ keyword `opport_layout`), which maps the call to varlen_attention:
   break (the next position is not the previous + 1: Hugging Face's rule) while there is no padding and
   nothing in the cache: one sequence per document;
 - custom: a 4-D or prepared mask (a dict of masks): opport cannot read its layout, the attention hands back;
-  misfit: a 2-D mask whose length is not the cached plus the new tokens: the same.
+  misfit: a 2-D mask whose length is not the cached plus the new tokens: the same; traced: a 2-D mask or
+  position_ids while torch.compile traces (the layout depends on their values): the same (cu_seq_lens run).
 """
 
 from __future__ import annotations
@@ -49,16 +50,18 @@ class Layout:
 DENSE = Layout("dense")
 CUSTOM = Layout("custom")
 MISFIT = Layout("misfit")  # a 2-D mask whose length is not the cached plus the new tokens
+TRACED = Layout("traced")  # a mask or position_ids under torch.compile: their values are not known
 
 
 def read(attention_mask, position_ids, cache, kwargs: dict, shape) -> Layout:
     """The layout of this forward's batch of `shape` (B, S, ...) tokens (the module docstring has the rules)."""
-    batch, seq = shape[0], shape[1]
-    past = 0 if cache is None else int(cache.get_seq_length())
+    traced = torch.compiler.is_compiling()  # values cannot be read: a mask or position_ids hand back
     if attention_mask is not None:
         if not (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2):
             return CUSTOM
-        if attention_mask.shape[1] != past + seq:  # Hugging Face pads or slices it: not the tokens one to one
+        if traced:
+            return TRACED
+        if attention_mask.shape[1] != _past(cache) + shape[1]:  # HF pads or slices it: not the tokens one to one
             return MISFIT
         if not bool(attention_mask.all()):
             return Layout("padded", mask=attention_mask.bool())
@@ -66,11 +69,17 @@ def read(attention_mask, position_ids, cache, kwargs: dict, shape) -> Layout:
     if cu_q is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
         return Layout("packed", cu_q=cu_q.to(torch.int32), cu_k=(cu_q if cu_k is None else cu_k).to(torch.int32))
-    if position_ids is not None and position_ids.ndim == 2 and past == 0:
-        cu = _documents(position_ids, batch)
+    if position_ids is not None and position_ids.ndim == 2:
+        if traced:
+            return TRACED
+        cu = _documents(position_ids, shape[0]) if _past(cache) == 0 else None
         if cu is not None:
             return Layout("packed", cu_q=cu, cu_k=cu)
     return DENSE
+
+
+def _past(cache) -> int:
+    return 0 if cache is None else int(cache.get_seq_length())
 
 
 def _documents(position_ids, batch: int):
