@@ -1,0 +1,115 @@
+"""Drop-in opport kernels for Hugging Face Llama-family models (Llama, Mistral, Qwen2).
+
+    from opport.integrations.transformers import patch, stats, unpatch
+    patch(model)     # RMSNorm -> opport.rmsnorm, SwiGLU MLP -> opport.swiglu,
+                     # rotary embedding -> opport.rope, attention -> opport.attention (dense batches) or
+                     # opport.varlen_attention (padded and packed batches), with the layer's sliding window,
+                     # each decoder layer's residual add + post-attention RMSNorm -> opport.add_rmsnorm,
+                     # the training loss (labels given, model.train()) -> opport.linear_cross_entropy
+    stats(model)     # calls of each op run through opport, and calls handed back with their causes
+    unpatch(model)   # the original forwards again
+
+Patching replaces the `forward` of this model's own module instances (nothing global changes, other
+models are untouched); the weights, the projections (nn.Linear) and the KV cache stay as they are. The
+base model reads the batch's token layout (padding, packed documents) once per forward (layout.py).
+Where a call is outside what an opport op expresses, the patched forward hands it to the model's own code,
+never silently: it is counted in `stats`, warns once per cause (`HandBackWarning`, an
+`opport.FallbackWarning`) and raises UnsupportedError under `opport.strict()` (handback.CAUSES lists the
+causes; docs/integration.md which op each applies to).
+
+Written against transformers 5.x (`pip install 'opport[transformers]'`). Training works: gradients
+flow through every opport op the patched forwards call (opport.integrations.torch registers their
+backward).
+"""
+
+from __future__ import annotations
+
+from opport.errors import UnsupportedError
+from opport.integrations.transformers.forwards import FORWARDS, SAVED, Bound
+from opport.integrations.transformers.handback import CAUSES, STATE, Counts, HandBackWarning, summary
+
+__all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "is_patched", "patch", "stats", "unpatch"]
+
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # config.model_type -> class prefix
+OPS = ("rmsnorm", "swiglu", "rope", "attention", "varlen_attention", "add_rmsnorm", "linear_cross_entropy")
+
+
+def patch(model) -> dict:
+    """Swap the RMSNorms, SwiGLU MLPs, rotary embedding, attention and decoder layers' residual add + norm of
+    `model` for opport ops.
+
+    Returns how many modules of each kind now run opport ({"rmsnorm": n, "swiglu": n, "attention": n,
+    "add_rmsnorm": n, "linear_cross_entropy": n, "inputs": n}: decoder layers, then the causal-LM head, and
+    the base model, which reads the batch's layout). Patching an already patched model changes nothing.
+    Raises UnsupportedError for other model types.
+    """
+    prefix = _family_prefix(model)
+    counts = dict.fromkeys(FORWARDS, 0)
+    shared = next((vars(m)[STATE] for m in model.modules() if STATE in vars(m)), None) or Counts()
+    for module in model.modules():
+        kind = _kind(module, prefix)
+        if kind is None or SAVED in vars(module):
+            continue
+        vars(module)[SAVED] = (vars(module).get("forward"),)
+        vars(module)[STATE] = shared
+        vars(module)["forward"] = Bound(FORWARDS[kind], module)
+        counts[kind] += 1
+    return counts
+
+
+def unpatch(model) -> int:
+    """Give every module `patch` changed its original forward back; returns how many were restored."""
+    restored = 0
+    for module in model.modules():
+        saved = vars(module).pop(SAVED, None)
+        if saved is None:
+            continue
+        vars(module).pop(STATE, None)
+        if saved[0] is None:
+            del vars(module)["forward"]  # the class's forward shows through again
+        else:
+            vars(module)["forward"] = saved[0]
+        restored += 1
+    return restored
+
+
+def is_patched(model) -> bool:
+    return any(SAVED in vars(m) for m in model.modules())
+
+
+def stats(model, reset: bool = False) -> dict:
+    """What the patched modules of `model` ran since `patch` (or the last reset): for each op in OPS,
+    {"opport": calls run through opport, "handed_back": calls handed to the model's own code,
+    "reasons": {cause: calls}} (causes as in CAUSES). reset=True zeroes the counts after reading them."""
+    found = {id(c): c for c in (vars(m).get(STATE) for m in model.modules()) if c is not None}
+    total = Counts()
+    for counts in found.values():
+        total = total.merged(counts)
+        if reset:
+            counts.ran.clear()
+            counts.handed_back.clear()
+    return summary(total, OPS)
+
+
+def _family_prefix(model) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FAMILIES:
+        raise UnsupportedError(op="transformers.patch", arg="model", constraint="transformers.model_type",
+                               expected=f"a model whose config.model_type is one of {tuple(FAMILIES)}",
+                               got=repr(model_type))
+    return FAMILIES[model_type]
+
+
+_CLASSES = {"RMSNorm": "rmsnorm", "Attention": "attention", "DecoderLayer": "add_rmsnorm",
+            "ForCausalLM": "linear_cross_entropy", "Model": "inputs"}  # class name after the prefix -> kind
+
+
+def _kind(module, prefix: str) -> str | None:
+    """Which patched forward takes this module over, judged by its class (the family's own modeling file)."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers.models.") or not cls.__name__.startswith(prefix):
+        return None
+    rest = cls.__name__[len(prefix):]
+    if rest == "MLP":
+        return "swiglu" if getattr(module.config, "hidden_act", None) in ("silu", "swish") else None
+    return _CLASSES.get(rest)

@@ -1,0 +1,227 @@
+"""The patched forwards: module-level functions of (module, *the forward's arguments).
+
+`patch` binds each to its module with `Bound` (an object holding the module, not a closure over it), so
+`copy.deepcopy`, pickling and `torch.save` of a patched model carry each module's own forward along and
+every module computes with its own weights. Each forward counts what ran through opport (`handback.ran`)
+and accounts for every call it hands back to the model's own code (`handback.hand_back`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from opport.integrations import apply
+from opport.integrations.transformers import layout as layouts
+from opport.integrations.transformers.handback import hand_back, ran
+from opport.ops import get_op
+
+SAVED = "_opport_saved_forward"  # on a patched module: (the forward it had in its __dict__, or None,)
+
+
+class Bound:
+    """`fn(module, *args, **kwargs)` as the module's forward. A plain object: deepcopy and pickle copy the
+    module reference with the module (a closure would keep computing with the original's weights)."""
+
+    def __init__(self, fn, module):
+        self.fn, self.module = fn, module
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self):  # the original's (generate and Trainer read forward's parameter names)
+        saved = vars(self.module)[SAVED][0]
+        return inspect.signature(saved if saved is not None else partial(type(self.module).forward, self.module))
+
+
+def call_original(module, *args, **kwargs):
+    """The forward `patch` replaced (the one the module had in its __dict__, else its class's) on these arguments.
+    The class's function is called with the module, not bound: torch.compile, resuming after a graph break,
+    rebuilds a bound method as `module.forward`, which is the patched forward again."""
+    saved = vars(module)[SAVED][0]
+    if saved is not None:
+        return saved(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
+
+
+def _op(name: str, module, *args, **kwargs):
+    """`opport.<name>(*args, **kwargs)` (autograd and torch.compile included), counted for `module`'s model."""
+    out = apply(get_op(name), *args, **kwargs)
+    ran(module, name)
+    return out
+
+
+def rmsnorm(module, hidden_states):
+    if hidden_states.dtype != module.weight.dtype:
+        hand_back(module, "rmsnorm", "dtype_mismatch")
+        return call_original(module, hidden_states)
+    return _op("rmsnorm", module, hidden_states, module.weight, module.variance_epsilon)
+
+
+def mlp(module, x):
+    return module.down_proj(_op("swiglu", module, module.gate_proj(x), module.up_proj(x)))
+
+
+def base_model(module, input_ids=None, attention_mask=None, position_ids=None, *args, **kwargs):
+    """The base model (LlamaModel, ...): reads the batch's token layout once for all attention layers."""
+    ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+    if args or ref is None or layouts.KEY in kwargs:  # positional extras or an invalid call: the model's code decides
+        return call_original(module, input_ids, attention_mask, position_ids, *args, **kwargs)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    kwargs[layouts.KEY] = layouts.read(attention_mask, position_ids, cache, kwargs, ref.shape)
+    return call_original(module, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         **kwargs)
+
+
+def attention(module, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, cache=None,
+              **kwargs):
+    """The Llama-family attention forward (modeling_llama's layout) with rope and attention from opport."""
+    layout = kwargs.pop(layouts.KEY, None)
+    cache = cache if cache is not None else past_key_values  # transformers 5.24 renamed the argument `cache`
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    q = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    k = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = (t[..., : module.head_dim // 2] for t in position_embeddings)  # HF repeats the half-angle table
+    q, k = _op("rope", module, q, cos, sin), _op("rope", module, k, cos, sin)
+    if cache is not None:
+        k, v = cache.update(k, v, module.layer_idx)
+    window = _window(module)
+    op, cause = _why_not(module, layout, attention_mask, q, k, v, cache, window, kwargs)
+    weights = None  # the attention probabilities: only the model's own (eager) code forms them
+    if cause is not None:
+        hand_back(module, op, cause)
+        out, weights = _fallback(module, q, k, v, attention_mask, window, kwargs)
+    elif op == "varlen_attention":
+        out = _varlen(module, layout, q, k, v, window)
+    else:
+        out = _op("attention", module, q, k, v, causal=True, scale=module.scaling,
+                  sliding_window=window).transpose(1, 2)
+    out = out.reshape(*input_shape, -1).contiguous()
+    return module.o_proj(out), weights
+
+
+def _why_not(module, layout, attention_mask, q, k, v, cache, window, kwargs) -> tuple:
+    """(the op this call runs on, None) or (that op, the cause of handing it back)."""
+    varlen = layout is not None and layout.varlen
+    op = "varlen_attention" if varlen else "attention"
+    if module.training and module.attention_dropout > 0:
+        return op, "dropout"
+    if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
+        return op, "output_attentions"
+    causal = (kwargs.get("is_causal"), getattr(module, "is_causal", True), getattr(module.config, "is_causal", True))
+    if False in causal:
+        return op, "non_causal"
+    if (layout is None and attention_mask is not None) or (layout is not None and layout.kind == "custom"):
+        return op, "custom_mask"
+    if cache is not None and not layouts.in_token_order(cache, module.layer_idx):
+        return op, "static_cache"
+    if layout is not None and layout.kind in ("misfit", "traced"):
+        return op, "mask_length" if layout.kind == "misfit" else "traced_layout"
+    if window is not None and varlen and layout.kind == "padded" and not layout.rows(k.shape[2], k.device)[2]:
+        return op, "window_gaps"
+    if varlen and get_op(op).backward_op is None and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad):
+        return op, "no_backward"
+    return op, None
+
+
+def _varlen(module, layout, q, k, v, window):
+    """Attention as opport.varlen_attention over the batch's sequences; [B, Sq, Hq, Dv] as the dense path."""
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    qt = q.transpose(1, 2).reshape(b * sq, hq, d)
+    kt, vt = (x.transpose(1, 2).reshape(b * sk, x.shape[1], x.shape[3]) for x in (k, v))
+    kw = dict(causal=True, scale=module.scaling, sliding_window=window)
+    if layout.kind == "packed":
+        cu_q, cu_k = layout.cu_q.to(q.device), layout.cu_k.to(q.device)
+        return _op("varlen_attention", module, qt, kt, vt, cu_q, cu_k, **kw).view(b, sq, hq, -1)
+    qi, cu_q, _ = layout.rows(sq, q.device)
+    ki, cu_k, _ = layout.rows(sk, q.device)
+    out = _op("varlen_attention", module, qt.index_select(0, qi), kt.index_select(0, ki), vt.index_select(0, ki),
+              cu_q, cu_k, **kw)
+    return out.new_zeros(b * sq, hq, out.shape[-1]).index_copy(0, qi, out).view(b, sq, hq, -1)
+
+
+def _fallback(module, q, k, v, attention_mask, window, kwargs):
+    modeling = sys.modules[type(module).__module__]
+    fn = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
+                                                        modeling.eager_attention_forward)
+    return fn(module, q, k, v, attention_mask, scaling=module.scaling, sliding_window=window,
+              dropout=module.attention_dropout if module.training else 0.0, **kwargs)
+
+
+def _window(module):
+    if hasattr(module, "sliding_window"):  # Qwen2: per layer (None on full-attention layers)
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)  # Mistral: every layer
+
+
+def decoder_layer(module, hidden_states, *args, **kwargs):
+    """The decoder layer (modeling_llama's pre-norm layout) with the attention's residual add and the
+    post-attention RMSNorm in one opport.add_rmsnorm: one read of each input, one write of each output.
+    Gradient checkpointing is kept as the layer's own forward applies it."""
+    if args:  # the model passes everything after hidden_states by name
+        hand_back(module, "add_rmsnorm", "positional_args")
+        return call_original(module, hidden_states, *args, **kwargs)
+    if module.gradient_checkpointing and module.training and torch.is_grad_enabled():
+        if kwargs.get("use_cache"):  # as GradientCheckpointingLayer: the replay must not write the cache again
+            kwargs["use_cache"] = False
+        if not getattr(module, "_can_checkpoint_with_cache", False) and kwargs.get("cache") is not None:
+            kwargs["cache"] = None
+        return module._gradient_checkpointing_func(partial(_decoder_body, module, **kwargs), hidden_states)
+    return _decoder_body(module, hidden_states, **kwargs)
+
+
+def _decoder_body(module, hidden_states, **kwargs):
+    norm = module.post_attention_layernorm
+    residual = hidden_states
+    h, _ = module.self_attn(hidden_states=module.input_layernorm(hidden_states), **kwargs)
+    if not h.dtype == residual.dtype == norm.weight.dtype:
+        hand_back(module, "add_rmsnorm", "dtype_mismatch")
+        hidden = residual + h
+        return hidden + module.mlp(norm(hidden))
+    normed, hidden = _op("add_rmsnorm", module, h, residual, norm.weight, norm.variance_epsilon)
+    return hidden + module.mlp(normed)
+
+
+def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kwargs):
+    """While training with labels: the loss from opport.linear_cross_entropy on the last hidden states and the
+    lm_head's weight (and bias), the logits never materialised, so the output's `logits` is None (as with
+    Liger's fused loss). HF's shift (labels[..., 1:], the last position ignored), `ignore_index`,
+    `shift_labels` and `num_items_in_batch` (sum over the batch's tokens divided by it) are kept. Without
+    labels, or in evaluation, the model's own head runs (its logits are the output)."""
+    if labels is None or not module.training:
+        return call_original(module, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    cause = ("positional_args" if args else
+             "logits_to_keep" if not (isinstance(logits_to_keep, int) and logits_to_keep == 0) else
+             "final_softcap" if getattr(module.config, "final_logit_softcapping", None) is not None else None)
+    if cause is not None:
+        hand_back(module, "linear_cross_entropy", cause)
+        return call_original(module, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    shift_labels = kwargs.pop("shift_labels", None)
+    outputs = module.model(input_ids=input_ids, **kwargs)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    head = module.lm_head
+    loss = _op("linear_cross_entropy", module, hidden.reshape(-1, hidden.shape[-1]), head.weight,
+               shift_labels.reshape(-1).to(hidden.device), head.bias, ignore_index=ignore_index,
+               reduction="mean" if num_items is None else "sum")
+    if num_items is not None:
+        loss = loss / num_items
+    rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+    return sys.modules[type(module).__module__].CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+
+# kind -> its forward; the kinds `patch` counts, by the op each one runs
+FORWARDS = {"rmsnorm": rmsnorm, "swiglu": mlp, "attention": attention, "add_rmsnorm": decoder_layer,
+            "linear_cross_entropy": causal_lm, "inputs": base_model}
