@@ -350,18 +350,19 @@ def _backward_case(name: str, case_name: str, dtype: str = "float32"):
     return next(c for c in get_op(name).backward_op.get_cases(dtype) if c.name == case_name)
 
 
-@pytest.mark.parametrize("module, knobs", [("attention", ("BWD_KEYS_RESIDENT", "BWD_ROWS_RESIDENT")),
-                                           ("matmul", ("ROWS_BUDGET",))])
-def test_streamed_backward_matches_resident(module, knobs, monkeypatch):
+@pytest.mark.parametrize("name, module, knobs", [
+    ("attention", "attention_backward", ("BWD_KEYS_RESIDENT", "BWD_ROWS_RESIDENT")),
+    ("matmul", "matmul", ("ROWS_BUDGET",))])
+def test_streamed_backward_matches_resident(name, module, knobs, monkeypatch):
     """With the SBUF residency budgets at 0 the backward kernels re-read their inputs where they use them
     (the path for shapes too large to keep): the same gradients as the resident path, bit for bit."""
     mod = importlib.import_module(f"opport.backends.neuron.{module}")
     names = {"attention": ("gqa-8-2-causal", "dead-rows-nonfinite", "one-key-large-v", "strided-grad",
                            "window-chunked-prefill", "window-nan-outside", "softcap-noncausal-gqa"),
-             "matmul": ("zero-grad", "strided-grad")}[module]
-    spec = get_op(module).backward_op
+             "matmul": ("zero-grad", "strided-grad")}[name]
+    spec = get_op(name).backward_op
     for case_name in names:
-        case = _backward_case(module, case_name, "bfloat16")
+        case = _backward_case(name, case_name, "bfloat16")
         with opport.strict():
             resident = _on_neuron(spec, case.args, case.kwargs)
             for knob in knobs:
@@ -412,10 +413,10 @@ def test_attention_window_skips_key_tiles_no_row_sees(mode, monkeypatch):
     (backward) only; the unseen keys' dk and dv are written 0."""
     if not nki_compat.EMULATED:
         pytest.skip("DMA counters are collected by the emulator")
-    mod = importlib.import_module("opport.backends.neuron.attention")
     if mode == "streamed":
-        for knob in ("KV_RESIDENT", "BWD_KEYS_RESIDENT", "BWD_ROWS_RESIDENT"):
-            monkeypatch.setattr(mod, knob, 0)
+        for module, knob in (("attention", "KV_RESIDENT"), ("attention_backward", "BWD_KEYS_RESIDENT"),
+                             ("attention_backward", "BWD_ROWS_RESIDENT")):
+            monkeypatch.setattr(importlib.import_module(f"opport.backends.neuron.{module}"), knob, 0)
     q = rng.standard_normal((1, 2, 1, 32)).astype(np.float32)
     k, v = rng.standard_normal((2, 1, 1, 1000, 32)).astype(np.float32)
     grad = rng.standard_normal((1, 2, 1, 32)).astype(np.float32)
