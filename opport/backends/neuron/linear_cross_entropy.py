@@ -34,7 +34,7 @@ TILE_K = 128  # contraction (H) rows per nc_matmul: the partitions
 TILE_V = 512  # forward vocabulary tile: one 2 KiB PSUM bank of float32 (gemm_moving_fmax)
 TILE_VB = 128  # backward vocabulary tile: dlogits is a stationary operand (free size <= 128) for dweight
 TILE_H = 512  # dhidden / dweight column chunk: one PSUM bank
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16")  # TensorE inputs with float32 PSUM logits (fp8 hidden states: cpu)
 
 
 def _logit_tile(hT_tiles, wT_hbm, b_hbm, v0, vt, p, softcap):
