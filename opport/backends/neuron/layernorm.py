@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from opport.backends.neuron import _host
-from opport.backends.neuron._tiles import cdiv, spans
+from opport.backends.neuron._tiles import cdiv, load_row_broadcast, spans
 from opport.backends.neuron._two_float import (
     divide_two_float,
     dot_two_float,
@@ -20,7 +20,6 @@ from opport.backends.neuron.rmsnorm import (
     chunk,
     column_sums,
     load_chunk,
-    load_row_broadcast,
     precise_projection,
     scaled_rows,
     store_column_sums,

@@ -24,9 +24,8 @@ from opport.backends.neuron._loss_rows import (
     targets32,
 )
 from opport.backends.neuron._softmax_steps import online_step, running_state
-from opport.backends.neuron._tiles import spans
+from opport.backends.neuron._tiles import load_row_broadcast, spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
-from opport.backends.neuron.rmsnorm import load_row_broadcast
 from opport.dispatch import impl
 from opport.ops.linear_cross_entropy import linear_cross_entropy as spec
 

@@ -7,9 +7,8 @@ import math
 import numpy as np
 
 from opport.backends.neuron import _host
-from opport.backends.neuron._tiles import cdiv, spans
+from opport.backends.neuron._tiles import cdiv, load_row_broadcast, spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
-from opport.backends.neuron.rmsnorm import load_row_broadcast
 from opport.dispatch import impl
 from opport.dtypes import np_dtype
 from opport.ops.matmul import matmul as spec

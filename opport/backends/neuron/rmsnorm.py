@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from opport.backends.neuron import _host
-from opport.backends.neuron._tiles import cdiv, spans
+from opport.backends.neuron._tiles import cdiv, load_row_broadcast, spans
 from opport.backends.neuron._two_float import (
     divide_two_float,
     dot_two_float,
@@ -26,23 +26,8 @@ FMAX = 4096  # free-dim chunk: input chunk + fp32 scratch <= 32 KiB per partitio
 RESIDENT = 16384  # rows up to this length stay in SBUF between the statistics and the output pass
 EXP_BITS = 0x7F800000  # float32 exponent field: amax & EXP_BITS = 2^floor(log2 amax) (subnormal -> 0)
 SCALE_TO = 2.0**39  # rows with max|x| >= 2^40 are scaled to [2^39, 2^40): n * max^2 stays far below FLT_MAX
-PSUM_FMAX = 512  # float32 columns per PSUM bank: the partition broadcast goes 512 columns per matmul
 FLT_MAX = 3.4028234663852886e38  # max|x| is clamped here: an inf row keeps s = 2^-88 and its inf (not s = 1/inf = 0)
 TINY = 1.1754943508222875e-38  # FLT_MIN: eps * s^2 may underflow; a zero row must still give 0 * rsqrt(tiny) = 0
-
-
-def load_row_broadcast(dst_sb, vec_hbm, c0, f, p):
-    """dst_sb[0:p, 0:f] = vec[c0:c0+f] on every partition: one DMA of the row, then a K = 1 TensorE matmul
-    (ones[1, p]^T @ row, 512 columns at a time through PSUM) replicates it, exactly (x * 1.0, one term),
-    so HBM is read once instead of once per partition."""
-    row_sb = nl.ndarray((1, f), dtype=vec_hbm.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=row_sb, src=vec_hbm[c0:c0 + f])
-    ones_sb = nl.ndarray((1, p), dtype=vec_hbm.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=ones_sb, value=1.0)
-    for j0, fj in spans(f, PSUM_FMAX):
-        rep_psum = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=rep_psum, stationary=ones_sb, moving=row_sb[0:1, j0:j0 + fj])
-        nisa.tensor_copy(dst=dst_sb[0:p, j0:j0 + fj], src=rep_psum)
 
 
 def row_scale(s_sb, amax_sb, p):
