@@ -7,14 +7,27 @@ import math
 import numpy as np
 
 from opport.backends.neuron import _host
+from opport.backends.neuron._loss_rows import (
+    column_hits,
+    column_iota,
+    declines,
+    gradient_rows,
+    loss_sum,
+    mark_rows,
+    shared_coefficient,
+    store_loss,
+    store_reduced_loss,
+    target_tile,
+    target_tiles,
+    targets32,
+)
+from opport.backends.neuron._softmax_steps import online_step, running_state
+from opport.backends.neuron._tiles import cdiv, spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
 from opport.ops.cross_entropy import cross_entropy as spec
 
 FMAX = 8192  # vocabulary chunk: logits chunk, column iota, fp32 exp scratch and predicate <= 104 KiB per partition
-NEG_BIG = -3.4028234663852886e38  # -FLT_MAX: a finite start for the running max, so exp(m_old - m_new) is never NaN
-EXACT = 1 << 24  # integers up to 2^24 are exact in float32, where VectorE compares the targets
-TARGET_CLIP = EXACT + 1  # targets are clipped to +-(2^24 + 1) on the host: still outside [0, V), still != ignore_index
 RESIDENT_BYTES = 64 * 1024  # the fused kernel keeps a row tile this small in SBUF for its second walk: beside the
 # RESIDENT_CHUNK scratch and the column iota (32 KiB) it fits trn1's 176 KiB per partition (bf16 V <= 32768)
 RESIDENT_CHUNK = 4096  # both walks' chunk beside a resident row: half FMAX's scratch (float32 exp, one-hot, copies)
@@ -103,27 +116,16 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
     both walks read it there."""
     N, V = logits_hbm.shape
     PMAX = nl.tile_size.pmax
-    F0 = min(FMAX, V)
     eps = float(label_smoothing)
-    per_row = reduction == "none"
     p_all = min(PMAX, N)
-    out_hbm = nl.ndarray((N, 1) if per_row else (1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    out_hbm = nl.ndarray((N, 1) if reduction == "none" else (1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     if with_lse:
         lse_hbm = nl.ndarray((N, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    cols_sb = nl.ndarray((p_all, F0), dtype=nl.float32, buffer=nl.sbuf)  # 0..F0-1 on every partition
-    nisa.iota(dst=cols_sb, pattern=[[1, F0]], offset=0, channel_multiplier=0)
-    if not per_row:
-        ones_sb = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=ones_sb, value=1.0)
-        acc_psum = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.psum)
+    cols_sb = column_iota(p_all, min(FMAX, V))
+    acc = None if reduction == "none" else loss_sum(p_all)
 
-    for r0 in range(0, N, PMAX):
-        p = min(PMAX, N - r0)
-        # targets, as int32 and as float32 (exact: |t| <= 2^24 + 1)
-        t_i_sb = nl.ndarray((p, 1), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t_i_sb, src=target_hbm[r0:r0 + p])
-        t_f_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=t_f_sb, src=t_i_sb)
+    for r0, p in spans(N, PMAX):
+        t_f_sb = target_tile(target_hbm, r0, p)
         # target logit: flat index row * V + clamp(t, 0, V - 1), gathered by one indirect DMA
         tc_sb = nl.ndarray((p, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=tc_sb, data=t_f_sb, op0=nl.maximum, operand0=0.0, op1=nl.minimum, operand1=float(V - 1))
@@ -149,7 +151,7 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
         nisa.tensor_tensor(dst=gap_sb, data1=m_sb, data2=xt_sb, op=nl.subtract)
         loss_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=loss_sb, op=nl.softplus, data=log_r_sb, bias=gap_sb)
-        if eps > 0.0 or with_lse or dx_hbm is not None:  # the whole row's logsumexp is log_rall + M
+        if eps > 0.0 or with_lse or dx_hbm != None:  # noqa: E711 (the whole row's logsumexp is log_rall + M)
             log_rall_sb, mt_sb, rall_sb = _row_logsumexp(m_sb, r_sb, xt_sb, t_f_sb, V, p)
         if eps > 0.0:  # (1 - eps) nll + eps (logsumexp - mean(x)): both terms >= 0, no inf - inf
             sumx_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -166,50 +168,22 @@ def _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smooth
             lse_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=lse_sb, data1=log_rall_sb, data2=mt_sb, op=nl.add)
             nisa.dma_copy(dst=lse_hbm[r0:r0 + p, 0:1], src=lse_sb)
-        if dx_hbm is not None:  # p = exp(x - M) / r_all: no lse rounded to float32 (an ulp of |M|) in between
+        if dx_hbm != None:  # noqa: E711 (p = exp(x - M) / r_all: no lse rounded to float32, an ulp of |M|, between)
             c_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=c_sb, src=c_all_sb[0:p, 0:1])
-            ign_g_sb = _mark_rows(c_sb, t_f_sb, ignore_index, V, p)
+            ign_g_sb = mark_rows(c_sb, t_f_sb, ignore_index, V, p)
             neg_mt_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=neg_mt_sb, data=mt_sb, op0=nl.multiply, operand0=-1.0)
             inv_r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.reciprocal(dst=inv_r_sb, data=rall_sb)
-            fg = RESIDENT_CHUNK if resident else FMAX
-            for c0 in range(0, V, fg):
-                _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_mt_sb, ign_g_sb, r0, p, c0,
-                                min(fg, V - c0), eps, inv_r_sb, row_sb)
+            for c0, f in spans(V, RESIDENT_CHUNK if resident else FMAX):
+                _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_mt_sb, ign_g_sb, r0, p, c0, f, eps,
+                                inv_r_sb, row_sb)
+        store_loss(out_hbm, acc, loss_sb, t_f_sb, ignore_index, V, r0, p)
 
-        # NaN for a target outside [0, V) that is not ignore_index, 0 for ignored rows (in that order)
-        below_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=below_sb, data=t_f_sb, op0=nl.less, operand0=0.0)
-        nisa.tensor_copy_predicated(dst=loss_sb, src=math.nan, predicate=below_sb)
-        above_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=above_sb, data=t_f_sb, op0=nl.greater_equal, operand0=float(V))
-        nisa.tensor_copy_predicated(dst=loss_sb, src=math.nan, predicate=above_sb)
-        ign_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=ign_sb, data=t_f_sb, op0=nl.equal, operand0=float(ignore_index))
-        nisa.tensor_copy_predicated(dst=loss_sb, src=0.0, predicate=ign_sb)
-
-        if per_row:
-            nisa.dma_copy(dst=out_hbm[r0:r0 + p, 0:1], src=loss_sb)
-        else:
-            lk_sb = nl.ndarray((p, 2), dtype=nl.float32, buffer=nl.sbuf)  # [loss, kept]
-            nisa.tensor_copy(dst=lk_sb[0:p, 0:1], src=loss_sb)
-            nisa.tensor_scalar(dst=lk_sb[0:p, 1:2], data=t_f_sb, op0=nl.not_equal, operand0=float(ignore_index))
-            nisa.nc_matmul(dst=acc_psum, stationary=ones_sb[0:p, 0:1], moving=lk_sb)
-
-    if not per_row:
-        acc_sb = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=acc_sb, src=acc_psum)
-        res_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if reduction == "sum":
-            nisa.tensor_copy(dst=res_sb, src=acc_sb[0:1, 0:1])
-        else:
-            inv_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.reciprocal(dst=inv_sb, data=acc_sb[0:1, 1:2])
-            nisa.tensor_tensor(dst=res_sb, data1=acc_sb[0:1, 0:1], data2=inv_sb, op=nl.multiply)
-        nisa.dma_copy(dst=out_hbm, src=res_sb)
-    if dx_hbm is not None:
+    if reduction != "none":
+        store_reduced_loss(out_hbm, acc, reduction)
+    if dx_hbm != None:  # noqa: E711 (NKI kernels compare with None by value)
         return out_hbm, dx_hbm
     return (out_hbm, lse_hbm) if with_lse else out_hbm
 
@@ -220,41 +194,20 @@ def _online_sums(logits_hbm, cols_sb, t_f_sb, r0, p, eps, row_sb=None):
     tiles are dead when the fused kernel's gradient pass allocates its own (SBUF holds one set at a time).
     row_sb: the row tile already in SBUF (each chunk copied from it: the target column is overwritten)."""
     V = logits_hbm.shape[1]
-    fw = FMAX if row_sb is None else RESIDENT_CHUNK
-    n_chunks = (V + fw - 1) // fw
-    m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=m_sb, value=NEG_BIG)
-    r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=r_sb, value=0.0)
-    sums_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
-    for c in range(n_chunks):
-        c0 = c * fw
-        f = min(fw, V - c0)
+    fw = FMAX if row_sb == None else RESIDENT_CHUNK  # noqa: E711 (NKI kernels compare with None by value)
+    m_sb, r_sb = running_state(p)
+    sums_sb = nl.ndarray((p, cdiv(V, fw)), dtype=nl.float32, buffer=nl.sbuf)
+    for c, (c0, f) in enumerate(spans(V, fw)):
         x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
-        if row_sb is None:
+        if row_sb == None:  # noqa: E711
             nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
         else:
             nisa.tensor_copy(dst=x_sb, src=row_sb[0:p, c0:c0 + f])
         if eps > 0.0:
             nisa.tensor_reduce(dst=sums_sb[0:p, c:c + 1], op=nl.add, data=x_sb, axis=1, keepdims=True)
-        hit_sb = nl.ndarray((p, f), dtype=nl.uint8, buffer=nl.sbuf)  # column c0 + i == t
-        nisa.tensor_scalar(dst=hit_sb, data=cols_sb[0:p, 0:f], op0=nl.add, operand0=float(c0), op1=nl.equal,
-                           operand1=t_f_sb)
+        hit_sb = column_hits(cols_sb, t_f_sb, c0, p, f, nl.uint8)
         nisa.tensor_copy_predicated(dst=x_sb, src=-math.inf, predicate=hit_sb)
-        cmax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=cmax_sb, op=nl.maximum, data=x_sb, axis=1, keepdims=True)
-        m_new_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=m_new_sb, data1=m_sb, data2=cmax_sb, op=nl.maximum)
-        neg_m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=neg_m_sb, data=m_new_sb, op0=nl.multiply, operand0=-1.0)
-        corr_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=corr_sb, op=nl.exp, data=m_sb, bias=neg_m_sb)
-        e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-        csum_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_m_sb, reduce_op=nl.add, reduce_res=csum_sb,
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        nisa.scalar_tensor_tensor(dst=r_sb, data=r_sb, op0=nl.multiply, operand0=corr_sb, op1=nl.add, operand1=csum_sb)
-        m_sb = m_new_sb
+        m_sb = online_step(m_sb, r_sb, x_sb)[0]  # e is dead at once: only its row sum is kept
     return m_sb, r_sb, sums_sb
 
 
@@ -290,11 +243,7 @@ def _in_range(t_f_sb, V, p):
 
 
 def _supports(logits, target, ignore_index, reduction, label_smoothing):
-    if logits.shape[1] > EXACT:
-        return f"vocabulary {logits.shape[1]} > 2^24: class indices are compared in float32, exact only up to 2^24"
-    if abs(int(ignore_index)) > EXACT:
-        return f"|ignore_index| = {abs(int(ignore_index))} > 2^24: compared in float32, exact only up to 2^24"
-    return None
+    return declines(logits.shape[1], ignore_index)
 
 
 @impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
@@ -306,8 +255,7 @@ def cross_entropy(logits: np.ndarray, target: np.ndarray, ignore_index: int, red
         if reduction == "none":
             return np.empty(0, np.float32)
         return np.full((), 0.0 if reduction == "sum" else np.nan, np.float32)
-    t32 = np.clip(target.astype(np.int64), -TARGET_CLIP, TARGET_CLIP).astype(np.int32)
-    out = _host.run(_cross_entropy_kernel, _host.contiguous(logits), t32, int(ignore_index), reduction,
+    out = _host.run(_cross_entropy_kernel, _host.contiguous(logits), targets32(target), int(ignore_index), reduction,
                     float(label_smoothing))
     return _host.as_dtype(out, "float32", (n,) if reduction == "none" else ())
 
@@ -319,14 +267,9 @@ def cross_entropy_forward(logits: np.ndarray, target: np.ndarray, ignore_index: 
     n = logits.shape[0]
     if n == 0:
         return cross_entropy(logits, target, ignore_index, reduction, label_smoothing), np.empty(0, np.float32)
-    out, lse = _host.run(_cross_entropy_forward_kernel, _host.contiguous(logits), _targets32(target), int(ignore_index),
+    out, lse = _host.run(_cross_entropy_forward_kernel, _host.contiguous(logits), targets32(target), int(ignore_index),
                          reduction, float(label_smoothing))
     return (_host.as_dtype(out, "float32", (n,) if reduction == "none" else ()), _host.as_dtype(lse, "float32", (n,)))
-
-
-def _targets32(target: np.ndarray) -> np.ndarray:
-    """Targets as int32, clipped so that out-of-range stays out of range (and != ignore_index)."""
-    return np.clip(target.astype(np.int64), -TARGET_CLIP, TARGET_CLIP).astype(np.int32)
 
 
 # --------------------------------------------------------------------------- backward
@@ -367,86 +310,14 @@ def _cross_entropy_backward_kernel(grad_hbm, logits_hbm, target_hbm, lse_hbm, ig
             for chunk: e = exp(x - lse); y = e - (1 - eps) [col == t]; dx = (y - eps/V) c; dx[ignored] = 0
     """
     N, V = logits_hbm.shape
-    PMAX = nl.tile_size.pmax
-    F0 = min(FMAX, V)
-    p_all = min(PMAX, N)
     dx_hbm = nl.ndarray((N, V), dtype=logits_hbm.dtype, buffer=nl.shared_hbm)
-    cols_sb = nl.ndarray((p_all, F0), dtype=nl.float32, buffer=nl.sbuf)  # 0..F0-1 on every partition
-    nisa.iota(dst=cols_sb, pattern=[[1, F0]], offset=0, channel_multiplier=0)
-    t_tiles = []  # the targets as float32 [p, 1] per row tile, loaded once (exact: |t| <= 2^24 + 1)
-    for r0 in range(0, N, PMAX):
-        t_tiles.append(_target_tile(target_hbm, r0, min(PMAX, N - r0)))
-    if reduction != "none":
-        c_all_sb = _shared_coefficient(grad_hbm, t_tiles, reduction == "mean", ignore_index, p_all)
-    for i in range(len(t_tiles)):
-        r0 = i * PMAX
-        p = min(PMAX, N - r0)
-        c_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if reduction == "none":
-            nisa.dma_copy(dst=c_sb, src=grad_hbm[r0:r0 + p])
-        else:
-            nisa.tensor_copy(dst=c_sb, src=c_all_sb[0:p, 0:1])
-        ign_sb = _mark_rows(c_sb, t_tiles[i], ignore_index, V, p)
-        lse_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=lse_sb, src=lse_hbm[r0:r0 + p])
-        neg_lse_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=neg_lse_sb, data=lse_sb, op0=nl.multiply, operand0=-1.0)
-        for c0 in range(0, V, FMAX):
-            f = min(FMAX, V - c0)
-            _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_tiles[i], c_sb, neg_lse_sb, ign_sb, r0, p, c0, f,
+    cols_sb = column_iota(min(nl.tile_size.pmax, N), min(FMAX, V))
+    for r0, p, t_f_sb, c_sb, ign_sb, neg_lse_sb in gradient_rows(grad_hbm, target_hbm, lse_hbm, ignore_index,
+                                                                 reduction, V):
+        for c0, f in spans(V, FMAX):
+            _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_lse_sb, ign_sb, r0, p, c0, f,
                             float(label_smoothing))
     return dx_hbm
-
-
-def _target_tile(target_hbm, r0, p):
-    """Targets r0:r0+p as a float32 [p, 1] tile (VectorE compares in float32)."""
-    t_i_sb = nl.ndarray((p, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t_i_sb, src=target_hbm[r0:r0 + p])
-    t_f_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=t_f_sb, src=t_i_sb)
-    return t_f_sb
-
-
-def _shared_coefficient(grad_hbm, t_tiles, mean, ignore_index, p_all):
-    """The upstream gradient of a reduced loss on every partition [p_all, 1], divided by the rows kept for "mean"
-    (grad_hbm None: a unit upstream gradient, the fused value-and-grad's).
-
-    Both cross partitions on TensorE: grad by a K = 1 matmul against a ones row, the kept count by an all-ones
-    stationary against each tile's kept flags, accumulated over the row tiles in one PSUM entry."""
-    ones_sb = nl.ndarray((p_all, p_all), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=ones_sb, value=1.0)
-    c_sb = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if grad_hbm is None:
-        nisa.memset(dst=c_sb, value=1.0)
-    else:
-        g_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=g_sb, src=grad_hbm[0:1])
-        g_psum = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=g_psum, stationary=ones_sb[0:1, 0:p_all], moving=g_sb)
-        nisa.tensor_copy(dst=c_sb, src=g_psum)
-    if mean:
-        cnt_psum = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.psum)
-        for t_f_sb in t_tiles:
-            p = t_f_sb.shape[0]
-            kept_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=kept_sb, data=t_f_sb, op0=nl.not_equal, operand0=float(ignore_index))
-            nisa.nc_matmul(dst=cnt_psum, stationary=ones_sb[0:p, 0:p_all], moving=kept_sb)
-        inv_sb = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.sbuf)  # 1 / max(kept, 1): none kept, all rows 0
-        nisa.tensor_scalar(dst=inv_sb, data=cnt_psum, op0=nl.maximum, operand0=1.0)
-        nisa.reciprocal(dst=inv_sb, data=inv_sb)
-        nisa.tensor_tensor(dst=c_sb, data1=c_sb, data2=inv_sb, op=nl.multiply)
-    return c_sb
-
-
-def _mark_rows(c_sb, t_f_sb, ignore_index, V, p):
-    """c = NaN for a target outside [0, V) (its loss is NaN); returns the ignored-row predicate (uint8 [p, 1])."""
-    for op, bound in ((nl.less, 0.0), (nl.greater_equal, float(V))):
-        out_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=out_sb, data=t_f_sb, op0=op, operand0=bound)
-        nisa.tensor_copy_predicated(dst=c_sb, src=math.nan, predicate=out_sb)
-    ign_sb = nl.ndarray((p, 1), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=ign_sb, data=t_f_sb, op0=nl.equal, operand0=float(ignore_index))
-    return ign_sb
 
 
 def _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_lse_sb, ign_sb, r0, p, c0, f, eps, inv_r_sb=None,
@@ -454,18 +325,16 @@ def _gradient_chunk(dx_hbm, logits_hbm, cols_sb, t_f_sb, c_sb, neg_lse_sb, ign_s
     """dx[rows, c0:c0+f] = (exp(x - lse) - (1 - eps) [col == t] - eps/V) * c, ignored rows 0; with inv_r_sb, the
     softmax is exp(x - M) * (1 / r_all) (neg_lse_sb holding -M); with row_sb, x is read from that SBUF row tile."""
     V = logits_hbm.shape[1]
-    if row_sb is None:
+    if row_sb == None:  # noqa: E711 (NKI kernels compare with None by value)
         x_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=x_sb, src=logits_hbm[r0:r0 + p, c0:c0 + f])
     else:
         x_sb = row_sb[0:p, c0:c0 + f]
     e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_lse_sb)
-    if inv_r_sb is not None:
+    if inv_r_sb != None:  # noqa: E711 (NKI kernels compare with None by value)
         nisa.tensor_scalar(dst=e_sb, data=e_sb, op0=nl.multiply, operand0=inv_r_sb)
-    hit_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)  # 1.0 at column c0 + i == t
-    nisa.tensor_scalar(dst=hit_sb, data=cols_sb[0:p, 0:f], op0=nl.add, operand0=float(c0), op1=nl.equal,
-                       operand1=t_f_sb)
+    hit_sb = column_hits(cols_sb, t_f_sb, c0, p, f)
     nisa.scalar_tensor_tensor(dst=e_sb, data=hit_sb, op0=nl.multiply, operand0=eps - 1.0, op1=nl.add, operand1=e_sb)
     dx_sb = nl.ndarray((p, f), dtype=logits_hbm.dtype, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=dx_sb, data=e_sb, op0=nl.subtract, operand0=eps / V, op1=nl.multiply, operand1=c_sb)
@@ -484,7 +353,7 @@ def cross_entropy_backward(grad: np.ndarray, logits: np.ndarray, target: np.ndar
     if logits.shape[0] == 0:
         return (np.empty(logits.shape, logits.dtype),)
     g = _host.contiguous(np.asarray(grad, np.float32).reshape(-1))
-    dx = _host.run(_cross_entropy_backward_kernel, g, _host.contiguous(logits), _targets32(target),
+    dx = _host.run(_cross_entropy_backward_kernel, g, _host.contiguous(logits), targets32(target),
                    _host.contiguous(lse), int(ignore_index), reduction, float(label_smoothing))
     return (_host.as_dtype(dx, logits.dtype.name, logits.shape),)
 
@@ -512,7 +381,7 @@ def _cross_entropy_value_and_grad_kernel(logits_hbm, target_hbm, ignore_index, r
         second walk over the same tile's chunks writes c (exp(x - M) / r_all - (1 - eps) [col == t] - eps/V)
         with M and r_all from _row_logsumexp: no float32 lse sits between them, so p keeps its relative
         accuracy at large logits. c is 1, or 1 / (rows not ignored) for "mean", counted on TensorE from the
-        targets before the first tile (as the backward's _shared_coefficient with a unit gradient). Memory
+        targets before the first tile (as the backward's shared_coefficient with a unit gradient). Memory
         traffic: with a resident row tile (V x itemsize <= 64 KiB per partition: bf16 V <= 32768) the logits
         are read from HBM once and dlogits written once, the minimum; a larger vocabulary is read twice (SBUF
         holds one FMAX chunk, not the 128 x V tile), what the training forward plus the backward read, less
@@ -525,11 +394,9 @@ def _cross_entropy_value_and_grad_kernel(logits_hbm, target_hbm, ignore_index, r
             for chunk: e = exp(x - M) / r_all; dx = (e - (1 - eps) [col == t] - eps/V) c; dx[ignored] = 0
     """
     N, V = logits_hbm.shape
-    PMAX = nl.tile_size.pmax
-    p_all = min(PMAX, N)
     dx_hbm = nl.ndarray((N, V), dtype=logits_hbm.dtype, buffer=nl.shared_hbm)
-    t_tiles = [_target_tile(target_hbm, r0, min(PMAX, N - r0)) for r0 in range(0, N, PMAX)]
-    c_all_sb = _shared_coefficient(None, t_tiles, reduction == "mean", ignore_index, p_all)
+    t_tiles = target_tiles(target_hbm)
+    c_all_sb = shared_coefficient(None, t_tiles, reduction == "mean", ignore_index, t_tiles[0].shape[0])
     return _cross_entropy(logits_hbm, target_hbm, ignore_index, reduction, label_smoothing, False, dx_hbm, c_all_sb,
                           resident)
 
@@ -543,7 +410,7 @@ def cross_entropy_value_and_grad(logits: np.ndarray, target: np.ndarray, ignore_
         return cross_entropy(logits, target, ignore_index, reduction, label_smoothing), np.empty(logits.shape,
                                                                                                  logits.dtype)
     resident = logits.shape[1] * logits.dtype.itemsize <= RESIDENT_BYTES
-    out, dx = _host.run(_cross_entropy_value_and_grad_kernel, _host.contiguous(logits), _targets32(target),
+    out, dx = _host.run(_cross_entropy_value_and_grad_kernel, _host.contiguous(logits), targets32(target),
                         int(ignore_index), reduction, float(label_smoothing), resident)
     return (_host.as_dtype(out, "float32", (n,) if reduction == "none" else ()),
             _host.as_dtype(dx, logits.dtype.name, logits.shape))

@@ -6,6 +6,7 @@ import numpy as np
 
 from opport.arraymath import grouped
 from opport.backends.neuron import _host
+from opport.backends.neuron._tiles import spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.backends.neuron.quantize_fp8 import fp8_unsupported
 from opport.dispatch import impl
@@ -37,12 +38,10 @@ def _dequantize_fp8_kernel(q_hbm, s_hbm, out_dtype):
     G, L = q_hbm.shape
     out_hbm = nl.ndarray((G, L), dtype=out_dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
-    for r0 in range(0, G, PMAX):
-        p = min(PMAX, G - r0)
+    for r0, p in spans(G, PMAX):
         s_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=s_sb, src=s_hbm[r0:r0 + p, 0:1])
-        for c0 in range(0, L, FMAX):
-            f = min(FMAX, L - c0)
+        for c0, f in spans(L, FMAX):
             q_sb = nl.ndarray((p, f), dtype=q_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=q_sb, src=q_hbm[r0:r0 + p, c0:c0 + f])
             out_sb = nl.ndarray((p, f), dtype=out_dtype, buffer=nl.sbuf)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from opport.backends.neuron import _host
+from opport.backends.neuron._tiles import spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.backends.neuron.silu import infinite_limit
 from opport.dispatch import impl
@@ -43,10 +44,8 @@ def _gelu_kernel(x_hbm, approximate):
     out_hbm = nl.ndarray((R, C), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
     act = nl.gelu_apprx_tanh if approximate == "tanh" else nl.gelu
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
-        for c0 in range(0, C, FMAX):
-            f = min(FMAX, C - c0)
+    for r0, p in spans(R, PMAX):
+        for c0, f in spans(C, FMAX):
             x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
             xc_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
@@ -186,10 +185,8 @@ def _gelu_backward_kernel(g_hbm, x_hbm, approximate):
     dx_hbm = nl.ndarray((R, C), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
     x_zero = GELU_TANH_GRAD_ZERO64 if approximate == "tanh" else GELU_GRAD_ZERO64
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
-        for c0 in range(0, C, GRAD_FMAX):
-            f = min(GRAD_FMAX, C - c0)
+    for r0, p in spans(R, PMAX):
+        for c0, f in spans(C, GRAD_FMAX):
             x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
             g_sb = nl.ndarray((p, f), dtype=g_hbm.dtype, buffer=nl.sbuf)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from opport.backends.neuron import _host
+from opport.backends.neuron._tiles import spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
 from opport.ops.kv_cache_write import kv_cache_write as spec
@@ -36,8 +37,7 @@ def _kv_cache_write_kernel(key_hbm, value_hbm, slots_hbm, kc_hbm, vc_hbm):
     """
     T, K = key_hbm.shape
     V = value_hbm.shape[1]
-    for t0 in range(0, T, P):
-        n = min(P, T - t0)
+    for t0, n in spans(T, P):
         idx_sb = nl.ndarray((n, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=idx_sb, src=slots_hbm[t0:t0 + n, 0:1])
         nisa.dma_copy(dst=kc_hbm.ap([[K, n], [1, K]], offset=0, vector_offset=idx_sb, indirect_dim=0),

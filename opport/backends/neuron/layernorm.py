@@ -5,18 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from opport.backends.neuron import _host
-from opport.backends.neuron.nki_compat import nisa, nki, nl
-from opport.backends.neuron.rmsnorm import (
-    chunk,
-    column_sums,
-    load_chunk,
-    load_row_broadcast,
-    precise_projection,
-    scaled_rows,
-    store_column_sums,
-    weight_chunk,
-)
-from opport.backends.neuron.softmax import (
+from opport.backends.neuron._tiles import cdiv, load_row_broadcast, spans
+from opport.backends.neuron._two_float import (
     divide_two_float,
     dot_two_float,
     fast_two_sum,
@@ -24,6 +14,16 @@ from opport.backends.neuron.softmax import (
     two_product,
     two_product_col,
     two_sum_col,
+)
+from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.backends.neuron.rmsnorm import (
+    chunk,
+    column_sums,
+    load_chunk,
+    precise_projection,
+    scaled_rows,
+    store_column_sums,
+    weight_chunk,
 )
 from opport.dispatch import impl
 from opport.ops.layernorm import layernorm as spec
@@ -106,8 +106,7 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
     R, N = x_hbm.shape
     out_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
-    n_chunks = (N + FMAX - 1) // FMAX
-    n_slices = (N + BN - 1) // BN
+    n_slices = cdiv(N, BN)
     resident = N <= RESIDENT
     has_w = w_hbm != None  # noqa: E711 (NKI kernels compare with None by value)
     has_b = b_hbm != None  # noqa: E711
@@ -116,9 +115,7 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
     w_tiles = []
     b_tiles = []
     if resident:
-        for c in range(n_chunks):
-            c0 = c * FMAX
-            f = min(FMAX, N - c0)
+        for c0, f in spans(N, FMAX):
             if has_w:
                 w_sb = nl.ndarray((p_all, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
                 load_row_broadcast(w_sb, w_hbm, c0, f, p_all)
@@ -128,8 +125,7 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
                 load_row_broadcast(b_sb, b_hbm, c0, f, p_all)
                 b_tiles.append(b_sb)
 
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
+    for r0, p in spans(R, PMAX):
         # row scale from max|x|
         x_tiles, s_sb, eps_sb = scaled_rows(x_hbm, r0, p, resident, eps)
         x0s_sb = first_scaled(x_tiles, x_hbm, r0, p, s_sb)
@@ -137,27 +133,23 @@ def _layernorm_kernel(x_hbm, w_hbm, b_hbm, eps):
         # statistics of the scaled rows, shifted by their first element
         xs_tiles = []
         stats_sb = nl.ndarray((p, 6 * n_slices), dtype=nl.float32, buffer=nl.sbuf)
-        for c in range(n_chunks):
-            c0 = c * FMAX
-            f = min(FMAX, N - c0)
+        for c, (c0, f) in enumerate(spans(N, FMAX)):
             if resident:
                 xs_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
                 shifted(xs_sb, x_tiles[c], s_sb, x0s_sb)
                 xs_tiles.append(xs_sb)
             else:
                 xs_sb = _scaled(x_hbm, r0, p, c0, f, s_sb, x0s_sb)
-            for s0 in range(0, f, BN):
+            for s0, sn in spans(f, BN):
                 j = (c0 + s0) // BN
-                nisa.bn_stats(dst=stats_sb[0:p, 6 * j:6 * j + 6], data=xs_sb[0:p, s0:min(s0 + BN, f)])
+                nisa.bn_stats(dst=stats_sb[0:p, 6 * j:6 * j + 6], data=xs_sb[0:p, s0:s0 + sn])
         mv_sb = nl.ndarray((p, 2), dtype=nl.float32, buffer=nl.sbuf)
         nisa.bn_aggr(dst=mv_sb, data=stats_sb)
         rstd_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=rstd_sb, op=nl.rsqrt, data=mv_sb[0:p, 1:2], bias=eps_sb)
         mean_sb = mv_sb[0:p, 0:1]
 
-        for c in range(n_chunks):
-            c0 = c * FMAX
-            f = min(FMAX, N - c0)
+        for c, (c0, f) in enumerate(spans(N, FMAX)):
             xs_sb = xs_tiles[c] if resident else _scaled(x_hbm, r0, p, c0, f, s_sb, x0s_sb)
             if has_w:
                 if resident:
@@ -223,15 +215,13 @@ def row_statistics(x_tiles, x_hbm, r0, p, s_sb, x0s_sb, eps_sb):
     """(mean, rstd) [p, 1] each of the scaled, shifted rows x s - x0 s, as the forward computes them: VectorE
     bn_stats per 512-element slice, one bn_aggr, rstd = rsqrt(var + eps s^2) on ScalarE."""
     N = x_hbm.shape[1]
-    stats_sb = nl.ndarray((p, 6 * ((N + BN - 1) // BN)), dtype=nl.float32, buffer=nl.sbuf)
-    for c in range((N + FMAX - 1) // FMAX):
-        c0 = c * FMAX
-        f = min(FMAX, N - c0)
+    stats_sb = nl.ndarray((p, 6 * cdiv(N, BN)), dtype=nl.float32, buffer=nl.sbuf)
+    for c, (c0, f) in enumerate(spans(N, FMAX)):
         xs_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
         shifted(xs_sb, chunk(x_tiles, x_hbm, r0, p, c), s_sb, x0s_sb)
-        for s0 in range(0, f, BN):
+        for s0, sn in spans(f, BN):
             j = (c0 + s0) // BN
-            nisa.bn_stats(dst=stats_sb[0:p, 6 * j:6 * j + 6], data=xs_sb[0:p, s0:min(s0 + BN, f)])
+            nisa.bn_stats(dst=stats_sb[0:p, 6 * j:6 * j + 6], data=xs_sb[0:p, s0:s0 + sn])
     mv_sb = nl.ndarray((p, 2), dtype=nl.float32, buffer=nl.sbuf)
     nisa.bn_aggr(dst=mv_sb, data=stats_sb)
     rstd_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -244,13 +234,12 @@ def exact_mean(mu_sb, x_tiles, x_hbm, r0, p, s_sb):
     blocks' folded in turn, divided by N (divide_two_float). Rows whose mean dwarfs their spread need it: x - mu
     with a float32 mu is off by up to half an ulp of mu in every element."""
     N = x_hbm.shape[1]
-    n_sub = (N + SUB - 1) // SUB
+    n_sub = cdiv(N, SUB)
     sums_sb = nl.ndarray((p, 2 * n_sub), dtype=nl.float32, buffer=nl.sbuf)
-    for c in range((N + FMAX - 1) // FMAX):
+    for c in range(cdiv(N, FMAX)):
         x_sb = chunk(x_tiles, x_hbm, r0, p, c)
         f = x_sb.shape[1]
-        for j0 in range(0, f, SUB):
-            fj = min(SUB, f - j0)
+        for j0, fj in spans(f, SUB):
             j = (c * FMAX + j0) // SUB
             h_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=h_sb, data=x_sb[0:p, j0:j0 + fj], op0=nl.multiply, operand0=s_sb)
@@ -379,22 +368,19 @@ def grad_moments(sums_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, stats,
     `resident`; the [p, 4] tile; the exact sums or None)."""
     s_sb, x0s_sb, mean_sb, rstd_sb, mu_sb = stats
     N = x_hbm.shape[1]
-    n_sub = (N + SUB - 1) // SUB
-    nb = (N + nl.tile_size.pmax - 1) // nl.tile_size.pmax
+    n_sub = cdiv(N, SUB)
+    nb = cdiv(N, nl.tile_size.pmax)
     g_tiles = []
     sums_sb = nl.ndarray((p, 2 * n_sub), dtype=nl.float32, buffer=nl.sbuf)
     exact_sb = None
     if mu_sb != None:  # noqa: E711 (NKI kernels compare with None by value)
         exact_sb = nl.ndarray((p, 6 * n_sub), dtype=nl.float32, buffer=nl.sbuf)
-    for c in range((N + FMAX - 1) // FMAX):
-        c0 = c * FMAX
-        f = min(FMAX, N - c0)
+    for c, (c0, f) in enumerate(spans(N, FMAX)):
         g_sb = load_chunk(g_hbm, r0, p, c0, f)
         if resident:
             g_tiles.append(g_sb)
         x_sb = chunk(x_tiles, x_hbm, r0, p, c)
-        for j0 in range(0, f, SUB):
-            fj = min(SUB, f - j0)
+        for j0, fj in spans(f, SUB):
             xhat_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
             centred(xhat_sb, x_sb[0:p, j0:j0 + fj], s_sb, x0s_sb, mean_sb, rstd_sb)
             w_sb = weight_block(w_tiles, w_hbm, c, p, j0, fj)
@@ -451,14 +437,11 @@ def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, stat
     operations gives the reference's inf / NaN pattern."""
     s_sb, x0s_sb, mean_sb, rstd_sb, mu_sb = stats
     N = x_hbm.shape[1]
-    for c in range((N + FMAX - 1) // FMAX):
-        c0 = c * FMAX
-        f = min(FMAX, N - c0)
+    for c, (c0, f) in enumerate(spans(N, FMAX)):
         g_sb = chunk(g_tiles, g_hbm, r0, p, c)
         x_sb = chunk(x_tiles, x_hbm, r0, p, c)
         dx_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
-        for j0 in range(0, f, SUB):
-            fj = min(SUB, f - j0)
+        for j0, fj in spans(f, SUB):
             w_sb = weight_block(w_tiles, w_hbm, c, p, j0, fj)
             xhat_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
             centred(xhat_sb, x_sb[0:p, j0:j0 + fj], s_sb, x0s_sb, mean_sb, rstd_sb)
@@ -567,14 +550,14 @@ def _layernorm_backward_kernel(g_hbm, x_hbm, w_hbm, b_hbm, eps, eps_lo):
     p_all = min(PMAX, R)
     w_tiles = []
     if has_w and resident:
-        for c in range((N + FMAX - 1) // FMAX):
+        for c in range(cdiv(N, FMAX)):
             w_tiles.append(weight_chunk([], w_hbm, c, p_all))
-    nb = (N + PMAX - 1) // PMAX
+    nb = cdiv(N, PMAX)
     sums_psum = nl.ndarray((PMAX, 2 * nb), dtype=nl.float32, buffer=nl.psum)  # dweight columns, then dbias
 
-    for r0 in range(0, R, PMAX):
-        rows_backward(dx_hbm, sums_psum if has_b else sums_psum[0:PMAX, 0:nb], g_hbm, x_hbm, w_tiles, w_hbm, r0,
-                      min(PMAX, R - r0), eps, eps_lo, resident)
+    for r0, p in spans(R, PMAX):
+        rows_backward(dx_hbm, sums_psum if has_b else sums_psum[0:PMAX, 0:nb], g_hbm, x_hbm, w_tiles, w_hbm, r0, p,
+                      eps, eps_lo, resident)
 
     outs = [dx_hbm]
     for present, p_hbm, j in ((has_w, w_hbm, 0), (has_b, b_hbm, nb)):

@@ -12,16 +12,20 @@ from __future__ import annotations
 import numpy as np
 
 from opport.backends.neuron import _host
-from opport.backends.neuron.cross_entropy import (
-    EXACT,
-    NEG_BIG,
-    _mark_rows,
-    _shared_coefficient,
-    _target_tile,
-    _targets32,
+from opport.backends.neuron._loss_rows import (
+    column_hits,
+    column_iota,
+    declines,
+    gradient_rows,
+    loss_sum,
+    store_loss,
+    store_reduced_loss,
+    target_tile,
+    targets32,
 )
+from opport.backends.neuron._softmax_steps import online_step, running_state
+from opport.backends.neuron._tiles import load_row_broadcast, spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
-from opport.backends.neuron.rmsnorm import load_row_broadcast
 from opport.dispatch import impl
 from opport.ops.linear_cross_entropy import linear_cross_entropy as spec
 
@@ -29,7 +33,7 @@ TILE_K = 128  # contraction (H) rows per nc_matmul: the partitions
 TILE_V = 512  # forward vocabulary tile: one 2 KiB PSUM bank of float32 (gemm_moving_fmax)
 TILE_VB = 128  # backward vocabulary tile: dlogits is a stationary operand (free size <= 128) for dweight
 TILE_H = 512  # dhidden / dweight column chunk: one PSUM bank
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16")  # TensorE inputs with float32 PSUM logits (fp8 hidden states: cpu)
 
 
 def _logit_tile(hT_tiles, wT_hbm, b_hbm, v0, vt, p, softcap):
@@ -37,9 +41,7 @@ def _logit_tile(hT_tiles, wT_hbm, b_hbm, v0, vt, p, softcap):
     v0:v0+vt, plus the bias (replicated across partitions by load_row_broadcast), softcapped on ScalarE."""
     H = wT_hbm.shape[0]
     z_psum = nl.ndarray((p, vt), dtype=nl.float32, buffer=nl.psum)
-    for k in range(len(hT_tiles)):
-        k0 = k * TILE_K
-        kt = min(TILE_K, H - k0)
+    for k, (k0, kt) in enumerate(spans(H, TILE_K)):
         wT_sb = nl.ndarray((kt, vt), dtype=wT_hbm.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=wT_sb, src=wT_hbm[k0:k0 + kt, v0:v0 + vt])
         nisa.nc_matmul(dst=z_psum, stationary=hT_tiles[k], moving=wT_sb)
@@ -62,24 +64,15 @@ def _hT_tiles(hT_hbm, r0, p):
     """hidden^T [kt, p] tiles of rows r0:r0+p, one per 128-wide k tile of H (the stationary operands)."""
     H = hT_hbm.shape[0]
     tiles = []
-    for k0 in range(0, H, TILE_K):
-        kt = min(TILE_K, H - k0)
+    for k0, kt in spans(H, TILE_K):
         t_sb = nl.ndarray((kt, p), dtype=hT_hbm.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=t_sb, src=hT_hbm[k0:k0 + kt, r0:r0 + p])
         tiles.append(t_sb)
     return tiles
 
 
-def _column_hits(cols_sb, t_f_sb, v0, p, vt):
-    """1.0 where column v0 + i is the row's target, else 0.0 (float32 [p, vt])."""
-    hit_sb = nl.ndarray((p, vt), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=hit_sb, data=cols_sb[0:p, 0:vt], op0=nl.add, operand0=float(v0), op1=nl.equal,
-                       operand1=t_f_sb)
-    return hit_sb
-
-
 @nki.jit
-def _lce_forward_kernel(hT_hbm, wT_hbm, b_hbm, target_hbm, ignore_index, reduction, label_smoothing, softcap):
+def _linear_cross_entropy_forward_kernel(hT_hbm, wT_hbm, b_hbm, target_hbm, ignore_index, reduction, label_smoothing, softcap):
     """The loss of hidden @ weight.T (+ bias), softcapped, against int32 targets, and each row's logsumexp.
 
     Dimensions:
@@ -114,43 +107,19 @@ def _lce_forward_kernel(hT_hbm, wT_hbm, b_hbm, target_hbm, ignore_index, reducti
     H, N = hT_hbm.shape
     V = wT_hbm.shape[1]
     PMAX = nl.tile_size.pmax
-    eps = float(label_smoothing)
-    per_row = reduction == "none"
     p_all = min(PMAX, N)
-    v_all = min(TILE_V, V)
-    out_hbm = nl.ndarray((N, 1) if per_row else (1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    out_hbm = nl.ndarray((N, 1) if reduction == "none" else (1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     lse_hbm = nl.ndarray((N, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    cols_sb = nl.ndarray((p_all, v_all), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.iota(dst=cols_sb, pattern=[[1, v_all]], offset=0, channel_multiplier=0)
-    if not per_row:
-        ones_sb = nl.ndarray((p_all, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=ones_sb, value=1.0)
-        acc_psum = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.psum)
-    for r0 in range(0, N, PMAX):
-        p = min(PMAX, N - r0)
-        t_f_sb = _target_tile(target_hbm, r0, p)
-        loss_sb, lse_sb = _row_tile_loss(hT_hbm, wT_hbm, b_hbm, cols_sb, t_f_sb, r0, p, eps, softcap)
+    cols_sb = column_iota(p_all, min(TILE_V, V))
+    acc = None if reduction == "none" else loss_sum(p_all)
+    for r0, p in spans(N, PMAX):
+        t_f_sb = target_tile(target_hbm, r0, p)
+        loss_sb, lse_sb = _row_tile_loss(hT_hbm, wT_hbm, b_hbm, cols_sb, t_f_sb, r0, p, float(label_smoothing),
+                                         softcap)
         nisa.dma_copy(dst=lse_hbm[r0:r0 + p, 0:1], src=lse_sb)
-        ign_sb = _mark_rows(loss_sb, t_f_sb, ignore_index, V, p)  # NaN for a target outside [0, V)
-        nisa.tensor_copy_predicated(dst=loss_sb, src=0.0, predicate=ign_sb)
-        if per_row:
-            nisa.dma_copy(dst=out_hbm[r0:r0 + p, 0:1], src=loss_sb)
-        else:
-            lk_sb = nl.ndarray((p, 2), dtype=nl.float32, buffer=nl.sbuf)  # [loss, kept]
-            nisa.tensor_copy(dst=lk_sb[0:p, 0:1], src=loss_sb)
-            nisa.tensor_scalar(dst=lk_sb[0:p, 1:2], data=t_f_sb, op0=nl.not_equal, operand0=float(ignore_index))
-            nisa.nc_matmul(dst=acc_psum, stationary=ones_sb[0:p, 0:1], moving=lk_sb)
-    if not per_row:
-        acc_sb = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=acc_sb, src=acc_psum)
-        res_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if reduction == "sum":
-            nisa.tensor_copy(dst=res_sb, src=acc_sb[0:1, 0:1])
-        else:  # sum * (1 / kept): NaN when every row is ignored (0 * inf), as torch
-            inv_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.reciprocal(dst=inv_sb, data=acc_sb[0:1, 1:2])
-            nisa.tensor_tensor(dst=res_sb, data1=acc_sb[0:1, 0:1], data2=inv_sb, op=nl.multiply)
-        nisa.dma_copy(dst=out_hbm, src=res_sb)
+        store_loss(out_hbm, acc, loss_sb, t_f_sb, ignore_index, V, r0, p)
+    if reduction != "none":
+        store_reduced_loss(out_hbm, acc, reduction)
     return out_hbm, lse_hbm
 
 
@@ -158,36 +127,21 @@ def _row_tile_loss(hT_hbm, wT_hbm, b_hbm, cols_sb, t_f_sb, r0, p, eps, softcap):
     """(loss, lse) float32 [p, 1] of one row tile, before the NaN / ignored-row fixes (the forward's Notes)."""
     V = wT_hbm.shape[1]
     hT_tiles = _hT_tiles(hT_hbm, r0, p)
-    m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=m_sb, value=NEG_BIG)
-    s_sb, zt_sb, zsum_sb = (nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(3))
-    for t_sb in (s_sb, zt_sb, zsum_sb):
+    m_sb, s_sb = running_state(p)
+    zt_sb, zsum_sb = (nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2))
+    for t_sb in (zt_sb, zsum_sb):
         nisa.memset(dst=t_sb, value=0.0)
-    for v0 in range(0, V, TILE_V):
-        vt = min(TILE_V, V - v0)
+    for v0, vt in spans(V, TILE_V):
         z_sb, _ = _logit_tile(hT_tiles, wT_hbm, b_hbm, v0, vt, p, softcap)
         pick_sb = nl.ndarray((p, vt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=pick_sb, data1=z_sb, data2=_column_hits(cols_sb, t_f_sb, v0, p, vt), op=nl.multiply)
+        nisa.tensor_tensor(dst=pick_sb, data1=z_sb, data2=column_hits(cols_sb, t_f_sb, v0, p, vt), op=nl.multiply)
         part_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=part_sb, op=nl.add, data=pick_sb, axis=1, keepdims=True)
         nisa.tensor_tensor(dst=zt_sb, data1=zt_sb, data2=part_sb, op=nl.add)
         if eps > 0.0:
             nisa.tensor_reduce(dst=part_sb, op=nl.add, data=z_sb, axis=1, keepdims=True)
             nisa.tensor_tensor(dst=zsum_sb, data1=zsum_sb, data2=part_sb, op=nl.add)
-        cmax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=cmax_sb, op=nl.maximum, data=z_sb, axis=1, keepdims=True)
-        m_new_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=m_new_sb, data1=m_sb, data2=cmax_sb, op=nl.maximum)
-        neg_m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=neg_m_sb, data=m_new_sb, op0=nl.multiply, operand0=-1.0)
-        corr_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=corr_sb, op=nl.exp, data=m_sb, bias=neg_m_sb)
-        e_sb = nl.ndarray((p, vt), dtype=nl.float32, buffer=nl.sbuf)
-        csum_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=e_sb, op=nl.exp, data=z_sb, bias=neg_m_sb, reduce_op=nl.add, reduce_res=csum_sb,
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        nisa.scalar_tensor_tensor(dst=s_sb, data=s_sb, op0=nl.multiply, operand0=corr_sb, op1=nl.add, operand1=csum_sb)
-        m_sb = m_new_sb
+        m_sb = online_step(m_sb, s_sb, z_sb)[0]  # e is dead at once: only its row sum is kept
     log_s_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_s_sb, op=nl.log, data=s_sb)
     lse_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -209,11 +163,7 @@ def _row_tile_loss(hT_hbm, wT_hbm, b_hbm, cols_sb, t_f_sb, r0, p, eps, softcap):
 def _supports(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
     if hidden.shape[1] == 0:
         return "H = 0: an empty contraction, nothing for TensorE to accumulate (the cpu kernel gives the bias' loss)"
-    if weight.shape[0] > EXACT:
-        return f"vocabulary {weight.shape[0]} > 2^24: class indices are compared in float32, exact only up to 2^24"
-    if abs(int(ignore_index)) > EXACT:
-        return f"|ignore_index| = {abs(int(ignore_index))} > 2^24: compared in float32, exact only up to 2^24"
-    return None
+    return declines(weight.shape[0], ignore_index)
 
 
 def _layouts(hidden, weight, bias) -> tuple:
@@ -237,7 +187,7 @@ def linear_cross_entropy_forward(hidden, weight, target, bias, ignore_index, red
                                                                            np.float32)
         return loss, np.empty(0, np.float32)
     hT, wT, b = _layouts(hidden, weight, bias)
-    out, lse = _host.run(_lce_forward_kernel, hT, wT, b, _targets32(target), int(ignore_index), reduction,
+    out, lse = _host.run(_linear_cross_entropy_forward_kernel, hT, wT, b, targets32(target), int(ignore_index), reduction,
                          float(label_smoothing), None if softcap is None else float(softcap))
     return _host.as_dtype(out, "float32", (n,) if reduction == "none" else ()), _host.as_dtype(lse, "float32", (n,))
 
@@ -246,8 +196,8 @@ def linear_cross_entropy_forward(hidden, weight, target, bias, ignore_index, red
 
 
 @nki.jit
-def _lce_backward_kernel(grad_hbm, h_hbm, hT_hbm, w_hbm, wT_hbm, b_hbm, target_hbm, lse_hbm, ignore_index, reduction,
-                         label_smoothing, softcap):
+def _linear_cross_entropy_backward_kernel(grad_hbm, h_hbm, hT_hbm, w_hbm, wT_hbm, b_hbm, target_hbm, lse_hbm,
+                                          ignore_index, reduction, label_smoothing, softcap):
     """dhidden, dweight, dbias of linear_cross_entropy from the saved lse, the logits recomputed tile by tile.
 
     Dimensions:
@@ -284,40 +234,19 @@ def _lce_backward_kernel(grad_hbm, h_hbm, hT_hbm, w_hbm, wT_hbm, b_hbm, target_h
     """
     H, N = hT_hbm.shape
     V = wT_hbm.shape[1]
-    PMAX = nl.tile_size.pmax
-    p_all = min(PMAX, N)
     dh_hbm = nl.ndarray((N, H), dtype=h_hbm.dtype, buffer=nl.shared_hbm)
     dw_hbm = nl.ndarray((V, H), dtype=h_hbm.dtype, buffer=nl.shared_hbm)
     has_bias = b_hbm != None  # noqa: E711
-    cols_sb = nl.ndarray((p_all, TILE_VB), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.iota(dst=cols_sb, pattern=[[1, TILE_VB]], offset=0, channel_multiplier=0)
-    rows = []  # per row tile: (r0, p, t_f, c, ignored predicate, -lse)
-    t_tiles = []
-    for r0 in range(0, N, PMAX):
-        t_tiles.append(_target_tile(target_hbm, r0, min(PMAX, N - r0)))
-    if reduction != "none":
-        c_all_sb = _shared_coefficient(grad_hbm, t_tiles, reduction == "mean", ignore_index, p_all)
-    for i in range(len(t_tiles)):
-        r0 = i * PMAX
-        p = min(PMAX, N - r0)
-        c_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if reduction == "none":
-            nisa.dma_copy(dst=c_sb, src=grad_hbm[r0:r0 + p])
-        else:
-            nisa.tensor_copy(dst=c_sb, src=c_all_sb[0:p, 0:1])
-        ign_sb = _mark_rows(c_sb, t_tiles[i], ignore_index, V, p)
-        lse_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=lse_sb, src=lse_hbm[r0:r0 + p])
-        nisa.tensor_scalar(dst=lse_sb, data=lse_sb, op0=nl.multiply, operand0=-1.0)
-        rows.append((r0, p, t_tiles[i], c_sb, ign_sb, lse_sb))
+    cols_sb = column_iota(min(nl.tile_size.pmax, N), TILE_VB)
+    rows = gradient_rows(grad_hbm, target_hbm, lse_hbm, ignore_index, reduction, V)  # (r0, p, t, c, ignored, -lse)
     for row in rows:
         _dhidden_rows(row, h_hbm, hT_hbm, w_hbm, wT_hbm, b_hbm, cols_sb, dh_hbm, label_smoothing, softcap)
     if has_bias:
         db_hbm = nl.ndarray((1, V), dtype=h_hbm.dtype, buffer=nl.shared_hbm)
     else:
         db_hbm = None
-    for v0 in range(0, V, TILE_VB):
-        _dweight_tile(rows, v0, min(TILE_VB, V - v0), h_hbm, hT_hbm, wT_hbm, b_hbm, cols_sb, dw_hbm, db_hbm,
+    for v0, vt in spans(V, TILE_VB):
+        _dweight_tile(rows, v0, vt, h_hbm, hT_hbm, wT_hbm, b_hbm, cols_sb, dw_hbm, db_hbm,
                       label_smoothing, softcap)
     return dh_hbm, dw_hbm, db_hbm
 
@@ -329,7 +258,7 @@ def _dlogits(row, hT_tiles, wT_hbm, b_hbm, cols_sb, v0, vt, eps, softcap):
     z_sb, th_sb = _logit_tile(hT_tiles, wT_hbm, b_hbm, v0, vt, p, softcap)
     d_sb = nl.ndarray((p, vt), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=d_sb, op=nl.exp, data=z_sb, bias=neg_lse_sb)
-    nisa.scalar_tensor_tensor(dst=d_sb, data=_column_hits(cols_sb, t_f_sb, v0, p, vt), op0=nl.multiply,
+    nisa.scalar_tensor_tensor(dst=d_sb, data=column_hits(cols_sb, t_f_sb, v0, p, vt), op0=nl.multiply,
                               operand0=eps - 1.0, op1=nl.add, operand1=d_sb)
     nisa.tensor_scalar(dst=d_sb, data=d_sb, op0=nl.subtract, operand0=eps / V, op1=nl.multiply, operand1=c_sb)
     if th_sb != None:  # noqa: E711 (times 1 - tanh², before the ignored rows are zeroed)
@@ -357,15 +286,13 @@ def _dhidden_rows(row, h_hbm, hT_hbm, w_hbm, wT_hbm, b_hbm, cols_sb, dh_hbm, eps
     hT_tiles = _hT_tiles(hT_hbm, r0, p)
     acc_sb = nl.ndarray((p, H), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=acc_sb, value=0.0)
-    for v0 in range(0, V, TILE_VB):
-        vt = min(TILE_VB, V - v0)
+    for v0, vt in spans(V, TILE_VB):
         d_sb = _dlogits(row, hT_tiles, wT_hbm, b_hbm, cols_sb, v0, vt, float(eps), softcap)
         dT_psum = nl.ndarray((vt, p), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_transpose(dst=dT_psum, data=d_sb)
         dT_sb = nl.ndarray((vt, p), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=dT_sb, src=dT_psum)
-        for h0 in range(0, H, TILE_H):
-            hc = min(TILE_H, H - h0)
+        for h0, hc in spans(H, TILE_H):
             part_psum = nl.ndarray((p, hc), dtype=nl.float32, buffer=nl.psum)
             nisa.nc_matmul(dst=part_psum, stationary=dT_sb, moving=_widened(w_hbm, v0, vt, h0, hc))
             nisa.tensor_tensor(dst=acc_sb[0:p, h0:h0 + hc], data1=acc_sb[0:p, h0:h0 + hc], data2=part_psum, op=nl.add)
@@ -388,8 +315,7 @@ def _dweight_tile(rows, v0, vt, h_hbm, hT_hbm, wT_hbm, b_hbm, cols_sb, dw_hbm, d
     for row in rows:
         r0, p = row[0], row[1]
         d_sb = _dlogits(row, _hT_tiles(hT_hbm, r0, p), wT_hbm, b_hbm, cols_sb, v0, vt, float(eps), softcap)
-        for h0 in range(0, H, TILE_H):
-            hc = min(TILE_H, H - h0)
+        for h0, hc in spans(H, TILE_H):
             part_psum = nl.ndarray((vt, hc), dtype=nl.float32, buffer=nl.psum)
             nisa.nc_matmul(dst=part_psum, stationary=d_sb, moving=_widened(h_hbm, r0, p, h0, hc))
             nisa.tensor_tensor(dst=acc_sb[0:vt, h0:h0 + hc], data1=acc_sb[0:vt, h0:h0 + hc], data2=part_psum, op=nl.add)
@@ -422,9 +348,9 @@ def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias, ignor
         return np.zeros((n, h), dt), np.zeros((v, h), dt), None if bias is None else np.zeros(v, dt)
     hT, wT, b = _layouts(hidden, weight, bias)
     g = _host.contiguous(np.asarray(grad, np.float32).reshape(-1))
-    dh, dw, db = _host.run(_lce_backward_kernel, g, _host.contiguous(hidden), hT, _host.contiguous(weight), wT, b,
-                           _targets32(target), _host.contiguous(lse), int(ignore_index), reduction,
-                           float(label_smoothing), None if softcap is None else float(softcap))
+    dh, dw, db = _host.run(_linear_cross_entropy_backward_kernel, g, _host.contiguous(hidden), hT,
+                           _host.contiguous(weight), wT, b, targets32(target), _host.contiguous(lse), int(ignore_index),
+                           reduction, float(label_smoothing), None if softcap is None else float(softcap))
     return (_host.as_dtype(dh, dt.name, (n, h)), _host.as_dtype(dw, dt.name, (v, h)),
             None if bias is None else _host.as_dtype(db, dt.name, (v,)))
 

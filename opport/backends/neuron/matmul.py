@@ -7,8 +7,8 @@ import math
 import numpy as np
 
 from opport.backends.neuron import _host
+from opport.backends.neuron._tiles import cdiv, load_row_broadcast, spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
-from opport.backends.neuron.rmsnorm import load_row_broadcast
 from opport.dispatch import impl
 from opport.dtypes import np_dtype
 from opport.ops.matmul import matmul as spec
@@ -23,7 +23,7 @@ AT_BUDGET = 128 << 10  # SBUF bytes per partition for a row block's transposed a
 def rows_per_block(K: int, itemsize: int) -> int:
     """Row tiles of a kept in SBUF together: b is read once per block of them, so more rows per block
     means fewer passes over b, up to ACC_BANKS PSUM accumulators and AT_BUDGET bytes of aT per partition."""
-    n_k = (K + TILE_K - 1) // TILE_K
+    n_k = cdiv(K, TILE_K)
     return max(1, min(ACC_BANKS, AT_BUDGET // (n_k * TILE_M * itemsize)))
 
 
@@ -82,14 +82,13 @@ def _row_block(a_hbm, b_hbm, bias_hbm, out_hbm, g, gb, r0, block_rows):
     that one block's tiles are released before the next block's are allocated."""
     M, K = a_hbm.shape[1], a_hbm.shape[2]
     N = b_hbm.shape[2]
-    n_k = (K + TILE_K - 1) // TILE_K
+    n_k = cdiv(K, TILE_K)
     row_tiles, aT_tiles = [], []  # plain loops and appends, as elsewhere in opport's kernels
-    for m0 in range(r0, min(M, r0 + block_rows), TILE_M):
-        mt = min(TILE_M, M - m0)
+    for m0, mt in spans(min(M, r0 + block_rows), TILE_M, r0):  # block_rows: whole row tiles
         row_tiles.append((m0, mt))
         aT_tiles.append(_transposed_row_tile(a_hbm, g, m0, mt, n_k))
-    for n0 in range(0, N, TILE_N):
-        _column_tile(b_hbm, bias_hbm, out_hbm, g, gb, row_tiles, aT_tiles, n0, min(TILE_N, N - n0))
+    for n0, nt in spans(N, TILE_N):
+        _column_tile(b_hbm, bias_hbm, out_hbm, g, gb, row_tiles, aT_tiles, n0, nt)
 
 
 def _column_tile(b_hbm, bias_hbm, out_hbm, g, gb, row_tiles, aT_tiles, n0, nt):
@@ -100,9 +99,7 @@ def _column_tile(b_hbm, bias_hbm, out_hbm, g, gb, row_tiles, aT_tiles, n0, nt):
     accs = []
     for i in range(len(row_tiles)):
         accs.append(nl.ndarray((row_tiles[i][1], nt), dtype=nl.float32, buffer=nl.psum))
-    for k in range(len(aT_tiles[0])):
-        k0 = k * TILE_K
-        kt = min(TILE_K, K - k0)
+    for k, (k0, kt) in enumerate(spans(K, TILE_K)):
         b_sb = nl.ndarray((kt, nt), dtype=b_hbm.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=b_sb, src=b_hbm[gb, k0:k0 + kt, n0:n0 + nt])
         for i in range(len(row_tiles)):
@@ -125,9 +122,7 @@ def _transposed_row_tile(a_hbm, g, m0, mt, n_k):
     transposed on TensorE through PSUM into SBUF."""
     K = a_hbm.shape[2]
     tiles = []
-    for k in range(n_k):
-        k0 = k * TILE_K
-        kt = min(TILE_K, K - k0)
+    for k0, kt in spans(K, TILE_K):
         a_sb = nl.ndarray((mt, kt), dtype=a_hbm.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=a_sb, src=a_hbm[g, m0:m0 + mt, k0:k0 + kt])
         aT_psum = nl.ndarray((kt, mt), dtype=a_hbm.dtype, buffer=nl.psum)
@@ -214,7 +209,7 @@ def _matmul_backward_kernel(g_hbm, a_hbm, b_hbm, with_bias):
         da_hbm = nl.ndarray((G, M, K), dtype=g_hbm.dtype, buffer=nl.shared_hbm)
         db_hbm = nl.ndarray((G, K, N), dtype=g_hbm.dtype, buffer=nl.shared_hbm)
     item = 4 if g_hbm.dtype == nl.float32 else 2
-    n_rt = (M + TILE_M - 1) // TILE_M
+    n_rt = cdiv(M, TILE_M)
     resident = n_rt * ((K if has_ab else 0) + N) * item <= ROWS_BUDGET
     bias_sb = None
     if with_bias:
@@ -222,8 +217,7 @@ def _matmul_backward_kernel(g_hbm, a_hbm, b_hbm, with_bias):
         nisa.memset(dst=bias_sb, value=0.0)
     for g in range(G):
         tiles = []  # (first row, rows, a tile or None, grad tile or None)
-        for m0 in range(0, M, TILE_M):
-            mt = min(TILE_M, M - m0)
+        for m0, mt in spans(M, TILE_M):
             a_sb = _rows_of(a_hbm, None, g, m0, mt, 0, K) if resident and has_ab else None
             g_sb = _rows_of(g_hbm, None, g, m0, mt, 0, N) if resident else None
             tiles.append((m0, mt, a_sb, g_sb))
@@ -255,15 +249,13 @@ def _da_pass(g_hbm, b_hbm, da_hbm, g, tiles):
     N, K = g_hbm.shape[2], b_hbm.shape[1]
     for i0 in range(0, len(tiles), DA_TILES):
         block = tiles[i0:i0 + DA_TILES]
-        for kc0 in range(0, K, TILE_N):
-            kc = min(TILE_N, K - kc0)
+        for kc0, kc in spans(K, TILE_N):
             accs = []
             for t in block:
                 accs.append(nl.ndarray((t[1], kc), dtype=nl.float32, buffer=nl.psum))
-            for nb0 in range(0, N, TILE_N):
-                b_tiles = _b_rows(b_hbm, g, kc0, kc, nb0, min(TILE_N, N - nb0))
-                for nt0 in range(nb0, min(N, nb0 + TILE_N), TILE_K):
-                    nt = min(TILE_K, N - nt0)
+            for nb0, nb in spans(N, TILE_N):
+                b_tiles = _b_rows(b_hbm, g, kc0, kc, nb0, nb)
+                for nt0, nt in spans(nb0 + nb, TILE_K, nb0):
                     bT_sb = _b_transposed(b_tiles, nt0 - nb0, nt, kc)
                     for i in range(len(block)):
                         m0, mt, _, g_sb = block[i]
@@ -280,8 +272,7 @@ def _b_rows(b_hbm, g, kc0, kc, nb0, nb):
     """b[g, kc0:kc0+kc, nb0:nb0+nb] as row-major [<=128, nb] tiles: one DMA each of up to 512 columns (2 KiB per
     partition in float32, where [128, 128] loads would move 512 B per partition per transfer)."""
     tiles = []
-    for j0 in range(0, kc, TILE_K):
-        kj = min(TILE_K, kc - j0)
+    for j0, kj in spans(kc, TILE_K):
         b_sb = nl.ndarray((kj, nb), dtype=b_hbm.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=b_sb, src=b_hbm[g, kc0 + j0:kc0 + j0 + kj, nb0:nb0 + nb])
         tiles.append(b_sb)
@@ -319,9 +310,7 @@ def _db_pass(g_hbm, a_hbm, db_hbm, bias_sb, g, tiles):
     for kt0 in range(0, max(K, 1), TILE_K):  # K = 0 (dbias only): one sweep without db
         kt = min(TILE_K, K - kt0)
         for n0 in range(0, N, TILE_N * DB_CHUNKS):
-            chunks = []
-            for c0 in range(n0, min(N, n0 + TILE_N * DB_CHUNKS), TILE_N):
-                chunks.append((c0, min(TILE_N, N - c0)))
+            chunks = spans(min(N, n0 + TILE_N * DB_CHUNKS), TILE_N, n0)  # whole TILE_N chunks but the last
             want_bias = bias_sb != None and kt0 == 0  # noqa: E711
             db_accs, bias_accs = [], []
             for _, nc in chunks:

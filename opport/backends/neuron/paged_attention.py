@@ -8,6 +8,8 @@ import numpy as np
 
 from opport.arraymath import visible
 from opport.backends.neuron import _host
+from opport.backends.neuron._softmax_steps import inverse_sum, online_step, running_state
+from opport.backends.neuron._tiles import spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
 from opport.ops.paged_attention import paged_attention as spec
@@ -16,8 +18,6 @@ KP = 128  # positions per tile: the P @ V contraction and the k transpose run ov
 D_MAX = 128  # head dim: q @ k^T contracts over the partitions
 DV_MAX = 512  # value dim: the P @ V accumulator is one 2 KiB PSUM bank of float32
 G_MAX = 128  # query heads per KV head: the rows of the score tile, on the partitions
-NEG_BIG = -3.4028234663852886e38  # -FLT_MAX: a finite start for the running max, so exp(m_old - m_new) is never NaN
-TINY = 1.1754943508222875e-38  # FLT_MIN: 1/max(l, TINY) keeps a row that saw nothing at 0
 
 
 def _gather_rows(dst_sb, cache_hbm, ids_sb, jj, a, e, bs, h, row, width):
@@ -89,13 +89,9 @@ def _one(out_sb, q_hbm, kc_hbm, vc_hbm, bt_hbm, row0, b, h, G, D, Dv, bs, lo, hi
     nisa.tensor_copy(dst=qT_sb, src=qT_psum)
     o_sb = nl.ndarray((G, Dv), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=o_sb, value=0.0)
-    m_sb = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=m_sb, value=NEG_BIG)
-    l_sb = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=l_sb, value=0.0)
-    for t0 in range(lo, hi, KP):
-        t1 = min(hi, t0 + KP)
-        n = t1 - t0
+    m_sb, l_sb = running_state(G)
+    for t0, n in spans(hi, KP, lo):
+        t1 = t0 + n
         j0, j1 = t0 // bs, (t1 - 1) // bs + 1
         ids_sb = nl.ndarray((j1 - j0, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=ids_sb, src=bt_hbm[row0 + j0:row0 + j1, 0:1])
@@ -106,11 +102,7 @@ def _one(out_sb, q_hbm, kc_hbm, vc_hbm, bt_hbm, row0, b, h, G, D, Dv, bs, lo, hi
             _gather_rows(k_sb[a - t0:e - t0, 0:D], kc_hbm, ids_sb, j - j0, a, e, bs, h, Hkv * D, D)
             _gather_rows(v_sb[a - t0:e - t0, 0:Dv], vc_hbm, ids_sb, j - j0, a, e, bs, h, Hkv * Dv, Dv)
         _tile(o_sb, m_sb, l_sb, qT_sb, k_sb, v_sb, G, n, D, Dv, scale, softcap)
-    lc_sb = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=lc_sb, data=l_sb, op0=nl.maximum, operand0=TINY)
-    inv_sb = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=inv_sb, data=lc_sb)
-    nisa.tensor_scalar(dst=out_sb, data=o_sb, op0=nl.multiply, operand0=inv_sb)
+    nisa.tensor_scalar(dst=out_sb, data=o_sb, op0=nl.multiply, operand0=inverse_sum(l_sb))
 
 
 def _tile(o_sb, m_sb, l_sb, qT_sb, k_sb, v_sb, G, n, D, Dv, scale, softcap):
@@ -127,19 +119,7 @@ def _tile(o_sb, m_sb, l_sb, qT_sb, k_sb, v_sb, G, n, D, Dv, scale, softcap):
     else:  # c * tanh(scale * s / c)
         nisa.activation(dst=s_sb, op=nl.tanh, data=s_psum, scale=float(scale) / float(softcap))
         nisa.tensor_scalar(dst=s_sb, data=s_sb, op0=nl.multiply, operand0=float(softcap))
-    tmax_sb = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=tmax_sb, op=nl.maximum, data=s_sb, axis=1, keepdims=True)
-    m_new_sb = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=m_new_sb, data1=m_sb, data2=tmax_sb, op=nl.maximum)
-    neg_m_sb = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_m_sb, data=m_new_sb, op0=nl.multiply, operand0=-1.0)
-    corr_sb = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=corr_sb, op=nl.exp, data=m_sb, bias=neg_m_sb)
-    p_sb = nl.ndarray((G, n), dtype=nl.float32, buffer=nl.sbuf)
-    rsum_sb = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p_sb, op=nl.exp, data=s_sb, bias=neg_m_sb, reduce_op=nl.add, reduce_res=rsum_sb,
-                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    nisa.scalar_tensor_tensor(dst=l_sb, data=l_sb, op0=nl.multiply, operand0=corr_sb, op1=nl.add, operand1=rsum_sb)
+    m_new_sb, corr_sb, p_sb = online_step(m_sb, l_sb, s_sb)
     pT_psum = nl.ndarray((n, G), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=pT_psum, data=p_sb)
     pT_sb = nl.ndarray((n, G), dtype=nl.float32, buffer=nl.sbuf)

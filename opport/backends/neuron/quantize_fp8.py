@@ -13,6 +13,7 @@ import numpy as np
 
 from opport.arraymath import FP8_MAX, SCALE_FLOOR, grouped, scales_shape
 from opport.backends.neuron import _host, nki_compat
+from opport.backends.neuron._tiles import spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
 from opport.ops.quantize_fp8 import quantize_fp8 as spec
@@ -66,8 +67,7 @@ def _quantize_fp8_kernel(x_hbm, fmax, static_scale, fp8):
     q_hbm = nl.ndarray((G, L), dtype=fp8, buffer=nl.shared_hbm)
     s_hbm = nl.ndarray((G, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
-    for r0 in range(0, G, PMAX):
-        p = min(PMAX, G - r0)
+    for r0, p in spans(G, PMAX):
         s_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         if static_scale is None:
             scale_of(s_sb, group_amax(x_hbm, r0, p), fmax)
@@ -83,8 +83,7 @@ def group_amax(x_hbm, r0, p):
     L = x_hbm.shape[1]
     amax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=amax_sb, value=0.0)
-    for c0 in range(0, L, FMAX):
-        f = min(FMAX, L - c0)
+    for c0, f in spans(L, FMAX):
         x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
         abs_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
@@ -111,8 +110,7 @@ def quantize_rows(q_hbm, x_hbm, r0, p, s_sb, fmax):
     L = x_hbm.shape[1]
     r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=r_sb, data=s_sb)
-    for c0 in range(0, L, FMAX):
-        f = min(FMAX, L - c0)
+    for c0, f in spans(L, FMAX):
         x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
         v_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
@@ -151,8 +149,7 @@ def _quantize_fp8_tensor_kernel(x_hbm, fmax, fp8):
     PMAX = nl.tile_size.pmax
     amax_sb = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=amax_sb, value=0.0)
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
+    for r0, p in spans(R, PMAX):
         rows_sb = group_amax(x_hbm, r0, p)
         t_psum = nl.ndarray((1, p), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_transpose(dst=t_psum, data=rows_sb)
@@ -170,8 +167,7 @@ def _quantize_fp8_tensor_kernel(x_hbm, fmax, fp8):
     nisa.nc_matmul(dst=s_psum, stationary=ones_sb, moving=s1_sb)
     s_sb = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=s_sb, src=s_psum)
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
+    for r0, p in spans(R, PMAX):
         quantize_rows(q_hbm, x_hbm, r0, p, s_sb[0:p, 0:1], fmax)
     return q_hbm, s_hbm
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from opport.backends.neuron import _host
-from opport.backends.neuron.nki_compat import nisa, nki, nl
-from opport.backends.neuron.softmax import (
+from opport.backends.neuron._tiles import cdiv, load_row_broadcast, spans
+from opport.backends.neuron._two_float import (
     divide_two_float,
     dot_two_float,
     fast_two_sum,
@@ -18,6 +18,7 @@ from opport.backends.neuron.softmax import (
     two_product_col,
     two_sum,
 )
+from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
 from opport.ops.rmsnorm import rmsnorm as spec
 
@@ -25,24 +26,8 @@ FMAX = 4096  # free-dim chunk: input chunk + fp32 scratch <= 32 KiB per partitio
 RESIDENT = 16384  # rows up to this length stay in SBUF between the statistics and the output pass
 EXP_BITS = 0x7F800000  # float32 exponent field: amax & EXP_BITS = 2^floor(log2 amax) (subnormal -> 0)
 SCALE_TO = 2.0**39  # rows with max|x| >= 2^40 are scaled to [2^39, 2^40): n * max^2 stays far below FLT_MAX
-PSUM_FMAX = 512  # float32 columns per PSUM bank: the partition broadcast goes 512 columns per matmul
 FLT_MAX = 3.4028234663852886e38  # max|x| is clamped here: an inf row keeps s = 2^-88 and its inf (not s = 1/inf = 0)
 TINY = 1.1754943508222875e-38  # FLT_MIN: eps * s^2 may underflow; a zero row must still give 0 * rsqrt(tiny) = 0
-
-
-def load_row_broadcast(dst_sb, vec_hbm, c0, f, p):
-    """dst_sb[0:p, 0:f] = vec[c0:c0+f] on every partition: one DMA of the row, then a K = 1 TensorE matmul
-    (ones[1, p]^T @ row, 512 columns at a time through PSUM) replicates it, exactly (x * 1.0, one term),
-    so HBM is read once instead of once per partition."""
-    row_sb = nl.ndarray((1, f), dtype=vec_hbm.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=row_sb, src=vec_hbm[c0:c0 + f])
-    ones_sb = nl.ndarray((1, p), dtype=vec_hbm.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=ones_sb, value=1.0)
-    for j0 in range(0, f, PSUM_FMAX):
-        fj = min(PSUM_FMAX, f - j0)
-        rep_psum = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=rep_psum, stationary=ones_sb, moving=row_sb[0:1, j0:j0 + fj])
-        nisa.tensor_copy(dst=dst_sb[0:p, j0:j0 + fj], src=rep_psum)
 
 
 def row_scale(s_sb, amax_sb, p):
@@ -88,12 +73,10 @@ def scaled_rows(x_hbm, r0, p, keep, eps, r_hbm=None, sum_hbm=None):
     else [] and the caller streams them again; s_sb [p, 1]; eps_sb [p, 1]). With r_hbm the rows are the
     rounded sums x + r, written to sum_hbm (load_chunk)."""
     N = x_hbm.shape[1]
-    n_chunks = (N + FMAX - 1) // FMAX
+    n_chunks = cdiv(N, FMAX)
     x_tiles = []
     amax_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
-    for c in range(n_chunks):
-        c0 = c * FMAX
-        f = min(FMAX, N - c0)
+    for c, (c0, f) in enumerate(spans(N, FMAX)):
         x_sb = load_chunk(x_hbm, r0, p, c0, f, r_hbm, sum_hbm)
         if keep:
             x_tiles.append(x_sb)
@@ -154,30 +137,25 @@ def forward_body(x_hbm, w_hbm, eps, r_hbm):
     add = r_hbm != None  # noqa: E711 (NKI kernels compare with None by value)
     sum_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm) if add else None
     PMAX = nl.tile_size.pmax
-    n_chunks = (N + FMAX - 1) // FMAX
+    n_chunks = cdiv(N, FMAX)
     resident = N <= RESIDENT
     has_weight = w_hbm != None  # noqa: E711 (NKI kernels compare with None by value)
     p_all = min(PMAX, R)
 
     w_tiles = []
     if has_weight and resident:
-        for c in range(n_chunks):
-            c0 = c * FMAX
-            f = min(FMAX, N - c0)
+        for c0, f in spans(N, FMAX):
             w_sb = nl.ndarray((p_all, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
             load_row_broadcast(w_sb, w_hbm, c0, f, p_all)
             w_tiles.append(w_sb)
 
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
+    for r0, p in spans(R, PMAX):
         # row scale from max|x|
         x_tiles, s_sb, eps_sb = scaled_rows(x_hbm, r0, p, resident, eps, r_hbm, sum_hbm)
 
         # sum of (s x)^2, then k = s * rsqrt(sum / N + eps s^2)
         ss_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
-        for c in range(n_chunks):
-            c0 = c * FMAX
-            f = min(FMAX, N - c0)
+        for c, (c0, f) in enumerate(spans(N, FMAX)):
             x_sb = x_tiles[c] if resident else load_chunk(x_hbm, r0, p, c0, f, r_hbm)  # the sum again: the same bits
             sq_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=sq_sb, op=nl.square, data=x_sb, scale=s_sb, reduce_op=nl.add,
@@ -189,9 +167,7 @@ def forward_body(x_hbm, w_hbm, eps, r_hbm):
         k_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=k_sb, data1=rstd_sb, data2=s_sb, op=nl.multiply)
 
-        for c in range(n_chunks):
-            c0 = c * FMAX
-            f = min(FMAX, N - c0)
+        for c, (c0, f) in enumerate(spans(N, FMAX)):
             x_sb = x_tiles[c] if resident else load_chunk(x_hbm, r0, p, c0, f, r_hbm)
             out_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             if has_weight:
@@ -229,16 +205,15 @@ def chunk(tiles, t_hbm, r0, p, c):
     """Chunk c (FMAX columns) of rows r0:r0+p: the kept SBUF tile, or loaded again (rows too long to keep)."""
     if tiles:
         return tiles[c]
-    c0 = c * FMAX
-    return load_chunk(t_hbm, r0, p, c0, min(FMAX, t_hbm.shape[1] - c0))
+    c0, f = spans(t_hbm.shape[1], FMAX)[c]
+    return load_chunk(t_hbm, r0, p, c0, f)
 
 
 def weight_chunk(w_tiles, w_hbm, c, p):
     """Chunk c of the weight replicated on p partitions (kept, or replicated again by load_row_broadcast)."""
     if w_tiles:
         return w_tiles[c]
-    c0 = c * FMAX
-    f = min(FMAX, w_hbm.shape[0] - c0)
+    c0, f = spans(w_hbm.shape[0], FMAX)[c]
     w_sb = nl.ndarray((p, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
     load_row_broadcast(w_sb, w_hbm, c0, f, p)
     return w_sb
@@ -263,8 +238,7 @@ def column_sums(dw_psum, prod_sb, p, c0, f):
     ones_sb = nl.ndarray((p, 1), dtype=prod_sb.dtype, buffer=nl.sbuf)  # matmul operands pair fp32 with fp32 only
     nisa.memset(dst=ones_sb, value=1.0)
     PMAX = nl.tile_size.pmax
-    for j0 in range(0, f, PMAX):
-        w = min(PMAX, f - j0)
+    for j0, w in spans(f, PMAX):
         b = (c0 + j0) // PMAX
         nisa.nc_matmul(dst=dw_psum[0:w, b:b + 1], stationary=prod_sb[0:p, j0:j0 + w], moving=ones_sb)
 
@@ -274,7 +248,7 @@ def store_column_sums(dw_hbm, dw_psum):
     element m of each block), the last partial block in another."""
     PMAX = nl.tile_size.pmax
     N = dw_hbm.shape[0]
-    nb = (N + PMAX - 1) // PMAX
+    nb = cdiv(N, PMAX)
     dw_sb = nl.ndarray((PMAX, nb), dtype=dw_hbm.dtype, buffer=nl.sbuf)
     full = N // PMAX
     if full > 0:
@@ -289,7 +263,7 @@ def store_column_sums(dw_hbm, dw_psum):
 def rms_factor(k_sb, x_tiles, x_hbm, r0, p, s_sb, eps_sb):
     """k = s * rsqrt(sum((s x)^2) / N + eps s^2) per row, the forward's statistics: xhat = x * k."""
     N = x_hbm.shape[1]
-    n_chunks = (N + FMAX - 1) // FMAX
+    n_chunks = cdiv(N, FMAX)
     ss_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
     for c in range(n_chunks):
         x_sb = chunk(x_tiles, x_hbm, r0, p, c)
@@ -327,8 +301,7 @@ def precise_sums(sums_sb, x_sb, g_sb, w_tiles, w_hbm, c, s_sb, p):
     error parts in the same order."""
     n_sub = sums_sb.shape[1] // 4
     f = x_sb.shape[1]
-    for j0 in range(0, f, SUB):
-        fj = min(SUB, f - j0)
+    for j0, fj in spans(f, SUB):
         j = (c * FMAX + j0) // SUB
         xs_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)  # x s: exact (s a power of two)
         nisa.tensor_scalar(dst=xs_sb, data=x_sb[0:p, j0:j0 + fj], op0=nl.multiply, operand0=s_sb)
@@ -344,15 +317,13 @@ def grad_projection(dw_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, k_sb,
     into dw_psum (column_sums); for float32 inputs also precise_sums' two-float sums. Returns (the grad chunks,
     kept when `resident`; -mean(g w xhat); the two-float sums, or None)."""
     N = x_hbm.shape[1]
-    n_chunks = (N + FMAX - 1) // FMAX
+    n_chunks = cdiv(N, FMAX)
     g_tiles = []
     c_parts_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
     sums_sb = None
     if x_hbm.dtype == nl.float32 and N > 1:
-        sums_sb = nl.ndarray((p, 4 * ((N + SUB - 1) // SUB)), dtype=nl.float32, buffer=nl.sbuf)
-    for c in range(n_chunks):
-        c0 = c * FMAX
-        f = min(FMAX, N - c0)
+        sums_sb = nl.ndarray((p, 4 * cdiv(N, SUB)), dtype=nl.float32, buffer=nl.sbuf)
+    for c, (c0, f) in enumerate(spans(N, FMAX)):
         g_sb = load_chunk(g_hbm, r0, p, c0, f)
         if resident:
             g_tiles.append(g_sb)
@@ -442,15 +413,12 @@ def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb
     precise = (s, pf) for float32 inputs: precise_bracket, and the float32 bracket where that is not finite
     (a row holding inf or NaN). h_hbm (add_rmsnorm's grad_sum): dx = bracket * k + h, in the same instruction."""
     N = x_hbm.shape[1]
-    for c in range((N + FMAX - 1) // FMAX):
-        c0 = c * FMAX
-        f = min(FMAX, N - c0)
+    for c, (c0, f) in enumerate(spans(N, FMAX)):
         x_sb = chunk(x_tiles, x_hbm, r0, p, c)
         g_sb = chunk(g_tiles, g_hbm, r0, p, c)
         h_sb = None if h_hbm == None else load_chunk(h_hbm, r0, p, c0, f)  # noqa: E711
         dx_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
-        for j0 in range(0, f, SUB):
-            fj = min(SUB, f - j0)
+        for j0, fj in spans(f, SUB):
             w_sb = weight_cols(w_tiles, w_hbm, c, p, j0, fj)
             d_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
             plain_bracket(d_sb, x_sb[0:p, j0:j0 + fj], g_sb[0:p, j0:j0 + fj], w_sb, k_sb, mc_sb, N)
@@ -536,7 +504,7 @@ def backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm):
     R, N = x_hbm.shape
     dx_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
-    n_chunks = (N + FMAX - 1) // FMAX
+    n_chunks = cdiv(N, FMAX)
     resident = N <= GRAD_RESIDENT
     has_weight = w_hbm != None  # noqa: E711 (NKI kernels compare with None by value)
     p_all = min(PMAX, R)
@@ -544,11 +512,10 @@ def backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm):
     if has_weight and resident:
         for c in range(n_chunks):
             w_tiles.append(weight_chunk([], w_hbm, c, p_all))
-    dw_psum = nl.ndarray((PMAX, (N + PMAX - 1) // PMAX), dtype=nl.float32, buffer=nl.psum)
+    dw_psum = nl.ndarray((PMAX, cdiv(N, PMAX)), dtype=nl.float32, buffer=nl.psum)
 
-    for r0 in range(0, R, PMAX):
-        rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, min(PMAX, R - r0), eps, eps_lo, resident,
-                      h_hbm)
+    for r0, p in spans(R, PMAX):
+        rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, eps_lo, resident, h_hbm)
 
     if not has_weight:
         return dx_hbm

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from opport.backends.neuron import _host
+from opport.backends.neuron._tiles import spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
 from opport.ops.rope import rope as spec
@@ -83,8 +84,7 @@ def _rotate(x_hbm, cos_hbm, sin_hbm, interleaved, inverse):
     HB = max(1, min(H, HD_MAX // D))
     per_batch = len(cos_hbm.shape) == 3
 
-    for s0 in range(0, S, PMAX):  # positions outside, batch inside: a shared table tile is loaded once, not B times
-        p = min(PMAX, S - s0)
+    for s0, p in spans(S, PMAX):  # positions outside, batch inside: a shared table tile is loaded once, not B times
         for b in range(B):
             if per_batch or b == 0:
                 c_sb = nl.ndarray((p, half), dtype=cos_hbm.dtype, buffer=nl.sbuf)
@@ -95,8 +95,7 @@ def _rotate(x_hbm, cos_hbm, sin_hbm, interleaved, inverse):
                 else:
                     nisa.dma_copy(dst=c_sb, src=cos_hbm[s0:s0 + p, 0:half])
                     nisa.dma_copy(dst=s_sb, src=sin_hbm[s0:s0 + p, 0:half])
-            for h0 in range(0, H, HB):
-                hb = min(HB, H - h0)
+            for h0, hb in spans(H, HB):
                 base = ((b * H + h0) * S + s0) * D
                 # [positions, heads, D] view of x[b, h0:h0+hb, s0:s0+p, :]
                 x_sb = nl.ndarray((p, hb, D), dtype=x_hbm.dtype, buffer=nl.sbuf)

@@ -13,6 +13,7 @@ import numpy as np
 
 from opport.arraymath import BLOCK
 from opport.backends.neuron import _host
+from opport.backends.neuron._tiles import cdiv, spans
 from opport.backends.neuron.matmul import TILE_K, TILE_M, TILE_N, _transposed_row_tile
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.backends.neuron.quantize_fp8 import fp8_unsupported
@@ -54,14 +55,13 @@ def _scaled_matmul_kernel(a_hbm, b_hbm, sa_hbm, sb_hbm, bias_hbm, out_dtype):
     N = b_hbm.shape[1]
     G = sa_hbm.shape[1]
     out_hbm = nl.ndarray((M, N), dtype=out_dtype, buffer=nl.shared_hbm)
-    n_k = (K + TILE_K - 1) // TILE_K
-    for m0 in range(0, M, TILE_M):
-        mt = min(TILE_M, M - m0)
+    n_k = cdiv(K, TILE_K)
+    for m0, mt in spans(M, TILE_M):
         aT_tiles = _transposed_row_tile(a_hbm, 0, m0, mt, n_k)
         sa_sb = nl.ndarray((mt, G), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=sa_sb, src=sa_hbm[m0:m0 + mt, 0:G])
-        for n0 in range(0, N, TILE_N):
-            _output_tile(b_hbm, sb_hbm, bias_hbm, out_hbm, aT_tiles, sa_sb, m0, mt, n0, min(TILE_N, N - n0))
+        for n0, nt in spans(N, TILE_N):
+            _output_tile(b_hbm, sb_hbm, bias_hbm, out_hbm, aT_tiles, sa_sb, m0, mt, n0, nt)
     return out_hbm
 
 
@@ -74,8 +74,7 @@ def _output_tile(b_hbm, sb_hbm, bias_hbm, out_hbm, aT_tiles, sa_sb, m0, mt, n0, 
     for g in range(G):
         part_psum = nl.ndarray((mt, nt), dtype=nl.float32, buffer=nl.psum)
         for k in range(g * tiles_per_group, (g + 1) * tiles_per_group):
-            k0 = k * TILE_K
-            kt = min(TILE_K, K - k0)
+            k0, kt = spans(K, TILE_K)[k]
             b_sb = nl.ndarray((kt, nt), dtype=b_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=b_sb, src=b_hbm[k0:k0 + kt, n0:n0 + nt])
             nisa.nc_matmul(dst=part_psum, stationary=aT_tiles[k], moving=b_sb)

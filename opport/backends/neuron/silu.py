@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from opport.backends.neuron import _host
+from opport.backends.neuron._tiles import spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
 from opport.ops.silu import silu as spec
@@ -39,10 +40,8 @@ def _silu_kernel(x_hbm):
     R, C = x_hbm.shape
     out_hbm = nl.ndarray((R, C), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
-        for c0 in range(0, C, FMAX):
-            f = min(FMAX, C - c0)
+    for r0, p in spans(R, PMAX):
+        for c0, f in spans(C, FMAX):
             x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
             out_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
@@ -179,10 +178,8 @@ def _silu_backward_kernel(g_hbm, x_hbm):
     R, C = x_hbm.shape
     dx_hbm = nl.ndarray((R, C), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
-        for c0 in range(0, C, GRAD_FMAX):
-            f = min(GRAD_FMAX, C - c0)
+    for r0, p in spans(R, PMAX):
+        for c0, f in spans(C, GRAD_FMAX):
             x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
             g_sb = nl.ndarray((p, f), dtype=g_hbm.dtype, buffer=nl.sbuf)

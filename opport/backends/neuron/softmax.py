@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from opport.backends.neuron import _host
+from opport.backends.neuron._softmax_steps import online_step, running_state
+from opport.backends.neuron._tiles import cdiv, spans
+from opport.backends.neuron._two_float import fast_two_sum, fold_two_float, two_product
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
 from opport.ops.softmax import softmax as spec
 
 FMAX = 4096  # free-dim chunk: a 4096-wide input chunk plus its fp32 exp is <= 32 KiB per partition
 RESIDENT = 16384  # rows up to this length stay in SBUF between the two passes (<= 64 KiB fp32)
-NEG_BIG = -3.4028234663852886e38  # -FLT_MAX: a finite start for the running max, so exp(m_old - m_new) is never NaN
 
 
 @nki.jit
@@ -46,10 +48,9 @@ def _softmax_kernel(x_hbm):
     R, N = x_hbm.shape
     out_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
-    n_chunks = (N + FMAX - 1) // FMAX
+    n_chunks = cdiv(N, FMAX)
 
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
+    for r0, p in spans(R, PMAX):
         if n_chunks == 1:
             x_sb = nl.ndarray((p, N), dtype=x_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, 0:N])
@@ -68,40 +69,19 @@ def _softmax_kernel(x_hbm):
             # pass 1: online max and rescaled sum over the chunks
             resident = N <= RESIDENT
             x_tiles = []
-            m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=m_sb, value=NEG_BIG)
-            s_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.memset(dst=s_sb, value=0.0)
-            for c in range(n_chunks):
-                c0 = c * FMAX
-                f = min(FMAX, N - c0)
+            m_sb, s_sb = running_state(p)
+            for c0, f in spans(N, FMAX):
                 x_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=x_sb, src=x_hbm[r0:r0 + p, c0:c0 + f])
                 if resident:
                     x_tiles.append(x_sb)
-                cmax_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_reduce(dst=cmax_sb, op=nl.maximum, data=x_sb, axis=1, keepdims=True)
-                m_new_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=m_new_sb, data1=m_sb, data2=cmax_sb, op=nl.maximum)
-                neg_m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=neg_m_sb, data=m_new_sb, op0=nl.multiply, operand0=-1.0)
-                corr_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=corr_sb, op=nl.exp, data=m_sb, bias=neg_m_sb)
-                e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-                csum_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=e_sb, op=nl.exp, data=x_sb, bias=neg_m_sb, reduce_op=nl.add, reduce_res=csum_sb,
-                                reduce_cmd=nisa.reduce_cmd.reset_reduce)
-                nisa.scalar_tensor_tensor(dst=s_sb, data=s_sb, op0=nl.multiply, operand0=corr_sb, op1=nl.add,
-                                          operand1=csum_sb)
-                m_sb = m_new_sb
+                m_sb = online_step(m_sb, s_sb, x_sb)[0]  # e is dead at once: only its row sum is kept
             # pass 2: out = exp(x - m) * (1/s)
             neg_m_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=neg_m_sb, data=m_sb, op0=nl.multiply, operand0=-1.0)
             inv_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.reciprocal(dst=inv_sb, data=s_sb)
-            for c in range(n_chunks):
-                c0 = c * FMAX
-                f = min(FMAX, N - c0)
+            for c, (c0, f) in enumerate(spans(N, FMAX)):
                 if resident:
                     x_sb = x_tiles[c]
                 else:
@@ -128,136 +108,6 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(out, -1, axis))
 
 
-# --------------------------------------------------------------------------- two-float sums (VectorE)
-# float32 has no wider accumulator on any engine, so exact sums are built from error-free transformations:
-# a product as the sum of two floats (Dekker), a sum of two floats as a rounded sum plus its exact error (Knuth).
-
-SPLIT_MASK = -4096  # 0xFFFFF000 as int32: sign, exponent and the top 12 significand bits, so halves multiply exactly
-
-
-def split_halves(v_sb, p, f):
-    """(hi, lo) with v = hi + lo exactly, each of at most 12 significant bits (hi: v's top bits by a mask on
-    its int32 view, lo = v - hi exact): products of two halves fit float32's 24 bits."""
-    hi_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=hi_sb.view(nl.int32), data=v_sb.view(nl.int32), op0=nl.bitwise_and, operand0=SPLIT_MASK)
-    lo_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=lo_sb, data1=v_sb, data2=hi_sb, op=nl.subtract)
-    return hi_sb, lo_sb
-
-
-def two_product(ph_sb, pl_sb, a_sb, b_sb, p, f):
-    """ph + pl = a * b exactly (Dekker's TwoProduct, halves from split_halves): ph = fl(a b) and pl its rounding
-    error (((ah bh - ph) + ah bl) + al bh) + al bl, every step exact for finite products clear of underflow."""
-    ah_sb, al_sb = split_halves(a_sb, p, f)
-    bh_sb, bl_sb = split_halves(b_sb, p, f)
-    nisa.tensor_tensor(dst=ph_sb, data1=a_sb, data2=b_sb, op=nl.multiply)
-    t_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=pl_sb, data1=ah_sb, data2=bh_sb, op=nl.multiply)
-    nisa.tensor_tensor(dst=pl_sb, data1=pl_sb, data2=ph_sb, op=nl.subtract)
-    for u_sb, v_sb in ((ah_sb, bl_sb), (al_sb, bh_sb), (al_sb, bl_sb)):
-        nisa.tensor_tensor(dst=t_sb, data1=u_sb, data2=v_sb, op=nl.multiply)
-        nisa.tensor_tensor(dst=pl_sb, data1=pl_sb, data2=t_sb, op=nl.add)
-
-
-def two_sum(s_sb, e_sb, a_sb, b_sb, u_sb):
-    """s + e = a + b exactly (Knuth's TwoSum, any magnitudes): s = fl(a + b), e = (a - (s - bb)) + (b - bb) with
-    bb = s - a. u is scratch; s, e, u must not alias a or b."""
-    nisa.tensor_tensor(dst=s_sb, data1=a_sb, data2=b_sb, op=nl.add)
-    nisa.tensor_tensor(dst=u_sb, data1=s_sb, data2=a_sb, op=nl.subtract)  # bb
-    nisa.tensor_tensor(dst=e_sb, data1=s_sb, data2=u_sb, op=nl.subtract)
-    nisa.tensor_tensor(dst=e_sb, data1=a_sb, data2=e_sb, op=nl.subtract)
-    nisa.tensor_tensor(dst=u_sb, data1=b_sb, data2=u_sb, op=nl.subtract)
-    nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=u_sb, op=nl.add)
-
-
-def fold_two_float(h_sb, e_sb, p, n):
-    """Sums the two-float values h[:, j] + e[:, j], j < n, into h[:, 0] + e[:, 0] per partition: a pairwise
-    tree of TwoSums on halves of the free dim (log2 n levels), each level's exact errors added into e. h
-    alone is then the plain pairwise float32 sum (inf and NaN as a float32 sum has them); h + e carries the
-    digits float32 drops, to about n 2^-48 relative of sum |h| (the e's own float32 rounding)."""
-    half_max = max(n // 2, 1)
-    s_sb = nl.ndarray((p, half_max), dtype=nl.float32, buffer=nl.sbuf)
-    d_sb = nl.ndarray((p, half_max), dtype=nl.float32, buffer=nl.sbuf)
-    u_sb = nl.ndarray((p, half_max), dtype=nl.float32, buffer=nl.sbuf)
-    size = n
-    while size > 1:
-        half = size // 2
-        two_sum(s_sb[0:p, 0:half], d_sb[0:p, 0:half], h_sb[0:p, 0:half], h_sb[0:p, half:2 * half], u_sb[0:p, 0:half])
-        nisa.tensor_tensor(dst=e_sb[0:p, 0:half], data1=e_sb[0:p, 0:half], data2=e_sb[0:p, half:2 * half], op=nl.add)
-        nisa.tensor_tensor(dst=e_sb[0:p, 0:half], data1=e_sb[0:p, 0:half], data2=d_sb[0:p, 0:half], op=nl.add)
-        nisa.tensor_copy(dst=h_sb[0:p, 0:half], src=s_sb[0:p, 0:half])
-        if size % 2:  # the odd last pair member moves down to the end of the next level
-            nisa.tensor_copy(dst=h_sb[0:p, half:half + 1], src=h_sb[0:p, size - 1:size])
-            nisa.tensor_copy(dst=e_sb[0:p, half:half + 1], src=e_sb[0:p, size - 1:size])
-        size = half + size % 2
-
-
-def fast_two_sum(s_sb, lo_sb, h_sb, e_sb, p):
-    """s + lo = h + e with s = fl(h + e) and lo = e - (s - h) (exact for |h| >= |e|, as a folded sum's parts are)."""
-    nisa.tensor_tensor(dst=s_sb, data1=h_sb, data2=e_sb, op=nl.add)
-    nisa.tensor_tensor(dst=lo_sb, data1=s_sb, data2=h_sb, op=nl.subtract)
-    nisa.tensor_tensor(dst=lo_sb, data1=e_sb, data2=lo_sb, op=nl.subtract)
-
-
-
-def two_sum_col(s_sb, e_sb, a_sb, b_col, p, f):
-    """s + e = a + b exactly for a [p, f] tile and a [p, 1] column b (Knuth's TwoSum, as two_sum)."""
-    u_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=s_sb, data=a_sb, op0=nl.add, operand0=b_col)
-    nisa.tensor_tensor(dst=u_sb, data1=s_sb, data2=a_sb, op=nl.subtract)  # bb
-    nisa.tensor_tensor(dst=e_sb, data1=s_sb, data2=u_sb, op=nl.subtract)
-    nisa.tensor_tensor(dst=e_sb, data1=a_sb, data2=e_sb, op=nl.subtract)
-    nisa.tensor_scalar(dst=u_sb, data=u_sb, op0=nl.subtract, operand0=b_col, reverse0=True)  # b - bb
-    nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=u_sb, op=nl.add)
-
-
-def two_product_col(ph_sb, pl_sb, a_sb, b_col, p, f):
-    """ph + pl = a * b exactly for a [p, f] tile and a [p, 1] column b (one value per row), as two_product."""
-    ah_sb, al_sb = split_halves(a_sb, p, f)
-    bh_sb, bl_sb = split_halves(b_col, p, 1)
-    nisa.tensor_scalar(dst=ph_sb, data=a_sb, op0=nl.multiply, operand0=b_col)
-    nisa.tensor_scalar(dst=pl_sb, data=ah_sb, op0=nl.multiply, operand0=bh_sb)
-    nisa.tensor_tensor(dst=pl_sb, data1=pl_sb, data2=ph_sb, op=nl.subtract)
-    for u_sb, v_col in ((ah_sb, bl_sb), (al_sb, bh_sb), (al_sb, bl_sb)):
-        nisa.scalar_tensor_tensor(dst=pl_sb, data=u_sb, op0=nl.multiply, operand0=v_col, op1=nl.add, operand1=pl_sb)
-
-
-def dot_two_float(h_col, e_col, a_sb, al_sb, b_sb, bl_sb, p, f):
-    """h_col + e_col [p, 1] = sum over the free dim of (a + al) (b + bl): a b as exact products (two_product), the
-    cross terms a bl + al b in float32 (they are the small parts), folded by TwoSums (fold_two_float). al_sb and
-    bl_sb may be None (a, b exact as they are)."""
-    h_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    e_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    two_product(h_sb, e_sb, a_sb, b_sb, p, f)
-    t_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    for u_sb, v_sb in ((a_sb, bl_sb), (al_sb, b_sb)):
-        if v_sb != None and u_sb != None:  # noqa: E711 (NKI kernels compare with None by value)
-            nisa.tensor_tensor(dst=t_sb, data1=u_sb, data2=v_sb, op=nl.multiply)
-            nisa.tensor_tensor(dst=e_sb, data1=e_sb, data2=t_sb, op=nl.add)
-    fold_two_float(h_sb, e_sb, p, f)
-    nisa.tensor_copy(dst=h_col, src=h_sb[0:p, 0:1])
-    nisa.tensor_copy(dst=e_col, src=e_sb[0:p, 0:1])
-
-
-def divide_two_float(q_sb, n_sb, d_sb, p):
-    """q [p, 2] = n / d per row, n and d [p, 2] two-float values (hi, lo): q_hi = n_hi / d_hi rounded, then
-    q_lo = (n - q_hi d) / d_hi with q_hi d_hi exact as two floats (two_product), so q carries about twice
-    float32's digits (d_hi > 0 finite)."""
-    r_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=r_sb, data=d_sb[0:p, 0:1])
-    nisa.tensor_tensor(dst=q_sb[0:p, 0:1], data1=n_sb[0:p, 0:1], data2=r_sb, op=nl.multiply)
-    ph_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-    pl_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
-    two_product(ph_sb, pl_sb, q_sb[0:p, 0:1], d_sb[0:p, 0:1], p, 1)
-    rem_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)  # ((n_hi - ph) - pl) + n_lo - q_hi d_lo
-    nisa.tensor_tensor(dst=rem_sb, data1=n_sb[0:p, 0:1], data2=ph_sb, op=nl.subtract)
-    nisa.tensor_tensor(dst=rem_sb, data1=rem_sb, data2=pl_sb, op=nl.subtract)
-    nisa.tensor_tensor(dst=rem_sb, data1=rem_sb, data2=n_sb[0:p, 1:2], op=nl.add)
-    nisa.tensor_tensor(dst=ph_sb, data1=q_sb[0:p, 0:1], data2=d_sb[0:p, 1:2], op=nl.multiply)
-    nisa.tensor_tensor(dst=rem_sb, data1=rem_sb, data2=ph_sb, op=nl.subtract)
-    nisa.tensor_tensor(dst=q_sb[0:p, 1:2], data1=rem_sb, data2=r_sb, op=nl.multiply)
-
-
 # --------------------------------------------------------------------------- backward
 
 GRAD_RESIDENT = 8192  # elements per partition kept in SBUF between the row sum and dx (y + g <= 64 KiB fp32)
@@ -279,14 +129,12 @@ def block_dot(y_hbm, g_hbm, base, stride, p, n, keep):
     already, their error part 0), folded to one (fold_two_float), and the chunks' sums folded in turn.
     Returns (y tiles, g tiles: kept for the dx pass when `keep`, else [] and that pass reads them again;
     h [p, 1]; e [p, 1])."""
-    n_chunks = (n + FMAX_2F - 1) // FMAX_2F
+    n_chunks = cdiv(n, FMAX_2F)
     h_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
     e_sb = nl.ndarray((p, n_chunks), dtype=nl.float32, buffer=nl.sbuf)
     y_tiles = []
     g_tiles = []
-    for c in range(n_chunks):
-        c0 = c * FMAX_2F
-        f = min(FMAX_2F, n - c0)
+    for c, (c0, f) in enumerate(spans(n, FMAX_2F)):
         y_sb = load_block(y_hbm, base, stride, p, c0, f)
         g_sb = load_block(g_hbm, base, stride, p, c0, f)
         ph_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
@@ -314,9 +162,7 @@ def block_dx(dx_hbm, y_hbm, g_hbm, base, stride, p, n, s_sb, y_tiles, g_tiles):
     constant grad's dx is only the rounding of the saved y: c y (1 - sum y)). Elements where that is not
     finite take the reference's form y * g - y * h (g - s can overflow where dx does not; 0 * inf at
     y = 0; a row with inf or NaN has them in h as the reference's sum has)."""
-    for c in range((n + FMAX_2F - 1) // FMAX_2F):
-        c0 = c * FMAX_2F
-        f = min(FMAX_2F, n - c0)
+    for c, (c0, f) in enumerate(spans(n, FMAX_2F)):
         if y_tiles:
             y_sb = y_tiles[c]
             g_sb = g_tiles[c]
@@ -439,8 +285,8 @@ def _softmax_backward_kernel(g_hbm, y_hbm):
     dx_hbm = nl.ndarray((R, N), dtype=y_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
     if N <= GRAD_RESIDENT:
-        for r0 in range(0, R, PMAX):
-            row_tile_backward(dx_hbm, y_hbm, g_hbm, r0, min(PMAX, R - r0))
+        for r0, p in spans(R, PMAX):
+            row_tile_backward(dx_hbm, y_hbm, g_hbm, r0, p)
     else:
         for r in range(R):
             spread_row_backward(dx_hbm, y_hbm, g_hbm, r)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from opport.backends.neuron import _host
+from opport.backends.neuron._tiles import spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.backends.neuron.silu import clipped, deep_factor, infinite_limit, silu_grad
 from opport.dispatch import impl
@@ -57,10 +58,8 @@ def _swiglu_kernel(gate_hbm, up_hbm, inf_up, deep_gate):
     R, C = gate_hbm.shape
     out_hbm = nl.ndarray((R, C), dtype=gate_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
-        for c0 in range(0, C, FMAX):
-            f = min(FMAX, C - c0)
+    for r0, p in spans(R, PMAX):
+        for c0, f in spans(C, FMAX):
             g_sb = nl.ndarray((p, f), dtype=gate_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=g_sb, src=gate_hbm[r0:r0 + p, c0:c0 + f])
             u_sb = nl.ndarray((p, f), dtype=up_hbm.dtype, buffer=nl.sbuf)
@@ -193,10 +192,8 @@ def _swiglu_backward_kernel(g_hbm, gate_hbm, up_hbm):
     dgate_hbm = nl.ndarray((R, C), dtype=gate_hbm.dtype, buffer=nl.shared_hbm)
     dup_hbm = nl.ndarray((R, C), dtype=gate_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
-    for r0 in range(0, R, PMAX):
-        p = min(PMAX, R - r0)
-        for c0 in range(0, C, GRAD_FMAX):
-            f = min(GRAD_FMAX, C - c0)
+    for r0, p in spans(R, PMAX):
+        for c0, f in spans(C, GRAD_FMAX):
             gate_sb = nl.ndarray((p, f), dtype=gate_hbm.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=gate_sb, src=gate_hbm[r0:r0 + p, c0:c0 + f])
             u_sb = nl.ndarray((p, f), dtype=up_hbm.dtype, buffer=nl.sbuf)

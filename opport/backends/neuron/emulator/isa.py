@@ -1,6 +1,9 @@
 """nki.isa: the instructions, `dst` first, validated against docs/nki.md section 2 before they run.
 
-Every instruction counts itself on its engine in the current run's statistics (runtime.py).
+Every instruction counts itself on its engine in the current run's statistics (runtime.py). This module
+holds DMA, copies, VectorE/GpSimd/ScalarE arithmetic and the predicated ops, and re-exports TensorE's
+(isa_matmul.py) and the rest of the documented set (isa_more.py); all three take their operand checks
+from operands.py.
 """
 
 from __future__ import annotations
@@ -23,12 +26,45 @@ from opport.backends.neuron.emulator.constants import (
     reduce_cmd,
 )
 from opport.backends.neuron.emulator.errors import NkiValidationError, check, warn
-from opport.backends.neuron.emulator.ops import ALU_UNARY, OPS, Op, resolve
-from opport.backends.neuron.emulator.target import PMAX, PSUM_BANK_BYTES
+from opport.backends.neuron.emulator.isa_matmul import nc_matmul, nc_transpose
+from opport.backends.neuron.emulator.isa_more import (
+    dma_compute,
+    local_gather,
+    max8,
+    nc_find_index8,
+    nc_match_replace8,
+    nc_matmul_mx,
+    nc_n_gather,
+    nc_stream_shuffle,
+    nonzero_with_count,
+    quantize_mx,
+    range_select,
+    tensor_tensor_scan,
+)
+from opport.backends.neuron.emulator.operands import (
+    _accumulate,
+    _arith_or_bitvec,
+    _count,
+    _dma_engine,
+    _dma_modes,
+    _dma_move,
+    _dma_side,
+    _engine,
+    _fp32_in,
+    _indirect_read,
+    _reduce_axes,
+    _same_count,
+    _same_partitions,
+    _tile,
+    _vector_operand,
+)
+from opport.backends.neuron.emulator.ops import OPS, Op, resolve
 from opport.backends.neuron.emulator.tensor import NkiTensor, psum, sbuf
 
 __all__ = ["NkiValidationError", "constants", "dma_engine", "dge_mode", "engine", "matmul_perf_mode", "nc_version",
-           "oob_mode", "reduce_cmd"]
+           "oob_mode", "reduce_cmd", "nc_matmul", "nc_transpose", "dma_compute", "local_gather", "max8",
+           "nc_find_index8", "nc_match_replace8", "nc_matmul_mx", "nc_n_gather", "nc_stream_shuffle",
+           "nonzero_with_count", "quantize_mx", "range_select", "tensor_tensor_scan"]
 
 
 tensor_engine, vector_engine, scalar_engine = engine.tensor, engine.vector, engine.scalar
@@ -37,147 +73,6 @@ gpsimd_engine, unknown_engine = engine.gpsimd, engine.unknown
 
 def get_nc_version() -> nc_version:
     return nc_version(runtime.current().target.version)
-
-
-# -- validation helpers -------------------------------------------------------------------------------------
-def _tensor(t, op, role) -> NkiTensor:
-    if not isinstance(t, NkiTensor):
-        raise NkiValidationError(f"{op}: {role} must be an NKI tensor, got {type(t).__name__}")
-    return t
-
-
-def _tile(t, op, role, eng=None) -> NkiTensor:
-    """An on-chip operand of a compute instruction, legal for engine `eng`."""
-    _tensor(t, op, role)
-    check(t.onchip, op, f"{role} must be in SBUF or PSUM, got {t.buffer} (only DMA instructions access HBM)")
-    check(t.shape[0] <= PMAX, op, f"{role} partition dimension {t.shape[0]} exceeds maximum {PMAX}")
-    if eng == "gpsimd":
-        check(t.buffer is not psum, op, f"the GpSimd engine cannot access PSUM ({role} is in PSUM)")
-    check(_free_dims(t) <= 4, op, f"{role} access pattern has {_free_dims(t)} free dims; instructions take at most 4")
-    if eng in ("vector", "scalar"):
-        limit = 65535 if t.buffer is sbuf else 4096
-        check(t.per_partition() <= limit, op, f"{role} has {t.per_partition()} elements per partition; the {eng} engine "
-              f"takes at most {limit} from {t.buffer.name.upper()}")
-    _check_start_partition(t, op, role)
-    return t
-
-
-def _check_start_partition(t: NkiTensor, op, role):
-    """Hardware start-partition rule (docs/nki.md 2.4): >64 partitions start at 0, 33-64 at 0/64, <=32 at 0/32/64/96."""
-    n, start = t.shape[0], t.partition_start
-    legal = start == 0 or (n <= 64 and start == 64) or (n <= 32 and start in (32, 96))
-    if not legal:
-        msg = (f"{role} covers {n} partitions starting at partition {start}; hardware needs start 0 (n > 64), "
-               "0/64 (n <= 64) or 0/32/64/96 (n <= 32)")
-        if runtime.strict_enabled():
-            raise NkiValidationError(f"{op}: {msg}")
-        warn(op, msg + " (an error under emulator.strict())")
-
-
-def _free_dims(t: NkiTensor) -> int:
-    """Free dims of the access pattern once size-1 dims are dropped and contiguous neighbours merged."""
-    dims = [(n, s) for n, s in zip(t.shape[1:], t.strides[1:]) if n > 1]
-    merged = 0
-    for i, (_n, s) in enumerate(dims):
-        if i == 0 or dims[i - 1][1] != s * dims[i][0]:
-            merged += 1
-    return merged
-
-
-def _same_partitions(op, **tiles):
-    ps = {k: v.shape[0] for k, v in tiles.items() if v is not None}
-    check(len(set(ps.values())) <= 1, op, "operands must use the same number of partitions, got "
-          + ", ".join(f"{k} {p}" for k, p in ps.items()))
-
-
-def _same_count(op, **tiles):
-    cs = {k: v.per_partition() for k, v in tiles.items() if v is not None}
-    check(len(set(cs.values())) <= 1, op, "operands must have the same number of elements per partition, got "
-          + ", ".join(f"{k} {c}" for k, c in cs.items()))
-
-
-def _engine(value, op, default: str, allowed) -> str:
-    name = enum_arg(value, engine, op, "engine").value
-    name = default if name == "unknown" else name
-    check(name in allowed, op, f"cannot run on the {name} engine (allowed: {', '.join(allowed)})")
-    return name
-
-
-def _vector_operand(x, data: NkiTensor, op, role, fp32=True):
-    """A scalar constant, or a [P, 1] tile broadcast along the free dims; returns an fp32 array/number."""
-    if isinstance(x, NkiTensor):
-        _tile(x, op, role)
-        check(x.shape[0] == data.shape[0] and x.per_partition() == 1, op,
-              f"{role} must be a scalar or a ({data.shape[0]}, 1) tile, got {x.shape}")
-        if fp32:
-            check(x.dtype == dt.float32, op, f"{role} tile must be float32, got {x.dtype}")
-        return dt.to_f32(x.read()).reshape((x.shape[0],) + (1,) * (data.ndim - 1))
-    check(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool), op,
-          f"{role} must be a scalar constant or a tile, got {type(x).__name__}")
-    return np.float32(x)
-
-
-def _fp32_in(t: NkiTensor) -> np.ndarray:
-    return dt.to_f32(t.read())
-
-
-def _arith_or_bitvec(op: Op, name, role, tiles) -> bool:
-    """True for bitvec ops (which need integer tiles); rejects activation functions as ALU ops."""
-    check(op.kind in ("arith", "compare", "logical", "bitvec") or op.name in ALU_UNARY, name,
-          f"{role}={op!r} is not an ALU operator")
-    if op.kind == "bitvec":
-        for t in tiles:
-            check(dt.is_int(t.dtype), name, f"bitvec operator {op!r} needs integer tiles, got {t.dtype}")
-        return True
-    return False
-
-
-def _count(eng: str):
-    runtime.current().count(eng)
-
-
-# -- DMA ---------------------------------------------------------------------------------------------------
-def _dma_side(t, op, role):
-    _tensor(t, op, role)
-    check(t.buffer is not psum, op, f"{role} is in PSUM; DMA cannot access PSUM (evict with nisa.tensor_copy or "
-          "nisa.activation first)")
-    if t.onchip:
-        check(t.shape[0] <= PMAX, op, f"{role} partition dimension {t.shape[0]} exceeds maximum {PMAX}")
-
-
-def _dma_move(op, dst: NkiTensor, src: NkiTensor, values: np.ndarray, skip_mask=None):
-    n = dst.size
-    if skip_mask is None:
-        dst.write(values if src.dtype == dst.dtype else dt.to_f32(values))
-    else:  # oob_mode.skip: rows whose indirect index is out of bounds are not transferred
-        old = np.array(dst.read())
-        new = dt.cast(values if src.dtype == dst.dtype else dt.to_f32(values), dst.dtype).reshape(old.shape)
-        dst.write(np.where(skip_mask.reshape(old.shape), old, new))
-    runtime.current().dma(n * dst.itemsize, 0 if src.onchip else n * src.itemsize, 0 if dst.onchip else n * dst.itemsize)
-
-
-def _indirect_read(src: NkiTensor, mode, op):
-    """Read a (possibly indirect) DMA source; returns values and a mask of skipped elements."""
-    if src.indirection is None:
-        return src.read(), None
-    idx = src._flat_index()
-    bad = (idx < 0) | (idx >= src._st.data.size)
-    if bad.any():
-        check(mode is oob_mode.skip, op, f"indirect DMA index out of bounds ({int(bad.sum())} elements); "
-              "pass oob_mode=nisa.oob_mode.skip to skip them")
-    return src._st.data[np.where(bad, 0, idx)], (bad if bad.any() else None)
-
-
-def _dma_modes(op, oob, dge):
-    return enum_arg(oob, oob_mode, op, "oob_mode"), enum_arg(dge, dge_mode, op, "dge_mode")
-
-
-def _dma_engine(op, eng, dge):
-    """`engine` picks the HWDGE trigger engine: sync or scalar, with dge_mode=hwdge only."""
-    eng = enum_arg(eng, engine, op, "engine")
-    if eng is not engine.unknown:
-        check(dge is dge_mode.hwdge and eng in (engine.sync, engine.scalar), op,
-              f"engine={eng} is only valid with dge_mode=hwdge, as nisa.engine.sync or nisa.engine.scalar")
 
 
 def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
@@ -391,15 +286,6 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     _count("vector")
 
 
-def _reduce_axes(axis, data: NkiTensor, op) -> tuple:
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-    axes = tuple(sorted(int(a) + (data.ndim if a < 0 else 0) for a in axes))
-    check(axes and 0 not in axes, op, f"cannot reduce the partition axis 0 (axis={axis}); transpose or use a matmul")
-    check(axes == tuple(range(axes[0], data.ndim)), op, f"axis={axis} must be the last contiguous free dims of a "
-          f"{data.ndim}-D tile, ending at the final dim")
-    return axes
-
-
 def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     name_ = "tensor_reduce"
     o = resolve(op, name_)
@@ -481,16 +367,6 @@ def bn_aggr(dst, data, name=None):
 
 
 # -- ScalarE ----------------------------------------------------------------------------------------------------
-def _accumulate(regs, cmd, partial, p, op_name, init=None):
-    """Apply a reduce_cmd to engine accumulator registers (lanes 0..p-1)."""
-    if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
-        regs[:p] = {"maximum": -np.inf, "minimum": np.inf, "multiply": 1.0}.get(op_name, 0.0)
-    if cmd is reduce_cmd.load_reduce:
-        regs[:p] = init
-    if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce, reduce_cmd.load_reduce) and partial is not None:
-        regs[:p] = OPS[op_name].apply(regs[:p], partial)
-
-
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
                engine=engine.scalar, name=None):
     if enum_arg(engine, constants.engine, "activation", "engine") is not constants.engine.scalar:
@@ -591,142 +467,6 @@ def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=reduce_cmd.
     run.count("vector")
 
 
-# -- TensorE ----------------------------------------------------------------------------------------------------
-def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
-              accumulate=None, tile_position=(), tile_size=(), perf_mode=matmul_perf_mode.none, name=None):
-    """dst[M, N] (PSUM) = stationary[K, M].T @ moving[K, N], accumulating in float32."""
-    op = "nc_matmul"
-    run = runtime.current()
-    _tile(stationary, op, "stationary")
-    _tile(moving, op, "moving")
-    _tile(dst, op, "dst")
-    check(stationary.buffer is sbuf and moving.buffer is sbuf, op, "stationary and moving must be in SBUF")
-    check(dst.buffer is psum, op, f"dst must be in PSUM, got {dst.buffer}")
-    double = enum_arg(perf_mode, matmul_perf_mode, op, "perf_mode") is matmul_perf_mode.double_row
-    rows_per_k = 2 if double else 1  # double_row: K split as [partition, 2] in both operands
-    if double:
-        check(run.target.version >= 3, op, "perf_mode=double_row needs NeuronCore-v3 or newer")
-        check(not is_transpose, op, "perf_mode=double_row cannot transpose")
-        for role, t in (("stationary", stationary), ("moving", moving)):
-            check(t.dtype in (dt.float8_e4m3, dt.float8_e5m2, dt.float8_e4m3fn), op, f"double_row takes fp8 {role}")
-            check(t.ndim == 3 and t.shape[1] == 2, op, f"double_row {role} must be [K, 2, *], got {t.shape}")
-    k = stationary.shape[0]
-    m, n = stationary.per_partition() // rows_per_k, moving.per_partition() // rows_per_k
-    check(moving.shape[0] == k, op, f"stationary and moving must share the contraction (partition) size K, got "
-          f"{k} and {moving.shape[0]}")
-    rows = _tiling(tile_position, tile_size, op)
-    check(k <= rows, op, f"contraction size K={k} exceeds {rows}")
-    check(m <= PMAX, op, f"stationary free size M={m} exceeds 128 (nl.tile_size.gemm_stationary_fmax)")
-    check(dst.shape[0] == m and dst.per_partition() == n, op, f"dst must be [M={m}, N={n}], got {dst.shape}")
-    _matmul_dtypes(stationary, moving, op, run)
-    if is_transpose:
-        check(dst.dtype == stationary.dtype, op, f"a transpose keeps the dtype: dst {dst.dtype}, stationary {stationary.dtype}")
-    else:
-        allowed = (dt.float32,) if run.target.version < 4 else (dt.float32, dt.bfloat16)
-        check(dst.dtype in allowed, op, f"dst must be {' or '.join(map(str, allowed))} on {run.target.name}, got {dst.dtype}")
-    limit = run.target.matmul_moving_fmax * (2 if dst.dtype == dt.bfloat16 else 1)
-    check(n <= limit, op, f"moving free size N={n} exceeds {limit} (one PSUM bank of float32 on {run.target.name})")
-    _check_bank(dst, op, run)
-    if is_transpose:
-        result = _exact_transpose_product(stationary, moving, op)
-    else:
-        a = dt.to_f32(stationary.read()).reshape(k * rows_per_k, m)
-        b = dt.to_f32(moving.read()).reshape(k * rows_per_k, n)
-        with np.errstate(all="ignore"):
-            result = np.matmul(a.T, b)
-    _accumulate_psum(dst, result, accumulate, op)
-    run.count("tensor")
-
-
-def _matmul_dtypes(stationary, moving, op, run):
-    """Input dtype rules of nc_matmul (docs/nki.md 2.6; the nc_matmul docstring's "Data types")."""
-    for role, t in (("stationary", stationary), ("moving", moving)):
-        if dt.is_packed(t.dtype):
-            raise NotImplementedError(f"{op}: {role} is {dt.name(t.dtype)}; packed x4 MX types feed nisa.nc_matmul_mx "
-                                      "(NeuronCore-v4), which the opport emulator does not emulate")
-        check(t.dtype in dt.MATMUL_INPUTS, op, f"{role} dtype {t.dtype} is not a matmul input type (fp8, bf16, fp16, fp32)")
-        check(t.dtype != dt.float8_e4m3fn or run.target.version >= 4, op,
-              f"{role} is float8_e4m3fn (OCP FP8), a matmul input only from NeuronCore-v4 (trn3); {run.target.name} "
-              "takes float8_e4m3 / float8_e5m2")
-    kinds = {stationary.dtype, moving.dtype}
-    check(not {dt.float8_e4m3, dt.float8_e4m3fn} <= kinds, op,
-          "legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed in one matmul")
-    fp32 = [t.dtype == dt.float32 for t in (stationary, moving)]
-    check(all(fp32) or not any(fp32), op, f"float32 may only pair with float32, got {stationary.dtype} x {moving.dtype}")
-
-
-def _tiling(tile_position, tile_size, op) -> int:
-    if not tile_position and not tile_size:
-        return PMAX
-    check(bool(tile_position) and bool(tile_size), op, "tile_position and tile_size must be set together")
-    row, col = (int(v) for v in tile_size)
-    check(row in (32, 64, 128) and col in (32, 64, 128), op, f"tile_size values must be 32, 64 or 128, got {tile_size}")
-    if runtime.current().target.version == 2:
-        check(row in (64, 128) and col in (64, 128), op, "NeuronCore-v2 tiles the PE array in halves only")
-    r0, c0 = (int(v) for v in tile_position)
-    check(r0 % row == 0 and c0 % col == 0 and r0 + row <= PMAX and c0 + col <= PMAX, op,
-          f"tile_position {tile_position} must be a multiple of tile_size {tile_size} inside the 128x128 array")
-    return row
-
-
-def _check_bank(dst: NkiTensor, op, run):
-    """v2/v3: a matmul writes within one 2 KiB PSUM bank (emulator-allocated tiles start on a bank boundary,
-    placed ones where their address says)."""
-    if run.target.version >= 4:
-        return
-    item = dst.itemsize
-    first = dst.free_byte_offset
-    last = first + sum((n - 1) * s for n, s in zip(dst.shape[1:], dst.strides[1:])) * item + item - 1
-    check(first // PSUM_BANK_BYTES == last // PSUM_BANK_BYTES, op,
-          f"dst spans bytes {first}..{last} of each partition, crossing a 2 KiB PSUM bank")
-
-
-def _exact_transpose_product(stationary, moving, op):
-    """is_transpose: moving is a permutation (identity) matrix, so the product is a bit-exact column gather."""
-    k, m = stationary.shape[0], stationary.per_partition()
-    mv = dt.to_f32(moving.read()).reshape(k, -1)
-    check(np.all((mv == 0) | (mv == 1)) and np.all(mv.sum(axis=0) == 1), op,
-          "is_transpose=True needs a moving operand with a single 1 per column (an identity matrix)")
-    a = stationary.read().reshape(k, m)
-    return a.T[:, np.argmax(mv, axis=0)]
-
-
-def _accumulate_psum(dst: NkiTensor, result, accumulate, op):
-    result = np.asarray(result).reshape(dst.shape)
-    written = dst.matmul_written().copy()
-    if accumulate is False:
-        add = np.zeros(dst.shape, bool)
-    elif accumulate is True:
-        if not written.all():
-            warn(op, "accumulate=True onto PSUM that no matmul wrote is undefined behaviour on hardware")
-        add = np.ones(dst.shape, bool)
-    else:
-        add = written
-    old = dt.to_f32(dst.read())
-    out = np.where(add, old + dt.to_f32(result), result) if add.any() else result
-    dst.write(out, from_matmul=True)
-
-
-def nc_transpose(dst, data, engine=engine.unknown, name=None):
-    """dst[F, P] = data[P, F] (free dims flattened), bit-exact."""
-    op = "nc_transpose"
-    _tile(dst, op, "dst")
-    _tile(data, op, "data")
-    p, f = data.shape[0], data.per_partition()
-    check(dst.shape[0] == f and dst.per_partition() == p, op, f"dst must be [{f}, {p}] for data {data.shape}, got {dst.shape}")
-    check(dst.dtype == data.dtype, op, f"dst dtype {dst.dtype} must equal data dtype {data.dtype}")
-    tensor_ok = data.buffer is sbuf and dst.buffer is psum
-    default = "tensor" if tensor_ok and (p > 32 or f > 32) else ("vector" if p <= 32 and f <= 32 else "tensor")
-    eng = _engine(engine, op, default, ("tensor", "vector"))
-    if eng == "tensor":
-        check(tensor_ok, op, "the Tensor engine transposes from SBUF into PSUM")
-        check(p <= 128 and f <= 128, op, f"Tensor engine transpose takes at most [128, 128], got [{p}, {f}]")
-    else:
-        check(p <= 32 and f <= 32, op, f"Vector engine transpose takes at most [32, 32], got [{p}, {f}]")
-    dst.write(data.read().reshape(p, f).T.copy(), from_matmul=eng == "tensor")
-    runtime.current().count(eng)
-
-
 # -- predicated VectorE ops ----------------------------------------------------------------------------------------
 _PRED_TYPES = (dt.uint8, dt.uint16, dt.uint32)
 
@@ -789,22 +529,7 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
     run.count("vector")
 
 
-# -- the rest of the documented instruction set, and empty operands ------------------------------------------------
-from opport.backends.neuron.emulator.isa_more import (  # noqa: E402  (isa_more builds on the helpers above)
-    dma_compute,
-    local_gather,
-    max8,
-    nc_find_index8,
-    nc_match_replace8,
-    nc_matmul_mx,
-    nc_n_gather,
-    nc_stream_shuffle,
-    nonzero_with_count,
-    quantize_mx,
-    range_select,
-    tensor_tensor_scan,
-)
-
+# -- empty operands ---------------------------------------------------------------------------------------------
 INSTRUCTIONS = (
     "dma_copy", "dma_transpose", "dma_compute", "tensor_copy", "memset", "iota", "affine_select", "tensor_tensor",
     "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_partition_reduce", "reciprocal", "bn_stats",
@@ -832,5 +557,3 @@ def _skips_empty(fn):
 
 for _name in INSTRUCTIONS:
     globals()[_name] = _skips_empty(globals()[_name])
-__all__ += ["dma_compute", "local_gather", "max8", "nc_find_index8", "nc_match_replace8", "nc_matmul_mx", "nc_n_gather",
-            "nc_stream_shuffle", "nonzero_with_count", "quantize_mx", "range_select", "tensor_tensor_scan"]

@@ -13,7 +13,7 @@ from opport.backends.neuron.emulator import constants, runtime
 from opport.backends.neuron.emulator import dtypes as dt
 from opport.backends.neuron.emulator.constants import enum_arg, reduce_cmd
 from opport.backends.neuron.emulator.errors import check, warn
-from opport.backends.neuron.emulator.isa import (
+from opport.backends.neuron.emulator.operands import (
     _accumulate,
     _arith_or_bitvec,
     _count,

@@ -36,6 +36,7 @@ from opport.backends.neuron.emulator.dtypes import (  # noqa: F401  (re-exported
     uint32,
 )
 from opport.backends.neuron.emulator.errors import NkiValidationError, check
+from opport.backends.neuron.emulator.operands import _fp32_in, _reduce_axes
 from opport.backends.neuron.emulator.ops import OPS, Op, bypass  # noqa: F401
 from opport.backends.neuron.emulator.target import PMAX, PSUM_BANK_BYTES, PSUM_BANKS
 from opport.backends.neuron.emulator.tensor import (  # noqa: F401
@@ -272,7 +273,7 @@ OPS["rsqrt"].nl_impl = _nl_rsqrt
 
 def _nl_reduce(op_name, token_alias=None):
     def fn(x, axis, dtype=None, keepdims=False):
-        axes = _isa._reduce_axes(axis, x, f"nl.{op_name}")
+        axes = _reduce_axes(axis, x, f"nl.{op_name}")
         kept = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
         shape = kept if keepdims else tuple(n for d, n in enumerate(x.shape) if d not in axes)
         out = allocate(shape if len(shape) >= 2 else (x.shape[0], 1), dtype or x.dtype, sbuf)
@@ -292,7 +293,7 @@ prod = _nl_reduce("prod", "multiply")
 def mean(x, axis, dtype=None, keepdims=False):
     """Sum in float32, then scale by 1/count (nl.mean computes in float32)."""
     s = sum(x, axis, dtype=float32, keepdims=keepdims)
-    axes = _isa._reduce_axes(axis, x, "nl.mean")
+    axes = _reduce_axes(axis, x, "nl.mean")
     out = allocate(s.shape, dtype or x.dtype, sbuf)
     _isa.tensor_scalar(out, s, OPS["multiply"], 1.0 / math.prod(x.shape[d] for d in axes))
     return out
@@ -318,9 +319,9 @@ def transpose(x, dtype=None):
 def where(condition, x, y, dtype=None):
     """condition is a float 1.0/0.0 tile; x, y tiles of its shape or scalars."""
     out = _result(condition, dtype or (x.dtype if isinstance(x, NkiTensor) else float32))
-    c = _isa._fp32_in(condition) != 0
-    xv = _isa._fp32_in(x) if isinstance(x, NkiTensor) else np.float32(x)
-    yv = _isa._fp32_in(y) if isinstance(y, NkiTensor) else np.float32(y)
+    c = _fp32_in(condition) != 0
+    xv = _fp32_in(x) if isinstance(x, NkiTensor) else np.float32(x)
+    yv = _fp32_in(y) if isinstance(y, NkiTensor) else np.float32(y)
     out.write(np.where(c, xv, yv))
     _rt.current().count("vector")
     return out

@@ -344,7 +344,7 @@ class NkiTensor:
         off, shape, strides = self.offset, [], []
         for d, (k, n, s) in enumerate(zip(key, self.shape, self.strides)):
             if isinstance(k, DynSlice):
-                if k.size == 0:  # an empty view: instructions given one issue nothing (isa._instruction)
+                if k.size == 0:  # an empty view: instructions given one issue nothing (isa._skips_empty)
                     check(0 <= k.start <= n, "index", f"nl.ds({k.start}, 0) out of bounds for dim {d} of size {n}")
                     off, shape, strides = off + max(min(k.start, n - 1), 0) * s, shape + [0], strides + [s]
                     continue
