@@ -314,13 +314,13 @@ def _kv_splits(programs: int, sk: int, block_n: int, device) -> int:
     return max(1, min(cdiv(2 * sms, programs), sk // min_keys))
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "cuda", supports=_supports)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, softcap=None,
               sliding_window=None) -> torch.Tensor:
     return _forward(q, k, v, causal, scale, None, softcap, sliding_window)
 
 
-@impl(spec.train_forward, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec.train_forward, "cuda", supports=_supports)
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, softcap=None,
                       sliding_window=None):
     """The forward plus each row's log-sum-exp [B, Hq, Sq] (float32) from the same launch's running max and sum."""

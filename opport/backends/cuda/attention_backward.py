@@ -481,7 +481,7 @@ def _backward_exact_config(cfg: dict) -> dict:
             "num_stages": 1}
 
 
-@impl(spec.backward_op, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_backward_supports)
+@impl(spec.backward_op, "cuda", supports=_backward_supports)
 def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=None, sliding_window=None):
     """dq, dk, dv: the dq pass (with D), then the dk/dv pass; each followed, when causal, by its
     exact re-run of flagged tiles. Deterministic: fixed tiles and orders, no atomics."""

@@ -47,7 +47,7 @@ def _add_rmsnorm_kernel(x_hbm, r_hbm, w_hbm, eps):
     return forward_body(x_hbm, w_hbm, eps, r_hbm)
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron")
 def add_rmsnorm(x: np.ndarray, residual: np.ndarray, weight, eps: float):
     """Host side: flatten leading dims to rows and launch; empty inputs have nothing to compute."""
     if x.size == 0:
@@ -85,7 +85,7 @@ def _add_rmsnorm_backward_kernel(gn_hbm, gs_hbm, s_hbm, w_hbm, eps, eps_lo):
     return backward_body(gn_hbm, s_hbm, w_hbm, eps, eps_lo, gs_hbm)
 
 
-@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "neuron")
 def add_rmsnorm_backward(grad_normed: np.ndarray, grad_sum: np.ndarray, total: np.ndarray, weight, eps: float):
     """Host side: rows, launch; dx and dresidual are one array (one write)."""
     n = total.shape[-1]

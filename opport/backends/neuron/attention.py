@@ -254,7 +254,7 @@ def declines(q, k, v, causal, scale, softcap=None, sliding_window=None):
     return None
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=declines)
+@impl(spec, "neuron", supports=declines)
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, softcap=None,
               sliding_window=None) -> np.ndarray:
     """Host side: contiguous inputs, the default scale, and exact row cuts when v is not all finite under a causal mask."""
@@ -277,7 +277,7 @@ def cap_window(softcap, sliding_window) -> tuple:
     return (0.0 if softcap is None else float(softcap)), (0 if sliding_window is None else int(sliding_window))
 
 
-@impl(spec.train_forward, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=declines)
+@impl(spec.train_forward, "neuron", supports=declines)
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, softcap=None,
                       sliding_window=None) -> tuple:
     """Host side of the training forward: as attention's, plus lse [B, Hq, Sq] (float32)."""

@@ -443,7 +443,7 @@ def _supports(grad, q, k, v, out, lse, causal, scale, softcap=None, sliding_wind
     return declines(q, k, v, causal, scale, softcap, sliding_window)
 
 
-@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec.backward_op, "neuron", supports=_supports)
 def attention_backward(grad: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                        lse: np.ndarray, causal: bool, scale, softcap=None, sliding_window=None) -> tuple:
     """Host side: contiguous inputs, the default scale, and the two data-dependent variants the kernel takes as

@@ -246,7 +246,7 @@ def _supports(logits, target, ignore_index, reduction, label_smoothing):
     return declines(logits.shape[1], ignore_index)
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "neuron", supports=_supports)
 def cross_entropy(logits: np.ndarray, target: np.ndarray, ignore_index: int, reduction: str,
                   label_smoothing: float) -> np.ndarray:
     """Host side: targets to int32 (clipped so out-of-range stays out of range), launch, float32 out."""
@@ -260,7 +260,7 @@ def cross_entropy(logits: np.ndarray, target: np.ndarray, ignore_index: int, red
     return _host.as_dtype(out, "float32", (n,) if reduction == "none" else ())
 
 
-@impl(spec.train_forward, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec.train_forward, "neuron", supports=_supports)
 def cross_entropy_forward(logits: np.ndarray, target: np.ndarray, ignore_index: int, reduction: str,
                           label_smoothing: float) -> tuple:
     """Host side of the training forward: as cross_entropy's, plus the per-row logsumexp [N] (float32)."""
@@ -346,7 +346,7 @@ def _supports_backward(grad, logits, target, lse, ignore_index, reduction, label
     return _supports(logits, target, ignore_index, reduction, label_smoothing)
 
 
-@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports_backward)
+@impl(spec.backward_op, "neuron", supports=_supports_backward)
 def cross_entropy_backward(grad: np.ndarray, logits: np.ndarray, target: np.ndarray, lse: np.ndarray,
                            ignore_index: int, reduction: str, label_smoothing: float) -> tuple:
     """Host side: grad as a float32 vector ([N], or [1] for a reduced loss), targets to int32, launch."""
@@ -401,7 +401,7 @@ def _cross_entropy_value_and_grad_kernel(logits_hbm, target_hbm, ignore_index, r
                           resident)
 
 
-@impl(spec.value_and_grad_op, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec.value_and_grad_op, "neuron", supports=_supports)
 def cross_entropy_value_and_grad(logits: np.ndarray, target: np.ndarray, ignore_index: int, reduction: str,
                                  label_smoothing: float) -> tuple:
     """Host side of the fused value-and-grad: the loss (float32) and dlogits [N, V] in the logits' dtype."""

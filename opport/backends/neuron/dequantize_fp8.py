@@ -54,7 +54,7 @@ def _supports(q, scales, granularity, block, out_dtype):
     return fp8_unsupported(q.dtype)
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "neuron", supports=_supports)
 def dequantize_fp8(q: np.ndarray, scales: np.ndarray, granularity: str, block: int, out_dtype: str):
     """Host side: q as [groups, group elements] (rows for "tensor"), contiguous (a copy only for a strided view),
     scales as [groups, 1] float32 (the per-tensor scale repeated per row: 4 bytes a row)."""

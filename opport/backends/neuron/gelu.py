@@ -59,7 +59,7 @@ def _gelu_kernel(x_hbm, approximate):
     return out_hbm
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron")
 def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
     """Host side: lay the flat input onto the partitions ([128, n/128] plus a [tail, 1] tail) and launch."""
     return _host.run_elementwise(_gelu_kernel, (x,), x.dtype.name, approximate)
@@ -206,7 +206,7 @@ def _gelu_backward_kernel(g_hbm, x_hbm, approximate):
     return dx_hbm
 
 
-@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "neuron")
 def gelu_backward(grad: np.ndarray, x: np.ndarray, approximate: str):
     """Host side: lay grad and x onto the partitions ([128, n/128] plus a [tail, 1] tail) and launch."""
     return (_host.run_elementwise(_gelu_backward_kernel, (grad, x), x.dtype.name, approximate),)

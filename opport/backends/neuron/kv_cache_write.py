@@ -46,7 +46,7 @@ def _kv_cache_write_kernel(key_hbm, value_hbm, slots_hbm, kc_hbm, vc_hbm):
                       src=value_hbm[t0:t0 + n, 0:V], oob_mode=nisa.oob_mode.skip)
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron")
 def kv_cache_write(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                    slot_mapping: np.ndarray) -> None:
     """Host side: rows as [T, Hkv * D], caches as [slots, Hkv * D] over their own memory (a strided cache is

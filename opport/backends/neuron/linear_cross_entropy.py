@@ -33,7 +33,6 @@ TILE_K = 128  # contraction (H) rows per nc_matmul: the partitions
 TILE_V = 512  # forward vocabulary tile: one 2 KiB PSUM bank of float32 (gemm_moving_fmax)
 TILE_VB = 128  # backward vocabulary tile: dlogits is a stationary operand (free size <= 128) for dweight
 TILE_H = 512  # dhidden / dweight column chunk: one PSUM bank
-DTYPES = ("float32", "float16", "bfloat16")  # TensorE inputs with float32 PSUM logits (fp8 hidden states: cpu)
 
 
 def _logit_tile(hT_tiles, wT_hbm, b_hbm, v0, vt, p, softcap):
@@ -172,13 +171,13 @@ def _layouts(hidden, weight, bias) -> tuple:
             None if bias is None else _host.contiguous(bias))
 
 
-@impl(spec, "neuron", dtypes=DTYPES, supports=_supports)
+@impl(spec, "neuron", supports=_supports)
 def linear_cross_entropy(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
     return linear_cross_entropy_forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
                                         softcap)[0]
 
 
-@impl(spec.train_forward, "neuron", dtypes=DTYPES, supports=_supports)
+@impl(spec.train_forward, "neuron", supports=_supports)
 def linear_cross_entropy_forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
     """Host side: the transposed layouts, int32 targets, launch; no rows: an empty "none", 0 sum, NaN mean."""
     n = hidden.shape[0]
@@ -338,7 +337,7 @@ def _supports_backward(grad, hidden, weight, target, lse, bias, ignore_index, re
     return _supports(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
 
 
-@impl(spec.backward_op, "neuron", dtypes=DTYPES, supports=_supports_backward)
+@impl(spec.backward_op, "neuron", supports=_supports_backward)
 def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias, ignore_index, reduction, label_smoothing,
                                   softcap):
     """Host side: layouts (hidden, weight and their transposes), grad as a float32 vector, launch; no rows: zeros."""

@@ -133,7 +133,7 @@ def _transposed_row_tile(a_hbm, g, m0, mt, n_k):
     return tiles
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron")
 def matmul(a: np.ndarray, b: np.ndarray, bias) -> np.ndarray:
     """Host side: a shared b folds a's batch dims into M (one [1, B*M, K] call); a batched b loops in-kernel."""
     batch = a.shape[:-2]
@@ -338,7 +338,7 @@ def _db_pass(g_hbm, a_hbm, db_hbm, bias_sb, g, tiles):
                                        op=nl.add)
 
 
-@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "neuron")
 def matmul_backward(grad: np.ndarray, a: np.ndarray, b: np.ndarray, bias) -> tuple:
     """Host side: a shared b folds a's batch into the rows (db sums over all of them in-kernel); a batched b keeps
     its batch. Empty sums (no rows, or N = 0) are zeros; with K = 0 only dbias has terms."""

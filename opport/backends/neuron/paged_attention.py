@@ -142,7 +142,7 @@ def _supports(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, s
     return None
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "neuron", supports=_supports)
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
                     context_lens: np.ndarray, scale, softcap, sliding_window) -> np.ndarray:
     """Host side: contiguous inputs, the table as one int32 column, lengths and scalars as compile-time values."""

@@ -176,7 +176,7 @@ def _supports(x, granularity, block, dtype, scale):
     return fp8_unsupported(dtype)
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "neuron", supports=_supports)
 def quantize_fp8(x: np.ndarray, granularity: str, block: int, dtype: str, scale):
     """Host side: x as [groups, group elements] (rows for "tensor": one scale for all, static or from
     `_quantize_fp8_tensor_kernel`),

@@ -123,7 +123,7 @@ def _rotate(x_hbm, cos_hbm, sin_hbm, interleaved, inverse):
     return out_hbm
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron")
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
     """Host side: contiguous x, tables in a dtype NKI has (float64 tables rounded to float32), a [1, S, D/2]
     table as the [S, D/2] table it is for every batch entry, launch."""
@@ -135,7 +135,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> 
     return _host.as_dtype(out, x.dtype.name, x.shape)
 
 
-@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "neuron")
 def rope_backward(grad: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool):
     """Host side, as the forward's: contiguous grad (a strided upstream gradient is copied), tables in a dtype NKI
     has, a [1, S, D/2] table as the [S, D/2] one, launch."""

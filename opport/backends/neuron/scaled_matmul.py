@@ -123,7 +123,7 @@ def _host_scales(scale_a, scale_b, rows: int, n: int) -> tuple:
     return np.ascontiguousarray(sa, np.float32), np.ascontiguousarray(np.broadcast_to(sb, (groups, n)), np.float32)
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "neuron", supports=_supports)
 def scaled_matmul(a_q: np.ndarray, b_q: np.ndarray, scale_a: np.ndarray, scale_b: np.ndarray, bias, out_dtype: str):
     """Host side: a's batch dims fold into M; a and b contiguous (a copy only for a strided view); the scales
     expanded to [M, G] and [G, N] float32 (G = K / 128 with block scales, else 1: 1/32 of b's bytes at most)."""

@@ -53,7 +53,7 @@ def _silu_kernel(x_hbm):
     return out_hbm
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron")
 def silu(x: np.ndarray) -> np.ndarray:
     """Host side: lay the flat input onto the partitions ([128, n/128] plus a [tail, 1] tail) and launch."""
     return _host.run_elementwise(_silu_kernel, (x,), x.dtype.name)
@@ -205,7 +205,7 @@ def _silu_backward_kernel(g_hbm, x_hbm):
     return dx_hbm
 
 
-@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "neuron")
 def silu_backward(grad: np.ndarray, x: np.ndarray):
     """Host side: lay grad and x onto the partitions ([128, n/128] plus a [tail, 1] tail) and launch."""
     return (_host.run_elementwise(_silu_backward_kernel, (grad, x), x.dtype.name),)

@@ -95,7 +95,7 @@ def _softmax_kernel(x_hbm):
     return out_hbm
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron")
 def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     """Host side: move `axis` last (a copy when it is not already last), flatten to rows, launch."""
     if x.ndim == 0:
@@ -293,7 +293,7 @@ def _softmax_backward_kernel(g_hbm, y_hbm):
     return dx_hbm
 
 
-@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "neuron")
 def softmax_backward(grad: np.ndarray, out: np.ndarray, axis: int):
     """Host side: move `axis` last (a copy when it is not already last), flatten to rows, launch."""
     if out.ndim == 0:

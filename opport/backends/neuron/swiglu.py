@@ -95,7 +95,7 @@ def _swiglu_kernel(gate_hbm, up_hbm, inf_up, deep_gate):
     return out_hbm
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec, "neuron")
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """Host side: lay both flat inputs onto the partitions ([128, n/128] plus a [tail, 1] tail) and launch.
 
@@ -216,7 +216,7 @@ def _swiglu_backward_kernel(g_hbm, gate_hbm, up_hbm):
     return dgate_hbm, dup_hbm
 
 
-@impl(spec.backward_op, "neuron", dtypes=("float32", "float16", "bfloat16"))
+@impl(spec.backward_op, "neuron")
 def swiglu_backward(grad: np.ndarray, gate: np.ndarray, up: np.ndarray):
     """Host side: lay grad, gate and up onto the partitions ([128, n/128] plus a [tail, 1] tail), launch per part."""
     flats = [_host.contiguous(a).reshape(-1) for a in (grad, gate, up)]
