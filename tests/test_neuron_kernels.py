@@ -23,7 +23,7 @@ from opport.backends.neuron import nki_compat
 from opport.conformance import gate
 from opport.dispatch.adapters import metas_of
 from opport.dispatch.registry import get_backend, kernels
-from opport.ops import all_ops, derived_ops, get_op
+from opport.ops import all_ops, get_op
 from opport.public import function
 from opport.spec import Meta
 
@@ -38,7 +38,7 @@ def _neuron_kernels() -> dict:
     """Every op and derived op with a neuron kernel -> that kernel, from the registry (which imports the kernel
     files): the kernel-file checks below cover a new op's files without a list to edit."""
     b = get_backend("neuron")
-    return {s: ks[0] for spec in all_ops().values() for s in (spec, *derived_ops(spec)) if (ks := kernels(s, b))}
+    return {s: ks[0] for spec in all_ops().values() for s in spec.family() if (ks := kernels(s, b))}
 
 
 # the files that register neuron kernels (<op>.py, <op>_backward.py), and those plus the private modules of the
