@@ -41,6 +41,15 @@ def _attention_torch(q, k, v, causal, scale, softcap=None, sliding_window=None):
     return p @ v
 
 
+def _varlen_attention_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap=None, sliding_window=None):
+    """Each packed sequence through `_attention_torch` alone ([T, H, D] slices as [1, H, T, D])."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    heads = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    outs = [_attention_torch(heads(q[a:b]), heads(k[c:e]), heads(v[c:e]), causal, scale, softcap, sliding_window)[0]
+            .transpose(0, 1) for a, b, c, e in zip(cq, cq[1:], ck, ck[1:])]
+    return torch.cat(outs) if outs else q.new_zeros((0, q.shape[1], v.shape[2])) + 0 * v.sum()
+
+
 def _linear_cross_entropy_torch(hidden, weight, target, bias, ii, red, ls, softcap):
     z = hidden @ weight.T if bias is None else hidden @ weight.T + bias
     if softcap is not None:
@@ -73,6 +82,7 @@ TORCH = {
     "rope": _rope_torch,
     "matmul": lambda a, b, bias: a @ b if bias is None else a @ b + bias,
     "attention": _attention_torch,
+    "varlen_attention": _varlen_attention_torch,
     "cross_entropy": lambda logits, target, ii, red, ls: F.cross_entropy(logits, target, ignore_index=ii,
                                                                           reduction=red, label_smoothing=ls),
     "linear_cross_entropy": _linear_cross_entropy_torch,

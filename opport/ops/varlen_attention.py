@@ -19,8 +19,10 @@ from opport.spec import (
     check_bool,
     check_domain,
     check_float,
+    check_grad,
     check_ndim,
     check_same_dtype,
+    grad_constraints,
     op,
 )
 
@@ -79,13 +81,19 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
 
 @varlen_attention.check_values(("cu_seqlens_q", "cu_seqlens_k"))
 def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars):
+    check_cu_values(NAME, q, k, cu_seqlens_q, cu_seqlens_k)
+
+
+def check_cu_values(name: str, q, k, cu_seqlens_q, cu_seqlens_k) -> None:
+    """`<name>.cu_values` (the forward's and the backward's): each cu_seqlens starts at 0, never decreases and ends
+    at its token count."""
     for arg, cuv, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
-        check(int(cuv[0]) == 0, ArgumentError, NAME, arg, f"{NAME}.cu_values", "cu[0] == 0", int(cuv[0]))
+        check(int(cuv[0]) == 0, ArgumentError, name, arg, f"{name}.cu_values", "cu[0] == 0", int(cuv[0]))
         steps = np.diff(cuv.astype(np.int64))
         bad = int(np.argmax(steps < 0)) if (steps < 0).any() else None
-        check(bad is None, ArgumentError, NAME, arg, f"{NAME}.cu_values", "non-decreasing values",
+        check(bad is None, ArgumentError, name, arg, f"{name}.cu_values", "non-decreasing values",
               None if bad is None else f"cu[{bad}] = {cuv[bad]} > cu[{bad + 1}] = {cuv[bad + 1]}")
-        check(int(cuv[-1]) == total, ArgumentError, NAME, arg, f"{NAME}.cu_values", f"cu[-1] == {total} (the token count)",
+        check(int(cuv[-1]) == total, ArgumentError, name, arg, f"{name}.cu_values", f"cu[-1] == {total} (the token count)",
               int(cuv[-1]))
 
 
@@ -121,17 +129,20 @@ def _case(name, dtype, lq, lk, hq, hkv, d, dv=None, tags=(), qk_scale=1.0, **kw)
 def _cases(dtype):
     lens = [37, 1, 128, 64, 0, 90]
     yield _case("prefill-causal-gqa", dtype, lens, lens, 8, 2, 64, causal=True, tags=("llm",))
-    yield _case("prefill-noncausal", dtype, [17, 60, 3], [17, 60, 3], 4, 4, 32)
+    yield _case("prefill-noncausal", dtype, [17, 60, 3], [17, 60, 3], 2, 2, 32)
+    # small ones (framework integrations' samples, finite differences): GQA, an empty sequence, a soft cap and window
+    yield _case("small-causal-gqa", dtype, [5, 11, 0, 8], [5, 14, 3, 8], 4, 2, 16, causal=True)
+    yield _case("small-softcap-window", dtype, [9, 13], [12, 13], 2, 1, 16, causal=True, softcap=4.0, sliding_window=5)
     # chunked prefill: each sequence's new tokens against its cache plus them (Sq <= Sk, bottom-right)
     yield _case("chunked-prefill", dtype, [16, 5, 40], [80, 5, 200], 8, 2, 128, causal=True, tags=("llm",))
     yield _case("decode-batch", dtype, [1] * 6, [1, 30, 300, 7, 129, 64], 8, 1, 64, causal=True, tags=("llm",))
-    yield _case("empty-q-and-k-seqs", dtype, [0, 12, 0, 9, 5], [3, 12, 0, 0, 8], 4, 2, 32, causal=True, tags=("edge",))
+    yield _case("empty-q-and-k-seqs", dtype, [0, 12, 0, 9, 5], [3, 12, 0, 0, 8], 4, 1, 32, causal=True, tags=("edge",))
     yield _case("sq-gt-sk", dtype, [30, 9], [10, 20], 2, 1, 16, causal=True, tags=("edge",))
-    yield _case("single-seq", dtype, [70], [70], 4, 2, 64, dv=32, causal=True)
+    yield _case("single-seq", dtype, [48], [48], 4, 2, 64, dv=32, causal=True)
     yield _case("no-seqs", dtype, [], [], 2, 1, 16, tags=("edge",))
     yield _case("gemma2-softcap-window", dtype, [96, 33, 150], [96, 33, 150], 4, 2, 256, causal=True, softcap=50.0,
                 sliding_window=32, tags=("llm",))
-    yield _case("window-1-softcap", dtype, [20, 45], [20, 60], 4, 4, 32, causal=True, softcap=5.0, sliding_window=1,
+    yield _case("window-1-softcap", dtype, [20, 45], [20, 60], 2, 2, 32, causal=True, softcap=5.0, sliding_window=1,
                 qk_scale=3.0)
     yield _case("scale-explicit", dtype, [31, 8], [31, 40], 2, 2, 64, scale=0.5)
     yield _nonfinite_elsewhere(dtype)
@@ -139,7 +150,7 @@ def _cases(dtype):
 
 def _nonfinite_elsewhere(dtype: str) -> Case:
     """NaN/inf in one sequence's k and v: the other sequences, which must never read them, stay finite."""
-    case = _case("nonfinite-other-seq", dtype, [20, 20, 20], [20, 24, 20], 4, 2, 32, causal=True, tags=("edge",))
+    case = _case("nonfinite-other-seq", dtype, [20, 20, 20], [20, 24, 20], 2, 1, 32, causal=True, tags=("edge",))
     q, k, v, cq, ck = case.args
     k, v = k.copy(), v.copy()
     k[20:44, :, ::3] = cg.cast(np.nan, dtype)
@@ -153,12 +164,13 @@ def _strategy(dtype):
 
     @st.composite
     def case(draw):
-        n = draw(st.integers(0, 4))
-        lq = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
-        extra = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
+        n = draw(st.integers(0, 3))
+        lq = draw(st.lists(st.integers(0, 32), min_size=n, max_size=n))
+        extra = draw(st.lists(st.integers(0, 32), min_size=n, max_size=n))
         causal = draw(st.booleans())
         lk = [a + b for a, b in zip(lq, extra)] if draw(st.booleans()) else extra
-        hkv, g = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4]))
+        g = draw(st.sampled_from([1, 2, 4]))
+        hkv = 1 if g == 4 else draw(st.integers(1, 2))  # at most 4 query heads: small programs for emulating backends
         d = draw(st.sampled_from([8, 16, 32, 64]))
         window = draw(st.sampled_from([None, 1, 7, 50])) if causal else None
         softcap = draw(st.sampled_from([None, 2.0, 30.0]))
@@ -225,3 +237,219 @@ def _cost(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_w
     return Cost(bytes=(size + out) * item + 4 * (cu_seqlens_q.shape[0] + cu_seqlens_k.shape[0]),
                 flops=2 * hq * pairs * (d + dv))
 
+
+
+# --------------------------------------------------------------------------- backward
+
+BWD = f"{NAME}_backward"
+_CU = "integer sequence boundaries: they pick which tokens meet, not a differentiable quantity"
+
+
+@varlen_attention.saves(("lse",), shapes=lambda q, k, v, *rest: [(q.shape[1], q.shape[0])])
+def _saved(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window):
+    """Per query head and token, the log-sum-exp of its visible scaled scores [Hq, Tq] (float32; FlashAttention's
+    varlen softmax_lse layout): -inf for a token that sees no key or only -inf scores (its output is 0), NaN where
+    a visible score is NaN or +inf."""
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    g = q.shape[1] // k.shape[1]
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
+            lo, hi = dense.visible_range(qs.stop - qs.start, ks.stop - ks.start, causal, sliding_window)
+            for i in np.flatnonzero(hi > lo):
+                keys = slice(ks.start + lo[i], ks.start + hi[i])
+                s = _scores(q[qs.start + i], k[keys], g, scale, softcap)[1]  # [Hq, keys]
+                m = s.max(axis=-1)
+                lse[:, qs.start + i] = m + np.log(np.exp(s - np.where(m == -np.inf, 0.0, m)[:, None]).sum(axis=-1))
+    return (lse,)
+
+
+def _scores(q_row, keys, g: int, scale: float, softcap) -> tuple:
+    """One token's (raw scaled, capped) scores [Hq, n] against n keys [n, Hkv, D] (query head h reads KV head h // g)."""
+    raw = np.einsum("hd,khd->hk", q_row, np.repeat(keys, g, axis=1)) * scale
+    return raw, dense.capped(raw, softcap)
+
+
+@varlen_attention.backward(
+    wrt=("q", "k", "v"),
+    reduces=("k", "v"),
+    constants={"cu_seqlens_q": _CU, "cu_seqlens_k": _CU},
+    constraints={**grad_constraints(NAME), f"{BWD}.saved": "out has the forward output's shape and q's dtype; lse is "
+                 "[Hq, Tq] in the accumulation dtype, float32 (float64 for float64 inputs): the training forward's",
+                 f"{BWD}.cu_values": "each cu_seqlens starts at 0, never decreases and ends at its T (Tq, Tk)"},
+)
+def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
+                              scale: float | None = None, softcap: float | None = None, sliding_window: int | None = None):
+    """Gradients of varlen_attention for q, k and v (FlashAttention-2's varlen backward).
+
+    Per sequence, exactly attention's backward on that sequence alone: saves q, k, v, the output and the
+    log-sum-exp lse [Hq, Tq] (float32; float64 for float64 inputs), recomputes P = exp(s·scale − lse) block by
+    block; with D = rowsum(dO·O) and dS = P (dP − D): dV = P^T dO, dQ = scale·dS K, dK = scale·dS^T Q, GQA
+    summed over each KV head's query heads, a soft cap's slope 1 - tanh²(s / c) on dS. Only visible (query,
+    key) pairs of one sequence enter: NaN or inf under a causal mask or window, or in another sequence, never
+    leaks. A token that sees no key (a sequence without keys, or before the bottom-right diagonal) has output
+    0, zero gradient, and its q and dO reach no dK or dV; keys of a sequence without queries get dK = dV = 0.
+    cu_seqlens are not differentiable; their values are checked again before any kernel runs.
+    """
+    varlen_attention.validate(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window)
+    shape = (q.shape[0], q.shape[1], v.shape[2])
+    check_grad(BWD, grad, shape, q.dtype)
+    acc = "float64" if q.dtype == "float64" else "float32"
+    for arg, m, want, dtype in (("out", out, shape, q.dtype), ("lse", lse, (q.shape[1], q.shape[0]), acc)):
+        check(m is not None, ArgumentError, BWD, arg, f"{BWD}.saved", "the training forward's " + arg, None)
+        check(m.dtype == dtype, DTypeError, BWD, arg, f"{BWD}.saved", dtype, m.dtype)
+        check(tuple(m.shape) == want, ShapeError, BWD, arg, f"{BWD}.saved", f"{want} (the training forward's)",
+              tuple(m.shape))
+
+
+@varlen_attention_backward.check_values(("cu_seqlens_q", "cu_seqlens_k"))
+def _check_backward_cu(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *scalars):
+    check_cu_values(BWD, q, k, cu_seqlens_q, cu_seqlens_k)
+
+
+@varlen_attention_backward.reference
+def _backward_reference(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap=None,
+                        sliding_window=None):
+    return _vjp(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window, True)
+
+
+def _vjp(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap, window, slope: bool):
+    """The float64 gradients, token by token over its visible keys; slope=False drops the soft cap's chain rule (a
+    mutant)."""
+    tk, hkv, d = k.shape
+    hq, dv = q.shape[1], v.shape[2]
+    g = hq // hkv
+    dq, dk, dvv = np.zeros(q.shape), np.zeros((tk, hq, d)), np.zeros((tk, hq, dv))
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    with np.errstate(invalid="ignore", over="ignore"):
+        big_d = np.sum(grad * out, axis=-1)  # D = rowsum(dO·O), [Tq, Hq]
+        for qs, ks in sequences(cu_q, cu_k):
+            lo, hi = dense.visible_range(qs.stop - qs.start, ks.stop - ks.start, causal, window)
+            for i in np.flatnonzero(hi > lo):
+                t, n = qs.start + i, slice(ks.start + lo[i], ks.start + hi[i])
+                live = lse[:, t] != -np.inf  # [Hq]; -inf: no visible finite score, output 0, no gradient
+                raw, s = _scores(q[t], k[n], g, scale, softcap)
+                p = np.where(live[:, None], np.exp(s - np.where(live, lse[:, t], 0.0)[:, None]), 0.0)
+                dp = np.einsum("hd,khd->hk", grad[t], np.repeat(v[n], g, axis=1))
+                ds = np.where(live[:, None], p * (dp - big_d[t][:, None]), 0.0)
+                if softcap is not None and slope:  # d(c tanh(raw / c)) / d raw = 1 - tanh²
+                    ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
+                dq[t] = np.where(live[:, None], np.einsum("hk,khd->hd", ds, np.repeat(k[n], g, axis=1)) * scale, 0.0)
+                on = live[None, :, None]
+                dk[n] += np.where(on, ds.T[..., None] * q[t][None] * scale, 0.0)
+                dvv[n] += np.where(on, p.T[..., None] * grad[t][None], 0.0)
+    return dq, dk.reshape(tk, hkv, g, d).sum(axis=2), dvv.reshape(tk, hkv, g, dv).sum(axis=2)
+
+
+@varlen_attention_backward.error_cases
+def _backward_error_cases():
+    q, k, v = np.ones((10, 4, 16), np.float32), np.ones((12, 2, 16), np.float32), np.ones((12, 2, 16), np.float32)
+    o, lse = np.ones((10, 4, 16), np.float32), np.zeros((4, 10), np.float32)
+    cq, ck = np.array([0, 4, 10], np.int32), np.array([0, 5, 12], np.int32)
+    yield ErrorCase(f"{BWD}.grad_shape", ShapeError, (np.ones((10, 4, 8), np.float32), q, k, v, o, lse, cq, ck))
+    yield ErrorCase(f"{BWD}.grad_dtype", DTypeError, (o.astype(np.float16), q, k, v, o, lse, cq, ck))
+    yield ErrorCase(f"{BWD}.saved", ShapeError, (o, q, k, v, np.ones((10, 4, 8), np.float32), lse, cq, ck))
+    yield ErrorCase(f"{BWD}.saved", DTypeError, (o, q, k, v, o.astype(np.float16), lse, cq, ck))
+    yield ErrorCase(f"{BWD}.saved", ShapeError, (o, q, k, v, o, np.zeros((10, 4), np.float32), cq, ck))  # [Tq, Hq]
+    yield ErrorCase(f"{BWD}.saved", DTypeError, (o, q, k, v, o, lse.astype(np.float64), cq, ck))
+    yield ErrorCase(f"{BWD}.cu_values", ArgumentError, (o, q, k, v, o, lse, np.array([0, 6, 4], np.int32), ck))
+    yield ErrorCase(f"{BWD}.cu_values", ArgumentError, (o, q, k, v, o, lse, cq, np.array([0, 5, 11], np.int32)))
+
+
+@varlen_attention_backward.cost
+def _backward_cost(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap=None,
+                   sliding_window=None):
+    fwd = _cost(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window)
+    item = np.dtype(cg.np_dtype(getattr(q.dtype, "name", q.dtype))).itemsize
+    size = math.prod(q.shape) + math.prod(k.shape) + math.prod(v.shape)
+    # read q, k, v, out, dO, lse and cu_seqlens; write dq, dk, dv. FLOPs: five matmuls over the visible pairs (s, dP,
+    # dV, dQ, dK) against the forward's two: 2.5x, as FlashAttention-2 counts
+    return Cost(bytes=(2 * size + 2 * math.prod(out.shape)) * item + 4 * math.prod(lse.shape)
+                + 4 * (cu_seqlens_q.shape[0] + cu_seqlens_k.shape[0]), flops=int(2.5 * fwd.flops))
+
+
+def _grad_case(name: str, dtype: str, forward: Case, grad=None, tags=("edge",)) -> Case:
+    """The backward case of `forward` (its output and lse from the float64 reference) with `grad` (float64 values)."""
+    (shape, _), = varlen_attention.out_metas(varlen_attention.bind(*forward.args, **forward.kwargs))
+    g = cg.array(shape, "float64", cg.rng_for(BWD, name, dtype)) if grad is None else grad
+    case = varlen_attention_backward.from_forward(forward, dtype, grad=cg.cast(g, dtype))
+    return Case(name, case.args, case.kwargs, tags)
+
+
+def _with(case: Case, **arrays) -> Case:
+    """`case` with some of q, k, v replaced."""
+    q, k, v = (arrays.get(n, a) for n, a in zip("qkv", case.args[:3]))
+    return Case(case.name, (q, k, v, *case.args[3:]), case.kwargs, case.tags)
+
+
+@varlen_attention_backward.cases
+def _backward_cases(dtype):
+    """Edge cases for the gradients beside those derived from the forward's (random upstream gradients)."""
+    nan, inf = cg.cast(np.nan, dtype), cg.cast(np.inf, dtype)
+    # tokens that see no key: sequence 0 (Sq > Sk, causal: its first 6 rows) and sequence 1 (no keys). NaN in their q
+    # and dO must not reach dk or dv, which stay finite; the keys of sequence 2 (no queries) get dk = dv = 0
+    dead = _case("dead-rows", dtype, [14, 5, 0, 6], [8, 0, 7, 6], 4, 2, 16, causal=True)
+    q = dead.args[0].copy()
+    q[:6], q[14:19] = nan, nan
+    g = cg.array((25, 4, 16), "float64", cg.rng_for(BWD, "dead-rows", dtype))
+    g[:6:2], g[14:19] = np.nan, np.inf
+    yield _grad_case("dead-rows-nonfinite", dtype, _with(dead, q=q), g)
+    # causal with a window of 8: NaN in k and inf in v of keys that only the last rows see, NaN in one live row's dO.
+    # Earlier rows' dq, the keys outside those rows' windows and the keys masked from that row stay finite; the
+    # other sequence is untouched
+    live = _case("nan-under-mask", dtype, [24, 9], [24, 12], 2, 1, 16, causal=True, sliding_window=8)
+    k, v = live.args[1].copy(), live.args[2].copy()
+    k[21, :, ::5], v[22, :, ::7] = nan, inf
+    g = cg.array((33, 2, 16), "float64", cg.rng_for(BWD, "nan-under-mask", dtype))
+    g[10, 1, 3] = np.nan
+    yield _grad_case("nan-under-mask", dtype, _with(live, k=k, v=v), g)
+    # one visible key per row (window 1; a 1-key sequence): P = 1, so dq = dk = 0 exactly where dP - D cancels
+    # eps·|dO||v| in float32 (attention's one-key-large-v)
+    one = _case("one-key", dtype, [9, 5], [9, 1], 2, 1, 16, causal=True, sliding_window=1)
+    big_v = cg.cast(one.args[2].astype(np.float64) * (300.0 if dtype == "float16" else 1e4), dtype)
+    yield _grad_case("one-key-large-v", dtype, _with(one, v=big_v))
+    yield _grad_case("zero-grad", dtype, _case("zero-grad", dtype, [7, 10], [12, 10], 2, 1, 16, causal=True),
+                     np.zeros((17, 2, 16)))
+    big = 501.0 if dtype == "float16" else 4988429.2
+    yield _grad_case("large-grad", dtype, _case("large-grad", dtype, [20, 13], [20, 13], 2, 1, 16, causal=True),
+                     cg.rng_for(BWD, "large-grad", dtype).standard_normal((33, 2, 16)) * big)
+
+
+@varlen_attention_backward.mutant("dq-unscaled")
+def _mutant_dq_unscaled(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap=None, sliding_window=None):
+    """dq without the softmax scale (dS K instead of scale dS K)."""
+    dq, dk, dv = _backward_reference(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap, sliding_window)
+    return dq / (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale), dk, dv
+
+
+@varlen_attention_backward.mutant("dkv-of-first-head")
+def _mutant_dkv_not_summed(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap=None, sliding_window=None):
+    """GQA: dk and dv from each group's first query head only, not summed over the group."""
+    dq, dk, dv = _backward_reference(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap, sliding_window)
+    g = q.shape[1] // k.shape[1]
+    if g == 1:
+        return dq, dk, dv * 0.5  # no group: a half-summed dv instead
+    first = slice(0, None, g)
+    _, dk1, dv1 = _backward_reference(grad[:, first], q[:, first], k, v, out[:, first], lse[first], cu_q, cu_k, causal,
+                                      scale, softcap, sliding_window)
+    return dq, dk1, dv1
+
+
+@varlen_attention_backward.mutant("dropped-rowsum-term")
+def _mutant_dropped_d(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap=None, sliding_window=None):
+    """dS = P dP without the - P D term (D = rowsum(dO * O))."""
+    return _backward_reference(grad, q, k, v, np.zeros_like(out), lse, cu_q, cu_k, causal, scale, softcap,
+                               sliding_window)
+
+
+@varlen_attention_backward.mutant("softcap-slope-dropped")
+def _mutant_softcap_slope(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap=None, sliding_window=None):
+    """A soft cap's backward without the chain rule through tanh (dS used as if the cap were the identity)."""
+    return _vjp(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap, sliding_window, False)
+
+
+@varlen_attention_backward.mutant("other-sequence-keys")
+def _mutant_cross_sequence(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap=None, sliding_window=None):
+    """A packed-layout bug: each sequence's key range taken from cu_seqlens_q (right only where the lengths agree)."""
+    return _backward_reference(grad, q, k, v, out, lse, cu_q, np.minimum(cu_q, k.shape[0]).astype(cu_k.dtype), causal,
+                               scale, softcap, sliding_window)

@@ -5,6 +5,7 @@ import numpy as np
 from opport.arraymath import sequences
 from opport.backends.cpu.attention import _attention
 from opport.dispatch import impl
+from opport.dtypes import acc_dtype
 from opport.ops.varlen_attention import varlen_attention as spec
 
 
@@ -16,12 +17,27 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
     the dense kernel's blocks, so each sequence reads only its own keys; a sequence without queries is
     skipped, one without keys writes zeros (the dense kernel's rule for rows that see no key).
     """
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window, None)
+
+
+@impl(spec.train_forward, "cpu")
+def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window) -> tuple:
+    """The forward plus each token's log-sum-exp per query head, lse [Hq, Tq] (float32; float64 for float64 inputs),
+    from the dense kernel's online softmax: -inf for tokens that see no key or only -inf scores."""
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf, acc_dtype(q.dtype.name))
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window, lse), lse
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, window, lse):
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
     for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
         if qs.stop == qs.start:
             continue
-        o = _attention(_heads(q[qs]), _heads(k[ks]), _heads(v[ks]), causal, scale, None, softcap, sliding_window)
+        rows = None if lse is None else np.empty((1, q.shape[1], qs.stop - qs.start), lse.dtype)
+        o = _attention(_heads(q[qs]), _heads(k[ks]), _heads(v[ks]), causal, scale, rows, softcap, window)
         out[qs] = o[0].transpose(1, 0, 2)
+        if lse is not None:
+            lse[:, qs] = rows[0]
     return out
 
 

@@ -15,6 +15,7 @@ from opport.backends.cuda.attention import (
     _attn_block,
     _exact_config,
     _softmax_scale,
+    _store_lse,
     _store_out,
 )
 from opport.dispatch import impl
@@ -24,17 +25,19 @@ from opport.ops.varlen_attention import varlen_attention as spec
 @triton.jit
 def _varlen_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, cu_blocks_ptr, flag_ptr, cu_fast_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, cu_blocks_ptr, flag_ptr, cu_fast_ptr, lse_ptr,
     # shapes, strides
     n_seq, group, d, dv,
     q_st, q_sh, q_sd,
     k_st, k_sh, k_sd,
     v_st, v_sh, v_sd,
     o_st, o_sh, o_sd,
+    l_sh, l_st,
     qk_scale, cap2, window, search_steps, flag_block,
     # meta-parameters
     CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    STORE_LSE: tl.constexpr = False,
 ):
     """out[t, h] for BLOCK_M query tokens of one sequence and head.
 
@@ -48,6 +51,8 @@ def _varlen_kernel(
     causal, window); NaN/inf in v under the causal mask as there: the fast launch zeroes them and flags its
     program (flags [programs, Hq] int32); the EXACT launch (small tiles, its own cu_blocks; cu_fast is the fast
     launch's, flag_block its BLOCK_M, a multiple of this one) re-runs only the tiles inside flagged ones.
+    STORE_LSE (the training forward): each row's log-sum-exp into lse [Hq, Tq] float32 (strided), -inf for a row
+    that saw no key or only -inf scores, from the running max and sum (`_store_lse`).
     Pseudocode: per key block of the sequence: s = q k^T (capped); online softmax; out = acc / l (0 if l = 0)
     """
     pid = tl.program_id(0)
@@ -116,6 +121,8 @@ def _varlen_kernel(
             hidden += _tail
         _store_out(out_ptr, acc, l_sum, 0, head, q0 + i.to(tl.int64), offs_dv,
                    row_ok[:, None] & (offs_dv[None, :] < dv), 0, o_sh, o_st, o_sd)
+        if STORE_LSE:
+            _store_lse(lse_ptr, m, l_sum, head * l_sh + (q0 + i.to(tl.int64)) * l_st, row_ok)
         if CAUSAL and not EXACT:
             tl.store(flag_ptr + pid.to(tl.int64) * tl.num_programs(1) + head, hidden)
 
@@ -147,26 +154,38 @@ def _config(mean_sq: int, d: int, dv: int, dtype: torch.dtype, capped: bool = Fa
     return {"BLOCK_M": fit(mean_sq, 64), "BLOCK_N": n, **dims, "num_warps": 8, "num_stages": 2}
 
 
-@impl(spec, "cuda", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "cuda", supports=_supports)
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window):
     """Host side: each sequence's query-block count and their prefix sums on the device (no host read of
     cu_seqlens, no sync); every program then finds its sequence through them."""
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window, None)
+
+
+@impl(spec.train_forward, "cuda", supports=_supports)
+def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window):
+    """The forward plus each token's log-sum-exp per query head, lse [Hq, Tq] (float32), from the same launch's
+    running max and sum."""
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window, lse), lse
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window, lse):
     tq, hq, d = q.shape
     dv = v.shape[2]
     out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
     n_seq = cu_seqlens_q.shape[0] - 1
-    if out.numel() == 0 or n_seq == 0:
+    if tq * hq == 0 or (out.numel() == 0 and lse is None):  # (Tq > 0 implies a sequence: cu ends at Tq)
         return out
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     cfg = _config(max(1, tq // n_seq), d, dv, q.dtype, softcap is not None or sliding_window is not None)
     fast_blocks = _block_sums(cu_q, cfg["BLOCK_M"])
     flags = torch.empty((cdiv(tq, cfg["BLOCK_M"]) + n_seq, hq), dtype=torch.int32, device=q.device) if causal else out
     window = 0 if sliding_window is None else min(int(sliding_window), 2**30)
-    args = (n_seq, hq // k.shape[1], d, dv, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            _softmax_scale(scale, d) * LOG2E, 1.0 if softcap is None else float(softcap) * LOG2E, window,
-            n_seq.bit_length(), cfg["BLOCK_M"])
+    args = (lse if lse is not None else out, n_seq, hq // k.shape[1], d, dv, *q.stride(), *k.stride(), *v.stride(),
+            *out.stride(), *(lse.stride() if lse is not None else (0, 0)), _softmax_scale(scale, d) * LOG2E,
+            1.0 if softcap is None else float(softcap) * LOG2E, window, n_seq.bit_length(), cfg["BLOCK_M"])
     meta = dict(CAUSAL=bool(causal), SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", STORE_LSE=lse is not None)
     launches = [(cfg, fast_blocks, False)]
     if causal:  # re-run the tiles whose masked blocks hid NaN/inf in v (unflagged programs exit at once)
         fix = _exact_config(cfg)
@@ -177,8 +196,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
     return out
 
 
-def _block_sums(cu_q, bm: int):
-    """[B + 1] int32: prefix sums of each sequence's query blocks cdiv(len, bm), on the device (no sync)."""
-    blocks = torch.zeros(cu_q.shape[0], dtype=torch.int32, device=cu_q.device)
-    torch.cumsum((cu_q[1:] - cu_q[:-1] + (bm - 1)) // bm, 0, out=blocks[1:])
+def _block_sums(cu, bm: int, rows: int = 1):
+    """[B + 1] int32: prefix sums of each sequence's blocks cdiv(rows * len, bm) (rows: GQA-packed query heads per
+    token), on the device (no sync)."""
+    blocks = torch.zeros(cu.shape[0], dtype=torch.int32, device=cu.device)
+    torch.cumsum(((cu[1:] - cu[:-1]) * rows + (bm - 1)) // bm, 0, out=blocks[1:])
     return blocks

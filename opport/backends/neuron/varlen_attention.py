@@ -9,6 +9,7 @@ import numpy as np
 from opport.arraymath import sequences
 from opport.backends.neuron.attention import D_MAX, DV_MAX
 from opport.backends.neuron.attention import attention as dense
+from opport.backends.neuron.attention import attention_forward as dense_forward
 from opport.dispatch import impl
 from opport.ops.varlen_attention import varlen_attention as spec
 
@@ -21,7 +22,7 @@ def _supports(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, slidi
     return None
 
 
-@impl(spec, "neuron", dtypes=("float32", "float16", "bfloat16"), supports=_supports)
+@impl(spec, "neuron", supports=_supports)
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window) -> np.ndarray:
     """out [Tq, Hq, Dv]: attention's NKI forward per sequence (a sequence without keys writes zeros)."""
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
@@ -30,6 +31,20 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
             o = dense(_heads(q[qs]), _heads(k[ks]), _heads(v[ks]), causal, scale, softcap, sliding_window)
             out[qs] = o[0].transpose(1, 0, 2)
     return out
+
+
+@impl(spec.train_forward, "neuron", supports=_supports)
+def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap,
+                             sliding_window) -> tuple:
+    """The forward plus lse [Hq, Tq] (float32): attention's NKI training forward per sequence, whose single pass
+    also writes each row's log-sum-exp (-inf for a row that sees no key)."""
+    out = np.empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
+    lse = np.empty((q.shape[1], q.shape[0]), np.float32)
+    for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
+        if qs.stop > qs.start:
+            o, rows = dense_forward(_heads(q[qs]), _heads(k[ks]), _heads(v[ks]), causal, scale, softcap, sliding_window)
+            out[qs], lse[:, qs] = o[0].transpose(1, 0, 2), rows[0]
+    return out, lse
 
 
 def _heads(x: np.ndarray) -> np.ndarray:

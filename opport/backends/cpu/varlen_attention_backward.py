@@ -1,0 +1,42 @@
+"""varlen_attention's backward on NumPy: each packed sequence through the cpu attention backward, as [1, H, S, D] views."""
+
+import numpy as np
+
+from opport.arraymath import sequences
+from opport.dispatch import get_backend, impl, kernels
+from opport.ops.attention import attention as dense_spec
+from opport.ops.varlen_attention import varlen_attention as spec
+
+
+@impl(spec.backward_op, "cpu")
+def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap=None,
+                              sliding_window=None) -> tuple:
+    """dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, Dv]: per sequence, attention's blocked NumPy backward.
+
+    Dimensions: grad, out [Tq, Hq, Dv]; lse [Hq, Tq] (float32; float64 for float64 inputs); q, k, v as the forward.
+    Notes: each sequence's token-major slices are viewed head-major ([T, H, D] -> [1, H, T, D], lse[:, seq] as
+    [1, Hq, S]; no copy) and run through the dense backward's blocks (FlashAttention-2's recomputation of P from
+    lse, dK and dV accumulated over the query blocks and each KV head's query heads, float32 for 16-bit inputs),
+    so a sequence reads only its own keys and its memory stays O(block) as the dense kernel's. Keys of a sequence
+    without queries get dk = dv = 0; queries of a sequence without keys dq = 0 (they see nothing).
+    Pseudocode: for each sequence b: dq[b], dk[b], dv[b] = attention_backward(sequence b's views)
+    """
+    dense_backward = _dense_backward()
+    dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
+    for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
+        if qs.stop == qs.start or ks.stop == ks.start:  # no query or no key: every sum is empty
+            continue
+        views = (_heads(a) for a in (grad[qs], q[qs], k[ks], v[ks], out[qs]))
+        grads = dense_backward(*views, lse[None, :, qs], causal, scale, softcap, sliding_window)
+        for into, at, r in zip((dq, dk, dv), (qs, ks, ks), grads):
+            into[at] = r[0].transpose(1, 0, 2)
+    return dq, dk, dv
+
+
+def _dense_backward():
+    """attention's cpu backward kernel, found in the registry wherever the backend keeps it."""
+    return next(k.fn for k in kernels(dense_spec.backward_op, get_backend("cpu")) if k.name == "cpu.attention_backward")
+
+
+def _heads(x: np.ndarray) -> np.ndarray:
+    return x.transpose(1, 0, 2)[None]
