@@ -3,8 +3,8 @@
 import numpy as np
 
 from opport.arraymath import sequences
-from opport.dispatch import get_backend, impl, kernels
-from opport.ops.attention import attention as dense_spec
+from opport.backends.cpu.attention import attention_backward as dense_backward  # the dense kernel, per sequence
+from opport.dispatch import impl
 from opport.ops.varlen_attention import varlen_attention as spec
 
 
@@ -21,7 +21,6 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     without queries get dk = dv = 0; queries of a sequence without keys dq = 0 (they see nothing).
     Pseudocode: for each sequence b: dq[b], dk[b], dv[b] = attention_backward(sequence b's views)
     """
-    dense_backward = _dense_backward()
     dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
     for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
         if qs.stop == qs.start or ks.stop == ks.start:  # no query or no key: every sum is empty
@@ -31,11 +30,6 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         for into, at, r in zip((dq, dk, dv), (qs, ks, ks), grads):
             into[at] = r[0].transpose(1, 0, 2)
     return dq, dk, dv
-
-
-def _dense_backward():
-    """attention's cpu backward kernel, found in the registry wherever the backend keeps it."""
-    return next(k.fn for k in kernels(dense_spec.backward_op, get_backend("cpu")) if k.name == "cpu.attention_backward")
 
 
 def _heads(x: np.ndarray) -> np.ndarray:

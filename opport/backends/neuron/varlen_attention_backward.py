@@ -10,9 +10,9 @@ once and is cached after. Within a sequence the kernel is attention's FlashAtten
 import numpy as np
 
 from opport.arraymath import sequences
+from opport.backends.neuron.attention_backward import attention_backward as dense_backward  # the dense kernel, per sequence
 from opport.backends.neuron.varlen_attention import _supports as _forward_supports
-from opport.dispatch import get_backend, impl, kernels
-from opport.ops.attention import attention as dense_spec
+from opport.dispatch import impl
 from opport.ops.varlen_attention import varlen_attention as spec
 
 
@@ -30,7 +30,6 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     tiles where its q, k or dO holds inf/NaN under a causal mask, dead-row handling where some lse is -inf), so
     one sequence's special values never change another's launch.
     """
-    dense_backward = _dense_backward()
     dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, k.dtype), np.zeros(v.shape, v.dtype)
     for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
         if qs.stop == qs.start or ks.stop == ks.start:
@@ -40,11 +39,6 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         for into, at, r in zip((dq, dk, dv), (qs, ks, ks), grads):
             into[at] = r[0].transpose(1, 0, 2)
     return dq, dk, dv
-
-
-def _dense_backward():
-    """attention's neuron backward (its host side), found in the registry wherever the backend keeps it."""
-    return next(k.fn for k in kernels(dense_spec.backward_op, get_backend("neuron")) if k.name == "neuron.attention_backward")
 
 
 def _heads(x: np.ndarray) -> np.ndarray:
