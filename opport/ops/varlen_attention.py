@@ -131,20 +131,19 @@ def _cases(dtype):
     yield _case("prefill-causal-gqa", dtype, lens, lens, 8, 2, 64, causal=True, tags=("llm",))
     yield _case("prefill-noncausal", dtype, [17, 60, 3], [17, 60, 3], 2, 2, 32)
     # small ones (framework integrations' samples, finite differences): GQA, an empty sequence, a soft cap and window
-    yield _case("small-causal-gqa", dtype, [5, 11, 0, 8], [5, 14, 3, 8], 4, 2, 16, causal=True)
-    yield _case("small-softcap-window", dtype, [9, 13], [12, 13], 2, 1, 16, causal=True, softcap=4.0, sliding_window=5)
+    yield _case("small-causal-gqa", dtype, [5, 11, 0, 8], [5, 14, 3, 4], 4, 1, 16, causal=True)  # last: Sq > Sk
+    yield _case("small-softcap-window", dtype, [9], [12], 2, 1, 16, causal=True, softcap=4.0, sliding_window=5)
     # chunked prefill: each sequence's new tokens against its cache plus them (Sq <= Sk, bottom-right)
     yield _case("chunked-prefill", dtype, [16, 5, 40], [80, 5, 200], 8, 2, 128, causal=True, tags=("llm",))
     yield _case("decode-batch", dtype, [1] * 6, [1, 30, 300, 7, 129, 64], 8, 1, 64, causal=True, tags=("llm",))
-    yield _case("empty-q-and-k-seqs", dtype, [0, 12, 0, 9, 5], [3, 12, 0, 0, 8], 4, 1, 32, causal=True, tags=("edge",))
-    yield _case("sq-gt-sk", dtype, [30, 9], [10, 20], 2, 1, 16, causal=True, tags=("edge",))
+    yield _case("empty-q-and-k-seqs", dtype, [0, 12, 0, 9, 5], [3, 12, 0, 0, 8], 2, 1, 32, causal=True, tags=("edge",))
     yield _case("single-seq", dtype, [48], [48], 4, 2, 64, dv=32, causal=True)
     yield _case("no-seqs", dtype, [], [], 2, 1, 16, tags=("edge",))
     yield _case("gemma2-softcap-window", dtype, [96, 33, 150], [96, 33, 150], 4, 2, 256, causal=True, softcap=50.0,
                 sliding_window=32, tags=("llm",))
-    yield _case("window-1-softcap", dtype, [20, 45], [20, 60], 2, 2, 32, causal=True, softcap=5.0, sliding_window=1,
+    yield _case("window-1-softcap", dtype, [12, 30], [12, 40], 2, 2, 32, causal=True, softcap=5.0, sliding_window=1,
                 qk_scale=3.0)
-    yield _case("scale-explicit", dtype, [31, 8], [31, 40], 2, 2, 64, scale=0.5)
+    yield _case("scale-explicit", dtype, [13, 8], [13, 24], 2, 2, 64, scale=0.5)
     yield _nonfinite_elsewhere(dtype)
 
 
@@ -164,13 +163,13 @@ def _strategy(dtype):
 
     @st.composite
     def case(draw):
-        n = draw(st.integers(0, 3))
+        n = draw(st.sampled_from([0, 1, 1, 2, 2, 3]))
         lq = draw(st.lists(st.integers(0, 32), min_size=n, max_size=n))
         extra = draw(st.lists(st.integers(0, 32), min_size=n, max_size=n))
         causal = draw(st.booleans())
         lk = [a + b for a, b in zip(lq, extra)] if draw(st.booleans()) else extra
         g = draw(st.sampled_from([1, 2, 4]))
-        hkv = 1 if g == 4 else draw(st.integers(1, 2))  # at most 4 query heads: small programs for emulating backends
+        hkv = draw(st.sampled_from([1, 1, 2])) if g == 1 else 1  # at most 4 query heads: few programs when emulated
         d = draw(st.sampled_from([8, 16, 32, 64]))
         window = draw(st.sampled_from([None, 1, 7, 50])) if causal else None
         softcap = draw(st.sampled_from([None, 2.0, 30.0]))
@@ -388,10 +387,10 @@ def _backward_cases(dtype):
     nan, inf = cg.cast(np.nan, dtype), cg.cast(np.inf, dtype)
     # tokens that see no key: sequence 0 (Sq > Sk, causal: its first 6 rows) and sequence 1 (no keys). NaN in their q
     # and dO must not reach dk or dv, which stay finite; the keys of sequence 2 (no queries) get dk = dv = 0
-    dead = _case("dead-rows", dtype, [14, 5, 0, 6], [8, 0, 7, 6], 4, 2, 16, causal=True)
+    dead = _case("dead-rows", dtype, [14, 5, 0], [8, 0, 7], 4, 2, 16, causal=True)
     q = dead.args[0].copy()
     q[:6], q[14:19] = nan, nan
-    g = cg.array((25, 4, 16), "float64", cg.rng_for(BWD, "dead-rows", dtype))
+    g = cg.array((19, 4, 16), "float64", cg.rng_for(BWD, "dead-rows", dtype))
     g[:6:2], g[14:19] = np.nan, np.inf
     yield _grad_case("dead-rows-nonfinite", dtype, _with(dead, q=q), g)
     # causal with a window of 8: NaN in k and inf in v of keys that only the last rows see, NaN in one live row's dO.
@@ -411,8 +410,8 @@ def _backward_cases(dtype):
     yield _grad_case("zero-grad", dtype, _case("zero-grad", dtype, [7, 10], [12, 10], 2, 1, 16, causal=True),
                      np.zeros((17, 2, 16)))
     big = 501.0 if dtype == "float16" else 4988429.2
-    yield _grad_case("large-grad", dtype, _case("large-grad", dtype, [20, 13], [20, 13], 2, 1, 16, causal=True),
-                     cg.rng_for(BWD, "large-grad", dtype).standard_normal((33, 2, 16)) * big)
+    yield _grad_case("large-grad", dtype, _case("large-grad", dtype, [10], [12], 2, 1, 16, causal=True),
+                     cg.rng_for(BWD, "large-grad", dtype).standard_normal((10, 2, 16)) * big)
 
 
 @varlen_attention_backward.mutant("dq-unscaled")

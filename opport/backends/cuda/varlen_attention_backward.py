@@ -22,6 +22,8 @@ zeroes them in its dot operands and flags its program). The block routines that 
 copied below unchanged (marked): they take a sequence's base pointers and lengths as they take one batch entry's.
 """
 
+from collections.abc import Iterator
+
 import torch
 
 from opport.backends.cuda._launch import INTERPRET, cdiv, dot_operand, f32, narrow, next_pow2, tl, triton
@@ -353,7 +355,7 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     fast = _block_sums(cu_q, cfg_q["BLOCK_M"], group)
     flags = torch.empty((cdiv(group * tq, cfg_q["BLOCK_M"]) + n_seq, hkv), dtype=torch.int32, device=q.device) \
         if causal else dq
-    for c, exact in _launches(cfg_q, causal):
+    for c, exact in _launches(cfg_q, causal, flags):
         blocks = fast if c["BLOCK_M"] == cfg_q["BLOCK_M"] else _block_sums(cu_q, c["BLOCK_M"], group)
         _varlen_dq_kernel[(cdiv(group * tq, c["BLOCK_M"]) + n_seq, hkv)](
             q, k, v, out, grad, lse, dq, stats[0], stats[1], j_star, cu_q, cu_k, blocks, flags, fast, *common,
@@ -362,7 +364,7 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     fast = _block_sums(cu_k, cfg_kv["BLOCK_N"])
     flags = torch.empty((cdiv(tk, cfg_kv["BLOCK_N"]) + n_seq, hkv), dtype=torch.int32, device=q.device) \
         if causal else dq
-    for c, exact in _launches(cfg_kv, causal):
+    for c, exact in _launches(cfg_kv, causal, flags):
         blocks = fast if c["BLOCK_N"] == cfg_kv["BLOCK_N"] else _block_sums(cu_k, c["BLOCK_N"])
         _varlen_dkdv_kernel[(cdiv(tk, c["BLOCK_N"]) + n_seq, hkv)](
             q, k, v, grad, lse, stats[0], stats[1], j_star, dk, dv_, cu_q, cu_k, blocks, flags, fast, *common,
@@ -371,9 +373,13 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return dq, dk, dv_
 
 
-def _launches(cfg: dict, causal: bool) -> tuple:
-    """(config, EXACT) of a pass's launches: the fast one, then (causal) the exact re-run of flagged tiles."""
-    return ((cfg, False), (_exact_config(cfg), True)) if causal else ((cfg, False),)
+def _launches(cfg: dict, causal: bool, flags) -> Iterator[tuple]:
+    """(config, EXACT) of a pass's launches: the fast one, then (causal) the exact re-run of flagged tiles. Yielded
+    lazily: in the interpreter (flags in host memory, no sync to read) the re-run is left out when the fast launch
+    flagged nothing, where every one of its programs would exit at once."""
+    yield cfg, False
+    if causal and not (INTERPRET and not bool(flags.any())):
+        yield _exact_config(cfg), True
 
 
 # --------------------------------------------------------------------------- attention's backward block routines

@@ -32,6 +32,11 @@ SHAPES = [
     _s("gemma2-8k-local", 2, 16, 8, 8192, 8192, 256, True, ("llm",), softcap=50.0, window=4096),
     _s("gemma2-8k-global", 2, 16, 8, 8192, 8192, 256, True, ("llm",), softcap=50.0),
     _s("gemma2-8k-dense", 2, 16, 8, 8192, 8192, 256, True, ("llm",)),  # the same shape without either: the cost
+    # varlen_attention's mixed-length batches padded to their longest sequence (B = sequences): dense attention over
+    # the padded batch, what varlen saves (its mixed-* rows, same names)
+    _s("padded-mixed-1k", 4, 8, 2, 512, 512, 64, True, ("small",)),
+    _s("padded-llama8b-mixed-16k", 8, 32, 8, 5120, 5120, 128, True, ("llm",)),
+    _s("padded-gemma2-mixed-16k-local", 8, 16, 8, 5120, 5120, 256, True, ("llm",), softcap=50.0, window=4096),
 ]
 
 
