@@ -103,16 +103,14 @@ def test_the_gate_runs_every_layout_on_every_strided_argument(backend):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda", "neuron"])
-def test_a_kernel_reading_any_input_with_contiguous_strides_is_caught(backend):
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_a_kernel_reading_any_input_with_contiguous_strides_is_caught(spec, backend):
     """The bug class of cuda cross_entropy_backward's sliced lse (NaN gradients): for every op, every kernel of the
     backend with one argument read as row-major from its data pointer fails a fast-tier case."""
-    b = get_backend(backend)
-    survivors = {}
-    for spec in SPECS:
-        if kernels(spec, b):
-            kills = mutants.stride_kills(spec, backend)
-            survivors.update({f"{spec.name}.{arg}": None for arg, case in kills.items() if case is None})
-    assert survivors == {}
+    if not kernels(spec, get_backend(backend)):
+        pytest.skip(f"no {backend} kernel for {spec.name}")
+    kills = mutants.stride_kills(spec, backend)
+    assert [arg for arg, case in kills.items() if case is None] == []
 
 
 def test_the_stride_mutant_is_caught_on_a_strided_saved_statistic():
