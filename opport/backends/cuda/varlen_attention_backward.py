@@ -9,11 +9,12 @@ sequences, no per-sequence Python loop, no atomics.
    query rows that see the key block, so dk and dv sum over the group's query heads in a fixed order inside one
    program: deterministic.
 
-Each program finds its sequence from its program id alone: the host writes, on the device, the prefix sums of each
-sequence's block counts (no read of cu_seqlens, no sync), and the grid is their upper bound (blocks of the total
-plus one per sequence); a program finds the last sequence whose first block is at most its id by a binary search,
-and exits if past the last block. Its pointers then start at its sequence's first query and key token and its
-lengths are its sequence's, so no program reads another sequence's tokens.
+Each program finds its sequence from its program id alone: the host makes, on the device, the prefix sums of each
+sequence's block counts and, by `torch.searchsorted`, each program's sequence (no read of cu_seqlens, no sync);
+the grid is their upper bound (blocks of the total plus one per sequence), and a program past the last block
+exits. (A binary search inside the kernels, as the forward's, cost the dq pass about 60 registers a thread: at
+D = 256 it spilled 104 bytes, against none with the table.) Its pointers then start at its sequence's first query
+and key token and its lengths are its sequence's, so no program reads another sequence's tokens.
 
 The numerics are attention's backward (opport/backends/cuda/attention.py, whose section comment explains them):
 the exact dS of each row's max-score key j* (dS = P dO.(v_j* - O), where dP - D would cancel), and the EXACT
@@ -37,7 +38,7 @@ from opport.ops.varlen_attention import varlen_attention as spec
 def _varlen_dq_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, delta_ptr, star_ptr, jstar_ptr,
-    cu_q_ptr, cu_k_ptr, cu_blocks_ptr, flag_ptr, cu_fast_ptr,
+    cu_q_ptr, cu_k_ptr, cu_blocks_ptr, seq_ptr, flag_ptr, cu_fast_ptr,
     # shapes, strides
     n_seq, group, d, dv,
     q_st, q_sh, q_sd,
@@ -47,7 +48,7 @@ def _varlen_dq_kernel(
     g_st, g_sh, g_sd,
     l_sh, l_st,
     dq_st, dq_sh, s_sh,
-    qk_scale, scale, cap2, window, search_steps, flag_block,
+    qk_scale, scale, cap2, window, flag_block,
     # meta-parameters
     CAUSAL: tl.constexpr, EXACT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -58,9 +59,10 @@ def _varlen_dq_kernel(
     Dimensions: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], o and do [Tq, Hq, Dv], lse [Hq, Tq] float32, all
     strided; dq [Tq, Hq, D] (strides dq_st, dq_sh, 1); delta, delta_star [Hq, Tq] float32 and j_star [Hq, Tq]
     int32 (stride s_sh); cu_q, cu_k [B + 1] int32 (validated); cu_blocks [B + 1] int32, the prefix sums of each
-    sequence's blocks cdiv(group * Sq_b, BLOCK_M); flags [programs, Hkv] int32.
-    Grid: (cdiv(group * Tq, BLOCK_M) + B, Hkv); program p is block p - cu_blocks[s] of sequence s (binary search
-    of search_steps >= log2(B + 1) steps); programs past the last block exit.
+    sequence's blocks cdiv(group * Sq_b, BLOCK_M); seq [programs] int32, program p's sequence s (the last with
+    cu_blocks[s] <= p); flags [programs, Hkv] int32.
+    Grid: (cdiv(group * Tq, BLOCK_M) + B, Hkv); program p is block p - cu_blocks[s] of sequence s = seq[p];
+    programs past the last block exit.
     Notes: the packed rows g * Sq + i of the sequence (query head hkv * group + g, token cu_q[s] + i); rows with
     lse = -inf take no part and get dq = 0. Key blocks every row sees in full run unmasked, the causal, window and
     tail blocks masked. The EXACT launch (its own cu_blocks; cu_fast is the fast launch's, flag_block its
@@ -71,7 +73,7 @@ def _varlen_dq_kernel(
     """
     pid = tl.program_id(0)
     hkv = tl.program_id(1).to(tl.int64)
-    seq = _find_sequence(pid, cu_blocks_ptr, n_seq, search_steps)
+    seq = tl.load(seq_ptr + pid)
     r0 = (pid - tl.load(cu_blocks_ptr + seq)) * BLOCK_M
     run = pid < tl.load(cu_blocks_ptr + n_seq)
     if EXACT:  # the fast launch's program that held these rows
@@ -155,7 +157,7 @@ def _varlen_dq_kernel(
 def _varlen_dkdv_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, star_ptr, jstar_ptr, dk_ptr, dv_ptr,
-    cu_q_ptr, cu_k_ptr, cu_blocks_ptr, flag_ptr, cu_fast_ptr,
+    cu_q_ptr, cu_k_ptr, cu_blocks_ptr, seq_ptr, flag_ptr, cu_fast_ptr,
     # shapes, strides
     n_seq, group, d, dv,
     q_st, q_sh, q_sd,
@@ -164,7 +166,7 @@ def _varlen_dkdv_kernel(
     g_st, g_sh, g_sd,
     l_sh, l_st,
     dk_st, dk_sh, dv_st, dv_sh, s_sh,
-    qk_scale, scale, cap2, window, search_steps, flag_block,
+    qk_scale, scale, cap2, window, flag_block,
     # meta-parameters
     CAUSAL: tl.constexpr, EXACT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -186,7 +188,7 @@ def _varlen_dkdv_kernel(
     """
     pid = tl.program_id(0)
     hkv = tl.program_id(1).to(tl.int64)
-    seq = _find_sequence(pid, cu_blocks_ptr, n_seq, search_steps)
+    seq = tl.load(seq_ptr + pid)
     j0 = (pid - tl.load(cu_blocks_ptr + seq)) * BLOCK_N
     run = pid < tl.load(cu_blocks_ptr + n_seq)
     if EXACT:
@@ -260,20 +262,6 @@ def _varlen_dkdv_kernel(
 
 
 @triton.jit
-def _find_sequence(pid, cu_blocks_ptr, n_seq, search_steps):
-    """The last sequence s with cu_blocks[s] <= pid (binary search; empty sequences hold no block, so the one found
-    is the one whose blocks hold pid; past the last block, the last sequence)."""
-    lo = pid * 0
-    hi = lo + n_seq - 1
-    for _step in range(search_steps):  # invariant: the sequence is in [lo, hi]
-        mid = (lo + hi + 1) // 2
-        below = tl.load(cu_blocks_ptr + mid) <= pid
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid - 1)
-    return lo
-
-
-@triton.jit
 def _seq_rows(r0, hkv, group, sq, BLOCK_M: tl.constexpr):
     """Rows r0 .. r0 + BLOCK_M of a KV head's packed query rows in one sequence (row g * Sq + i is query head
     hkv * group + g, position i): (in range, query head, position), int64. sq > 0 wherever a block exists."""
@@ -309,9 +297,10 @@ def _configs(rows: int, keys: int, d: int, dv: int, dtype: torch.dtype, capped: 
     if wide <= 64:
         return ({"BLOCK_M": 64, "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 1},
                 {"BLOCK_M": 32, "BLOCK_N": 64, **dims, "num_warps": 8, "num_stages": 2})
-    if wide <= 128:
-        return ({"BLOCK_M": 16, "BLOCK_N": 32, **dims, "num_warps": 8 if capped else 4, "num_stages": 2},
+    if wide <= 128:  # dq over 4 warps spilled 16 bytes here (attention's takes 4 without cap or window); 8 spill none
+        return ({"BLOCK_M": 16, "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 2},
                 {"BLOCK_M": 32, "BLOCK_N": 32, **dims, "num_warps": 8, "num_stages": 1})
+    # D = 256: attention's 16 x 16 over 8 warps (dq 191 registers, no spill)
     return ({"BLOCK_M": 16, "BLOCK_N": 16, **dims, "num_warps": 8, "num_stages": 2},
             {"BLOCK_M": 16, "BLOCK_N": 16, **dims, "num_warps": 8, "num_stages": 1})
 
@@ -348,8 +337,7 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     sm_scale = _softmax_scale(scale, d)
     window = 0 if sliding_window is None else min(int(sliding_window), tq + tk)
     common = (n_seq, group, d, dv, *q.stride(), *k.stride(), *v.stride())
-    tail = (sm_scale * LOG2E, sm_scale, 1.0 if softcap is None else float(softcap) * LOG2E, window,
-            n_seq.bit_length())
+    tail = (sm_scale * LOG2E, sm_scale, 1.0 if softcap is None else float(softcap) * LOG2E, window)
     meta = dict(CAUSAL=bool(causal), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 SOFTCAP=softcap is not None, WINDOW=sliding_window is not None)
     fast = _block_sums(cu_q, cfg_q["BLOCK_M"], group)
@@ -357,8 +345,10 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         if causal else dq
     for c, exact in _launches(cfg_q, causal, flags):
         blocks = fast if c["BLOCK_M"] == cfg_q["BLOCK_M"] else _block_sums(cu_q, c["BLOCK_M"], group)
-        _varlen_dq_kernel[(cdiv(group * tq, c["BLOCK_M"]) + n_seq, hkv)](
-            q, k, v, out, grad, lse, dq, stats[0], stats[1], j_star, cu_q, cu_k, blocks, flags, fast, *common,
+        grid = cdiv(group * tq, c["BLOCK_M"]) + n_seq
+        _varlen_dq_kernel[(grid, hkv)](
+            q, k, v, out, grad, lse, dq, stats[0], stats[1], j_star, cu_q, cu_k, blocks, _sequences(blocks, grid),
+            flags, fast, *common,
             *out.stride(), *grad.stride(), *lse.stride(), dq.stride(0), dq.stride(1), tq, *tail, cfg_q["BLOCK_M"],
             EXACT=exact, **meta, **c)
     fast = _block_sums(cu_k, cfg_kv["BLOCK_N"])
@@ -366,11 +356,21 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         if causal else dq
     for c, exact in _launches(cfg_kv, causal, flags):
         blocks = fast if c["BLOCK_N"] == cfg_kv["BLOCK_N"] else _block_sums(cu_k, c["BLOCK_N"])
-        _varlen_dkdv_kernel[(cdiv(tk, c["BLOCK_N"]) + n_seq, hkv)](
-            q, k, v, grad, lse, stats[0], stats[1], j_star, dk, dv_, cu_q, cu_k, blocks, flags, fast, *common,
+        grid = cdiv(tk, c["BLOCK_N"]) + n_seq
+        _varlen_dkdv_kernel[(grid, hkv)](
+            q, k, v, grad, lse, stats[0], stats[1], j_star, dk, dv_, cu_q, cu_k, blocks, _sequences(blocks, grid),
+            flags, fast, *common,
             *grad.stride(), *lse.stride(), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1), tq, *tail,
             cfg_kv["BLOCK_N"], EXACT=exact, **meta, **c)
     return dq, dk, dv_
+
+
+def _sequences(blocks, grid: int):
+    """[grid] int32 on the device: each program's sequence, the last s with blocks[s] <= p (blocks: the prefix sums of
+    the sequences' block counts; programs past the last block get the last sequence, and exit)."""
+    ids = torch.arange(grid, dtype=torch.int32, device=blocks.device)
+    seq = torch.searchsorted(blocks, ids, right=True) - 1
+    return seq.clamp_(max=blocks.shape[0] - 2).to(torch.int32)
 
 
 def _launches(cfg: dict, causal: bool, flags) -> Iterator[tuple]:
