@@ -234,7 +234,6 @@ def _cost(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_w
                 flops=2 * hq * pairs * (d + dv))
 
 
-
 # --------------------------------------------------------------------------- backward
 
 BWD = f"{NAME}_backward"
