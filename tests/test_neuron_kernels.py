@@ -276,13 +276,15 @@ def test_kernel_file_layout(name):
 
 def test_each_derived_op_has_its_kernel():
     """docs/style.md 7: a training forward, backward or fused op's neuron kernel is `_<its name>_kernel`, in the file
-    that registers it."""
+    that registers it. A file without kernels of its own (varlen_attention's, which launches attention's per
+    sequence; test_kernel_file_layout checks it imports its sibling) is the one exception."""
     missing = []
     for spec, kernel in NEURON_KERNELS.items():
         if spec.name in all_ops():
             continue
         tree = ast.parse(Path(importlib.import_module(kernel.fn.__module__).__file__).read_text())
-        if f"_{spec.name}_kernel" not in {fn.name for fn in _jitted(tree)}:
+        jitted = {fn.name for fn in _jitted(tree)}
+        if jitted and f"_{spec.name}_kernel" not in jitted:
             missing.append(f"{kernel.fn.__module__}: _{spec.name}_kernel")
     assert not missing, missing
 
