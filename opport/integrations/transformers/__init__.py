@@ -1,10 +1,12 @@
-"""Drop-in opport kernels for Hugging Face Llama-family models (Llama, Mistral, Qwen2).
+"""Drop-in opport kernels for Hugging Face Llama-family models (Llama, Mistral, Qwen2) and their mixture-of-experts
+kin (Mixtral, Qwen3-MoE).
 
     from opport.integrations.transformers import patch, stats, unpatch
     patch(model)     # RMSNorm -> opport.rmsnorm, SwiGLU MLP -> opport.swiglu,
                      # rotary embedding -> opport.rope, attention -> opport.attention (dense batches) or
                      # opport.varlen_attention (padded and packed batches), with the layer's sliding window,
                      # each decoder layer's residual add + post-attention RMSNorm -> opport.add_rmsnorm,
+                     # MoE routers -> opport.topk_router, MoE experts -> opport.moe_experts,
                      # the training loss (labels given, model.train()) -> opport.linear_cross_entropy
     stats(model)     # calls of each op run through opport, and calls handed back with their causes
     unpatch(model)   # the original forwards again
@@ -30,8 +32,10 @@ from opport.integrations.transformers.handback import CAUSES, STATE, Counts, Han
 
 __all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "is_patched", "patch", "stats", "unpatch"]
 
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # config.model_type -> class prefix
-OPS = ("rmsnorm", "swiglu", "rope", "attention", "varlen_attention", "add_rmsnorm", "linear_cross_entropy")
+# config.model_type -> class prefix
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
+OPS = ("rmsnorm", "swiglu", "rope", "attention", "varlen_attention", "add_rmsnorm", "topk_router", "moe_experts",
+       "linear_cross_entropy")
 
 
 def patch(model) -> dict:
@@ -100,8 +104,9 @@ def _family_prefix(model) -> str:
     return FAMILIES[model_type]
 
 
-_CLASSES = {"RMSNorm": "rmsnorm", "Attention": "attention", "DecoderLayer": "add_rmsnorm",
-            "ForCausalLM": "linear_cross_entropy", "Model": "inputs"}  # class name after the prefix -> kind
+_CLASSES = {"RMSNorm": "rmsnorm", "Attention": "attention", "DecoderLayer": "add_rmsnorm", "TopKRouter": "topk_router",
+            "Experts": "moe_experts", "ForCausalLM": "linear_cross_entropy",
+            "Model": "inputs"}  # class name after the prefix -> kind
 
 
 def _kind(module, prefix: str) -> str | None:

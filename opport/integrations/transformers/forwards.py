@@ -85,8 +85,10 @@ def attention(module, hidden_states, position_embeddings, attention_mask=None, p
     cache = cache if cache is not None else past_key_values  # transformers 5.24 renamed the argument `cache`
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
-    q = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    k = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    q, k = module.q_proj(hidden_states).view(hidden_shape), module.k_proj(hidden_states).view(hidden_shape)
+    if getattr(module, "q_norm", None) is not None:  # Qwen3(-MoE): RMSNorm over each head's dimension, before rope
+        q, k = module.q_norm(q), module.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = (t[..., : module.head_dim // 2] for t in position_embeddings)  # HF repeats the half-angle table
     q, k = _op("rope", module, q, cos, sin), _op("rope", module, k, cos, sin)
@@ -191,6 +193,31 @@ def _decoder_body(module, hidden_states, **kwargs):
     return hidden + module.mlp(normed)
 
 
+def router(module, hidden_states):
+    """The MoE router (Qwen3MoeTopKRouter, MixtralTopKRouter): its linear layer, then softmax and top-k as
+    opport.topk_router. Returns what the model's router returns: (logits, weights in the logits' dtype, expert
+    indices as int64, as torch.topk gives them to code that one-hot encodes them)."""
+    hidden_states = hidden_states.reshape(-1, module.hidden_dim)
+    logits = F.linear(hidden_states, module.weight)
+    renormalize = getattr(module, "norm_topk_prob", True)  # Mixtral's router always renormalises its top k
+    weights, indices = _op("topk_router", module, logits, module.top_k, renormalize=bool(renormalize))
+    return logits, weights, indices.long()
+
+
+def experts(module, hidden_states, top_k_index, top_k_weights):
+    """The MoE experts (Qwen3MoeExperts, MixtralExperts: gate_up_proj [E, 2I, H], down_proj [E, H, I]) as one
+    opport.moe_experts: gather, gate_up GEMM, SwiGLU, down GEMM and the weighted sum over each token's experts."""
+    cause = ("activation" if not isinstance(module.act_fn, torch.nn.SiLU) else
+             "expert_bias" if getattr(module, "gate_up_proj_bias", None) is not None else
+             "dtype_mismatch" if not hidden_states.dtype == top_k_weights.dtype == module.gate_up_proj.dtype ==
+             module.down_proj.dtype else None)
+    if cause is not None:
+        hand_back(module, "moe_experts", cause)
+        return call_original(module, hidden_states, top_k_index, top_k_weights)
+    return _op("moe_experts", module, hidden_states, module.gate_up_proj, module.down_proj, top_k_index,
+               top_k_weights)
+
+
 def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kwargs):
     """While training with labels: the loss from opport.linear_cross_entropy on the last hidden states and the
     lm_head's weight (and bias), the logits never materialised, so the output's `logits` is None (as with
@@ -199,9 +226,12 @@ def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kw
     labels, or in evaluation, the model's own head runs (its logits are the output)."""
     if labels is None or not module.training:
         return call_original(module, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    router_loss = kwargs.get("output_router_logits")
+    router_loss = getattr(module.config, "output_router_logits", False) if router_loss is None else router_loss
     cause = ("positional_args" if args else
              "logits_to_keep" if not (isinstance(logits_to_keep, int) and logits_to_keep == 0) else
-             "final_softcap" if getattr(module.config, "final_logit_softcapping", None) is not None else None)
+             "final_softcap" if getattr(module.config, "final_logit_softcapping", None) is not None else
+             "router_aux_loss" if router_loss else None)
     if cause is not None:
         hand_back(module, "linear_cross_entropy", cause)
         return call_original(module, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
@@ -219,9 +249,11 @@ def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kw
     if num_items is not None:
         loss = loss / num_items
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
-    return sys.modules[type(module).__module__].CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+    modeling = sys.modules[type(module).__module__]
+    output = getattr(modeling, "MoeCausalLMOutputWithPast", None) or modeling.CausalLMOutputWithPast  # MoE: theirs
+    return output(loss=loss, logits=None, **rest)
 
 
 # kind -> its forward; the kinds `patch` counts, by the op each one runs
 FORWARDS = {"rmsnorm": rmsnorm, "swiglu": mlp, "attention": attention, "add_rmsnorm": decoder_layer,
-            "linear_cross_entropy": causal_lm, "inputs": base_model}
+            "topk_router": router, "moe_experts": experts, "linear_cross_entropy": causal_lm, "inputs": base_model}
