@@ -168,6 +168,7 @@ def _providers(spec, wl, bound, st: Settings, kernel: str) -> list:
         if wl.torch_detail is not None:
             call += f" [{wl.torch_detail(*tb)}]"
         ps.append(Provider("torch_eager", call, lambda: wl.torch_eager(*tb)))
+        ps += [Provider(name, desc, partial(fn, *tb)) for name, desc, fn in wl.torch_others]
         if st.compile:
             ps.append(_compiled(wl, tb, st))
     if st.kind == "numpy" and wl.numpy is not None:

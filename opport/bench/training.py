@@ -210,6 +210,7 @@ def providers(pass_: str, spec, wl, bound: tuple, prob: Problem, st) -> list:
         return [mine]
     tb, leaves, g = _torch_leaves(spec, bound, prob, st)
     fns = [("torch_eager", wl.torch_call, wl.torch_eager, False)]
+    fns += [(name, desc, fn, False) for name, desc, fn in wl.torch_others]
     if st.compile:
         import torch
 

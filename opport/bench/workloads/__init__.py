@@ -56,6 +56,9 @@ class Workload:
     # torch_vjp_reference(grad, out, *bound) -> float64 gradients (one per differentiable input, the backward's
     # order) from the forward's output as the kernels save it: for ops whose backward reads it (training.py)
     torch_vjp_reference: Callable | None = None
+    # more torch baselines timed in the same run, (name, call, fn) each, fn like torch_eager (the model's own loop
+    # beside a grouped implementation, for MoE); forward and training passes alike
+    torch_others: tuple = ()
     notes: dict = field(default_factory=dict)
 
     def shapes_for(self, tier: str) -> list:
