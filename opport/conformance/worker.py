@@ -79,6 +79,7 @@ def batch_messages(batch: Batch):
     ("result", i, result) per case, then ("done",); ("batch_error", why) if its cases cannot be built;
     ("exit",) after a result that left the device unusable (the caller must end this process)."""
     from opport.conformance.execute import new_result, run_item
+    from opport.dispatch import get_backend
 
     t0 = time.perf_counter()
     try:
@@ -90,9 +91,11 @@ def batch_messages(batch: Batch):
         return
     build_s = round(time.perf_counter() - t0, 4)  # drawing examples, building fixed cases: the op's time too
     yield ("count", len(items))
+    checked = get_backend(batch.backend).capabilities.checked  # e.g. the NKI emulator's capacity as an error
     for i in range(batch.start, len(items)):
         yield ("start", i, dict(new_result(items[i]), index=i))
-        res = dict(run_item(items[i]), index=i)
+        with checked():
+            res = dict(run_item(items[i]), index=i)
         if i == batch.start:
             res["build_s"] = build_s
         yield ("result", i, res)

@@ -13,6 +13,7 @@ clears it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import pkgutil
@@ -38,12 +39,16 @@ class Capabilities:
     device_resource: the cluster resource a host offers when it has this backend's real device ("GPU",
         "neuron_cores"; docs/fleet.md): on a cluster that offers it, the backend's cases and problems run
         only where it is. None: the backend runs on any CPU.
+    checked: the context conformance runs each of its cases in, stricter than a user's call where an emulator
+        only warns of what the device rejects (the NKI emulator's SBUF/PSUM capacity: the Neuron compiler
+        refuses such a kernel).
     """
 
     emulated: Callable[[], bool] = field(default=lambda: False)
     max_workers: Callable[[], int | None] = field(default=lambda: None)
     bench: str | None = None
     device_resource: str | None = None
+    checked: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
 
 
 @dataclass(frozen=True)

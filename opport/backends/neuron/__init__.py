@@ -3,6 +3,7 @@
 Importing this package stays cheap: the SDK probe and the emulator load only when the backend is asked.
 """
 
+import contextlib
 import os
 
 from opport.dispatch.registry import Backend, Capabilities
@@ -20,6 +21,13 @@ def _probe():
 
 def _mode() -> str:
     return _compat().MODE
+
+
+def _capacity_checked():
+    """Over-subscribed SBUF/PSUM as an error in the emulator (it warns by default); nothing on the real SDK,
+    whose compiler refuses such a kernel by itself."""
+    compat = _compat()
+    return compat.nki.strict() if compat.EMULATED else contextlib.nullcontext()
 
 
 def _versions() -> dict:
@@ -46,5 +54,6 @@ BACKEND = Backend(
         max_workers=lambda: 4 if _mode() in ("hardware", "simulator") else None,  # one device (or SDK simulator) shared
         bench=f"{__name__}.bench",
         device_resource="neuron_cores",  # the custom resource Trainium/Inferentia nodes declare in Ray
+        checked=_capacity_checked,
     ),
 )
