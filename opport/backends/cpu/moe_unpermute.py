@@ -4,7 +4,6 @@ import numpy as np
 
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
-from opport.ops.moe_unpermute import inverse
 from opport.ops.moe_unpermute import moe_unpermute as spec
 
 
@@ -18,7 +17,10 @@ def moe_unpermute(y: np.ndarray, source: np.ndarray, weights: np.ndarray) -> np.
     """
     t, k = weights.shape
     acc = acc_dtype(y.dtype.name)
-    rows = y[inverse(source)].reshape(t, k, y.shape[1])
+    s = np.asarray(source).astype(np.intp)
+    row = np.empty(s.size, np.intp)
+    row[s] = np.arange(s.size)  # the inverse permutation: slot t*k + j's row of y
+    rows = y[row].reshape(t, k, y.shape[1])
     w = weights.astype(acc)
     out = np.zeros((t, y.shape[1]), acc)
     with np.errstate(invalid="ignore", over="ignore"):
