@@ -35,16 +35,26 @@ def backward_args64(bwd, fwd_bound: tuple, grad: np.ndarray) -> tuple:
     For an op with several outputs (add_rmsnorm), `grad` stacks their upstream gradients along a new first axis."""
     fwd = bwd.parent
     by_name = dict(zip(fwd.params, fwd_bound))
-    if len(bwd.grads) == 1:
+    if bwd.grads == ("grad",):
         by_name["grad"] = grad
         if "out" in bwd.params:
             by_name["out"] = fwd.run_reference(*fwd_bound)
-    else:  # an op with several outputs: `grad` stacks one upstream gradient per output, as its outputs stack
-        by_name.update(zip(bwd.grads, grad))
+    else:  # an op with several outputs: `grad` stacks one upstream gradient per floating output, as _value does
+        by_name.update(zip(bwd.grads, grad if len(bwd.grads) > 1 else (grad,)))
         by_name.update(zip(bwd.saved_outputs, fwd.run_reference(*fwd_bound)))
     if fwd.train_forward is not None:
         by_name.update(zip(fwd.train_forward.stats, fwd.train_forward.run_stats(*fwd_bound)))
     return tuple(by_name[p] for p in bwd.params)
+
+
+def _value(spec, bound) -> np.ndarray:
+    """The forward reference's floating outputs in float64, several (all shaped alike) stacked; integer outputs (a
+    router's indices, group offsets) are left out: they take no gradient."""
+    outs = spec.run_reference(*bound)
+    if spec.integer_outputs:
+        outs = tuple(o for o, name in zip(outs, spec.output_names) if name not in spec.integer_outputs)
+        outs = outs[0] if len(outs) == 1 else outs
+    return np.asarray(outs, np.float64)
 
 
 def check_vjp_against_fd(spec, case, probes: int = 3):
@@ -52,7 +62,7 @@ def check_vjp_against_fd(spec, case, probes: int = 3):
     __tracebackhide__ = True
     bwd = spec.backward_op
     bound = tuple(as64(a) for a in spec.bind(*case.args, **case.kwargs))
-    out = np.asarray(spec.run_reference(*bound), np.float64)  # several outputs (all shaped alike) stack
+    out = _value(spec, bound)
     rng = casegen.rng_for("fd", spec.name, case.name)
     g = rng.standard_normal(out.shape)
     grads = bwd.run_reference(*backward_args64(bwd, bound, g))
@@ -106,8 +116,7 @@ def _directional(spec, bound: tuple, i: int, u: np.ndarray, g: np.ndarray, h: fl
             plus[i], minus[i] = x + h * u, x - h * u
             if not (np.isfinite(plus[i]).all() and np.isfinite(minus[i]).all()):
                 return math.nan, np.zeros_like(x), math.nan
-        fp = np.asarray(spec.run_reference(*plus), np.float64)
-        fm = np.asarray(spec.run_reference(*minus), np.float64)
+        fp, fm = _value(spec, plus), _value(spec, minus)
         noise = EPS * float(np.sum(np.abs(g) * (np.abs(fp) + np.abs(fm)))) / (2 * h)
         return float(np.sum(g * (fp - fm)) / (2 * h)), (plus[i] - minus[i]) / (2 * h), noise
 
@@ -123,7 +132,7 @@ def fd_cases(spec, limit: int = 1 << 14) -> list:
         if not arrays or sum(a.size for a in arrays) > limit or not all(np.isfinite(a).all() for a in arrays):
             continue
         with np.errstate(all="ignore"):
-            if not np.isfinite(np.asarray(spec.run_reference(*case.args, **case.kwargs))).all():
+            if not np.isfinite(_value(spec, spec.bind(*case.args, **case.kwargs))).all():
                 continue
         out.append(case)
     return out
