@@ -207,7 +207,7 @@ def router(module, hidden_states):
 def experts(module, hidden_states, top_k_index, top_k_weights):
     """The MoE experts (Qwen3MoeExperts, MixtralExperts: gate_up_proj [E, 2I, H], down_proj [E, H, I]) as one
     opport.moe_experts: gather, gate_up GEMM, SwiGLU, down GEMM and the weighted sum over each token's experts."""
-    cause = ("activation" if not isinstance(module.act_fn, torch.nn.SiLU) else
+    cause = ("activation" if type(module.act_fn).__name__ not in ("SiLU", "SiLUActivation") else
              "expert_bias" if getattr(module, "gate_up_proj_bias", None) is not None else
              "dtype_mismatch" if not hidden_states.dtype == top_k_weights.dtype == module.gate_up_proj.dtype ==
              module.down_proj.dtype else None)
