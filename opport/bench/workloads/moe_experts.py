@@ -1,7 +1,8 @@
 """moe_experts: the expert MLPs of a mixture-of-experts layer (Qwen3-30B-A3B, Mixtral 8x7B) beside transformers'
-own two implementations, timed in the same run: its eager loop over experts (`torch_eager`) and its grouped_mm path
-(`transformers_grouped_mm`: tokens sorted by expert, torch.nn.functional.grouped_mm where torch has it, else
-transformers' fallback), both on the module transformers builds, with the same weights."""
+own two implementations, timed in the same run: its eager loop over experts (`torch_eager`, its code in plain
+torch) and its grouped_mm path (`transformers_grouped_mm`: tokens sorted by expert, torch.nn.functional.grouped_mm
+where torch has it, else transformers' fallback, on the module transformers builds with the same weights; an
+error row where transformers is not installed)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,25 @@ def _experts(gate_up_proj, down_proj, implementation: str):
 
 
 def transformers_loop(x, gate_up_proj, down_proj, top_k_index, top_k_weights):
-    return _experts(gate_up_proj, down_proj, "eager")(x, top_k_index, top_k_weights)
+    """transformers 5's Qwen3MoeExperts.forward (experts_implementation='eager'), line for line, in plain torch (the
+    H200 has no transformers): a loop over the experts hit, each a gather, two GEMMs and an index_add_."""
+    import torch
+    import torch.nn.functional as F
+
+    num_experts = gate_up_proj.shape[0]
+    final = torch.zeros_like(x)
+    with torch.no_grad():
+        expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        gate, up = F.linear(x[token_idx], gate_up_proj[expert_idx]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, h.to(final.dtype))
+    return final
 
 
 def transformers_grouped_mm(x, gate_up_proj, down_proj, top_k_index, top_k_weights):
