@@ -99,7 +99,8 @@ def problem(spec, wl, bound: tuple, dtype: str, where: tuple, seed: int) -> Prob
         return why
     out, stats = autodiff.training_forward(spec, bound, backend)
     maker = ArrayMaker(kind, device, seed)
-    grad = tuple(_upstream(o, maker) for o in out) if isinstance(out, tuple) else _upstream(out, maker)
+    outs = autodiff.floating_grads(spec, out) if isinstance(out, tuple) else (out,)  # integer outputs take none
+    grad = tuple(_upstream(o, maker) for o in outs) if len(outs) > 1 else _upstream(outs[0], maker)
     saved = (*(grad if isinstance(grad, tuple) else (grad,)), *autodiff.saved_values(spec, bound, out, stats))
     bwd_kernel, why = kernel_for(bwd, saved, backend)
     if why:
@@ -181,7 +182,7 @@ def torch_reference(spec, wl, bound: tuple, grad, names: tuple) -> tuple:
         return tuple(full[bwd.wrt.index(n)] for n in names)
     leaves = [b64[spec.params.index(n)].requires_grad_(True) for n in names]
     with torch.enable_grad():
-        y = forward(*b64)
+        y = differentiable(spec, forward)(*b64)
     return torch.autograd.grad(y, leaves, tuple(g.double() for g in grad) if isinstance(grad, tuple) else grad.double())
 
 
@@ -219,14 +220,28 @@ def providers(pass_: str, spec, wl, bound: tuple, prob: Problem, st) -> list:
                                      f"mode={st.compile_mode!r})", torch.compile(wl.torch_eager, dynamic=False,
                                                                                   mode=st.compile_mode), True))
     make = _autograd_fwd_bwd if pass_ == "fwd+bwd" else _autograd_bwd
-    return [mine] + [(impl, *make(f, desc, tb, leaves, g), compiled) for impl, desc, f, compiled in fns]
+    return [mine] + [(impl, *make(differentiable(spec, f), desc, tb, leaves, g), compiled)
+                     for impl, desc, f, compiled in fns]
+
+
+def differentiable(spec, f):
+    """`f` returning only the op's floating outputs (what autograd takes upstream gradients for): an integer output
+    (topk_router's indices) has none."""
+    if not spec.integer_outputs:
+        return f
+
+    def floating(*args, **kwargs):
+        outs = autodiff.floating_grads(spec, f(*args, **kwargs))
+        return outs[0] if len(outs) == 1 else outs
+
+    return floating
 
 
 def _opport_fwd_bwd(spec, bound, prob: Problem, st) -> tuple:
     if uses_autograd(st.kind):
         tb, leaves, g = _torch_leaves(spec, bound, prob, st)
-        desc, fn = _autograd_fwd_bwd(function(spec), f"opport.{spec.name}(..., backend={st.backend!r})", tb, leaves, g,
-                                     backend=st.backend)
+        desc, fn = _autograd_fwd_bwd(differentiable(spec, function(spec)), f"opport.{spec.name}(..., backend={st.backend!r})",
+                                     tb, leaves, g, backend=st.backend)
         return "opport", f"{desc} -> {prob.kernel}", fn, False
     return ("opport", f"out, pullback = opport.vjp({spec.name!r}, ..., backend={st.backend!r}); pullback(g) -> "
                       f"{prob.kernel}", pullback_call(spec, bound, prob, st.backend), False)

@@ -6,13 +6,8 @@ error row where transformers is not installed)."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from opport.bench.workloads import Shape, Workload
-
-# (tokens, hidden, expert intermediate, experts, experts per token)
-QWEN3_30B_A3B = dict(tokens=4096, hidden=2048, inter=768, experts=128, k=8)
-MIXTRAL_8X7B = dict(tokens=4096, hidden=4096, inter=14336, experts=8, k=2)
+from opport.bench.workloads._moe import MIXTRAL_8X7B, QWEN3_30B_A3B, picks, weights
 
 SHAPES = [
     Shape("smoke", "T64 H64 I32 E8 k2", dict(tokens=64, hidden=64, inter=32, experts=8, k=2), ("smoke",)),
@@ -29,17 +24,9 @@ SHAPES = [
 
 def make(d, dtype, mk):
     t, h, i, e, k = d["tokens"], d["hidden"], d["inter"], d["experts"], d["k"]
-    scores = mk.uniform((t, e), "float32", 0.0, 1.0)  # a random router: k distinct experts per token
-    if mk.kind == "numpy":
-        index = np.argsort(scores, axis=1, kind="stable")[:, :k]
-        w = np.asarray(mk.uniform((t, k), "float32", 0.1, 1.0))
-        weights = (w / w.sum(axis=1, keepdims=True)).astype(mk.normal((1,), dtype).dtype)
-    else:
-        index = scores.argsort(dim=1, stable=True)[:, :k]
-        w = mk.uniform((t, k), "float32", 0.1, 1.0)
-        weights = (w / w.sum(dim=1, keepdim=True)).to(mk.normal((1,), dtype).dtype)
     return dict(x=mk.normal((t, h), dtype), gate_up_proj=mk.normal((e, 2 * i, h), dtype, h ** -0.5),
-                down_proj=mk.normal((e, h, i), dtype, i ** -0.5), top_k_index=index, top_k_weights=weights)
+                down_proj=mk.normal((e, h, i), dtype, i ** -0.5), top_k_index=picks(mk, t, e, k),
+                top_k_weights=weights(mk, t, k, dtype))
 
 
 _MODULES: dict = {}  # (implementation, id of the weights) -> transformers' experts module holding them
