@@ -44,9 +44,10 @@ def _moe_unpermute_kernel(
     # shapes, strides
     n_tokens, n_cols, k, y_sr, y_sc, w_st, w_sk, o_st, o_sc,
     # meta-parameters
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """out[t] = sum_j w[t, j] * y[row[t*k + j]] for a [BLOCK_T tokens, BLOCK_N columns] tile.
+    """out[t] = sum_j w[t, j] * y[row[t*k + j]] for a [BLOCK_T tokens, BLOCK_N columns] tile (WEIGHTED=False: the
+    plain sum over j, moe_permute's backward; w_ptr is then unused).
 
     Dimensions: y [T*k, N], weights [T, k], out [T, N], all strided; row [T*k] int32 (contiguous).
     Args: row_ptr: the inverse permutation (_moe_unpermute_inverse_kernel's).
@@ -64,10 +65,13 @@ def _moe_unpermute_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
     for j in range(0, k):
         r = tl.load(row_ptr + t * k + j, mask=live, other=0).to(tl.int64)
-        w = f32(tl.load(w_ptr + t * w_st + j * w_sk, mask=live, other=0.0))
         inside = ((r >= 0) & (r < n_tokens * k))[:, None]
         y = f32(tl.load(y_ptr + r[:, None] * y_sr + c[None, :] * y_sc, mask=mask & inside, other=0.0))
-        acc += w[:, None] * y
+        if WEIGHTED:
+            w = f32(tl.load(w_ptr + t * w_st + j * w_sk, mask=live, other=0.0))
+            acc += w[:, None] * y
+        else:
+            acc += y
     tl.store(out_ptr + t[:, None] * o_st + c[None, :] * o_sc, narrow(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -126,7 +130,12 @@ def _supports(y, source, weights):
 
 @impl(spec, "cuda", supports=_supports)
 def moe_unpermute(y: torch.Tensor, source: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    t, k = weights.shape
+    return combine(y, source, weights.shape[0], weights.shape[1], weights)
+
+
+def combine(y: torch.Tensor, source: torch.Tensor, t: int, k: int, weights=None) -> torch.Tensor:
+    """out [T, N]: each token's k rows of y (through the inverse of source) summed in order j, weighted when weights
+    [T, k] are given (moe_unpermute) or not (moe_permute's backward). Two launches: the inverse, the gather."""
     n = y.shape[1]
     out = torch.empty((t, n), dtype=y.dtype, device=y.device)
     if out.numel() == 0:
@@ -136,9 +145,10 @@ def moe_unpermute(y: torch.Tensor, source: torch.Tensor, weights: torch.Tensor) 
     _moe_unpermute_inverse_kernel[(cdiv(t * k, block),)](source, rows, t * k, source.stride(0), BLOCK=block,
                                                          num_warps=warps_for(block))
     block_t, block_n = _tile(t, n)
+    w, w_strides = (weights, weights.stride()) if weights is not None else (y, (0, 0))
     _moe_unpermute_kernel[(cdiv(t, block_t), cdiv(n, block_n))](
-        y, rows, weights, out, t, n, k, *y.stride(), *weights.stride(), *out.stride(),
-        BLOCK_T=block_t, BLOCK_N=block_n, num_warps=warps_for(block_t * block_n))
+        y, rows, w, out, t, n, k, *y.stride(), *w_strides, *out.stride(),
+        WEIGHTED=weights is not None, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=warps_for(block_t * block_n))
     return out
 
 
