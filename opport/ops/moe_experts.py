@@ -173,31 +173,30 @@ def _cases(dtype):
     yield _case("prefill-e16-k4", dtype, 64, 128, 64, 16, 4, tags=("llm",))
     yield _case("decode-e32-k8", dtype, 4, 128, 64, 32, 8, index_dtype="int32", tags=("llm",))
     yield _case("small", dtype, 16, 32, 24, 4, 2)
-    # groups of 1 to ~30 rows (none a multiple of a tile) from a skewed router
-    yield _case("ragged-groups", dtype, 37, 40, 20, 6, 3, p=(1, 8, 16, 2, 4, 0.5))
+    # groups of 1 to ~30 rows (none a multiple of a tile) from a skewed router, and an expert nobody picks
+    yield _case("ragged-groups", dtype, 37, 40, 20, 4, 2, p=(1, 8, 0, 3))
     yield _case("tile-edges", dtype, 33, 130, 66, 2, 2, index_dtype="int32")  # H, I, T one or two past 32 / 64 / 128
     yield _case("all-to-one-expert", dtype, 20, 24, 16, 4, 1, index=np.full(20, 2), index_dtype="int32", tags=("edge",))
-    yield _case("all-to-two-experts", dtype, 12, 16, 8, 4, 2, index=np.tile([3, 1], 12), tags=("edge",))
-    yield _case("empty-experts", dtype, 18, 24, 16, 8, 2, p=(1, 0, 0, 0, 0, 1, 1, 0), tags=("edge",))
-    yield _case("k-equals-e", dtype, 10, 16, 12, 4, 4)
+    yield _case("k-equals-e", dtype, 10, 16, 12, 3, 3)
     yield _case("t-one", dtype, 1, 32, 16, 8, 2)
     yield _case("t-zero", dtype, 0, 16, 8, 4, 2, tags=("edge",))
-    yield _case("e128-tiny", dtype, 24, 16, 8, 128, 4, index_dtype="int32")
-    yield _case("duplicate-experts", dtype, 6, 16, 8, 4, 2, index=[1, 1, 0, 2, 3, 3, 2, 0, 2, 2, 1, 3], tags=("edge",))
-    yield _case("weights-zero-negative", dtype, 8, 16, 8, 4, 2,
+    # E = 128 at tiny H and I: experts 0 and 127 among a few picks, most experts empty
+    yield _case("e128-tiny", dtype, 3, 16, 8, 128, 2, index=[127, 0, 64, 127, 1, 126], index_dtype="int32")
+    # an expert twice in one row (a router never does this: it counts twice); router weights zero, negative, > 1
+    yield _case("duplicates-signed-weights", dtype, 8, 16, 8, 3, 2, index=[1, 1, 0, 2, 2, 2, 2, 0, 0, 0, 1, 2, 0, 1, 1, 1],
                 weights=[0.0, 1.0, -0.5, 1.5, 0.0, 0.0, 2.0, -1.0, 0.25, 0.75, -3.0, 0.0, 1.0, 1.0, 0.5, -0.5],
                 tags=("edge",))
     yield _nonfinite(dtype)
 
 
 def _nonfinite(dtype: str) -> Case:
-    """NaN in one token's x and inf in another's; NaN and inf in the weights of experts no token picks: the other
+    """NaN in one token's x and inf in another's; NaN and -inf in the weights of the expert no token picks: the other
     tokens stay finite (no token reads another's row, no expert's weights are read unless picked)."""
-    case = _case("nonfinite-isolated", dtype, 12, 16, 8, 6, 2, p=(1, 1, 0, 1, 0, 1), tags=("edge",))
+    case = _case("nonfinite-isolated", dtype, 12, 16, 8, 4, 2, p=(1, 1, 0, 1), tags=("edge",))
     x, w1, w2, idx, w = case.args
     x, w1, w2 = x.copy(), w1.copy(), w2.copy()
     x[3, 5], x[7, 0] = cg.cast(np.nan, dtype), cg.cast(np.inf, dtype)
-    w1[2, 3, 1], w2[4, 0, 2] = cg.cast(np.nan, dtype), cg.cast(-np.inf, dtype)
+    w1[2, 3, 1], w2[2, 0, 2] = cg.cast(np.nan, dtype), cg.cast(-np.inf, dtype)
     return Case(case.name, (x, w1, w2, idx, w), {}, case.tags)
 
 
@@ -348,7 +347,7 @@ def _backward_cost(grad, x, gate_up_proj, down_proj, top_k_index, top_k_weights)
 @moe_experts_backward.cases
 def _backward_cases(dtype):
     """Upstream gradients the derived cases (random normal grads) do not cover."""
-    fwd = _case("zero-grad", dtype, 9, 16, 8, 4, 2)
+    fwd = _case("zero-grad", dtype, 9, 16, 8, 3, 2)
     case = moe_experts_backward.from_forward(fwd, dtype, grad=np.zeros((9, 16), cg.np_dtype(dtype)))
     yield Case("zero-grad", case.args, case.kwargs, ("edge",))
 

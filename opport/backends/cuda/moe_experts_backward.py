@@ -153,7 +153,7 @@ def _weight_grad(left, right, rw, sched: Schedule, hit, n_hit, dw, l_by_token: b
     """dw[e] = sum over e's rows of left[row]^T right[row] for every expert hit (dw zeroed by the caller)."""
     n, m = dw.shape[1], dw.shape[2]
     cfg = gemm_config(m, 0, right.dtype)
-    bn = cfg["BLOCK_N"] if INTERPRET else min(cfg["BLOCK_N"], 64)
+    bn = gemm_config(n, 0, right.dtype)["BLOCK_N"] if INTERPRET else min(cfg["BLOCK_N"], 64)  # [bn, bm] accumulator
     rw_args = (rw, *rw.stride()) if rw is not None else (right, 0, 0)
     _moe_weight_grad_kernel[(programs, cdiv(n, bn), cdiv(m, cfg["BLOCK_N"]))](
         left, right, rw_args[0], sched.order, sched.offsets, hit, n_hit, dw, sched.k, n, m, *left.stride(),
