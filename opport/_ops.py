@@ -267,6 +267,86 @@ def matmul(a, b, bias=None, *, backend=None):
 matmul.spec = _matmul
 
 
+_moe_experts = _get_op('moe_experts')
+
+
+def moe_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights, *, backend=None):
+    """The routed experts of an MoE MLP, out [T, H] in x's dtype (transformers 5's Qwen3MoeExperts layout).
+
+    For each token t and each of its k picks j, with e = top_k_index[t, j]: h = gate_up_proj[e] @ x[t] (2I),
+    gate = h[:I], up = h[I:], a = silu(gate) * up, and out[t] += top_k_weights[t, j] * (down_proj[e] @ a): exactly
+    transformers' loop over the experts hit. An index picked twice in one row counts twice (a router never does
+    this; transformers' index_add_ gives the same sum). Weights are taken as given: zero, negative or unnormalised.
+    Experts no token picks are never read (NaN there does not leak). silu and the product follow `swiglu`'s rules.
+    16-bit inputs accumulate in float32; kernels may round the intermediate a to x's dtype before the down
+    projection (as transformers does, and as tensor cores take it). Indices are checked on the host before any
+    kernel (they pick which weights a kernel reads).
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (x, gate_up_proj, down_proj, top_k_index, top_k_weights)
+    if x.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_moe_experts, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_moe_experts, b, backend)
+
+
+moe_experts.spec = _moe_experts
+
+
+_moe_permute = _get_op('moe_permute')
+
+
+def moe_permute(x, top_k_index, num_experts, *, backend=None):
+    """Rows grouped by expert: (permuted [T*k, H] in x's dtype, source [T*k] int32, offsets [E + 1] int32).
+
+    Flat slot s = t*k + j is token t's j-th expert e = top_k_index[t, j]. The slots are sorted by expert, stably
+    (by s within an expert): permuted row r is a bit-for-bit copy of x[source[r] // k], where source[r] is the
+    slot it came from, and expert e's rows are offsets[e]:offsets[e + 1] (offsets[0] = 0, offsets[E] = T*k; an
+    expert no token chose has an empty range). `moe_unpermute` takes source back to token order. The expert
+    indices are checked on every call before any kernel runs (they decide where rows are written).
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (x, top_k_index, num_experts)
+    if x.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_moe_permute, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_moe_permute, b, backend)
+
+
+moe_permute.spec = _moe_permute
+
+
+_moe_unpermute = _get_op('moe_unpermute')
+
+
+def moe_unpermute(y, source, weights, *, backend=None):
+    """The weighted sum of each token's k expert rows, out [T, N] in y's dtype (the combine step of a mixture of
+    experts; transformers' `routing_weights`-weighted sum).
+
+    y holds the experts' output rows in expert order, as `moe_permute` laid the tokens out: row r is the
+    output for flat slot s = source[r] = t*k + j (token t's j-th expert). Then
+    out[t] = sum_j weights[t, j] * y[r with source[r] == t*k + j], summed over j = 0..k-1 in order (float32
+    accumulation for 16-bit inputs, one rounding). A weight of 0 still multiplies its row: 0 * inf and
+    0 * NaN are NaN, as in the dense formula. source must be a permutation of [0, T*k); its values are
+    checked on every call before any kernel runs (they decide which rows a kernel reads).
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (y, source, weights)
+    if y.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_moe_unpermute, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_moe_unpermute, b, backend)
+
+
+moe_unpermute.spec = _moe_unpermute
+
+
 _paged_attention = _get_op('paged_attention')
 
 
@@ -477,6 +557,38 @@ def swiglu(gate, up, *, backend=None):
 swiglu.spec = _swiglu
 
 
+_topk_router = _get_op('topk_router')
+
+
+def topk_router(logits, k, renormalize=False, scoring='softmax', bias=None, *, backend=None):
+    """Each token's k experts, (weights [T, k] in logits' dtype, indices [T, k] int32), best first.
+
+    softmax scoring (Mixtral, Qwen-MoE): p = softmax(logits) per row (float32 for 16-bit inputs), the k experts
+    of largest p, weights = p at them. sigmoid scoring (DeepSeek-V3): s = sigmoid(logits), the k experts of
+    largest s + bias (bias [E] float32, None: zeros), weights = s at them: the bias decides the choice only,
+    never the weights. renormalize=True divides each token's k weights by their sum.
+
+    The order: descending score, ties to the lowest expert index (a stable sort), NaN above every number
+    (torch.topk's rule); -0 and +0 tie. The score is the exact one: softmax's and an unbiased sigmoid's order is
+    the logits' own (both are strictly increasing), so probabilities that round to the same float (or to 0)
+    still rank by their logits; with a bias, s + bias is formed in float32 (float64 for float64 logits), so two
+    experts whose exact scores differ by less than its rounding may be ordered either way. Weights follow the
+    float64 formulas: a row with a NaN or +inf logit, or all -inf, is NaN under softmax (as torch.softmax); an
+    expert of logit -inf has p = 0 and ranks below every finite logit. indices carry no gradient.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (logits, k, renormalize, scoring, bias)
+    if logits.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_topk_router, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_topk_router, b, backend)
+
+
+topk_router.spec = _topk_router
+
+
 _varlen_attention = _get_op('varlen_attention')
 
 
@@ -503,4 +615,4 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
 varlen_attention.spec = _varlen_attention
 
 
-__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "kv_cache_write", "layernorm", "linear_cross_entropy", "matmul", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "scaled_matmul", "silu", "softmax", "swiglu", "varlen_attention"]
+__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "kv_cache_write", "layernorm", "linear_cross_entropy", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]
