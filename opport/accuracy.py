@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from opport.dtypes import finfo, is_float, np_dtype
+from opport.dtypes import INTS, finfo, np_dtype
 
 # docs/numerics.md 3.1 rule 3: RMSE multiplier over the baseline's RMSE
 FLOOR_MULT = {"float32": 2.0, "float64": 2.0}
@@ -160,7 +160,7 @@ def compare(out, ref, tol, out_dtype: str, override: bool = False, cancel=None) 
     ops = _ops(ref)
     xp = ops.xp
     a, r = ops.f64(out), ops.f64(ref)
-    if not is_float(out_dtype):  # an integer output (indices, offsets): exactly, whatever the tolerance
+    if getattr(out_dtype, "name", out_dtype) in INTS:  # an integer output (indices, offsets): exactly, whatever the tolerance
         return _exact(ops, a, r)
     rr = ops.rounded(r, out_dtype)  # the reference as the output dtype can hold it
     bad_special = _special_mismatch(xp, a, r, rr, out_dtype)
@@ -304,7 +304,7 @@ def noise_floor(out: np.ndarray, ref: np.ndarray, base: np.ndarray, tol, out_dty
     fraction of the allowance used (<= 1 passes); `rmse_ratio` is RMSE(kernel) / RMSE(baseline).
     """
     a, r, b = (np.asarray(x).astype(np.float64) for x in (out, ref, base))
-    if b.shape != r.shape or not is_float(out_dtype):  # integer outputs are judged exactly by `compare`
+    if b.shape != r.shape or getattr(out_dtype, "name", out_dtype) in INTS:  # integer outputs are judged exactly by `compare`
         return Verdict(True, {})
     fin = np.isfinite(a) & np.isfinite(r) & np.isfinite(b)
     if not fin.any():

@@ -12,8 +12,9 @@ from opport import accuracy
 from opport.autodiff import vjp
 from opport.conformance.execute import poisoned
 from opport.dispatch import impl
+from opport.dtypes import np_dtype
 from opport.public import function
-from opport.spec import BASE_TOLERANCE, Case, op
+from opport.spec import BASE_TOLERANCE, Case, Tolerance, op
 
 
 @op(arrays=("x",))
@@ -83,6 +84,9 @@ def test_integer_outputs_are_judged_exactly():
     assert accuracy.compare(np.array([2, 0], np.int32), np.array([2.0, 0.0]), tol, "int32").ok
     v = accuracy.compare(np.array([2, 1], np.int32), np.array([2.0, 0.0]), tol, "int32")
     assert not v.ok and v.worst["index"] == (1,) and "integer elements differ" in v.message
+    # fp8 codes are no integers: judged by their tolerance (a regression caught by the gate once)
+    q = np.array([448.0, 0.5]).astype(np_dtype("float8_e4m3fn"))
+    assert accuracy.compare(q, np.array([447.0, 0.5]), Tolerance(0.01, 0.0), "float8_e4m3fn").ok
 
 
 def test_the_poison_reaches_integer_buffers():
