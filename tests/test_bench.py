@@ -12,7 +12,6 @@ import pytest
 
 import opport
 from opport.accuracy import compare, like
-from opport.autodiff import floating_grads
 from opport.backends.cpu.bench import HostTimer
 from opport.bench import report
 from opport.bench.ceilings import Ceilings
@@ -266,11 +265,10 @@ def test_torch_gradients_compute_the_reference_vjp(name, dtype):
         pytest.skip(f"{name} has no torch form (its bench rows are judged by the NumPy reference VJP)")
     bound = spec.bind(**wl.make((wl.shapes_for("smoke") or wl.shapes)[0].dims, dtype, ArrayMaker("numpy", seed=2)))
     names = tuple(n for n in spec.backward_op.wrt if bound[spec.params.index(n)] is not None)
-    out = spec.run_reference(*bound)
-    out = floating_grads(spec, out) if isinstance(out, tuple) else (out,)  # an integer output takes no gradient
+    out = training.floating(spec, spec.run_reference(*bound))  # an integer output (indices) takes no gradient
     rng = np.random.default_rng(3)
     gs = tuple(np.asarray(rng.standard_normal(np.shape(o))).astype(bound[spec.array_pos[0]].dtype)
-               for o in out)  # one upstream gradient per floating output
+               for o in (out if isinstance(out, tuple) else (out,)))  # one upstream gradient per output
     g = gs[0] if len(gs) == 1 else gs
     ref = training.numpy_reference(spec, bound, g, names, dtype)
     tb = tuple(NumpyAdapter.to_torch(a, "cpu") if isinstance(a, np.ndarray) else a for a in bound)
@@ -282,7 +280,7 @@ def test_torch_gradients_compute_the_reference_vjp(name, dtype):
     if dtype != "float32":
         return  # 16-bit torch baselines have known misses (docs/benchmarking.md): shown, not asserted
     leaves = [tb[spec.params.index(n)].requires_grad_(True) for n in names]
-    for n, r, t in zip(names, ref, torch.autograd.grad(training.differentiable(spec, wl.torch_eager)(*tb), leaves, tg)):
+    for n, r, t in zip(names, ref, torch.autograd.grad(training.floating(spec, wl.torch_eager(*tb)), leaves, tg)):
         tol = spec.backward_op.tolerance_for("float32", spec.backward_op.wrt.index(n))
         assert compare(like(t, r), r, tol, "float32").ok, f"{name}: d{n} of {wl.torch_call}"
 

@@ -493,7 +493,8 @@ def _backward_kw(bwd, make_forward_kwargs) -> dict:
     stats = ()
     if fwd.train_forward is not None:
         stats = tuple(_empty(s, str(d).removeprefix("torch.")) for s, d in fwd.train_forward.out_metas(bound)[1:])
-    grads = [_empty(o.shape, str(o.dtype).removeprefix("torch.")) for o in outs]  # one upstream gradient per output
+    grads = [_empty(o.shape, str(o.dtype).removeprefix("torch.")) for o, name in zip(outs, fwd.output_labels)
+             if name not in fwd.integer_outputs]  # one upstream gradient per floating output
     out = outs[0] if len(outs) == 1 else tuple(outs)
     return dict(zip(bwd.params, (*grads, *saved_values(fwd, bound, out, stats))))
 

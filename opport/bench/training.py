@@ -99,8 +99,8 @@ def problem(spec, wl, bound: tuple, dtype: str, where: tuple, seed: int) -> Prob
         return why
     out, stats = autodiff.training_forward(spec, bound, backend)
     maker = ArrayMaker(kind, device, seed)
-    outs = autodiff.floating_grads(spec, out) if isinstance(out, tuple) else (out,)  # integer outputs take none
-    grad = tuple(_upstream(o, maker) for o in outs) if len(outs) > 1 else _upstream(outs[0], maker)
+    outs = floating(spec, out)
+    grad = tuple(_upstream(o, maker) for o in outs) if isinstance(outs, tuple) else _upstream(outs, maker)
     saved = (*(grad if isinstance(grad, tuple) else (grad,)), *autodiff.saved_values(spec, bound, out, stats))
     bwd_kernel, why = kernel_for(bwd, saved, backend)
     if why:
@@ -128,6 +128,15 @@ def pass_cost(pass_: str, fwd_cost: Cost, prob: Problem) -> Cost:
     if pass_ == "fwd+bwd":
         return Cost(fwd_cost.bytes + prob.cost.bytes, fwd_cost.flops + prob.cost.flops)
     return prob.cost
+
+
+def floating(spec, outs):
+    """Of an op's outputs (or values per output), those of its floating outputs, which take an upstream gradient: an
+    integer output (a router's indices, group offsets) takes none. One left is returned as it is, not as a tuple."""
+    if not isinstance(outs, tuple) or not spec.integer_outputs:
+        return outs
+    kept = tuple(o for o, name in zip(outs, spec.output_labels) if name not in spec.integer_outputs)
+    return kept[0] if len(kept) == 1 else kept
 
 
 def _upstream(out, maker: ArrayMaker):
@@ -177,12 +186,12 @@ def torch_reference(spec, wl, bound: tuple, grad, names: tuple) -> tuple:
             raise ValueError(f"{bwd.name} reads the forward's output and workloads/{spec.name}.py declares no "
                              "torch_vjp_reference to judge it on that output as saved")
         with torch.no_grad():
-            out = forward(*b64).to(getattr(torch, spec.out_dtype(metas_of(spec, bound)))).double()
+            out = floating(spec, forward(*b64)).to(getattr(torch, spec.out_dtype(metas_of(spec, bound)))).double()
             full = wl.torch_vjp_reference(grad.double(), out, *b64)
         return tuple(full[bwd.wrt.index(n)] for n in names)
     leaves = [b64[spec.params.index(n)].requires_grad_(True) for n in names]
     with torch.enable_grad():
-        y = differentiable(spec, forward)(*b64)
+        y = floating(spec, forward(*b64))
     return torch.autograd.grad(y, leaves, tuple(g.double() for g in grad) if isinstance(grad, tuple) else grad.double())
 
 
@@ -220,28 +229,21 @@ def providers(pass_: str, spec, wl, bound: tuple, prob: Problem, st) -> list:
                                      f"mode={st.compile_mode!r})", torch.compile(wl.torch_eager, dynamic=False,
                                                                                   mode=st.compile_mode), True))
     make = _autograd_fwd_bwd if pass_ == "fwd+bwd" else _autograd_bwd
-    return [mine] + [(impl, *make(differentiable(spec, f), desc, tb, leaves, g), compiled)
-                     for impl, desc, f, compiled in fns]
+    return [mine] + [(impl, *make(_floating_fn(spec, f), desc, tb, leaves, g), compiled) for impl, desc, f, compiled in fns]
 
 
-def differentiable(spec, f):
-    """`f` returning only the op's floating outputs (what autograd takes upstream gradients for): an integer output
-    (topk_router's indices) has none."""
-    if not spec.integer_outputs:
-        return f
-
-    def floating(*args, **kwargs):
-        outs = autodiff.floating_grads(spec, f(*args, **kwargs))
-        return outs[0] if len(outs) == 1 else outs
-
-    return floating
+def _floating_fn(spec, f):
+    """f returning only its floating outputs (what autograd differentiates), or f itself for an op without integer
+    outputs."""
+    return f if not spec.integer_outputs else lambda *a, **kw: floating(spec, f(*a, **kw))
 
 
 def _opport_fwd_bwd(spec, bound, prob: Problem, st) -> tuple:
     if uses_autograd(st.kind):
         tb, leaves, g = _torch_leaves(spec, bound, prob, st)
-        desc, fn = _autograd_fwd_bwd(differentiable(spec, function(spec)), f"opport.{spec.name}(..., backend={st.backend!r})",
-                                     tb, leaves, g, backend=st.backend)
+        desc, fn = _autograd_fwd_bwd(_floating_fn(spec, function(spec)), f"opport.{spec.name}(..., backend={st.backend!r})",
+                                     tb, leaves, g,
+                                     backend=st.backend)
         return "opport", f"{desc} -> {prob.kernel}", fn, False
     return ("opport", f"out, pullback = opport.vjp({spec.name!r}, ..., backend={st.backend!r}); pullback(g) -> "
                       f"{prob.kernel}", pullback_call(spec, bound, prob, st.backend), False)

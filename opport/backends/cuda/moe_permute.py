@@ -10,7 +10,8 @@ from opport.ops.moe_permute import moe_permute as spec
 
 GPU_SLOTS = 256  # slots per program on a GPU: T*k / 256 programs (64 at Qwen3-MoE's 2048 tokens x 8), 1 KiB of indices
 MAX_EXPERTS = 4096  # a [chunk, E] one-hot tile per step: at least one slot per chunk at the 4K-element tile
-COPY_COLS = 256  # columns of x per copy step on a GPU: [16, 256] 16-bit tiles, 8 values per thread over 4 warps
+GPU_CHUNK = 32  # slots per step on a GPU: [32, E] one-hot tiles, [32, 128] row copies (16 values per thread, 8 warps)
+INTERP_CHUNK = 256  # the interpreter's: a [256, 256] same-expert compare is one 64K-element NumPy op
 
 
 @triton.jit
@@ -61,11 +62,11 @@ def _moe_permute_scan_kernel(
     """offsets = [0, cumsum(total per expert)] and, in place of counts, each block's first row per expert.
 
     Dimensions: counts [blocks, E] int32 (overwritten with the bases), offsets [E + 1] int32.
-    Args: ROWS: blocks per step of the two passes over counts.
+    Args: ROWS: blocks per step of the first pass over counts.
     Returns: nothing; offsets and the bases are written.
     Notes: one program: a first pass sums every expert's count over the blocks, an exclusive scan over the experts
-    gives offsets, a second pass writes base[b, e] = offsets[e] + the counts of e in blocks before b (an exclusive
-    scan down each column, carried across steps). Integer sums: exact and in a fixed order.
+    gives offsets, a second pass writes base[b, e] = offsets[e] + the counts of e in blocks before b (a running sum
+    down the blocks). Integer sums: exact and in a fixed order.
     Pseudocode: total = sum_b counts[b]; offsets = [0, cumsum(total)]; base[b] = offsets[:E] + sum_{b' < b} counts[b']
     """
     e = tl.arange(0, BLOCK_E)
@@ -79,13 +80,11 @@ def _moe_permute_scan_kernel(
     tl.store(offsets_ptr + 1 + e, ends, mask=emask)
     tl.store(offsets_ptr + e, 0, mask=e == 0)
     running = ends - total  # exclusive: each expert's first row
-    for b0 in range(0, n_blocks, ROWS):
-        b = b0 + tl.arange(0, ROWS)
-        m = (b < n_blocks)[:, None] & emask[None, :]
-        ptrs = counts_ptr + b[:, None].to(tl.int64) * n_exp + e[None, :]
-        c = tl.load(ptrs, mask=m, other=0)
-        tl.store(ptrs, running[None, :] + tl.cumsum(c, axis=0) - c, mask=m)
-        running += tl.sum(c, axis=0)
+    for b in range(0, n_blocks):  # (T*k / 256 rows of E: a short walk, and no 2-D scan to lower)
+        ptrs = counts_ptr + b * n_exp + e
+        c = tl.load(ptrs, mask=emask, other=0)
+        tl.store(ptrs, running, mask=emask)
+        running += c
 
 
 @triton.jit
@@ -105,11 +104,11 @@ def _moe_permute_kernel(
     Args: base_ptr: _moe_permute_scan_kernel's bases; SINGLE: one block holds every slot (decode, small batches):
     this program counts them itself and writes offsets, and the count and scan launches are skipped.
     Returns: nothing; permuted and source (and with SINGLE, offsets) are written.
-    Notes: within a chunk, a slot's rank is the inclusive cumulative sum of the one-hot rows down the chunk at its
-    expert, minus one, plus what earlier chunks of the block counted (a running [E] vector): a stable order. Rows
+    Notes: a slot's rank is the number of earlier slots of its chunk with the same expert (a [CHUNK, CHUNK] compare
+    of the experts, summed), plus what earlier chunks of the block counted (a running [E] vector): a stable order. Rows
     are distinct, so each program writes its own rows; x's row is read once per chosen expert and copied as it is
     (bit for bit).
-    Pseudocode: run = base[b]; for each chunk: row = run[e] + cumsum(onehot)[e] - 1; run += sum(onehot);
+    Pseudocode: run = base[b]; for each chunk: row = run[e] + #{earlier slots of e}; run += sum(onehot);
         source[row] = s; permuted[row, :] = x[s // k, :]
     """
     b = tl.program_id(0).to(tl.int64)
@@ -128,8 +127,10 @@ def _moe_permute_kernel(
     for c0 in range(0, SLOTS, CHUNK):
         s = b * SLOTS + c0 + tl.arange(0, CHUNK).to(tl.int64)
         live = s < n_slots
-        _, hot = _onehot_chunk(idx_ptr, s, live, k, i_st, i_sk, BLOCK_E)
-        row = tl.sum(hot * (run[None, :] + tl.cumsum(hot, axis=0) - 1), axis=1).to(tl.int64)
+        e, hot = _onehot_chunk(idx_ptr, s, live, k, i_st, i_sk, BLOCK_E)
+        i = tl.arange(0, CHUNK)
+        earlier = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])  # same expert, earlier slot of the chunk
+        row = (tl.sum(hot * run[None, :], axis=1) + tl.sum(earlier.to(tl.int32), axis=1)).to(tl.int64)
         run += tl.sum(hot, axis=0)
         tl.store(src_ptr + row, s.to(tl.int32), mask=live)
         t = s // k
@@ -141,12 +142,13 @@ def _moe_permute_kernel(
 
 
 def _config(n_slots: int, n_exp: int, n_cols: int) -> tuple:
-    """(slots per program, slots per chunk, padded experts, copy columns)."""
+    """(slots per program, slots per chunk, padded experts, copy columns): a chunk's [CHUNK, E] one-hot and its
+    [CHUNK, BLOCK_H] row copy hold about tile_elements() each (GPU: registers; interpreter: one program, few large
+    NumPy ops)."""
     block_e = next_pow2(n_exp)
-    chunk = max(1, min(next_pow2(n_slots), tile_elements() // block_e))
-    slots = max(chunk, next_pow2(n_slots) if INTERPRET else GPU_SLOTS)  # interpreter: one program, fewer NumPy ops
-    block_h = min(next_pow2(n_cols), tile_elements() // chunk if INTERPRET else COPY_COLS)
-    return slots, chunk, block_e, max(1, block_h)
+    chunk = max(1, min(next_pow2(n_slots), tile_elements() // block_e, INTERP_CHUNK if INTERPRET else GPU_CHUNK))
+    slots = max(chunk, next_pow2(n_slots) if INTERPRET else GPU_SLOTS)
+    return slots, chunk, block_e, max(1, min(next_pow2(n_cols), tile_elements() // chunk))
 
 
 def _supports(x, top_k_index, num_experts):

@@ -3,6 +3,7 @@
 import torch
 
 from opport.backends.cuda._launch import (
+    INTERPRET,
     ROW_MAX,
     cdiv,
     exp_f32,
@@ -164,10 +165,11 @@ def _topk_router_backward_kernel(
     tl.store(d_ptr + t[:, None] * d_st + e64 * d_se, narrow(d, d_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(n_rows: int, n_exp: int) -> tuple:
-    """(rows per program, padded experts): whole rows of about tile_elements() per program."""
+def _config(n_rows: int, n_exp: int, share: int = 1) -> tuple:
+    """(rows per program, padded experts): whole rows of about tile_elements() / share per program (the backward
+    keeps more row-sized arrays live: half the tile on a GPU, where 4K elements spilled 32 bytes)."""
     block_e = next_pow2(n_exp)
-    return max(1, min(next_pow2(n_rows), tile_elements() // block_e)), block_e
+    return max(1, min(next_pow2(n_rows), tile_elements() // (1 if INTERPRET else share) // block_e)), block_e
 
 
 def _supports(logits, k, renormalize, scoring, bias):
@@ -201,9 +203,9 @@ def topk_router_backward(grad_weights: torch.Tensor, logits: torch.Tensor, indic
     d = torch.empty((t, e), dtype=logits.dtype, device=logits.device)
     if t == 0:
         return (d,)
-    block_t, block_e = _config(t, e)
+    block_t, block_e = _config(t, e, share=2)
     _topk_router_backward_kernel[(cdiv(t, block_t),)](
         grad_weights, logits, indices, d, t, e, k, *grad_weights.stride(), *logits.stride(), *indices.stride(),
         *d.stride(), SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize), PRECISE=logits.dtype == torch.float32,
-        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps_for(block_t * block_e))
+        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps_for(2 * block_t * block_e))
     return (d,)

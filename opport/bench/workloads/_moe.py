@@ -25,13 +25,3 @@ def weights(mk, tokens: int, k: int, dtype: str):
     if mk.kind == "numpy":
         return (w / w.sum(axis=1, keepdims=True)).astype(np_dtype(dtype))
     return (w / w.sum(dim=1, keepdim=True)).to(torch_dtype(dtype))
-
-
-def sorted_slots(top_k_index, num_experts: int):
-    """(order, offsets) in torch: the flat slots t*k+j sorted by expert, stably, and the E + 1 group offsets."""
-    import torch
-
-    flat = top_k_index.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
