@@ -143,19 +143,18 @@ def _routed_sizes(rng, rows: int, experts: int) -> list:
 @grouped_matmul.cases
 def _cases(dtype):
     yield _case("uneven", dtype, [5, 0, 37, 22], 48, 40)
-    yield _case("uneven-trans-w", dtype, [5, 0, 37, 22], 48, 40, trans_w=True)
     # group sizes around the tiles kernels use (16, 64, 128 rows): every boundary inside a tile
     yield _case("tile-boundaries", dtype, [15, 17, 63, 65, 1, 127, 129], 24, 20, trans_w=True)
     yield _case("empty-experts", dtype, [0, 0, 17, 0, 9, 0], 32, 24)
     yield _case("one-expert-all-rows", dtype, [0, 0, 70, 0, 0], 20, 33, trans_w=True)
     yield _case("e-1", dtype, [33], 40, 50)
-    yield _case("e-128", dtype, _routed_sizes(cg.rng_for(NAME, "e-128"), 200, 128), 16, 8, trans_w=True)
+    yield _case("e-128", dtype, _routed_sizes(cg.rng_for(NAME, "e-128"), 40, 128), 16, 8, trans_w=True)
     yield _case("m-1", dtype, [0, 1, 0], 64, 17)
     yield _case("m-zero", dtype, [0, 0, 0], 16, 8, tags=("edge",))
     yield _case("k-zero", dtype, [3, 0, 7], 0, 12, tags=("edge",))
     big = (501.0, 1e-2) if dtype == "float16" else (4988429.2, 1e-3)  # exact products stay representable
     yield _case("large", dtype, [9, 8], 64, 17, scale=big, tags=("edge",))
-    yield _case("heavy-tails", dtype, [20, 44], 64, 32, dist="heavy")
+    yield _case("heavy-tails", dtype, [20, 44], 64, 32, trans_w=True, dist="heavy")
     yield _nonfinite(dtype)
     # a fine-grained MoE's expert layer (Granite-3.0-1B-A400M: hidden 1024, expert intermediate 512, 32 experts,
     # top-8; Qwen3-30B-A3B's: 2048, 768, 128, top-8): 64 routed rows through a slice of two
@@ -183,8 +182,9 @@ def _strategy(dtype):
 
     @st.composite
     def case(draw):
-        sizes = draw(st.lists(st.sampled_from([0, 0, 1, 2, 7, 16, 17, 31, 64, 65]), min_size=1, max_size=6))
-        k, n = draw(st.integers(1, 48)), draw(st.integers(1, 48))
+        # few experts of few rows: emulated backends run 25 of these per dtype, at a fixed cost per expert
+        sizes = draw(st.lists(st.sampled_from([0, 0, 1, 2, 7, 16, 17, 33, 65]), min_size=1, max_size=4))
+        k, n = draw(st.integers(1, 40)), draw(st.integers(1, 40))
         trans_w, dist, scale = draw(st.booleans()), draw(cg.dists(specials=False)), draw(cg.scales())
         seed = draw(cg.seeds())
         rng = np.random.default_rng(seed)
