@@ -157,6 +157,36 @@ def gelu(x, approximate='none', *, backend=None):
 gelu.spec = _gelu
 
 
+_grouped_matmul = _get_op('grouped_matmul')
+
+
+def grouped_matmul(x, w, offsets, trans_w=False, *, backend=None):
+    """Per-expert matmul over contiguous row groups: out [M, N], rows offsets[e]:offsets[e+1] of x times w[e].
+
+    w is [E, K, N], or [E, N, K] with trans_w=True (nn.Linear's layout, transformers' stacked
+    gate_up_proj / down_proj), whose product is x_e @ w[e]^T. offsets are the E + 1 prefix sums of the
+    group sizes (what moe_permute returns): experts may be empty, and an expert's weights are read only
+    where it has rows, so NaN or inf in an unused expert never reach the output. Each output element is
+    one K-long dot product, with float32 accumulation for 16-bit inputs and one rounding; K = 0 gives
+    zeros. The offsets values are checked on every call before any kernel runs (they decide which
+    memory a kernel reads).
+
+    Range (docs/numerics.md 3.9): matmul's, per expert: an element is defined while its
+    `accumulation_bound` (sum_k |x_ik| |w[e]_kj|) is at most the accumulation dtype's largest finite value.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (x, w, offsets, trans_w)
+    if x.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_grouped_matmul, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_grouped_matmul, b, backend)
+
+
+grouped_matmul.spec = _grouped_matmul
+
+
 _kv_cache_write = _get_op('kv_cache_write')
 
 
@@ -615,4 +645,4 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
 varlen_attention.spec = _varlen_attention
 
 
-__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "kv_cache_write", "layernorm", "linear_cross_entropy", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]
+__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "grouped_matmul", "kv_cache_write", "layernorm", "linear_cross_entropy", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]
