@@ -172,7 +172,7 @@ def _nan_under_mask(dtype: str) -> Case:
     """Causal with Sq > Sk: NaN/inf in every k and v position some query must not see; the first rows see nothing."""
     rng = cg.rng_for(NAME, "nan-under-mask", dtype)
     sq, sk = 48, 40
-    q, k, v = _qkv(rng, dtype, 1, 4, 2, sq, sk, 32)
+    q, k, v = _qkv(rng, dtype, 1, 2, 1, sq, sk, 32)  # GQA 2:1 (heads: the emulated backends' time)
     k[:, :, sk - 3:, ::5] = cg.cast(np.nan, dtype)  # the last keys are masked for all but the last rows
     v[:, :, sk - 3:, ::7] = cg.cast(np.inf, dtype)
     q[:, :, : sq - sk] = cg.cast(np.nan, dtype)  # rows that see no key: output 0 whatever q holds
@@ -186,7 +186,7 @@ def _nonfinite_v_on_diagonal(dtype: str) -> Case:
     before j must stay finite, although a kernel's tile holds both kinds of rows in one key block.
     """
     rng = cg.rng_for(NAME, "nonfinite-v-on-diagonal", dtype)
-    q, k, v = _qkv(rng, dtype, 1, 4, 2, 70, 70, 32)
+    q, k, v = _qkv(rng, dtype, 1, 2, 2, 70, 70, 32)  # two kv heads, each with its own non-finite keys
     v[:, 0, 21, ::3] = cg.cast(np.inf, dtype)
     v[:, 0, 22, 1::3] = cg.cast(-np.inf, dtype)
     v[:, 1, 45, ::4] = cg.cast(np.nan, dtype)
@@ -293,7 +293,7 @@ def _softcap_window_cases(dtype):
 def _window_nan_outside(dtype: str) -> Case:
     """NaN/inf in k and v keys that fall out of every late row's window: those rows stay finite."""
     rng = cg.rng_for(NAME, "window-nan-outside", dtype)
-    q, k, v = _qkv(rng, dtype, 1, 4, 2, 64, 64, 32)
+    q, k, v = _qkv(rng, dtype, 1, 2, 1, 64, 64, 32)
     k[:, :, 2, ::3] = cg.cast(np.nan, dtype)  # seen by rows 2..17 (W = 16) only
     v[:, :, 5, ::4] = cg.cast(np.inf, dtype)  # rows 5..20
     return Case("window-nan-outside", (q, k, v), {"causal": True, "scale": None, "sliding_window": 16}, ("edge",))
@@ -522,19 +522,19 @@ def _backward_cases(dtype):
     """Edge cases for the gradients beside those derived from the forward's (random upstream gradients)."""
     nan = cg.cast(np.nan, dtype)
     # causal, Sq > Sk: rows 0..9 see no key; NaN in their q and dO must not reach dk or dv, which stay finite
-    dead = _case("dead-rows", dtype, 1, 4, 2, 30, 20, 32, causal=True)
+    dead = _case("dead-rows", dtype, 1, 2, 1, 30, 20, 32, causal=True)
     q = dead.args[0].copy()
     q[:, :, :10] = nan
-    g = cg.array((1, 4, 30, 32), "float64", cg.rng_for(BWD, "dead-rows", dtype))
+    g = cg.array((1, 2, 30, 32), "float64", cg.rng_for(BWD, "dead-rows", dtype))
     g[:, :, :10:3] = np.nan
     yield _grad_case("dead-rows-nonfinite", dtype, _with(dead, "dead-rows", q=q), g)
     # a live row's NaN (in dO; in q) reaches dk and dv of the keys it sees, not of the keys masked from it
-    live = _case("live-nan", dtype, 1, 4, 2, 40, 40, 32, causal=True)
-    g = cg.array((1, 4, 40, 32), "float64", cg.rng_for(BWD, "live-nan", dtype))
+    live = _case("live-nan", dtype, 1, 2, 1, 40, 40, 32, causal=True)
+    g = cg.array((1, 2, 40, 32), "float64", cg.rng_for(BWD, "live-nan", dtype))
     g[0, 1, 17, 3] = np.nan
     yield _grad_case("nan-grad-row-causal", dtype, live, g)
     q = live.args[0].copy()
-    q[0, 2, 25, 0] = nan
+    q[0, 1, 25, 0] = nan
     yield _grad_case("nan-q-row-causal", dtype, _with(live, "live-nan", q=q))
     # a row whose visible scores are all -inf (q = +inf·e0, every k[..., 0] < 0): output 0, zero gradient
     neg = _case("neg-inf-scores", dtype, 1, 2, 2, 6, 9, 16)
