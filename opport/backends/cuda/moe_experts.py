@@ -64,21 +64,24 @@ def _moe_gate_up_kernel(
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_inter
         offs_k = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + token[:, None] * x_st
-        wg = w1_ptr + e.to(tl.int64) * w1_se + cols.to(tl.int64)[None, :] * w1_sn
-        wu = wg + n_inter * w1_sn
+        # pointer tiles advanced by BLOCK_K per step (recomputing them from the row and column offsets every step held
+        # more of them live across the pipeline's stages: spills at sm_90)
+        x_ptrs = x_ptr + token[:, None] * x_st + offs_k.to(tl.int64)[None, :] * x_sh
+        g_ptrs = w1_ptr + e.to(tl.int64) * w1_se + cols.to(tl.int64)[None, :] * w1_sn + offs_k.to(tl.int64)[:, None] * w1_sh
+        u_ptrs = g_ptrs + n_inter * w1_sn
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for h0 in range(0, H, BLOCK_K):
-            hk = h0 + offs_k
-            h_ok = hk < H
-            xt = dot_operand(tl.load(x_rows + hk.to(tl.int64)[None, :] * x_sh, mask=row_ok[:, None] & h_ok[None, :],
-                                     other=0.0))
+            h_ok = offs_k < H - h0
+            xt = dot_operand(tl.load(x_ptrs, mask=row_ok[:, None] & h_ok[None, :], other=0.0))
             w_mask = h_ok[:, None] & col_ok[None, :]
-            bg = tl.load(wg + hk.to(tl.int64)[:, None] * w1_sh, mask=w_mask, other=0.0)
-            bu = tl.load(wu + hk.to(tl.int64)[:, None] * w1_sh, mask=w_mask, other=0.0)
+            bg = tl.load(g_ptrs, mask=w_mask, other=0.0)
+            bu = tl.load(u_ptrs, mask=w_mask, other=0.0)
             acc_g = tl.dot(xt, dot_operand(bg), acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xt, dot_operand(bu), acc_u, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * x_sh
+            g_ptrs += BLOCK_K * w1_sh
+            u_ptrs += BLOCK_K * w1_sh
         a = _swiglu_f32(acc_g, acc_u)
         tl.store(a_ptr + slot[:, None] * a_ss + cols.to(tl.int64)[None, :] * a_si, narrow(a, a_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
@@ -111,15 +114,16 @@ def _moe_down_kernel(
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         offs_k = tl.arange(0, BLOCK_K)
-        a_rows = a_ptr + slot[:, None] * a_ss
-        w_cols = w_ptr + e.to(tl.int64) * w_se + cols.to(tl.int64)[None, :] * w_sn
+        a_ptrs = a_ptr + slot[:, None] * a_ss + offs_k.to(tl.int64)[None, :] * a_sk  # advanced per step (gate_up's)
+        w_ptrs = w_ptr + e.to(tl.int64) * w_se + cols.to(tl.int64)[None, :] * w_sn + offs_k.to(tl.int64)[:, None] * w_sk
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_ok = kk < K
-            a_t = tl.load(a_rows + kk.to(tl.int64)[None, :] * a_sk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wt = tl.load(w_cols + kk.to(tl.int64)[:, None] * w_sk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            k_ok = offs_k < K - k0
+            a_t = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = tl.dot(dot_operand(a_t), dot_operand(wt), acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * a_sk
+            w_ptrs += BLOCK_K * w_sk
         if SCALED:
             token = slot // k
             s = f32(tl.load(scale_ptr + token * s_st + (slot - token * k) * s_sj, mask=row_ok, other=0.0))
@@ -179,14 +183,19 @@ def block_m(rows: int) -> int:
     return _fit(rows, 64) if INTERPRET else 64
 
 
-def gemm_config(n: int, kdim: int, dtype: torch.dtype) -> dict:
-    """Tile of a grouped GEMM with N output columns and contraction K. GPU numbers are design choices for Hopper,
-    not yet tuned on hardware (docs/cuda.md)."""
+def gemm_config(n: int, kdim: int, dtype: torch.dtype, accs: int = 1) -> dict:
+    """Tile of a grouped GEMM with N output columns, contraction K and `accs` [BLOCK_M, BLOCK_N] float32 accumulators
+    (gate_up: 2, the backward's rows: 3). GPU numbers are design choices for Hopper, checked for registers and spills
+    by tools/cuda_aot.py (sm_90) but not timed on hardware: gathered rows make every K step a [BLOCK_M, BLOCK_K]
+    tile of 64-bit pointers, so the tiles stay below matmul's."""
     if INTERPRET:
         return {"BLOCK_N": _fit(n, 128), "BLOCK_K": _fit(kdim, 128), "num_warps": 4, "num_stages": 1}
-    if dtype == torch.float32:  # IEEE FMA path: register-bound, small tiles
-        return {"BLOCK_N": _fit(n, 64), "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_N": _fit(n, 128), "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    # 8 warps (4 spilled: the gathered rows' 64-bit pointer tiles stay live across the stages), at least 32 columns
+    # (16-wide tiles of a tiny N spilled where 32-wide ones did not)
+    if dtype == torch.float32:  # IEEE FMA path: operands and accumulators in registers, one stage fewer
+        return {"BLOCK_N": max(32, _fit(n, 64 if accs == 1 else 32)), "BLOCK_K": 32, "num_warps": 8,
+                "num_stages": 3 if accs == 1 else 2}
+    return {"BLOCK_N": max(32, _fit(n, 64 if accs < 3 else 32)), "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -200,10 +209,13 @@ class Schedule:
         t, k = top_k_index.shape
         dev = top_k_index.device
         flat = top_k_index.reshape(-1).to(torch.int64)
-        self.order = torch.argsort(flat, stable=True).to(torch.int32)
-        counts = torch.bincount(flat, minlength=n_experts)
-        self.offsets = torch.zeros(n_experts + 1, dtype=torch.int32, device=dev)
-        torch.cumsum(counts, 0, out=self.offsets[1:])
+        experts, order = torch.sort(flat, stable=True)
+        self.order = order.to(torch.int32)
+        # each expert's first sorted row: a binary search of the sorted picks (no atomics, and defined on meta tensors
+        # for tools/cuda_aot.py, where bincount is not)
+        bounds = torch.searchsorted(experts, torch.arange(n_experts + 1, device=dev))
+        self.offsets = bounds.to(torch.int32)
+        counts = bounds[1:] - bounds[:-1]
         self.blocks = torch.zeros(n_experts + 1, dtype=torch.int32, device=dev)
         torch.cumsum((counts + (bm - 1)) // bm, 0, out=self.blocks[1:])
         # an upper bound of sum cdiv(count_e, bm); the interpreter's tensors are in host memory, where the exact count
@@ -221,9 +233,7 @@ def gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, sched: Schedule) -> tor
     """a [T k, I] per slot in x's dtype (launch 1)."""
     i = gate_up_proj.shape[1] // 2
     a = torch.empty((x.shape[0] * sched.k, i), dtype=x.dtype, device=x.device)
-    cfg = gemm_config(i, x.shape[1], x.dtype)
-    if not INTERPRET and x.dtype != torch.float32:
-        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)  # two accumulators: 2 x 64 x 64 float32 over 8 warps
+    cfg = gemm_config(i, x.shape[1], x.dtype, accs=2)
     _moe_gate_up_kernel[(sched.programs, cdiv(i, cfg["BLOCK_N"]))](
         x, gate_up_proj, *sched.args(), a, sched.n_experts, sched.k, x.shape[1], i, *x.stride(), *gate_up_proj.stride(),
         *a.stride(), PRECISION=precision(x.dtype), BLOCK_M=sched.bm, **cfg)

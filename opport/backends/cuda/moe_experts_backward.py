@@ -56,28 +56,31 @@ def _moe_bwd_rows_kernel(
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_inter
         offs_k = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + token[:, None] * x_st
-        g_rows = g_ptr + token[:, None] * g_st
-        wg = w1_ptr + e.to(tl.int64) * w1_se + cols.to(tl.int64)[None, :] * w1_sn
-        wu = wg + n_inter * w1_sn
-        w2 = w2_ptr + e.to(tl.int64) * w2_se + cols.to(tl.int64)[None, :] * w2_si
+        ks = offs_k.to(tl.int64)
+        c64 = cols.to(tl.int64)[None, :]
+        # pointer tiles advanced by BLOCK_K per step, as in the forward's kernels
+        x_ptrs = x_ptr + token[:, None] * x_st + ks[None, :] * x_sh
+        g_ptrs = g_ptr + token[:, None] * g_st + ks[None, :] * g_sh
+        wg_ptrs = w1_ptr + e.to(tl.int64) * w1_se + c64 * w1_sn + ks[:, None] * w1_sh
+        wu_ptrs = wg_ptrs + n_inter * w1_sn
+        w2_ptrs = w2_ptr + e.to(tl.int64) * w2_se + c64 * w2_si + ks[:, None] * w2_sh
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_d = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for h0 in range(0, H, BLOCK_K):
-            hk = h0 + offs_k
-            h_ok = hk < H
-            hs = hk.to(tl.int64)
+            h_ok = offs_k < H - h0
             a_mask = row_ok[:, None] & h_ok[None, :]
             w_mask = h_ok[:, None] & col_ok[None, :]
-            xt = dot_operand(tl.load(x_rows + hs[None, :] * x_sh, mask=a_mask, other=0.0))
-            gt = dot_operand(tl.load(g_rows + hs[None, :] * g_sh, mask=a_mask, other=0.0))
-            acc_g = tl.dot(xt, dot_operand(tl.load(wg + hs[:, None] * w1_sh, mask=w_mask, other=0.0)), acc_g,
-                           input_precision=PRECISION)
-            acc_u = tl.dot(xt, dot_operand(tl.load(wu + hs[:, None] * w1_sh, mask=w_mask, other=0.0)), acc_u,
-                           input_precision=PRECISION)
-            acc_d = tl.dot(gt, dot_operand(tl.load(w2 + hs[:, None] * w2_sh, mask=w_mask, other=0.0)), acc_d,
-                           input_precision=PRECISION)
+            xt = dot_operand(tl.load(x_ptrs, mask=a_mask, other=0.0))
+            gt = dot_operand(tl.load(g_ptrs, mask=a_mask, other=0.0))
+            acc_g = tl.dot(xt, dot_operand(tl.load(wg_ptrs, mask=w_mask, other=0.0)), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(xt, dot_operand(tl.load(wu_ptrs, mask=w_mask, other=0.0)), acc_u, input_precision=PRECISION)
+            acc_d = tl.dot(gt, dot_operand(tl.load(w2_ptrs, mask=w_mask, other=0.0)), acc_d, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * x_sh
+            g_ptrs += BLOCK_K * g_sh
+            wg_ptrs += BLOCK_K * w1_sh
+            wu_ptrs += BLOCK_K * w1_sh
+            w2_ptrs += BLOCK_K * w2_sh
         out_mask = row_ok[:, None] & col_ok[None, :]
         a = _swiglu_f32(acc_g, acc_u)
         tl.store(dw_ptr + tile.to(tl.int64) * n_slots + slot, tl.sum(tl.where(out_mask, acc_d * a, 0.0), 1), mask=row_ok)
@@ -88,7 +91,6 @@ def _moe_bwd_rows_kernel(
         ge = tl.where(ex == 0.0, 0.0, acc_g * ex)
         dgate = (da * acc_u) * (q * (tl.where(acc_g >= 0, 1.0, ex) + ge * q))
         dup = _swiglu_f32(acc_g, da)
-        c64 = cols.to(tl.int64)[None, :]
         tl.store(a_ptr + slot[:, None] * a_ss + c64 * a_si, narrow(a, a_ptr.dtype.element_ty), mask=out_mask)
         dh_rows = dh_ptr + slot[:, None] * dh_ss
         tl.store(dh_rows + c64 * dh_si, narrow(dgate, dh_ptr.dtype.element_ty), mask=out_mask)
@@ -153,12 +155,14 @@ def _weight_grad(left, right, rw, sched: Schedule, hit, n_hit, dw, l_by_token: b
     """dw[e] = sum over e's rows of left[row]^T right[row] for every expert hit (dw zeroed by the caller)."""
     n, m = dw.shape[1], dw.shape[2]
     cfg = gemm_config(m, 0, right.dtype)
-    bn = gemm_config(n, 0, right.dtype)["BLOCK_N"] if INTERPRET else min(cfg["BLOCK_N"], 64)  # [bn, bm] accumulator
+    bn = gemm_config(n, 0, right.dtype)["BLOCK_N"]  # the [bn, bm] accumulator's rows
+    # the rows summed per step: the transposed L tile [bn, rows] is loaded against its layout (64 rows spilled)
+    rows = sched.bm if INTERPRET else 32
     rw_args = (rw, *rw.stride()) if rw is not None else (right, 0, 0)
     _moe_weight_grad_kernel[(programs, cdiv(n, bn), cdiv(m, cfg["BLOCK_N"]))](
         left, right, rw_args[0], sched.order, sched.offsets, hit, n_hit, dw, sched.k, n, m, *left.stride(),
         *right.stride(), *rw_args[1:], *dw.stride(), L_BY_TOKEN=l_by_token, R_BY_TOKEN=r_by_token,
-        WEIGHTED=rw is not None, PRECISION=precision(right.dtype), BLOCK_R=sched.bm, BLOCK_N=bn, BLOCK_M=cfg["BLOCK_N"],
+        WEIGHTED=rw is not None, PRECISION=precision(right.dtype), BLOCK_R=rows, BLOCK_N=bn, BLOCK_M=cfg["BLOCK_N"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -178,9 +182,7 @@ def moe_experts_backward(grad, x, gate_up_proj, down_proj, top_k_index, top_k_we
         return dx, dw1, dw2, dw
     sched = Schedule(top_k_index, n_experts, block_m(t * k))
     rows = t * k
-    cfg = gemm_config(i, h, dt)
-    if not INTERPRET and dt != torch.float32:
-        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)  # three accumulators
+    cfg = gemm_config(i, h, dt, accs=3)
     tiles = cdiv(i, cfg["BLOCK_N"])
     a = torch.empty((rows, i), dtype=dt, device=dev)
     dh = torch.empty((rows, 2 * i), dtype=dt, device=dev)
