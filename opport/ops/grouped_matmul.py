@@ -148,7 +148,7 @@ def _cases(dtype):
     yield _case("empty-experts", dtype, [0, 0, 17, 0, 9, 0], 32, 24)
     yield _case("one-expert-all-rows", dtype, [0, 0, 70, 0, 0], 20, 33, trans_w=True)
     yield _case("e-1", dtype, [33], 40, 50)
-    yield _case("e-128", dtype, _routed_sizes(cg.rng_for(NAME, "e-128"), 40, 128), 16, 8, trans_w=True)
+    yield _case("e-128", dtype, _routed_sizes(cg.rng_for(NAME, "e-128"), 24, 128), 16, 8, trans_w=True)
     yield _case("m-1", dtype, [0, 1, 0], 64, 17)
     yield _case("m-zero", dtype, [0, 0, 0], 16, 8, tags=("edge",))
     yield _case("k-zero", dtype, [3, 0, 7], 0, 12, tags=("edge",))

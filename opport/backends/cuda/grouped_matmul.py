@@ -1,6 +1,6 @@
 """grouped_matmul in Triton: one persistent launch over every expert's row tiles, from a tile schedule built on
-the device (no host sync); the backward's dx is the same kernel on w's other layout, dw one program per (expert,
-output tile) summing that expert's rows in order (deterministic, no atomics).
+the device (no host sync); the backward's dx is the same kernel on w's other layout, dw one launch whose programs
+each own an output tile of some experts and sum each expert's rows in order (deterministic, no atomics).
 """
 
 import torch
@@ -145,11 +145,11 @@ def _config(m: int, n: int, k: int, rows: int, dtype: torch.dtype) -> dict:
     if INTERPRET:  # few, large programs: each tl.dot is one NumPy matmul
         return {"BLOCK_M": _fit(rows, 128), "BLOCK_N": _fit(n, 128), "BLOCK_K": _fit(k, 128), "num_warps": 4,
                 "num_stages": 1}
-    mean = rows
-    if dtype == torch.float32:  # IEEE FMA path: register-bound, small tiles
-        return {"BLOCK_M": _fit(mean, 64), "BLOCK_N": 64, "BLOCK_K": 16, "num_warps": 4, "num_stages": 3}
-    bm = _fit(mean, 128)
-    # 128x128x64 bf16 wgmma tiles, 3 stages: (128*64 + 64*128) * 2 B * 3 = 96 KB of shared memory
+    if dtype == torch.float32:  # IEEE FMA path: register-bound, small tiles (BLOCK_K = 32 spilled on unaligned strides)
+        return {"BLOCK_M": _fit(rows, 64), "BLOCK_N": 64, "BLOCK_K": 16, "num_warps": 4, "num_stages": 3}
+    bm = _fit(rows, 128)
+    # 128x128x32 16-bit wgmma tiles, 3 stages: (128*32 + 32*128) * 2 B * 3 = 48 KB of shared memory. BLOCK_K = 64 and
+    # 4 warps at BLOCK_M = 64 spilled up to 3 KB of registers on unaligned strides (element-wise 64-bit addresses)
     return {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8 if bm >= 64 else 4, "num_stages": 3}
 
 
@@ -234,8 +234,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tran
 def grouped_matmul_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                             trans_w: bool):
     """dx_e = grad_e w[e]^T through the forward's kernel on w's transposed strides (no copy); dw[e] = x_e^T grad_e
-    (grad_e^T x_e with trans_w) from one program per (expert, output tile) over that expert's rows. Both
-    deterministic; empty experts get dw[e] = 0 (their programs store zeros)."""
+    (grad_e^T x_e with trans_w) from programs that each own one output tile of every G-th expert and sum that
+    expert's rows (G = E: one program per expert and tile, for small layers; G = 1 once the tiles fill the GPU).
+    Both deterministic; empty experts get dw[e] = 0 (stored from an untouched accumulator)."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # W_e^T [N, K]: along the contraction (N) and along dx's columns (K)
     _grouped(grad, w, (w.stride(1), w.stride(2)) if trans_w else (w.stride(2), w.stride(1)), offsets, dx)
