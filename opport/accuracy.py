@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from opport.dtypes import finfo, np_dtype
+from opport.dtypes import INTS, finfo, np_dtype
 
 # docs/numerics.md 3.1 rule 3: RMSE multiplier over the baseline's RMSE
 FLOOR_MULT = {"float32": 2.0, "float64": 2.0}
@@ -160,6 +160,8 @@ def compare(out, ref, tol, out_dtype: str, override: bool = False, cancel=None) 
     ops = _ops(ref)
     xp = ops.xp
     a, r = ops.f64(out), ops.f64(ref)
+    if getattr(out_dtype, "name", out_dtype) in INTS:  # an integer output (indices, offsets): exactly, whatever the tolerance
+        return _exact(ops, a, r)
     rr = ops.rounded(r, out_dtype)  # the reference as the output dtype can hold it
     bad_special = _special_mismatch(xp, a, r, rr, out_dtype)
     if tol.signed_zero:
@@ -178,6 +180,19 @@ def compare(out, ref, tol, out_dtype: str, override: bool = False, cancel=None) 
              "abs_err": _num(err[idx]) if finite_at else None, "allowed": _num(allowed[idx]) if finite_at else None}
     at = (float(r[idx]), float(a[idx]), float(err[idx]), float(allowed[idx]))
     return Verdict(False, metrics, _message(metrics["mismatches"], _size(a), idx, at, special_at, finite_at, tol), worst)
+
+
+def _exact(ops, a, r) -> Verdict:
+    """Integer outputs: every element equal (the reference's values are integers held exactly in float64)."""
+    bad = a != r
+    n_bad = int(bad.sum())
+    if not n_bad:
+        return Verdict(True, {"mismatches": 0})
+    idx = tuple(int(i) for i in np.unravel_index(ops.first(bad), tuple(a.shape)))
+    worst = {"index": idx, "expected": _num(r[idx]), "got": _num(a[idx]), "abs_err": _num(abs(a[idx] - r[idx])),
+             "allowed": 0.0}
+    return Verdict(False, {"mismatches": n_bad}, f"{n_bad} of {_size(a)} integer elements differ (exact output); "
+                                                 f"first at {idx}: expected {worst['expected']}, got {worst['got']}", worst)
 
 
 def _message(n_bad: int, n: int, idx, at: tuple, special: bool, finite: bool, tol) -> str:
@@ -289,7 +304,7 @@ def noise_floor(out: np.ndarray, ref: np.ndarray, base: np.ndarray, tol, out_dty
     fraction of the allowance used (<= 1 passes); `rmse_ratio` is RMSE(kernel) / RMSE(baseline).
     """
     a, r, b = (np.asarray(x).astype(np.float64) for x in (out, ref, base))
-    if b.shape != r.shape:
+    if b.shape != r.shape or getattr(out_dtype, "name", out_dtype) in INTS:  # integer outputs are judged exactly by `compare`
         return Verdict(True, {})
     fin = np.isfinite(a) & np.isfinite(r) & np.isfinite(b)
     if not fin.any():

@@ -16,7 +16,8 @@ such a kernel, a plugin's) the training forward and the backward op run as above
     dx, dw = pullback(dy)                           # one gradient per differentiable input (None if absent)
 
 An op with several outputs (add_rmsnorm's normed and sum) returns them as a tuple, and its pullback takes a
-tuple of upstream gradients, one per output: `pullback((dnormed, dsum))`.
+tuple of upstream gradients, one per output: `pullback((dnormed, dsum))`. Integer outputs (topk_router's
+indices) take none: topk_router's pullback takes `dweights` alone.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def saved_values(spec, bound: tuple, out, stats: tuple) -> tuple:
     statistics; everything else the forward had is dropped (and can be freed)."""
     bwd = spec.backward_op
     by_name = dict(zip(spec.params, bound))
-    if len(bwd.grads) == 1:
+    if spec.n_outputs == 1:
         by_name["out"] = out
     else:  # several outputs, saved by their names
         by_name.update(zip(bwd.saved_outputs, out))
@@ -65,9 +66,15 @@ def saved_values(spec, bound: tuple, out, stats: tuple) -> tuple:
     return tuple(by_name[p] for p in bwd.params[len(bwd.grads):])
 
 
+def floating_grads(spec, grads: tuple) -> tuple:
+    """Of one upstream gradient per output (what torch and JAX hand a backward rule), those of the floating
+    outputs: an integer output (a router's indices) has no gradient."""
+    return tuple(g for o, g in zip(spec.output_labels, grads) if o not in spec.integer_outputs)
+
+
 def backward(spec, grad, saved: tuple, backend: str | None) -> tuple:
     """One gradient per name in the op's `wrt` (None where that input was None). `grad`: the upstream gradient,
-    a tuple of them (one per output) for an op with several outputs."""
+    a tuple of them (one per floating output) for an op with several."""
     names = spec.backward_op.grads
     if len(names) > 1 and not (isinstance(grad, (tuple, list)) and len(grad) == len(names)):
         raise errors.ArgumentError(op=spec.backward_op.name, arg="grad", constraint=f"{spec.backward_op.name}.grad_shape",

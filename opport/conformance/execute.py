@@ -457,6 +457,8 @@ def _filled(alloc, value):
         out = alloc(*args, **kwargs)
         if out.dtype.kind in "fcV" and out.dtype.fields is None:
             out.fill(_fits(value, out.dtype.itemsize, lambda: float(finfo(out.dtype.name).max)))
+        elif out.dtype.kind == "i":  # integer outputs (indices, offsets): two poisons that differ, as NaN does not fit
+            out.fill(_int_poison(value))
         return out
 
     return empty
@@ -468,11 +470,21 @@ def _fits(value: float, itemsize: int, fmax) -> float:
     return min(value, fmax()) if itemsize == 1 and value == value else value
 
 
+def _int_poison(value: float) -> int:
+    """The integer stand-in of a poison: -1 for NaN's call, 77 for the sentinel's (both fit int8, neither is an index
+    a kernel would write for an empty input)."""
+    return -1 if value != value else 77
+
+
 def _filled_torch(alloc, value):
     def empty(*args, **kwargs):
         out = alloc(*args, **kwargs)
-        if out.is_floating_point() and out.device.type != "meta":
+        if out.device.type == "meta":
+            return out
+        if out.is_floating_point():
             out.fill_(_fits(value, out.element_size(), lambda: float(sys.modules["torch"].finfo(out.dtype).max)))
+        elif out.dtype.is_signed and not out.is_complex() and out.dtype != sys.modules["torch"].bool:
+            out.fill_(_int_poison(value))
         return out
 
     return empty

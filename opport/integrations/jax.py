@@ -26,7 +26,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from opport import errors
-from opport.autodiff import saved_values
+from opport.autodiff import floating_grads, saved_values
 from opport.dispatch import FallbackWarning, call, context, decide, strict
 from opport.dispatch.adapters import meta_of, python_scalars
 from opport.dtypes import np_dtype
@@ -93,7 +93,8 @@ def _differentiable(spec, metas: list, run: _Runner):
     constant (rope's tables) or differentiating the backward again raises UnsupportedError at trace time."""
     bwd = spec.backward_op
     trained = spec.train_forward or spec
-    k = len(bwd.grads)  # upstream gradients: one per output
+    k = len(bwd.grads)  # upstream gradients: one per floating output
+    n_out = spec.n_outputs
     names = [spec.params[i] for i in run.slots]  # the operands, in order
     carried = [p for p in bwd.params[k:] if p not in spec.params or p in names]  # outputs, stats, given arrays
     fixed = {p: run.template[spec.params.index(p)] for p in bwd.params[k:] if p not in carried}
@@ -104,19 +105,19 @@ def _differentiable(spec, metas: list, run: _Runner):
 
     def forward(*operands):
         outs = run.callback(spec, metas, operands)
-        return outs[0] if k == 1 else tuple(outs)
+        return outs[0] if n_out == 1 else tuple(outs)
 
     def fwd(*primals):
         _refuse_constants(spec, names, primals)
         values = [p.value for p in primals]
         outs = _once_differentiable(spec, lambda *ops: run.callback(trained, metas, ops))(*values)
-        out, stats = (outs[0], tuple(outs[1:])) if k == 1 else (tuple(outs), ())
+        out, stats = (outs[0], tuple(outs[1:])) if n_out == 1 else (tuple(outs), ())
         saved = dict(zip(bwd.params[k:], saved_values(spec, run.bound(values), out, stats)))
         return out, tuple(saved[p] for p in carried)
 
     def bwd_rule(residuals, g):
         g = tuple(jnp.zeros(c.aval.shape, c.aval.dtype) if isinstance(c, SymbolicZero) else c
-                  for c in ((g,) if k == 1 else g))
+                  for c in ((g,) if n_out == 1 else floating_grads(spec, g)))
         bmetas = backward_bound([_meta(bwd, n, c) for n, c in zip(bwd.grads, g)],
                                 [_meta(bwd, p, r) for p, r in zip(carried, residuals)])
         run_backward = _once_differentiable(

@@ -29,7 +29,15 @@ import numpy as np
 import torch
 
 from opport import errors
-from opport.autodiff import backward, fused_forward, fused_op, saved_values, scale_unit_grads, training_forward
+from opport.autodiff import (
+    backward,
+    floating_grads,
+    fused_forward,
+    fused_op,
+    saved_values,
+    scale_unit_grads,
+    training_forward,
+)
 from opport.dispatch import call
 from opport.dispatch.adapters import NumpyAdapter, metas_of
 from opport.integrations.samples import small_cases
@@ -240,12 +248,14 @@ class _Eager(torch.autograd.Function):
             return out
         out, stats = training_forward(spec, bound, backend)
         _keep(ctx, spec, saved_values(spec, bound, out, stats))
+        _integers_not_differentiable(ctx, spec, out)
         return out
 
     @staticmethod
     def backward(ctx, *grad):
         spec = ctx.spec
-        grad = grad[0] if len(grad) == 1 else grad  # one upstream gradient per output
+        grad = floating_grads(spec, grad) if len(grad) > 1 else grad  # one upstream gradient per floating output
+        grad = grad[0] if len(grad) == 1 else grad
         with torch.no_grad():
             if ctx.fused:
                 grads = iter(scale_unit_grads(_kept(ctx), grad, in_place=True))
@@ -269,6 +279,12 @@ class _FirstOrder(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         raise _double_backward(ctx.spec)
+
+
+def _integers_not_differentiable(ctx, spec, out):
+    """An op's integer outputs (indices, offsets) carry no gradient."""
+    if spec.integer_outputs:
+        ctx.mark_non_differentiable(*(o for n, o in zip(spec.output_labels, out) if n in spec.integer_outputs))
 
 
 def _keep(ctx, spec, saved: tuple):
@@ -306,12 +322,13 @@ def register_autograd(spec):
         out, rest = (output[0], tuple(output[1:])) if stats else (output, ())
         if stats:
             ctx.mark_non_differentiable(*rest)
+        _integers_not_differentiable(ctx, spec, out)
         _keep(ctx, spec, saved_values(spec, bound, out, rest))
         ctx.present = tuple(bound[spec.params.index(n)] is not None for n in bwd.wrt)
         ctx.backend = keyword_only_inputs.get("backend")
 
     def backward(ctx, grad, *more):  # more: the statistics' gradients (unused), or the other outputs' upstream ones
-        upstream = (grad,) if len(bwd.grads) == 1 else (grad, *more)
+        upstream = (grad,) if spec.n_outputs == 1 else floating_grads(spec, (grad, *more))
         grads = iter(OPS[bwd.name](*upstream, *_kept(ctx), backend=ctx.backend))
         by_name = {n: next(grads) for n, here in zip(bwd.wrt, ctx.present) if here}
         return tuple(by_name.get(p) for p in spec.params)

@@ -29,6 +29,7 @@ class Spec:
     returns_list = False  # returns a list whose entries may be None (a backward's gradients), not fixed outputs
     parent = None  # the forward a derived spec is derived from
     output_names: tuple = ("out",)
+    integer_outputs: tuple = ()  # outputs of an integer dtype (indices, offsets): compared exactly, no gradient
     writes = write_pos = ()  # arrays written in place (kv_cache_write's caches), by name and position
     _value_check: tuple | None = None
     _written: Callable | None = None
@@ -222,6 +223,11 @@ class Spec:
     def output_labels(self) -> tuple:
         """A name per output, for reports and messages."""
         return self.output_names
+
+    @property
+    def grad_outputs(self) -> tuple:
+        """The outputs a backward takes an upstream gradient for: the floating ones (an integer output has none)."""
+        return tuple(o for o in self.output_labels if o not in self.integer_outputs)
 
     @property
     def n_outputs(self) -> int:

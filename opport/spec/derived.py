@@ -88,8 +88,8 @@ class BackwardSpec(DerivedSpec):
     def __init__(self, fn, forward, wrt: tuple, constraints: dict, constants: dict, reduces: tuple):
         params = tuple(inspect.signature(fn).parameters)
         stats = forward.train_forward.stats if forward.train_forward else ()
-        # one upstream gradient per forward output: `grad`, or `grad_<output>` for an op with several outputs
-        grads = ("grad",) if forward.n_outputs == 1 else tuple(f"grad_{o}" for o in forward.output_names)
+        # one upstream gradient per floating forward output: `grad`, or `grad_<output>` for an op with several
+        grads = ("grad",) if forward.n_outputs == 1 else tuple(f"grad_{o}" for o in forward.grad_outputs)
         outs = ("out",) if forward.n_outputs == 1 else forward.output_names
         strange = [p for p in params[len(grads):] if p not in (*outs, *forward.params, *stats)]
         if params[:len(grads)] != grads or strange:
@@ -162,7 +162,8 @@ class BackwardSpec(DerivedSpec):
         by_name = dict(zip(fwd.params, bound))
         metas = fwd.out_metas(bound)
         grads = (grad,) if len(self.grads) == 1 else (grad if grad is not None else (None,) * len(self.grads))
-        for i, (name, g, (shape, out_dtype)) in enumerate(zip(self.grads, grads, metas)):
+        floating = [m for o, m in zip(fwd.output_labels, metas) if o not in fwd.integer_outputs]
+        for i, (name, g, (shape, out_dtype)) in enumerate(zip(self.grads, grads, floating)):
             out_dtype = getattr(out_dtype, "name", out_dtype)  # np.dtype of an array, or a Meta's name
             if g is None:
                 seed = case.name if i == 0 else f"{case.name}/{name}"
@@ -174,7 +175,7 @@ class BackwardSpec(DerivedSpec):
                 outs = fwd.run_reference(*bound)
                 outs = (outs,) if len(self.saved_outputs) == 1 else outs
                 for name, o, (_, out_dtype) in zip(self.saved_outputs, outs, metas):
-                    by_name[name] = casegen.cast(o, getattr(out_dtype, "name", out_dtype))
+                    by_name[name] = casegen.cast(o, getattr(out_dtype, "name", out_dtype))  # exact for integers
             if fwd.train_forward is not None:
                 stats = fwd.train_forward.run_stats(*bound)
                 acc = acc_dtype(dtype).name

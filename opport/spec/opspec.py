@@ -66,14 +66,19 @@ class OpSpec(Spec):
         """One index per written argument (see `written`)."""
         return tuple(self._written(*bound))
 
-    def outputs(self, names: tuple):
+    def outputs(self, names: tuple, integer: tuple = ()):
         """Declare an op that returns several arrays, `(names[0], names[1], ...)`, from their rule
         `fn(*bound) -> [(shape, dtype name), ...]` (bound arrays are Metas or arrays; scalars as given). Output 0
         is judged with the op's tolerances, output i > 0 with `output_tolerances[i]` (set with `tolerance(index=i,
-        ...)`)."""
+        ...)`). `integer`: the outputs of an integer dtype (a router's expert indices, group offsets): judged
+        exactly, and without a gradient (the backward takes no `grad_<name>` for them; torch and JAX see them as
+        non-differentiable). Output 0 is floating."""
 
         def declare(fn):
-            self.output_names, self._out_metas = tuple(names), fn
+            unknown = [n for n in integer if n not in names]
+            if unknown or (integer and names[0] in integer):
+                raise TypeError(f"{self.name}: integer outputs {tuple(integer)} must be among {tuple(names)[1:]}")
+            self.output_names, self._out_metas, self.integer_outputs = tuple(names), fn, tuple(integer)
             return fn
 
         return declare
