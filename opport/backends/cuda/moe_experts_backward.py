@@ -1,6 +1,6 @@
 """moe_experts' backward in Triton: the forward's schedule and grouped GEMMs, activations recomputed, no atomics.
 
-Saved from the forward: its inputs only. Five launches:
+Saved from the forward: its inputs only. Six launches:
 1. `_moe_bwd_rows_kernel`, programs (row block, I tile): gate and up recomputed as in the forward, and in the same
    loop over H dA = grad[token] down_proj[e] (the upstream gradient through the down projection, before the router
    weight). Then a = silu(gate) up, the router weight's gradient partial sum(dA * a) over the tile's I columns
@@ -12,7 +12,7 @@ Saved from the forward: its inputs only. Five launches:
    sorted order into one float32 accumulator (deterministic; an expert without rows is never visited: the
    gradients are zeroed first).
 3. dx per slot = dh[slot] gate_up_proj[e] (the forward's `_moe_down_kernel`), summed over k in pick order (its
-   `_moe_sum_k_kernel`); dtop_k_weights: the dw partials summed over I tiles in order (`sum_partials`).
+   `_moe_sum_k_kernel`): two launches; dtop_k_weights: the dw partials summed over I tiles in order (`sum_partials`).
 """
 
 import torch
@@ -168,7 +168,7 @@ def _weight_grad(left, right, rw, sched: Schedule, hit, n_hit, dw, l_by_token: b
 
 @impl(spec.backward_op, "cuda")
 def moe_experts_backward(grad, x, gate_up_proj, down_proj, top_k_index, top_k_weights):
-    """dx, dgate_up_proj, ddown_proj, dtop_k_weights by the five launches of the module docstring. Extra memory: a
+    """dx, dgate_up_proj, ddown_proj, dtop_k_weights by the six launches of the module docstring. Extra memory: a
     [T k, I] and dh [T k, 2I] in x's dtype, per-slot dx rows [T k, H] float32, dw partials [I tiles, T k] float32."""
     t, h = x.shape
     n_experts, i = gate_up_proj.shape[0], down_proj.shape[2]

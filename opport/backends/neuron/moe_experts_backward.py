@@ -216,17 +216,25 @@ def _store_tile(dw_hbm, acc_psum, e, r0, r, c0, c):
 
 
 def _zero_unpicked(dw1_hbm, dw2_hbm, hit):
-    """Zeros for the weight gradients of the experts no token picks (their weights are never read)."""
+    """Zeros for the weight gradients of the experts no token picks (their weights are never read): each run of
+    consecutive unpicked experts is one block of rows of dw viewed as [E R, C], written 128 rows at a time."""
     E = dw1_hbm.shape[0]
     zero_sb = nl.ndarray((TILE, PSUM_N), dtype=dw1_hbm.dtype, buffer=nl.sbuf)
     nisa.memset(dst=zero_sb, value=0.0)
-    for e in range(E):
-        if e not in hit:
-            for dw_hbm in (dw1_hbm, dw2_hbm):
-                R, C = dw_hbm.shape[1], dw_hbm.shape[2]
-                for r0, r in spans(R, TILE):
-                    for c0, c in spans(C, PSUM_N):
-                        nisa.dma_copy(dst=dw_hbm[e, r0:r0 + r, c0:c0 + c], src=zero_sb[0:r, 0:c])
+    runs, start = [], None
+    for e in range(E + 1):
+        picked = e == E or e in hit
+        if not picked and start is None:
+            start = e
+        if picked and start is not None:
+            runs.append((start, e))
+            start = None
+    for e0, e1 in runs:
+        for dw_hbm in (dw1_hbm, dw2_hbm):
+            R, C = dw_hbm.shape[1], dw_hbm.shape[2]
+            for r0, r in spans(e1 * R, TILE, e0 * R):
+                for c0, c in spans(C, PSUM_N):
+                    nisa.dma_copy(dst=dw_hbm.ap([[C, r], [1, c]], offset=r0 * C + c0), src=zero_sb[0:r, 0:c])
 
 
 @impl(spec.backward_op, "neuron")
