@@ -14,6 +14,10 @@ import pytest
 
 import opport
 from opport.accuracy import compare
+from opport.bench.workloads import grouped_matmul as grouped_matmul_workload
+from opport.bench.workloads import moe_experts as moe_experts_workload
+from opport.bench.workloads import moe_permute as moe_permute_workload
+from opport.bench.workloads import moe_unpermute as moe_unpermute_workload
 from opport.dispatch import backends, get_backend, impl, kernels
 from opport.integrations import small_cases
 from opport.ops import builtin_ops
@@ -71,6 +75,16 @@ def _add_rmsnorm_torch(x, residual, w, eps):
     return F.rms_norm(s, s.shape[-1:], w, eps), s
 
 
+def _topk_router_torch(logits, k, renormalize, scoring, bias):
+    """The router with opport's stable order (torch.topk's order of ties is unspecified): descending rank key, ties to
+    the lowest expert; the weights are the chosen scores (renormalised), differentiable in the logits."""
+    s = torch.softmax(logits, -1) if scoring == "softmax" else torch.sigmoid(logits)
+    key = logits if scoring == "softmax" or bias is None else s + bias
+    index = torch.sort(key.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    w = s.gather(-1, index)
+    return (w / w.sum(-1, keepdim=True) if renormalize else w), index.to(torch.int32)
+
+
 TORCH = {
     "softmax": lambda x, axis: torch.softmax(x, axis),
     "rmsnorm": lambda x, w, eps: F.rms_norm(x, x.shape[-1:], w, eps),
@@ -86,6 +100,12 @@ TORCH = {
     "cross_entropy": lambda logits, target, ii, red, ls: F.cross_entropy(logits, target, ignore_index=ii,
                                                                           reduction=red, label_smoothing=ls),
     "linear_cross_entropy": _linear_cross_entropy_torch,
+    # the MoE ops: the torch code of their bench baselines (transformers' loops and compositions)
+    "topk_router": _topk_router_torch,
+    "moe_permute": moe_permute_workload.torch_eager,
+    "moe_unpermute": moe_unpermute_workload.torch_eager,
+    "grouped_matmul": grouped_matmul_workload.per_expert_linear,
+    "moe_experts": moe_experts_workload.transformers_loop,
 }
 
 
@@ -120,8 +140,9 @@ def _judge(spec, grads, want, what: str):
 
 
 def _outs(out) -> tuple:
-    """An op's outputs as a tuple (add_rmsnorm returns two)."""
-    return out if isinstance(out, tuple) else (out,)
+    """An op's floating outputs as a tuple (add_rmsnorm returns two; topk_router's indices take no gradient)."""
+    return tuple(o for o in (out if isinstance(out, tuple) else (out,))
+                 if (o.is_floating_point() if isinstance(o, torch.Tensor) else np.dtype(o.dtype).kind in "fV"))
 
 
 def _cases(spec, limit: int = 3):
