@@ -4,8 +4,8 @@ torch has it for the device and dtype."""
 
 from __future__ import annotations
 
-from opport.bench.workloads import Shape, Workload
-from opport.bench.workloads._moe import MIXTRAL_8X7B, QWEN3_30B_A3B, picks
+from opport.bench.workloads import Shape, Workload, seed_for
+from opport.bench.workloads._moe import MIXTRAL_8X7B, QWEN3_30B_A3B
 
 SHAPES = [
     Shape("smoke", "M128 K64 N32 E8", dict(tokens=64, k=2, hidden=64, inter=16, experts=8), ("smoke",)),
@@ -21,13 +21,14 @@ def make(d, dtype, mk):
     import numpy as np
 
     t, k, e, h, n = d["tokens"], d["k"], d["experts"], d["hidden"], 2 * d["inter"]
-    counts = picks(mk, t, e, k).reshape(-1)
-    if mk.kind == "numpy":
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(counts, minlength=e))]).astype(np.int32)
-    else:
+    # the group sizes of a balanced random router, drawn on the host (the sm_90 check builds these on meta tensors)
+    rng = np.random.default_rng(seed_for("grouped_matmul", t, k, e))
+    picks = np.argsort(rng.random((t, e)), axis=1, kind="stable")[:, :k].reshape(-1)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(picks, minlength=e))]).astype(np.int32)
+    if mk.kind != "numpy":
         import torch
 
-        offsets = torch.cat([counts.new_zeros(1), torch.bincount(counts, minlength=e).cumsum(0)]).to(torch.int32)
+        offsets = torch.from_numpy(offsets).to(mk.device)
     return dict(x=mk.normal((t * k, h), dtype), w=mk.normal((e, n, h), dtype, h ** -0.5), offsets=offsets,
                 trans_w=True)
 
