@@ -3,7 +3,7 @@ placed at base + their rank among the block's earlier slots of the same expert (
 
 import torch
 
-from opport.backends.cuda._launch import INTERPRET, cdiv, next_pow2, tile_elements, tl, triton, warps_for
+from opport.backends.cuda._launch import H200_SMS, INTERPRET, cdiv, next_pow2, tile_elements, tl, triton, warps_for
 from opport.backends.cuda.moe_unpermute import MAX_ROWS, combine
 from opport.dispatch import impl
 from opport.ops.moe_permute import moe_permute as spec
@@ -147,7 +147,8 @@ def _config(n_slots: int, n_exp: int, n_cols: int) -> tuple:
     NumPy ops)."""
     block_e = next_pow2(n_exp)
     chunk = max(1, min(next_pow2(n_slots), tile_elements() // block_e, INTERP_CHUNK if INTERPRET else GPU_CHUNK))
-    slots = max(chunk, next_pow2(n_slots) if INTERPRET else GPU_SLOTS)
+    fill = next_pow2(max(1, n_slots // H200_SMS))  # fewer slots per program where GPU_SLOTS would leave SMs idle
+    slots = max(chunk, next_pow2(n_slots) if INTERPRET else min(GPU_SLOTS, fill))
     return slots, chunk, block_e, max(1, min(next_pow2(n_cols), tile_elements() // chunk))
 
 

@@ -167,7 +167,8 @@ def _topk_router_backward_kernel(
 
 def _config(n_rows: int, n_exp: int, share: int = 1) -> tuple:
     """(rows per program, padded experts): whole rows of about tile_elements() / share per program (the backward
-    keeps more row-sized arrays live: half the tile on a GPU, where 4K elements spilled 32 bytes)."""
+    keeps more row-sized arrays live: a quarter of the tile on a GPU, where 4K elements spilled 32 bytes and 2K still 8
+    with sigmoid scoring and renormalisation)."""
     block_e = next_pow2(n_exp)
     return max(1, min(next_pow2(n_rows), tile_elements() // (1 if INTERPRET else share) // block_e)), block_e
 
@@ -203,7 +204,7 @@ def topk_router_backward(grad_weights: torch.Tensor, logits: torch.Tensor, indic
     d = torch.empty((t, e), dtype=logits.dtype, device=logits.device)
     if t == 0:
         return (d,)
-    block_t, block_e = _config(t, e, share=2)
+    block_t, block_e = _config(t, e, share=4)
     _topk_router_backward_kernel[(cdiv(t, block_t),)](
         grad_weights, logits, indices, d, t, e, k, *grad_weights.stride(), *logits.stride(), *indices.stride(),
         *d.stride(), SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize), PRECISE=logits.dtype == torch.float32,
