@@ -28,7 +28,7 @@ TIERS = {
     "smoke": {"examples": 10, "examples_emulated": 3, "hyp_max": 1 << 16, "hyp_max_emulated": 1 << 12,
               "case_max": 1 << 16, "case_max_emulated": 1 << 14, "layout_max": 1 << 14, "rotate": False,
               "skip_tags": ("large", "slow")},
-    "fast": {"examples": 100, "examples_emulated": 12, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 13,
+    "fast": {"examples": 100, "examples_emulated": 4, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 13,
              "case_max_emulated": 1 << 16, "layout_max": 1 << 16, "layout_max_emulated": 1 << 14, "rotate": True,
              "rotate_max_emulated": 4,
              "skip_tags": ("large", "slow")},
