@@ -135,7 +135,7 @@ def floating(spec, outs):
     integer output (a router's indices, group offsets) takes none. One left is returned as it is, not as a tuple."""
     if not isinstance(outs, tuple) or not spec.integer_outputs:
         return outs
-    kept = tuple(o for o, name in zip(outs, spec.output_labels) if name not in spec.integer_outputs)
+    kept = autodiff.floating_grads(spec, outs)
     return kept[0] if len(kept) == 1 else kept
 
 
