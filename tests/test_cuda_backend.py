@@ -312,6 +312,21 @@ def test_triton_imported_first():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_interpreter_patches_are_undone_after_each_launch():
+    """The interpreter patches triton.language for a launch (opport skips re-patching it for helper calls inside
+    one, _launch._patch_lang_once_per_launch): after a launch that calls helpers, kernels and helpers still
+    compute right and triton.language's builtins are the originals again, so code outside a launch sees them."""
+    if CUDA.mode() != "interpreter":
+        pytest.skip("the interpreter's patching only")
+    import triton.language as tl
+
+    before = {n: getattr(tl, n) for n in ("load", "store", "arange", "zeros", "dot")}
+    x = torch.randn(3, 200, device=CUDA.torch_device())
+    for _ in range(2):  # softmax's kernel calls tl.max / tl.sum (helpers of triton.language.standard)
+        torch.testing.assert_close(opport.softmax(x, backend="cuda"), torch.softmax(x, -1), atol=1e-6, rtol=1e-6)
+    assert {n: getattr(tl, n) for n in before} == before
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
