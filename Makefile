@@ -43,9 +43,10 @@ chromium:
 lint: venv
 	$(BIN)/ruff check opport tests tools
 
-# two workers (pytest-xdist), a test file each at a time: module fixtures run once; on 2 cores 8 -> 5.5 minutes
+# two workers (pytest-xdist), a test file each at a time: module fixtures run once; on 2 cores 8 -> 5.5 minutes.
+# --durations: CI's log shows where the time went
 pytest: venv chromium
-	$(BIN)/python -m pytest -n auto --dist loadfile
+	$(BIN)/python -m pytest -n auto --dist loadfile --durations=15
 
 conformance: venv
 	$(BIN)/opport conformance --backend all --tier fast --json conformance-report.json --junit conformance-report.xml
