@@ -1,8 +1,8 @@
-"""Drop-in opport kernels for Hugging Face Llama-family models (Llama, Mistral, Qwen2) and their mixture-of-experts
-kin (Mixtral, Qwen3-MoE).
+"""Drop-in opport kernels for Hugging Face decoder models: Llama, Mistral, Qwen2, Qwen3, Phi3, OLMo2, Gemma2,
+Gemma3 (text) and the mixture-of-experts Mixtral and Qwen3-MoE (families.py: what runs where, as data).
 
     from opport.integrations.transformers import patch, stats, unpatch
-    patch(model)     # RMSNorm -> opport.rmsnorm, SwiGLU MLP -> opport.swiglu,
+    patch(model)     # RMSNorm -> opport.rmsnorm, gated MLP -> opport.swiglu (SiLU) or opport.gelu (Gemma),
                      # rotary embedding -> opport.rope, attention -> opport.attention (dense batches) or
                      # opport.varlen_attention (padded and packed batches), with the layer's sliding window,
                      # each decoder layer's residual add + post-attention RMSNorm -> opport.add_rmsnorm,
@@ -27,35 +27,35 @@ backward).
 from __future__ import annotations
 
 from opport.errors import UnsupportedError
-from opport.integrations.transformers.forwards import FORWARDS, SAVED, Bound
+from opport.integrations.transformers.families import FAMILIES, Family
+from opport.integrations.transformers.forwards import FAMILY, FORWARDS, SAVED, Bound
 from opport.integrations.transformers.handback import CAUSES, STATE, Counts, HandBackWarning, summary
 
 __all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "is_patched", "patch", "stats", "unpatch"]
 
-# config.model_type -> class prefix
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
-OPS = ("rmsnorm", "swiglu", "rope", "attention", "varlen_attention", "add_rmsnorm", "topk_router", "moe_experts",
-       "linear_cross_entropy")
+OPS = ("rmsnorm", "swiglu", "gelu", "rope", "attention", "varlen_attention", "add_rmsnorm", "topk_router",
+       "moe_experts", "linear_cross_entropy")
 
 
 def patch(model) -> dict:
-    """Swap the RMSNorms, SwiGLU MLPs, rotary embedding, attention and decoder layers' residual add + norm of
-    `model` for opport ops.
+    """Swap the RMSNorms, gated MLPs, rotary embedding, attention and (pre-norm) decoder layers' residual add +
+    norm of `model` for opport ops, as families.FAMILIES says for its config.model_type.
 
-    Returns how many modules of each kind now run opport ({"rmsnorm": n, "swiglu": n, "attention": n,
+    Returns how many modules of each kind now run opport ({"rmsnorm": n, "mlp": n, "attention": n,
     "add_rmsnorm": n, "linear_cross_entropy": n, "inputs": n}: decoder layers, then the causal-LM head, and
     the base model, which reads the batch's layout). Patching an already patched model changes nothing.
     Raises UnsupportedError for other model types.
     """
-    prefix = _family_prefix(model)
+    family = _family(model)
     counts = dict.fromkeys(FORWARDS, 0)
     shared = next((vars(m)[STATE] for m in model.modules() if STATE in vars(m)), None) or Counts()
     for module in model.modules():
-        kind = _kind(module, prefix)
+        kind = _kind(module, family)
         if kind is None or SAVED in vars(module):
             continue
         vars(module)[SAVED] = (vars(module).get("forward"),)
         vars(module)[STATE] = shared
+        vars(module)[FAMILY] = family
         vars(module)["forward"] = Bound(FORWARDS[kind], module)
         counts[kind] += 1
     return counts
@@ -69,6 +69,7 @@ def unpatch(model) -> int:
         if saved is None:
             continue
         vars(module).pop(STATE, None)
+        vars(module).pop(FAMILY, None)
         if saved[0] is None:
             del vars(module)["forward"]  # the class's forward shows through again
         else:
@@ -95,7 +96,7 @@ def stats(model, reset: bool = False) -> dict:
     return summary(total, OPS)
 
 
-def _family_prefix(model) -> str:
+def _family(model) -> Family:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise UnsupportedError(op="transformers.patch", arg="model", constraint="transformers.model_type",
@@ -104,17 +105,9 @@ def _family_prefix(model) -> str:
     return FAMILIES[model_type]
 
 
-_CLASSES = {"RMSNorm": "rmsnorm", "Attention": "attention", "DecoderLayer": "add_rmsnorm", "TopKRouter": "topk_router",
-            "Experts": "moe_experts", "ForCausalLM": "linear_cross_entropy",
-            "Model": "inputs"}  # class name after the prefix -> kind
-
-
-def _kind(module, prefix: str) -> str | None:
+def _kind(module, family: Family) -> str | None:
     """Which patched forward takes this module over, judged by its class (the family's own modeling file)."""
     cls = type(module)
-    if not cls.__module__.startswith("transformers.models.") or not cls.__name__.startswith(prefix):
+    if not cls.__module__.startswith("transformers.models.") or not cls.__name__.startswith(family.prefix):
         return None
-    rest = cls.__name__[len(prefix):]
-    if rest == "MLP":
-        return "swiglu" if getattr(module.config, "hidden_act", None) in ("silu", "swish") else None
-    return _CLASSES.get(rest)
+    return family.kinds().get(cls.__name__[len(family.prefix):])

@@ -17,10 +17,12 @@ import torch.nn.functional as F
 
 from opport.integrations import apply
 from opport.integrations.transformers import layout as layouts
+from opport.integrations.transformers.families import MLP_ACTIVATIONS
 from opport.integrations.transformers.handback import hand_back, ran
 from opport.ops import get_op
 
 SAVED = "_opport_saved_forward"  # on a patched module: (the forward it had in its __dict__, or None,)
+FAMILY = "_opport_family"  # on a patched module: its model's families.Family
 
 
 class Bound:
@@ -57,14 +59,32 @@ def _op(name: str, module, *args, **kwargs):
 
 
 def rmsnorm(module, hidden_states):
-    if hidden_states.dtype != module.weight.dtype:
+    offset = vars(module)[FAMILY].norm_offset  # Gemma: x̂ · (1 + weight)
+    if hidden_states.dtype != module.weight.dtype or (offset and module.weight.dtype not in _WIDE):
         hand_back(module, "rmsnorm", "dtype_mismatch")
         return call_original(module, hidden_states)
-    return _op("rmsnorm", module, hidden_states, module.weight, module.variance_epsilon)
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    weight = module.weight + offset if offset else module.weight  # exact in float32 as the model forms it
+    return _op("rmsnorm", module, hidden_states, weight, eps)
+
+
+_WIDE = (torch.float32, torch.float64)
 
 
 def mlp(module, x):
-    return module.down_proj(_op("swiglu", module, module.gate_proj(x), module.up_proj(x)))
+    """A gated MLP: down(act(gate(x)) · up(x)), gate and up from two projections or one fused gate_up_proj (Phi3);
+    SiLU as opport.swiglu, GELU as opport.gelu on the gate. Another activation is handed back."""
+    act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+    op, kwargs = MLP_ACTIVATIONS.get(type(act).__name__, ("swiglu", None))
+    if kwargs is None:
+        hand_back(module, op, "activation")
+        return call_original(module, x)
+    if hasattr(module, "gate_up_proj"):
+        gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
+    else:
+        gate, up = module.gate_proj(x), module.up_proj(x)
+    h = _op("swiglu", module, gate, up) if op == "swiglu" else _op("gelu", module, gate, **kwargs) * up
+    return module.down_proj(h)
 
 
 def base_model(module, input_ids=None, attention_mask=None, position_ids=None, *args, **kwargs):
@@ -84,14 +104,11 @@ def attention(module, hidden_states, position_embeddings, attention_mask=None, p
     layout = kwargs.pop(layouts.KEY, None)
     cache = cache if cache is not None else past_key_values  # transformers 5.24 renamed the argument `cache`
     input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, module.head_dim)
-    q, k = module.q_proj(hidden_states).view(hidden_shape), module.k_proj(hidden_states).view(hidden_shape)
-    if getattr(module, "q_norm", None) is not None:  # Qwen3(-MoE): RMSNorm over each head's dimension, before rope
-        q, k = module.q_norm(q), module.k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    cos, sin = (t[..., : module.head_dim // 2] for t in position_embeddings)  # HF repeats the half-angle table
-    q, k = _op("rope", module, q, cos, sin), _op("rope", module, k, cos, sin)
+    q, k, v = (x.view(*input_shape, -1, module.head_dim) for x in _qkv(module, hidden_states))
+    if getattr(module, "q_norm", None) is not None and module.q_norm.weight.shape[-1] == module.head_dim:
+        q, k = module.q_norm(q), module.k_norm(k)  # Qwen3, Gemma3: RMSNorm over each head's dimension, before rope
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k = _rope(module, q, position_embeddings), _rope(module, k, position_embeddings)
     if cache is not None:
         k, v = cache.update(k, v, module.layer_idx)
     window = _window(module)
@@ -103,10 +120,36 @@ def attention(module, hidden_states, position_embeddings, attention_mask=None, p
     elif op == "varlen_attention":
         out = _varlen(module, layout, q, k, v, window)
     else:
-        out = _op("attention", module, q, k, v, causal=True, scale=module.scaling,
-                  sliding_window=window).transpose(1, 2)
+        out = _op("attention", module, q, k, v, causal=True, scale=module.scaling, sliding_window=window,
+                  softcap=_softcap(module)).transpose(1, 2)
     out = out.reshape(*input_shape, -1).contiguous()
     return module.o_proj(out), weights
+
+
+def _qkv(module, hidden_states) -> tuple:
+    """The q, k, v projections [..., heads * head_dim]: three Linears, or one fused qkv_proj split (Phi3); OLMo2's
+    q/k norms span the whole projection and come here, before the split into heads."""
+    if hasattr(module, "qkv_proj"):
+        nq, nkv = module.config.num_attention_heads * module.head_dim, module.num_key_value_heads * module.head_dim
+        return module.qkv_proj(hidden_states).split((nq, nkv, nkv), dim=-1)
+    q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
+    if getattr(module, "q_norm", None) is not None and module.q_norm.weight.shape[-1] != module.head_dim:
+        q, k = module.q_norm(q), module.k_norm(k)
+    return q, k, v
+
+
+def _rope(module, x, position_embeddings):
+    """opport.rope on the rotary part of each head: HF's tables repeat the half-angle table and may cover only the
+    first `rotary` dimensions (partial rotary: the rest pass through unchanged)."""
+    rotary = position_embeddings[0].shape[-1]
+    cos, sin = (t[..., : rotary // 2] for t in position_embeddings)
+    if rotary == x.shape[-1]:
+        return _op("rope", module, x, cos, sin)
+    return torch.cat([_op("rope", module, x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
+
+
+def _softcap(module):
+    return getattr(module, "attn_logit_softcapping", None)  # Gemma2: cap · tanh(scores / cap)
 
 
 def _why_not(module, layout, attention_mask, q, k, v, cache, window, kwargs) -> tuple:
@@ -140,7 +183,7 @@ def _varlen(module, layout, q, k, v, window):
     sk = k.shape[2]
     qt = q.transpose(1, 2).reshape(b * sq, hq, d)
     kt, vt = (x.transpose(1, 2).reshape(b * sk, x.shape[1], x.shape[3]) for x in (k, v))
-    kw = dict(causal=True, scale=module.scaling, sliding_window=window)
+    kw = dict(causal=True, scale=module.scaling, sliding_window=window, softcap=_softcap(module))
     if layout.kind == "packed":
         cu_q, cu_k = layout.cu_q.to(q.device), layout.cu_k.to(q.device)
         return _op("varlen_attention", module, qt, kt, vt, cu_q, cu_k, **kw).view(b, sq, hq, -1)
@@ -155,6 +198,8 @@ def _fallback(module, q, k, v, attention_mask, window, kwargs):
     modeling = sys.modules[type(module).__module__]
     fn = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
                                                         modeling.eager_attention_forward)
+    if _softcap(module) is not None:
+        kwargs["softcap"] = _softcap(module)
     return fn(module, q, k, v, attention_mask, scaling=module.scaling, sliding_window=window,
               dropout=module.attention_dropout if module.training else 0.0, **kwargs)
 
@@ -185,12 +230,18 @@ def _decoder_body(module, hidden_states, **kwargs):
     norm = module.post_attention_layernorm
     residual = hidden_states
     h, _ = module.self_attn(hidden_states=module.input_layernorm(hidden_states), **kwargs)
+    h = _dropout(module, "resid_attn_dropout", h)  # Phi3's residual dropouts (identity unless training with p > 0)
     if not h.dtype == residual.dtype == norm.weight.dtype:
         hand_back(module, "add_rmsnorm", "dtype_mismatch")
         hidden = residual + h
-        return hidden + module.mlp(norm(hidden))
+        return hidden + _dropout(module, "resid_mlp_dropout", module.mlp(norm(hidden)))
     normed, hidden = _op("add_rmsnorm", module, h, residual, norm.weight, norm.variance_epsilon)
-    return hidden + module.mlp(normed)
+    return hidden + _dropout(module, "resid_mlp_dropout", module.mlp(normed))
+
+
+def _dropout(module, name: str, x):
+    drop = getattr(module, name, None)
+    return x if drop is None else drop(x)
 
 
 def router(module, hidden_states):
@@ -228,9 +279,11 @@ def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kw
         return call_original(module, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     router_loss = kwargs.get("output_router_logits")
     router_loss = getattr(module.config, "output_router_logits", False) if router_loss is None else router_loss
+    softcap = getattr(module.config, "final_logit_softcapping", None)
+    applies = vars(module)[FAMILY].head_softcap  # Gemma's heads cap the logits; Llama's ignore the setting
     cause = ("positional_args" if args else
              "logits_to_keep" if not (isinstance(logits_to_keep, int) and logits_to_keep == 0) else
-             "final_softcap" if getattr(module.config, "final_logit_softcapping", None) is not None else
+             "final_softcap" if softcap is not None and not applies else
              "router_aux_loss" if router_loss else None)
     if cause is not None:
         hand_back(module, "linear_cross_entropy", cause)
@@ -245,7 +298,7 @@ def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kw
     head = module.lm_head
     loss = _op("linear_cross_entropy", module, hidden.reshape(-1, hidden.shape[-1]), head.weight,
                shift_labels.reshape(-1).to(hidden.device), head.bias, ignore_index=ignore_index,
-               reduction="mean" if num_items is None else "sum")
+               reduction="mean" if num_items is None else "sum", softcap=softcap)
     if num_items is not None:
         loss = loss / num_items
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
@@ -255,5 +308,5 @@ def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kw
 
 
 # kind -> its forward; the kinds `patch` counts, by the op each one runs
-FORWARDS = {"rmsnorm": rmsnorm, "swiglu": mlp, "attention": attention, "add_rmsnorm": decoder_layer,
+FORWARDS = {"rmsnorm": rmsnorm, "mlp": mlp, "attention": attention, "add_rmsnorm": decoder_layer,
             "topk_router": router, "moe_experts": experts, "linear_cross_entropy": causal_lm, "inputs": base_model}

@@ -1,0 +1,153 @@
+"""The families beyond Llama, Mistral and Qwen2 through patch(), each built from a tiny config (nothing downloaded):
+Qwen3 (q/k norms per head), Phi3 (fused qkv and gate_up projections, partial rotary), OLMo2 (post-norms, q/k norms
+over the projection), Gemma2 (1 + weight norms, tanh-GELU gate, attention and final-logit soft caps, alternating
+sliding-window layers) and Gemma3 text (q/k norms, local layers with their own rope base).
+
+On every backend that has the kernels, under opport.strict() (nothing handed back, nothing falling back): float32
+logits within 1e-5 (relative) of the unpatched model's, five AdamW steps tracking it (per-step loss within 1e-5
+relative), greedy generate token-identical, and a padded batch equal to its rows run alone; every norm, MLP,
+attention and loss call counted as run through opport.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import opport
+
+torch = pytest.importorskip("torch")
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("transformers is not installed", allow_module_level=True)
+
+from opport.integrations.transformers import FAMILIES, patch, stats  # noqa: E402
+from tests.hf_tiny import VOCAB, backend_skip, transformers  # noqa: E402
+from tests.hf_tiny import ids as _ids  # noqa: E402
+
+LAYERS = 2  # Gemma's first layer slides, its second attends globally
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+            bos_token_id=2)
+WINDOW = 3  # in reach of the 9-token rows: the window changes the result
+CONFIGS = {  # model_type -> (config class, model class, overrides)
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(partial_rotary_factor=0.5)),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {}),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               dict(sliding_window=WINDOW, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=3.0)),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                    dict(sliding_window=WINDOW, query_pre_attn_scalar=16, rope_local_base_freq=100.0)),
+}
+BACKENDS = ("cpu", "cuda", "neuron")
+NORMS = {"qwen3": 3 * LAYERS + 1, "phi3": LAYERS + 1, "olmo2": 4 * LAYERS + 1, "gemma2": 4 * LAYERS + 1,
+         "gemma3_text": 6 * LAYERS + 1}  # rmsnorm calls per forward (Qwen3/Phi3: the post-attention norm is add_rmsnorm's)
+MLP_OP = {"gemma2": "gelu", "gemma3_text": "gelu"}
+
+
+def _model(family: str):
+    cfg_cls, model_cls, extra = CONFIGS[family]
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**{**TINY, **extra})).eval()
+    with torch.no_grad():  # norm weights away from their init (zeros for Gemma's 1 + weight): the offset matters
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if "gemma" in family else 1.0, 0.3)
+    return model
+
+
+def _skip(backend: str, ops=("rmsnorm", "rope", "attention", "varlen_attention")):
+    why = backend_skip(backend, ops)
+    if why:
+        pytest.skip(why)
+
+
+def _ran(model) -> dict:
+    counts = stats(model, reset=True)
+    assert not any(c["handed_back"] for c in counts.values()), counts
+    return {op: c["opport"] for op, c in counts.items() if c["opport"]}
+
+
+def test_every_family_has_a_tiny_model_here():
+    assert set(CONFIGS) | {"llama", "mistral", "qwen2", "mixtral", "qwen3_moe"} == set(FAMILIES)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", CONFIGS)
+def test_logits_match_and_every_call_runs_opport(family, backend):
+    _skip(backend)
+    model, x = _model(family), _ids()
+    with torch.no_grad():
+        want = model(x).logits
+    patch(model)
+    with opport.use_backend(backend), opport.strict(), torch.no_grad():
+        got = model(x).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    ran = _ran(model)
+    fused = "add_rmsnorm" if FAMILIES[family].pre_norm_layer else None
+    want_ran = {"rmsnorm": NORMS[family], MLP_OP.get(family, "swiglu"): LAYERS, "rope": 2 * LAYERS,
+                "attention": LAYERS, **({fused: LAYERS} if fused else {})}
+    assert ran == want_ran
+
+
+def _train(model, x, steps: int = 5) -> list:
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", CONFIGS)
+def test_five_adamw_steps_track_the_unpatched_model(family, backend):
+    _skip(backend, ("rmsnorm", "rope", "attention", "linear_cross_entropy", "rmsnorm_backward", "rope_backward",
+                    "attention_backward", "linear_cross_entropy_backward"))
+    x = _ids(batch=1, seq=6)
+    want = _train(_model(family), x)
+    model = _model(family)
+    patch(model)
+    with opport.use_backend(backend), opport.strict():
+        got = _train(model, x)
+    assert want[-1] < want[0]
+    rel = [abs(g - w) / abs(w) for g, w in zip(got, want)]
+    assert max(rel) <= 1e-5, rel
+    assert _ran(model)["linear_cross_entropy"] == 5  # the loss (Gemma2's with its final soft cap) through opport
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", CONFIGS)
+def test_greedy_generate_is_token_identical(family, backend):
+    _skip(backend)
+    model, x = _model(family), _ids(batch=1, seq=4)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(x, **kw)
+    patch(model)
+    with opport.use_backend(backend), opport.strict():
+        got = model.generate(x, **kw)
+    assert torch.equal(got, want)
+    new = got.shape[1] - x.shape[1]  # a forward per new token (the prefill, then decode steps); EOS may stop it early
+    assert new >= 2 and _ran(model)["attention"] == new * LAYERS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", CONFIGS)
+def test_padded_batch_equals_its_rows_alone(family, backend):
+    _skip(backend)
+    model = _model(family)
+    patch(model)
+    x = _ids(batch=2, seq=7)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0  # row 0 left-padded by 3
+    with opport.use_backend(backend), opport.strict(), torch.no_grad():
+        batch = model(x.masked_fill(mask == 0, 0), attention_mask=mask).logits
+        alone = [model(x[:1, 3:]).logits[0], model(x[1:]).logits[0]]
+    torch.testing.assert_close(batch[0, 3:], alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batch[1], alone[1], rtol=1e-5, atol=1e-5)
+    assert _ran(model)["varlen_attention"] == LAYERS  # the padded batch ran varlen_attention, nothing handed back
