@@ -151,3 +151,13 @@ def test_padded_batch_equals_its_rows_alone(family, backend):
     torch.testing.assert_close(batch[0, 3:], alone[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(batch[1], alone[1], rtol=1e-5, atol=1e-5)
     assert _ran(model)["varlen_attention"] == LAYERS  # the padded batch ran varlen_attention, nothing handed back
+
+
+def test_the_docs_print_the_family_table():
+    from pathlib import Path
+
+    from opport.integrations.transformers.families import table_rows
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "integration.md").read_text()
+    for model_type, prefix, norm, layer, head in table_rows():
+        assert f"| `{model_type}` | `{prefix}*` | {norm} | {layer} | {head} |" in doc, model_type
