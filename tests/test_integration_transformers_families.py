@@ -11,6 +11,7 @@ attention and loss call counted as run through opport.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -161,3 +162,63 @@ def test_the_docs_print_the_family_table():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "integration.md").read_text()
     for model_type, prefix, norm, layer, head in table_rows():
         assert f"| `{model_type}` | `{prefix}*` | {norm} | {layer} | {head} |" in doc, model_type
+
+
+def _sft_losses(patched: bool, padding_free: bool, tmp_path) -> tuple:
+    datasets, trl = pytest.importorskip("datasets"), pytest.importorskip("trl")
+    from tokenizers import Tokenizer, models
+
+    model = _model("qwen3")
+    if patched:
+        patch(model)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                               pad_token="t0", eos_token="t1", bos_token="t2", unk_token="t0")
+    rows = [{"input_ids": _ids(batch=1, seq=n, seed=n)[0].tolist()} for n in (5, 7, 4, 6)]
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+                         logging_steps=1, report_to=[], padding_free=padding_free, use_cpu=True, save_strategy="no",
+                         seed=0, max_length=None if padding_free else 64, disable_tqdm=True, bf16=False, fp16=False)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=tok)
+    with opport.strict() if patched else contextlib.nullcontext():
+        trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding_free"])
+def test_trl_sft_trainer_gives_the_unpatched_losses(padding_free, tmp_path):
+    """TRL's SFTTrainer, padded batches and padding-free (packed rows with position_ids): the same logged losses;
+    its batches run varlen_attention. TRL computes the loss from the logits itself (it logs entropy and token
+    accuracy from them), so the model is called without labels and the model's own head runs (not a hand-back)."""
+    want, _ = _sft_losses(False, padding_free, tmp_path / "a")
+    got, model = _sft_losses(True, padding_free, tmp_path / "b")
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-5)
+    ran = _ran(model)
+    assert ran["varlen_attention"] >= 3 * LAYERS  # every layer of every step's forward: the batches are padded or packed
+
+
+def test_lora_gradient_checkpointing_and_torch_compile(tmp_path):
+    """PEFT LoRA adapters on the projections of a patched model, with gradient checkpointing: five AdamW steps
+    track the unpatched model's; the patched model compiles with fullgraph=True (no graph break from opport)."""
+    peft = pytest.importorskip("peft")
+
+    def lora(patched: bool):
+        model = _model("gemma2")
+        if patched:
+            patch(model)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+        return peft.get_peft_model(model, config)
+
+    x = _ids(batch=1, seq=6)
+    want = _train(lora(False), x)
+    model = lora(True)
+    with opport.strict():
+        got = _train(model, x)
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want)) <= 1e-5
+    assert _ran(model)["linear_cross_entropy"] == 5
+    model.eval()
+    with torch.no_grad():
+        eager = model(x).logits
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
