@@ -35,7 +35,7 @@ def _ran(model) -> dict:
 def test_patch_swaps_every_block_and_unpatch_restores(family):
     model, ids = _model(family), _ids()
     before = _logits(model, ids)
-    assert patch(model) == {"rmsnorm": 2 * LAYERS + 1, "mlp": LAYERS, "attention": LAYERS, "add_rmsnorm": LAYERS,
+    assert patch(model) == {"rmsnorm": 2 * LAYERS + 1, "layernorm": 0, "mlp": LAYERS, "attention": LAYERS, "add_rmsnorm": LAYERS,
                             "topk_router": 0, "moe_experts": 0, "linear_cross_entropy": 1, "inputs": 1}
     assert is_patched(model) and set(patch(model).values()) == {0}  # idempotent
     assert unpatch(model) == 5 * LAYERS + 3 and not is_patched(model)
@@ -51,7 +51,7 @@ def test_patched_logits_match_unpatched_and_run_opport(family):
     got = _logits(model, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # each layer's post-attention norm runs inside add_rmsnorm: one rmsnorm per layer plus the final norm
-    assert _ran(model) == {"rmsnorm": LAYERS + 1, "swiglu": LAYERS, "gelu": 0, "rope": 2 * LAYERS,
+    assert _ran(model) == {"rmsnorm": LAYERS + 1, "layernorm": 0, "swiglu": LAYERS, "gelu": 0, "rope": 2 * LAYERS,
                            "attention": LAYERS, "varlen_attention": 0, "add_rmsnorm": LAYERS, "topk_router": 0, "moe_experts": 0,
                            "linear_cross_entropy": 0}  # no labels: the logits as before
 

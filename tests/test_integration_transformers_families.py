@@ -1,7 +1,8 @@
 """The families beyond Llama, Mistral and Qwen2 through patch(), each built from a tiny config (nothing downloaded):
 Qwen3 (q/k norms per head), Phi3 (fused qkv and gate_up projections, partial rotary), OLMo2 (post-norms, q/k norms
 over the projection), Gemma2 (1 + weight norms, tanh-GELU gate, attention and final-logit soft caps, alternating
-sliding-window layers) and Gemma3 text (q/k norms, local layers with their own rope base).
+sliding-window layers), Gemma3 text (q/k norms, local layers with their own rope base) and GPT-NeoX (layernorm,
+parallel residual, per-head interleaved qkv, partial rotary, ungated GELU MLP).
 
 On every backend that has the kernels, under opport.strict() (nothing handed back, nothing falling back): float32
 logits within 1e-5 (relative) of the unpatched model's, five AdamW steps tracking it (per-step loss within 1e-5
@@ -40,11 +41,16 @@ CONFIGS = {  # model_type -> (config class, model class, overrides)
                     final_logit_softcapping=3.0)),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
                     dict(sliding_window=WINDOW, query_pre_attn_scalar=16, rope_local_base_freq=100.0)),
+    "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
+                 dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                      use_parallel_residual=True, hidden_act="gelu")),
 }
 BACKENDS = ("cpu", "cuda", "neuron")
 NORMS = {"qwen3": 3 * LAYERS + 1, "phi3": LAYERS + 1, "olmo2": 4 * LAYERS + 1, "gemma2": 4 * LAYERS + 1,
-         "gemma3_text": 6 * LAYERS + 1}  # rmsnorm calls per forward (Qwen3/Phi3: the post-attention norm is add_rmsnorm's)
-MLP_OP = {"gemma2": "gelu", "gemma3_text": "gelu"}
+         "gemma3_text": 6 * LAYERS + 1, "gpt_neox": 2 * LAYERS + 1}  # norm calls per forward (Qwen3/Phi3: the
+# post-attention norm is add_rmsnorm's)
+NORM_OP = {"gpt_neox": "layernorm"}
+MLP_OP = {"gemma2": "gelu", "gemma3_text": "gelu", "gpt_neox": "gelu"}
 
 
 def _model(family: str):
@@ -53,12 +59,12 @@ def _model(family: str):
     model = model_cls(cfg_cls(**{**TINY, **extra})).eval()
     with torch.no_grad():  # norm weights away from their init (zeros for Gemma's 1 + weight): the offset matters
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and p.ndim == 1 and not name.endswith("bias"):
                 p.normal_(0.0 if "gemma" in family else 1.0, 0.3)
     return model
 
 
-def _skip(backend: str, ops=("rmsnorm", "rope", "attention", "varlen_attention")):
+def _skip(backend: str, ops=("rmsnorm", "layernorm", "rope", "attention", "varlen_attention")):
     why = backend_skip(backend, ops)
     if why:
         pytest.skip(why)
@@ -87,7 +93,7 @@ def test_logits_match_and_every_call_runs_opport(family, backend):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     ran = _ran(model)
     fused = "add_rmsnorm" if FAMILIES[family].pre_norm_layer else None
-    want_ran = {"rmsnorm": NORMS[family], MLP_OP.get(family, "swiglu"): LAYERS, "rope": 2 * LAYERS,
+    want_ran = {NORM_OP.get(family, "rmsnorm"): NORMS[family], MLP_OP.get(family, "swiglu"): LAYERS, "rope": 2 * LAYERS,
                 "attention": LAYERS, **({fused: LAYERS} if fused else {})}
     assert ran == want_ran
 
@@ -108,8 +114,8 @@ def _train(model, x, steps: int = 5) -> list:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", CONFIGS)
 def test_five_adamw_steps_track_the_unpatched_model(family, backend):
-    _skip(backend, ("rmsnorm", "rope", "attention", "linear_cross_entropy", "rmsnorm_backward", "rope_backward",
-                    "attention_backward", "linear_cross_entropy_backward"))
+    _skip(backend, ("rmsnorm", "layernorm", "rope", "attention", "linear_cross_entropy", "rmsnorm_backward",
+                    "layernorm_backward", "rope_backward", "attention_backward", "linear_cross_entropy_backward"))
     x = _ids(batch=1, seq=6)
     want = _train(_model(family), x)
     model = _model(family)

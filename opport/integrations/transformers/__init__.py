@@ -1,5 +1,5 @@
 """Drop-in opport kernels for Hugging Face decoder models: Llama, Mistral, Qwen2, Qwen3, Phi3, OLMo2, Gemma2,
-Gemma3 (text) and the mixture-of-experts Mixtral and Qwen3-MoE (families.py: what runs where, as data).
+Gemma3 (text), GPT-NeoX and the mixture-of-experts Mixtral and Qwen3-MoE (families.py: what runs where, as data).
 
     from opport.integrations.transformers import patch, stats, unpatch
     patch(model)     # RMSNorm -> opport.rmsnorm, gated MLP -> opport.swiglu (SiLU) or opport.gelu (Gemma),
@@ -26,6 +26,8 @@ backward).
 
 from __future__ import annotations
 
+import torch
+
 from opport.errors import UnsupportedError
 from opport.integrations.transformers.families import FAMILIES, Family
 from opport.integrations.transformers.forwards import FAMILY, FORWARDS, SAVED, Bound
@@ -33,7 +35,7 @@ from opport.integrations.transformers.handback import CAUSES, STATE, Counts, Han
 
 __all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "is_patched", "patch", "stats", "unpatch"]
 
-OPS = ("rmsnorm", "swiglu", "gelu", "rope", "attention", "varlen_attention", "add_rmsnorm", "topk_router",
+OPS = ("rmsnorm", "layernorm", "swiglu", "gelu", "rope", "attention", "varlen_attention", "add_rmsnorm", "topk_router",
        "moe_experts", "linear_cross_entropy")
 
 
@@ -108,6 +110,8 @@ def _family(model) -> Family:
 def _kind(module, family: Family) -> str | None:
     """Which patched forward takes this module over, judged by its class (the family's own modeling file)."""
     cls = type(module)
+    if family.layernorm and cls is torch.nn.LayerNorm:
+        return "layernorm"
     if not cls.__module__.startswith("transformers.models.") or not cls.__name__.startswith(family.prefix):
         return None
     return family.kinds().get(cls.__name__[len(family.prefix):])

@@ -3,8 +3,10 @@ and the opport op each one runs. Adding a family whose modules follow one of the
 (plus its tests); docs/integration.md prints the table (`table_rows`).
 
 Module kinds, by the class name after the family's prefix (transformers' own modeling file):
-- `RMSNorm` -> rmsnorm (Gemma's `x̂ · (1 + weight)` through the op's weight offset);
-- `MLP` -> swiglu (SiLU gate) or gelu (Gemma's tanh-GELU gate: gelu(gate, 'tanh') · up), by the activation;
+- `RMSNorm` -> rmsnorm (Gemma's `x̂ · (1 + weight)` with the weight 1 + w); torch.nn.LayerNorm -> layernorm
+  in layernorm families (GPT-NeoX);
+- `MLP` -> swiglu (SiLU gate) or gelu (Gemma's tanh-GELU gate: gelu(gate, 'tanh') · up; GPT-NeoX's ungated
+  down(gelu(up(x)))), by the activation;
 - `Attention` -> rope on q and k (partial rotary where the tables cover part of the head), then attention
   (dense batches) or varlen_attention (padded and packed), with the layer's window and logit soft cap;
   fused qkv projections (Phi3) and q/k norms per head (Qwen3, Gemma3) or over the projection (OLMo2) included;
@@ -27,6 +29,7 @@ class Family:
     norm_offset: float = 0.0  # Gemma: the norm scales by (1 + weight)
     pre_norm_layer: bool = True  # decoder layer = x + attn(norm(x)), then norm before the MLP: add_rmsnorm fuses them
     head_softcap: bool = False  # the LM head applies config.final_logit_softcapping
+    layernorm: bool = False  # its norms are torch.nn.LayerNorm (GPT-NeoX): opport.layernorm
 
     def kinds(self) -> dict:
         """Class name after the prefix -> the kind of patched forward that takes it over."""
@@ -49,6 +52,7 @@ FAMILIES = {
     "olmo2": Family("Olmo2", pre_norm_layer=False),
     "gemma2": Family("Gemma2", norm_offset=1.0, pre_norm_layer=False, head_softcap=True),
     "gemma3_text": Family("Gemma3", norm_offset=1.0, pre_norm_layer=False, head_softcap=True),
+    "gpt_neox": Family("GPTNeoX", pre_norm_layer=False, layernorm=True),
     "mixtral": Family("Mixtral"),
     "qwen3_moe": Family("Qwen3Moe"),
 }
@@ -64,8 +68,8 @@ def table_rows() -> list:
     """(model_type, class prefix, what each module kind runs) for docs/integration.md."""
     rows = []
     for model_type, fam in FAMILIES.items():
-        norm = "rmsnorm (1 + weight)" if fam.norm_offset else "rmsnorm"
-        layer = "add_rmsnorm" if fam.pre_norm_layer else "its own adds; each norm rmsnorm"
+        norm = "layernorm" if fam.layernorm else "rmsnorm (1 + weight)" if fam.norm_offset else "rmsnorm"
+        layer = "add_rmsnorm" if fam.pre_norm_layer else f"its own adds; each norm {norm.split()[0]}"
         head = "linear_cross_entropy" + (" (final soft cap)" if fam.head_softcap else "")
         rows.append((model_type, fam.prefix, norm, layer, head))
     return rows

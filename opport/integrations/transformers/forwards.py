@@ -71,14 +71,26 @@ def rmsnorm(module, hidden_states):
 _WIDE = (torch.float32, torch.float64)
 
 
+def layernorm(module, hidden_states):
+    """torch.nn.LayerNorm over the last dimension (GPT-NeoX's norms) as opport.layernorm."""
+    if hidden_states.dtype != module.weight.dtype or len(module.normalized_shape) != 1:
+        hand_back(module, "layernorm", "dtype_mismatch")
+        return call_original(module, hidden_states)
+    return _op("layernorm", module, hidden_states, module.weight, module.bias, module.eps)
+
+
 def mlp(module, x):
-    """A gated MLP: down(act(gate(x)) · up(x)), gate and up from two projections or one fused gate_up_proj (Phi3);
-    SiLU as opport.swiglu, GELU as opport.gelu on the gate. Another activation is handed back."""
-    act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+    """A gated MLP, down(act(gate(x)) · up(x)), gate and up from two projections or one fused gate_up_proj (Phi3),
+    SiLU as opport.swiglu, GELU as opport.gelu on the gate; or GPT-NeoX's plain one, down(gelu(up(x))). Another
+    activation is handed back."""
+    act = next((getattr(module, a) for a in ("act_fn", "activation_fn", "act") if hasattr(module, a)), None)
     op, kwargs = MLP_ACTIVATIONS.get(type(act).__name__, ("swiglu", None))
-    if kwargs is None:
+    plain = hasattr(module, "dense_h_to_4h")
+    if kwargs is None or (plain and op != "gelu"):
         hand_back(module, op, "activation")
         return call_original(module, x)
+    if plain:
+        return module.dense_4h_to_h(_op("gelu", module, module.dense_h_to_4h(x), **kwargs))
     if hasattr(module, "gate_up_proj"):
         gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
     else:
@@ -102,10 +114,11 @@ def attention(module, hidden_states, position_embeddings, attention_mask=None, p
               **kwargs):
     """The Llama-family attention forward (modeling_llama's layout) with rope and attention from opport."""
     layout = kwargs.pop(layouts.KEY, None)
-    cache = cache if cache is not None else past_key_values  # transformers 5.24 renamed the argument `cache`
+    cache = next((c for c in (cache, past_key_values, kwargs.pop("layer_past", None)) if c is not None), None)
     input_shape = hidden_states.shape[:-1]
-    q, k, v = (x.view(*input_shape, -1, module.head_dim) for x in _qkv(module, hidden_states))
-    if getattr(module, "q_norm", None) is not None and module.q_norm.weight.shape[-1] == module.head_dim:
+    head_dim = _head_dim(module)
+    q, k, v = (x.view(*input_shape, -1, head_dim) for x in _qkv(module, hidden_states))
+    if getattr(module, "q_norm", None) is not None and module.q_norm.weight.shape[-1] == head_dim:
         q, k = module.q_norm(q), module.k_norm(k)  # Qwen3, Gemma3: RMSNorm over each head's dimension, before rope
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q, k = _rope(module, q, position_embeddings), _rope(module, k, position_embeddings)
@@ -123,7 +136,11 @@ def attention(module, hidden_states, position_embeddings, attention_mask=None, p
         out = _op("attention", module, q, k, v, causal=True, scale=module.scaling, sliding_window=window,
                   softcap=_softcap(module)).transpose(1, 2)
     out = out.reshape(*input_shape, -1).contiguous()
-    return module.o_proj(out), weights
+    return (module.o_proj if hasattr(module, "o_proj") else module.dense)(out), weights
+
+
+def _head_dim(module) -> int:
+    return module.head_dim if hasattr(module, "head_dim") else module.head_size  # GPT-NeoX: head_size
 
 
 def _qkv(module, hidden_states) -> tuple:
@@ -132,6 +149,9 @@ def _qkv(module, hidden_states) -> tuple:
     if hasattr(module, "qkv_proj"):
         nq, nkv = module.config.num_attention_heads * module.head_dim, module.num_key_value_heads * module.head_dim
         return module.qkv_proj(hidden_states).split((nq, nkv, nkv), dim=-1)
+    if hasattr(module, "query_key_value"):  # GPT-NeoX: [q | k | v] within each head
+        qkv = module.query_key_value(hidden_states).view(*hidden_states.shape[:-1], -1, 3 * module.head_size)
+        return (x.flatten(-2) for x in qkv.chunk(3, dim=-1))
     q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
     if getattr(module, "q_norm", None) is not None and module.q_norm.weight.shape[-1] != module.head_dim:
         q, k = module.q_norm(q), module.k_norm(k)
@@ -291,7 +311,7 @@ def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kw
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     shift_labels = kwargs.pop("shift_labels", None)
-    outputs = module.model(input_ids=input_ids, **kwargs)
+    outputs = module.base_model(input_ids=input_ids, **kwargs)
     hidden = outputs.last_hidden_state
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -308,5 +328,5 @@ def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kw
 
 
 # kind -> its forward; the kinds `patch` counts, by the op each one runs
-FORWARDS = {"rmsnorm": rmsnorm, "mlp": mlp, "attention": attention, "add_rmsnorm": decoder_layer,
+FORWARDS = {"rmsnorm": rmsnorm, "layernorm": layernorm, "mlp": mlp, "attention": attention, "add_rmsnorm": decoder_layer,
             "topk_router": router, "moe_experts": experts, "linear_cross_entropy": causal_lm, "inputs": base_model}
