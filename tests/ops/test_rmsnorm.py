@@ -72,6 +72,20 @@ def test_offset_gradients_in_torch_match_torchs_own_formula():
         torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_offset_under_torch_compile_is_one_custom_op_with_its_gradients():
+    torch = pytest.importorskip("torch")
+    x0, w0 = _gemma("float32", (4, 32), seed=6)
+    x, w = torch.from_numpy(x0).requires_grad_(True), torch.from_numpy(w0).requires_grad_(True)
+    fn = torch.compile(lambda x, w: opport.rmsnorm(x, w, 1e-6, offset=1.0), fullgraph=True, backend="aot_eager")
+    fn(x, w).sum().backward()
+    x2, w2 = torch.from_numpy(x0).requires_grad_(True), torch.from_numpy(w0).requires_grad_(True)
+    eager = opport.rmsnorm(x2, w2, 1e-6, offset=1.0)
+    eager.sum().backward()
+    torch.testing.assert_close(fn(x, w), eager, rtol=0, atol=0)
+    torch.testing.assert_close((x.grad, w.grad), (x2.grad, w2.grad), rtol=0, atol=0)
+    assert "float offset=0." in str(torch.ops.opport.rmsnorm.default._schema)
+
+
 def test_offset_gradients_under_jax_grad_match_jaxs_own_formula():
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
