@@ -51,6 +51,38 @@ def test_offset_scales_by_offset_plus_weight(dtype):
     np.testing.assert_array_equal(opport.rmsnorm(x, w, 1e-6, offset=0.0, backend="cpu"), opport.rmsnorm(x, w, 1e-6))
 
 
+def _backends() -> list:
+    return [b for b in ("cpu", "cuda", "neuron") if not get_backend(b).unavailable()]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_offset_plus_weight_is_never_rounded_to_the_dtype(dtype):
+    """1 + w in a 16-bit dtype loses w's low bits (w ~ 0.05: 2^-9 relative in bfloat16), which moves about a quarter
+    of the outputs and input gradients by one unit of the dtype. Every backend's kernels forms it in float32: its
+    16-bit y and dx are the correctly rounded reference almost everywhere (a float32 rounding can straddle a
+    16-bit tie: under 1% of elements)."""
+    from opport.public import function
+
+    bwd = spec.backward_op
+    x, w = _gemma(dtype, (8, 512), seed=7)
+    g = cg.array(x.shape, dtype, np.random.default_rng(8), "normal", 1.0)
+    rounded = cg.cast(1.0 + w.astype(np.float64), dtype)  # what a kernel holding 1 + w in the weight's dtype uses
+
+    def wrong(a, b):
+        return float(np.mean(np.asarray(a).astype(np.float64) != np.asarray(b).astype(np.float64)))
+
+    want_y = cg.cast(spec.run_reference(x, w, 1e-6, 1.0), dtype)
+    want_dx = cg.cast(bwd.run_reference(g, x, w, 1e-6, 1.0)[0], dtype)
+    assert wrong(cg.cast(spec.run_reference(x, rounded, 1e-6), dtype), want_y) > 0.1  # the test can tell
+    assert wrong(cg.cast(bwd.run_reference(g, x, rounded, 1e-6)[0], dtype), want_dx) > 0.1
+    for backend in _backends():
+        with opport.strict():
+            y = opport.rmsnorm(x, w, 1e-6, offset=1.0, backend=backend)
+            dx, _ = function(bwd)(g, x, w, 1e-6, 1.0, backend=backend)
+        assert wrong(y, want_y) < 0.01, backend
+        assert wrong(dx, want_dx) < 0.01, backend
+
+
 def test_offset_gradients_in_torch_match_torchs_own_formula():
     torch = pytest.importorskip("torch")
     x0, w0 = _gemma("float32", (8, 64), seed=1)
