@@ -438,15 +438,18 @@ quantize_fp8.spec = _quantize_fp8
 _rmsnorm = _get_op('rmsnorm')
 
 
-def rmsnorm(x, weight=None, eps=1e-06, *, backend=None):
+def rmsnorm(x, weight=None, eps=1e-06, offset=0.0, *, backend=None):
     """Root-mean-square normalisation over the last axis, then an optional per-feature scale.
 
+    y = x / sqrt(mean(x**2) + eps) * (offset + weight). `offset` (default 0; only with a weight) is
+    added to the weight inside the kernel, in float32 (float64 for float64 inputs), never rounded to
+    the weight's dtype: offset=1.0 is Gemma's `(1 + weight)` convention, whose weights start near 0.
     Statistics are computed in float32 for 16-bit inputs. Rows whose sum of squares would overflow
     (|x| near the dtype's maximum) are defined by the exact scaled form: the result stays finite.
 
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
     """
-    b = (x, weight, eps)
+    b = (x, weight, eps, offset)
     if x.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
         out = _route(_rmsnorm, b, backend)
         if out is not NotImplemented:

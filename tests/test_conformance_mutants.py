@@ -21,6 +21,15 @@ def test_every_mutant_of_every_op_is_caught():
     assert not any(name.startswith("mutant-") for name in backends())  # removed again
 
 
+def test_rmsnorm_offset_mutants_are_caught():
+    """rmsnorm's offset (Gemma's 1 + weight): a forward that ignores it and a backward that drops it from dx are each
+    caught by an offset case; rmsnorm's other mutants still are."""
+    kills = mutants.self_test(ops=["rmsnorm"], examples=0)
+    assert all(kills.values()), f"survivors: {[key for key, case in kills.items() if case is None]}"
+    assert "/offset-" in kills[("rmsnorm", "offset-ignored")]
+    assert "/offset-" in kills[("rmsnorm_backward", "offset-dropped-from-dx")]
+
+
 def test_as_if_contiguous_reads_the_buffer_not_the_view():
     buf = np.arange(12.0).reshape(3, 4)
     assert mutants.as_if_contiguous(buf) is buf

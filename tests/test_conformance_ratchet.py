@@ -32,8 +32,8 @@ def install():
     cpu = kernels(spec, get_backend("cpu"))[0]
 
     @impl(spec, "ratchet", dtypes=("float32",), name="ratchet.rmsnorm")
-    def rmsnorm(x, weight, eps):
-        out = cpu.fn(x, weight, eps)
+    def rmsnorm(x, weight, eps, offset):
+        out = cpu.fn(x, weight, eps, offset)
         if tuple(x.shape) in DRIFTED:
             out = (out.astype(np.float64) * (1 + 4e-7)).astype(out.dtype)
         return out * 2 if tuple(x.shape) in BROKEN else out

@@ -80,7 +80,7 @@ def test_cpu_run_reports_follow_design(tmp_path):
 
 def test_failure_names_worst_element_and_repro(ctest):
     install, cpu = ctest
-    install(lambda x, w, eps: cpu(x, w, eps) * np.float32(1.01))
+    install(lambda x, w, eps, offset: cpu(x, w, eps, offset) * np.float32(1.01))
     report = run(opts(backends=("ctest",), cases=("row-127",), errors=False))
     res = next(c for c in report.cases if c["case"] == "row-127")
     assert res["status"] == "fail" and "out of tolerance" in res["message"]
@@ -94,8 +94,8 @@ def test_failure_names_worst_element_and_repro(ctest):
 def test_input_mutation_is_caught(ctest):
     install, cpu = ctest
 
-    def kernel(x, w, eps):
-        out = cpu(x, w, eps)
+    def kernel(x, w, eps, offset):
+        out = cpu(x, w, eps, offset)
         x[..., 0] = 0  # a kernel that uses its input as scratch
         return out
 
@@ -107,7 +107,7 @@ def test_input_mutation_is_caught(ctest):
 def test_nondeterminism_is_caught_unless_declared(ctest):
     install, cpu = ctest
     rng = np.random.default_rng()
-    noisy = lambda x, w, eps: (cpu(x, w, eps) * (1 + 1e-7 * rng.standard_normal(x.shape))).astype(x.dtype)
+    noisy = lambda x, w, eps, offset: (cpu(x, w, eps, offset) * (1 + 1e-7 * rng.standard_normal(x.shape))).astype(x.dtype)
     install(noisy)
     res = run(opts(backends=("ctest",), cases=("odd-3d",), errors=False, layouts=False)).cases[0]
     assert res["status"] == "fail" and "nondeterministic" in res["message"]
@@ -118,8 +118,8 @@ def test_nondeterminism_is_caught_unless_declared(ctest):
 def test_second_sentinel_finds_output_left_unwritten_under_nan(ctest):
     install, cpu = ctest
 
-    def kernel(x, w, eps):  # skips writing where the answer is NaN: the NaN poison hides it, the sentinel does not
-        good = cpu(x, w, eps)
+    def kernel(x, w, eps, offset):  # skips writing where the answer is NaN: the NaN poison hides it, the sentinel does not
+        good = cpu(x, w, eps, offset)
         out = np.empty(x.shape, x.dtype)
         keep = ~np.isnan(good)
         out[keep] = good[keep]
@@ -132,20 +132,20 @@ def test_second_sentinel_finds_output_left_unwritten_under_nan(ctest):
 
 def test_output_aliasing_an_input_is_caught(ctest):
     install, _ = ctest
-    install(lambda x, w, eps: x)
+    install(lambda x, w, eps, offset: x)
     res = run(opts(backends=("ctest",), cases=("row-1",), errors=False, layouts=False)).cases[0]
     assert res["status"] == "fail" and "aliases an input" in res["message"]
 
 
 def test_declined_cases_skip_and_all_skipped_fails(ctest):
     install, cpu = ctest
-    install(cpu, supports=lambda x, w, eps: "rows above 100 elements" if x.shape[-1] > 100 else None)
+    install(cpu, supports=lambda x, w, eps, offset: "rows above 100 elements" if x.shape[-1] > 100 else None)
     report = run(opts(backends=("ctest",), cases=SOME[:3]))
     got = statuses(report)
     assert got == {"row-1": "pass", "row-127": "skip", "odd-3d": "pass"}
     assert "rows above 100 elements" in next(c["message"] for c in report.cases if c["case"] == "row-127")
     assert report.exit_code == 0
-    install(cpu, supports=lambda x, w, eps: "declines everything")
+    install(cpu, supports=lambda x, w, eps, offset: "declines everything")
     report = run(opts(backends=("ctest",), cases=SOME[:3]))
     assert set(statuses(report).values()) == {"skip"} and report.exit_code == 1
 
@@ -159,7 +159,7 @@ def test_dtype_without_a_kernel_is_one_skip(ctest):
 
 def test_known_failures_xfail_xpass_and_stale(ctest, tmp_path):
     install, cpu = ctest
-    install(lambda x, w, eps: cpu(x, w, eps) * (np.float32(2) if x.shape == (5, 127) else np.float32(1)))
+    install(lambda x, w, eps, offset: cpu(x, w, eps, offset) * (np.float32(2) if x.shape == (5, 127) else np.float32(1)))
     known = tmp_path / "known.txt"
     known.write_text("# comment\n"
                      "rmsnorm/ctest/float32/row-127 | scaled on purpose (#1)\n"
@@ -285,7 +285,7 @@ def test_torch_kernels_get_strided_tensors_and_poisoned_allocations(ttest):
     install, torch = ttest
     seen = {}
 
-    def kernel(x, w, eps):
+    def kernel(x, w, eps, offset):
         seen[tuple(x.stride())] = x.is_contiguous()
         y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         return (y * w.float()).to(x.dtype) if w is not None else y.to(x.dtype)
@@ -294,7 +294,7 @@ def test_torch_kernels_get_strided_tensors_and_poisoned_allocations(ttest):
     report = run(opts(backends=("ttest",), cases=("row-127", "row-127@*"), errors=False))
     assert set(statuses(report).values()) == {"pass"} and len(report.cases) == 5
     assert False in seen.values()  # the layout cases reached the kernel as non-contiguous tensors
-    install(lambda x, w, eps: torch.empty_like(x))  # never writes its output
+    install(lambda x, w, eps, offset: torch.empty_like(x))  # never writes its output
     res = run(opts(backends=("ttest",), cases=("row-127",), errors=False, layouts=False)).cases[0]
     assert res["status"] == "fail" and "special value mismatch" in res["message"]
 

@@ -19,7 +19,7 @@ W = np.linspace(0.5, 2.0, 4, dtype=np.float32)
 
 
 def _tagging_kernel(tag, calls=None):
-    def kernel(x, weight, eps):
+    def kernel(x, weight, eps, offset):
         if calls is not None:
             calls.append(tag)
         return np.full(x.shape, tag, x.dtype)
@@ -62,7 +62,8 @@ def test_unavailable_backend_named_explicitly_raises_with_reason():
 def test_declining_kernel_falls_back_once_with_warning_and_strict_raises():
     calls = []
     with fake_backend("picky"):
-        impl(opport.rmsnorm.spec, "picky", supports=lambda x, w, eps: "rows must be a multiple of 128")(_tagging_kernel(9, calls))
+        impl(opport.rmsnorm.spec, "picky",
+             supports=lambda x, w, eps, offset: "rows must be a multiple of 128")(_tagging_kernel(9, calls))
         with pytest.warns(opport.FallbackWarning, match="multiple of 128"):
             out = opport.rmsnorm(X, W, backend="picky")
         np.testing.assert_allclose(out, opport.rmsnorm.spec.run_reference(X, W), rtol=1e-6)
@@ -103,7 +104,7 @@ def test_explain_names_kernel_and_every_rejection():
 def test_selection_is_cached_per_signature():
     checks = []
 
-    def supports(x, w, eps):
+    def supports(x, w, eps, offset):
         checks.append(x.shape)
 
     with fake_backend("counted"):
@@ -156,7 +157,7 @@ def test_torch_inputs_are_selected_again_for_a_new_dtype_shape_layout_or_class()
     torch = pytest.importorskip("torch")
     checks = []
 
-    def supports(x, w, eps):
+    def supports(x, w, eps, offset):
         checks.append((x.dtype, x.shape, x.strides))
 
     xt, wt = torch.from_numpy(X.copy()), torch.from_numpy(W.copy())
@@ -192,27 +193,27 @@ def test_selection_key_contract():
     spec = opport.rmsnorm.spec
     for get, keyname in (env_reader(fast=True), env_reader(fast=False)):  # the fast reader and its fallback
         key = key_function(spec, get, keyname)
-        base = key((X, W, 1e-6), None)
-        assert key((X.copy(), W.copy(), 1e-6), None) == base
-        others = [(X.astype(np.float64), W, 1e-6), (X[:2], W, 1e-6), (np.asfortranarray(X), W, 1e-6), (X, None, 1e-6),
-                  (X, W, 1e-5), (X, W, np.float32(1e-6))]
+        base = key((X, W, 1e-6, 0.0), None)
+        assert key((X.copy(), W.copy(), 1e-6, 0.0), None) == base
+        others = [(X.astype(np.float64), W, 1e-6, 0.0), (X[:2], W, 1e-6, 0.0), (np.asfortranarray(X), W, 1e-6, 0.0),
+                  (X, None, 1e-6, 0.0), (X, W, 1e-5, 0.0), (X, W, np.float32(1e-6), 0.0), (X, W, 1e-6, 1.0)]
         assert all(key(b, None) != base for b in others)
-        assert key((X, W, 1e-6), "cpu") != base
+        assert key((X, W, 1e-6, 0.0), "cpu") != base
         with opport.use_backend("cpu"):
-            assert key((X, W, 1e-6), None) != base
+            assert key((X, W, 1e-6, 0.0), None) != base
         with opport.strict():
-            assert key((X, W, 1e-6), None) != base
+            assert key((X, W, 1e-6, 0.0), None) != base
         os.environ["OPPORT_STRICT"] = "1"
         try:
-            assert key((X, W, 1e-6), None) != base  # the environment is read on every call
+            assert key((X, W, 1e-6, 0.0), None) != base  # the environment is read on every call
         finally:
             del os.environ["OPPORT_STRICT"]
         torch = pytest.importorskip("torch")
         xt, wt = torch.from_numpy(X), torch.from_numpy(W)
         opport.rmsnorm(xt, wt)  # from now on plain tensors are keyed inline
-        tkey = key((xt, wt, 1e-6), None)
-        assert tkey != base and key((xt.clone(), wt.clone(), 1e-6), None) == tkey
-        assert key((xt.t().contiguous().t(), wt, 1e-6), None) != tkey
+        tkey = key((xt, wt, 1e-6, 0.0), None)
+        assert tkey != base and key((xt.clone(), wt.clone(), 1e-6, 0.0), None) == tkey
+        assert key((xt.t().contiguous().t(), wt, 1e-6, 0.0), None) != tkey
 
 
 def test_env_reader_fallback_runs_the_dispatcher(monkeypatch):

@@ -107,7 +107,7 @@ def test_backend_choice_is_fixed_when_the_function_is_traced():
     x = jnp.ones((2, 8), jnp.float32)
 
     def marker(value):
-        return lambda x, weight, eps: np.full(x.shape, value, x.dtype)
+        return lambda x, weight, eps, offset: np.full(x.shape, value, x.dtype)
 
     with fake_backend("t_jax_ctx"), fake_backend("t_jax_named"):
         impl(opport.rmsnorm.spec, "t_jax_ctx")(marker(7.0))

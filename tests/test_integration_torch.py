@@ -172,7 +172,7 @@ def test_custom_op_kernel_is_opports_dispatcher_at_run_time():
     x = torch.randn(3, 8)
 
     def marker(value):
-        return lambda x, weight, eps: np.full(x.shape, value, x.dtype)
+        return lambda x, weight, eps, offset: np.full(x.shape, value, x.dtype)
 
     compiled = torch.compile(lambda x: opport.rmsnorm(x), fullgraph=True, backend="aot_eager")
     named = torch.compile(lambda x: opport.rmsnorm(x, backend="t_int_named"), fullgraph=True, backend="aot_eager")

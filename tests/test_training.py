@@ -87,7 +87,7 @@ def _topk_router_torch(logits, k, renormalize, scoring, bias):
 
 TORCH = {
     "softmax": lambda x, axis: torch.softmax(x, axis),
-    "rmsnorm": lambda x, w, eps: F.rms_norm(x, x.shape[-1:], w, eps),
+    "rmsnorm": lambda x, w, eps, offset: F.rms_norm(x, x.shape[-1:], w if w is None else offset + w, eps),
     "add_rmsnorm": _add_rmsnorm_torch,
     "layernorm": lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
     "gelu": lambda x, approximate: F.gelu(x, approximate=approximate),

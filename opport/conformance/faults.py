@@ -33,7 +33,7 @@ def install():
     cpu = kernels(spec, get_backend("cpu"))[0]
 
     @impl(spec, "faulty", dtypes=("float32",), name="faulty.rmsnorm")
-    def rmsnorm(x, weight, eps):
+    def rmsnorm(x, weight, eps, offset=0.0):
         fault = FAULTS.get(tuple(x.shape))
         if fault == "abort":
             os.abort()
@@ -44,7 +44,7 @@ def install():
             ctypes.string_at(0)
         if fault == "sticky":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return cpu.fn(x, weight, eps)
+        return cpu.fn(x, weight, eps, offset)
 
 
 def uninstall():

@@ -121,7 +121,7 @@ def uninstall():
 
 def self_test(ops=None, dtypes=("float32",), examples: int = 5) -> dict:
     """{(op, mutant): id of the first case that caught it, or None if it survived}: the five generic mutants
-    of every op, training forward and backward, and each backward's declared mutants (a dropped term, a
+    of every op, training forward and backward, and each declared mutant (a dropped term, an ignored argument, a
     gradient not summed over rows, a wrong scale: `@<op>_backward.mutant`)."""
     from opport.ops import all_ops, get_op, with_derived
 
@@ -139,7 +139,8 @@ def self_test(ops=None, dtypes=("float32",), examples: int = 5) -> dict:
 
 
 def _declared_kill(spec, name: str, fn, dtypes, sel) -> str | None:
-    """A backward's declared mutant, run as the only kernel of the mutant-grad backend."""
+    """A declared mutant (mostly a backward's; a forward's such as rmsnorm's offset-ignored), run as the only kernel of
+    the mutant-grad backend."""
     from opport.dispatch import impl, remove_kernel
 
     kname = f"{GRAD_MUTANT}.{spec.name}.{name}"
@@ -154,13 +155,16 @@ def _as_kernel(spec, fn):
     """A float64 mutant function as a kernel: inputs upcast, each output rounded to its declared dtype."""
     from opport.dtypes import np_dtype
 
+    single = spec.n_outputs == 1 and not spec.returns_list  # a forward's one array (rmsnorm's offset-ignored)
+
     def kernel(*bound):
         args = [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind in "fV" else a for a in bound]
         with np.errstate(all="ignore"):
             outs = fn(*args)
         metas = spec.out_metas(bound)
-        return tuple(None if o is None else np.asarray(o).astype(np_dtype(getattr(m[1], "name", m[1])))
-                     for o, m in zip(outs, metas))
+        outs = tuple(None if o is None else np.asarray(o).astype(np_dtype(getattr(m[1], "name", m[1])))
+                     for o, m in zip((outs,) if single else outs, metas))
+        return outs[0] if single else outs
 
     return kernel
 

@@ -1,4 +1,5 @@
-"""rmsnorm on NumPy: float32 statistics for 16-bit inputs, one pass over bounded row blocks."""
+"""rmsnorm on NumPy: float32 statistics for 16-bit inputs, one pass over bounded row blocks. The scale offset + weight
+is formed once per call in the accumulation dtype (float32 for 16-bit inputs), never rounded to the weight's dtype."""
 
 import numpy as np
 
@@ -8,13 +9,13 @@ from opport.ops.rmsnorm import rmsnorm as spec
 
 
 @impl(spec, "cpu")
-def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
+def rmsnorm(x: np.ndarray, weight, eps: float, offset: float = 0.0) -> np.ndarray:
     out = np.empty(x.shape, x.dtype)
     n = x.shape[-1]
     if out.size == 0:
         return out
     x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
-    w = upcast(weight) if weight is not None else None
+    w = offset_weight(upcast(weight), offset) if weight is not None else None
 
     def body(rows):
         xf = upcast(x2[rows])
@@ -23,6 +24,11 @@ def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
 
     parallel_rows(x2.shape[0], n, body)
     return out
+
+
+def offset_weight(w: np.ndarray, offset: float) -> np.ndarray:
+    """offset + w in w's (upcast) dtype: float32 for 16-bit weights, float64 for float64; w itself for offset 0."""
+    return w + w.dtype.type(offset) if offset else w
 
 
 def normalize_rows(xf: np.ndarray, w, eps: float, y: np.ndarray) -> np.ndarray:
@@ -57,7 +63,7 @@ def _rescale_overflowed_rows(xf, ms, eps, y):
 
 
 @impl(spec.backward_op, "cpu")
-def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
+def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float, offset: float = 0.0):
     """dx and dweight per bounded row block; 1/rms recomputed from the rows read anyway. dweight is summed
     per block (float32 for 16-bit inputs) and the block partials in order: the same bits for any thread count.
     float32 inputs are computed in float64: g - xhat (g . xhat) / n cancels terms far larger than dx in rows
@@ -66,7 +72,7 @@ def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
     dx = np.empty(x.shape, x.dtype)
     rows = dx.size // n if n else 0
     x2, g2, d2 = x.reshape(rows, n), grad.reshape(rows, n), dx.reshape(rows, n)
-    w = wide(weight) if weight is not None else None
+    w = offset_weight(wide(weight), offset) if weight is not None else None
     step = block_rows(n)
     partial = None if w is None else np.zeros((max(-(-rows // step), 1), n), w.dtype)
 
@@ -87,7 +93,8 @@ def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
 
 def backward_rows(xf: np.ndarray, gf: np.ndarray, w, eps: float, y: np.ndarray):
     """dx of a block of rows into `y` (all in the backward's working dtype, `_wide`), and the block's dweight
-    partial (None without a weight): the backward's arithmetic, shared with add_rmsnorm."""
+    partial (None without a weight): the backward's arithmetic, shared with add_rmsnorm. `w` is the scale the
+    forward applied (offset + weight: offset_weight); dweight's sum of g xhat does not read it."""
     n = xf.shape[-1]
     t = xf.dtype.type
     s = _row_scales(xf)  # 1, or a power of two for finite rows whose squares overflow

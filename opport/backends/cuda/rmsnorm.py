@@ -35,13 +35,13 @@ def _rmsnorm_kernel(
     r_s0, r_s1, r_s2, r_sc,
     o_s0, o_s1, o_s2, o_sc,
     s_s0, s_s1, s_s2, s_sc,
-    w_s, eps,
+    w_s, eps, offset,
     # meta-parameters
     HAS_WEIGHT: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE: tl.constexpr,
 ):
-    """y = x / sqrt(mean(x**2) + eps) * w over each row; with ADD, x is the sum x + r rounded to the dtype
-    (add_rmsnorm), written to `sum` as well.
+    """y = x / sqrt(mean(x**2) + eps) * (offset + w) over each row (offset + w in float32: rmsnorm's offset, 0 for
+    add_rmsnorm); with ADD, x is the sum x + r rounded to the dtype (add_rmsnorm), written to `sum` as well.
 
     Dimensions: x, r, out, sum [n_rows, n_cols] as strided views (leading dims n0 x n1 x n2); w [n_cols]
     (r and sum unused without ADD).
@@ -53,7 +53,7 @@ def _rmsnorm_kernel(
     raises s, like an online softmax. With ADD the chunked pass 2 recomputes the rounded sum from x and r
     (the same bits) rather than re-reading `sum`, which other threads of the program wrote.
     Pseudocode: for each row: [x = round(x + r); sum = x]; s = pow2_scale(max|x|); r = rsqrt(mean((x/s)**2) + eps/s**2);
-                out = (x/s) * r * w
+                out = (x/s) * r * (offset + w)
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = (rows < n_rows)[:, None]
@@ -67,7 +67,8 @@ def _rmsnorm_kernel(
         s = pow2_scale(tl.max(tl.abs(x), 1))[:, None]
         xs = x / s
         r = tl.rsqrt(tl.sum(xs * xs, 1)[:, None] / n_cols + eps / (s * s))
-        _scale_store(xs, r, w_ptr, w_s, cols, mask, out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc), HAS_WEIGHT)
+        _scale_store(xs, r, w_ptr, w_s, offset, cols, mask, out_ptr + at(i0, i1, i2, cols, o_s0, o_s1, o_s2, o_sc),
+                     HAS_WEIGHT)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         s = tl.full((BLOCK_M, 1), 1.0, tl.float32)
@@ -86,7 +87,8 @@ def _rmsnorm_kernel(
             mask = row_ok & (c < n_cols)
             x = _load_x(x_ptr, r_ptr, sum_ptr, i0, i1, i2, c, mask, x_s0, x_s1, x_s2, x_sc, r_s0, r_s1, r_s2, r_sc,
                         s_s0, s_s1, s_s2, s_sc, ADD, False)
-            _scale_store(x / s, r, w_ptr, w_s, c, mask, out_ptr + at(i0, i1, i2, c, o_s0, o_s1, o_s2, o_sc), HAS_WEIGHT)
+            _scale_store(x / s, r, w_ptr, w_s, offset, c, mask, out_ptr + at(i0, i1, i2, c, o_s0, o_s1, o_s2, o_sc),
+                         HAS_WEIGHT)
 
 
 @triton.jit
@@ -105,24 +107,24 @@ def _load_x(x_ptr, r_ptr, sum_ptr, i0, i1, i2, cols, mask, x_s0, x_s1, x_s2, x_s
 
 
 @triton.jit
-def _scale_store(xs, r, w_ptr, w_s, cols, mask, out_ptrs, HAS_WEIGHT: tl.constexpr):
+def _scale_store(xs, r, w_ptr, w_s, offset, cols, mask, out_ptrs, HAS_WEIGHT: tl.constexpr):
     y = xs * r
     if HAS_WEIGHT:
-        y = y * f32(tl.load(w_ptr + cols.to(tl.int64) * w_s, mask=mask, other=0.0))
+        y = y * (offset + f32(tl.load(w_ptr + cols.to(tl.int64) * w_s, mask=mask, other=0.0)))
     tl.store(out_ptrs, narrow(y, out_ptrs.dtype.element_ty), mask=mask)
 
 
 @impl(spec, "cuda")
-def rmsnorm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight, eps: float, offset: float = 0.0) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    return launch_forward(x, None, weight, eps, out, None)
+    return launch_forward(x, None, weight, eps, out, None, offset)
 
 
-def launch_forward(x, residual, weight, eps: float, out, total):
+def launch_forward(x, residual, weight, eps: float, out, total, offset: float = 0.0):
     """The forward kernel on non-empty rows: rmsnorm of x into out, or (residual given) add_rmsnorm: the rounded
-    sum x + residual into `total` and its rmsnorm into out."""
+    sum x + residual into `total` and its rmsnorm into out. The scale is offset + weight (rmsnorm's offset)."""
     add = residual is not None
     lay, ins = rows_layout([x, residual] if add else [x], out)  # total: allocated like out, so out's strides
     x, r = ins if add else (ins[0], ins[0])
@@ -131,7 +133,7 @@ def launch_forward(x, residual, weight, eps: float, out, total):
     strides = (lay.args(0), lay.args(1), lay.args(2), lay.args(2)) if add else (lay.args(0), (0,) * 4, lay.args(1), (0,) * 4)
     _rmsnorm_kernel[(cdiv(lay.n_rows, cfg.block_m),)](
         x, r, w, out, total if add else out, lay.n_rows, lay.n_cols, lay.sizes[1], lay.sizes[2],
-        *(v for st in strides for v in st), w_s, eps,
+        *(v for st in strides for v in st), w_s, eps, float(offset),
         HAS_WEIGHT=weight is not None, ADD=add, **cfg.meta, num_warps=cfg.num_warps,
     )
     return out
@@ -150,12 +152,13 @@ def _rmsnorm_bwd_kernel(
     h_s0, h_s1, h_s2, h_sc,
     x_s0, x_s1, x_s2, x_sc,
     d_s0, d_s1, d_s2, d_sc,
-    w_s, eps,
+    w_s, eps, offset,
     # meta-parameters
     HAS_WEIGHT: tl.constexpr, ONE_COL: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
 ):
-    """dx = r (gw - xhat mean(gw xhat)) per row, gw = grad * w, xhat = x r, r = 1/rms(x); dweight partials.
+    """dx = r (gw - xhat mean(gw xhat)) per row, gw = grad * (offset + w), xhat = x r, r = 1/rms(x); dweight partials
+    (sum of grad * xhat: the offset does not enter them).
     With ADD (add_rmsnorm: x is the saved sum, grad is grad_normed) dx += h, the sum output's gradient.
     WIDE (add_rmsnorm's float32 inputs) computes in float64, statistics, partials and all: dx + h cancels where
     the sum is small (x ~ -residual), leaving dx ~100x smaller than the norm's term, whose float32 roundings
@@ -177,7 +180,7 @@ def _rmsnorm_bwd_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     if SINGLE:
-        w = _weight(w_ptr, w_s, cols, cols < n_cols, HAS_WEIGHT, CT)
+        w = _weight(w_ptr, w_s, offset, cols, cols < n_cols, HAS_WEIGHT, CT)
         dw = tl.zeros((BLOCK_M, BLOCK_N), CT)
         for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
             rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -205,13 +208,13 @@ def _rmsnorm_bwd_kernel(
         for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
             _rmsnorm_bwd_chunked(g_ptr, h_ptr, x_ptr, w_ptr, dx_ptr, part_ptr + pid.to(tl.int64) * n_cols, tile, n_rows,
                                  n_cols, n1, n2, g_s0, g_s1, g_s2, g_sc, h_s0, h_s1, h_s2, h_sc, x_s0, x_s1, x_s2, x_sc,
-                                 d_s0, d_s1, d_s2, d_sc, w_s, eps, HAS_WEIGHT, ADD, WIDE, BLOCK_M, BLOCK_N)
+                                 d_s0, d_s1, d_s2, d_sc, w_s, eps, offset, HAS_WEIGHT, ADD, WIDE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _rmsnorm_bwd_chunked(g_ptr, h_ptr, x_ptr, w_ptr, dx_ptr, part_ptr, tile, n_rows, n_cols, n1, n2,
                          g_s0, g_s1, g_s2, g_sc, h_s0, h_s1, h_s2, h_sc, x_s0, x_s1, x_s2, x_sc, d_s0, d_s1, d_s2, d_sc,
-                         w_s, eps, HAS_WEIGHT: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr,
+                         w_s, eps, offset, HAS_WEIGHT: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One row tile of rows longer than a chunk: two passes over L2-resident chunks (see the kernel)."""
     CT: tl.constexpr = tl.float64 if WIDE else tl.float32
@@ -232,7 +235,7 @@ def _rmsnorm_bwd_chunked(g_ptr, h_ptr, x_ptr, w_ptr, dx_ptr, part_ptr, tile, n_r
         ratio = s / s_new  # a power of two <= 1: exact rescale of the running sums
         xs = x.to(CT) / s_new
         ss = ss * (ratio * ratio) + tl.sum(xs * xs, 1)[:, None]
-        gx = gx * ratio + tl.sum(g.to(CT) * _weight(w_ptr, w_s, c, mask, HAS_WEIGHT, CT) * xs, 1)[:, None]
+        gx = gx * ratio + tl.sum(g.to(CT) * _weight(w_ptr, w_s, offset, c, mask, HAS_WEIGHT, CT) * xs, 1)[:, None]
         s = s_new
     r = _rsqrt(ss / n_cols + eps / (s * s))
     mean_gx = gx * r / n_cols  # mean(gw xhat)
@@ -243,7 +246,7 @@ def _rmsnorm_bwd_chunked(g_ptr, h_ptr, x_ptr, w_ptr, dx_ptr, part_ptr, tile, n_r
         x = f32(tl.load(x_ptr + at(i0, i1, i2, c, x_s0, x_s1, x_s2, x_sc), mask=mask, other=0.0)).to(CT)
         g = g.to(CT)
         xhat = (x / s) * r
-        dx = (g * _weight(w_ptr, w_s, c, mask, HAS_WEIGHT, CT) - xhat * mean_gx) * (r / s)
+        dx = (g * _weight(w_ptr, w_s, offset, c, mask, HAS_WEIGHT, CT) - xhat * mean_gx) * (r / s)
         if ADD:
             dx += f32(tl.load(h_ptr + at(i0, i1, i2, c, h_s0, h_s1, h_s2, h_sc), mask=mask, other=0.0)).to(CT)
         dx = dx.to(tl.float32)
@@ -264,10 +267,11 @@ def _rsqrt(v):
 
 
 @triton.jit
-def _weight(w_ptr, w_s, cols, mask, HAS_WEIGHT: tl.constexpr, CT: tl.constexpr = tl.float32):
-    """The weight at `cols` in float32 or CT (masked columns 0), or 1.0 without one."""
+def _weight(w_ptr, w_s, offset, cols, mask, HAS_WEIGHT: tl.constexpr, CT: tl.constexpr = tl.float32):
+    """offset + the weight at `cols`, in float32 or CT (masked columns offset: their gradient terms are 0), or 1.0
+    without one."""
     if HAS_WEIGHT:
-        return f32(tl.load(w_ptr + cols.to(tl.int64) * w_s, mask=mask, other=0.0)).to(CT)
+        return offset + f32(tl.load(w_ptr + cols.to(tl.int64) * w_s, mask=mask, other=0.0)).to(CT)
     else:
         return 1.0
 
@@ -283,12 +287,13 @@ def _bracket(gw, x, xhat, mean_gx, eps_s, r, ONE_COL: tl.constexpr):
 
 
 @impl(spec.backward_op, "cuda")
-def rmsnorm_backward(grad: torch.Tensor, x: torch.Tensor, weight, eps: float):
-    return launch_backward(grad, None, x, weight, eps)
+def rmsnorm_backward(grad: torch.Tensor, x: torch.Tensor, weight, eps: float, offset: float = 0.0):
+    return launch_backward(grad, None, x, weight, eps, offset)
 
 
-def launch_backward(grad, grad_sum, x, weight, eps: float):
-    """(dx, dweight) of rmsnorm at x; with grad_sum (add_rmsnorm: x is the saved sum) dx + grad_sum."""
+def launch_backward(grad, grad_sum, x, weight, eps: float, offset: float = 0.0):
+    """(dx, dweight) of rmsnorm at x, scaled by offset + weight; with grad_sum (add_rmsnorm: x is the saved sum)
+    dx + grad_sum."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dw = None if weight is None else torch.zeros(x.shape[-1], dtype=weight.dtype, device=x.device)
     if dx.numel() == 0:
@@ -306,7 +311,7 @@ def launch_backward(grad, grad_sum, x, weight, eps: float):
     w, w_s = (weight, weight.stride(0)) if weight is not None else (x, 0)
     _rmsnorm_bwd_kernel[(programs,)](
         grad, h, x, w, dx, part, lay.n_rows, lay.n_cols, lay.sizes[1], lay.sizes[2], *(v for st in strides for v in st),
-        w_s, eps, HAS_WEIGHT=weight is not None, ONE_COL=lay.n_cols == 1, ADD=add, WIDE=wide, **cfg.meta,
+        w_s, eps, float(offset), HAS_WEIGHT=weight is not None, ONE_COL=lay.n_cols == 1, ADD=add, WIDE=wide, **cfg.meta,
         num_warps=cfg.num_warps,
     )
     if weight is not None:

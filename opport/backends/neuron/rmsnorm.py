@@ -1,7 +1,10 @@
 """rmsnorm on NKI: rows on the 128 partitions, features on the free dimension, float32 statistics.
 
 add_rmsnorm (neuron/add_rmsnorm.py) runs the same kernels with a residual: the forward adds it as x's chunks
-load (load_chunk), writes that sum rounded to the dtype and normalises it; the backward adds grad_sum to dx."""
+load (load_chunk), writes that sum rounded to the dtype and normalises it; the backward adds grad_sum to dx.
+
+rmsnorm's offset (Gemma's 1 + weight) is a compile-time float: each replicated weight chunk becomes offset + w in
+float32 on VectorE as it is loaded (weight_tile), never rounded to the weight's dtype; offset 0 keeps w's own tile."""
 
 from __future__ import annotations
 
@@ -92,8 +95,21 @@ def scaled_rows(x_hbm, r0, p, keep, eps, r_hbm=None, sum_hbm=None):
     return x_tiles, s_sb, eps_sb
 
 
+def weight_tile(w_hbm, c0, f, p, offset=0.0):
+    """w[c0:c0+f] replicated on p partitions (load_row_broadcast); with a nonzero offset (a compile-time float),
+    offset + w in a float32 tile (one VectorE tensor_scalar: exact for 16-bit weights and small offsets, one float32
+    rounding otherwise), never rounded back to w's dtype."""
+    w_sb = nl.ndarray((p, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
+    load_row_broadcast(w_sb, w_hbm, c0, f, p)
+    if offset == 0.0:
+        return w_sb
+    wo_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=wo_sb, data=w_sb, op0=nl.add, operand0=float(offset))
+    return wo_sb
+
+
 @nki.jit
-def _rmsnorm_kernel(x_hbm, w_hbm, eps):
+def _rmsnorm_kernel(x_hbm, w_hbm, eps, offset):
     """RMS normalisation of a [R, N] tensor over N, with an optional per-feature weight.
 
     Dimensions:
@@ -103,9 +119,10 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
         x_hbm: [R, N] input in HBM, float32/float16/bfloat16.
         w_hbm: [N] weight in x's dtype, or None.
         eps: compile-time float added to the mean square.
+        offset: compile-time float added to the weight (in float32; 0.0 without a weight).
 
     Returns:
-        out_hbm: [R, N] in x's dtype, x * rsqrt(mean(x**2) + eps) * w.
+        out_hbm: [R, N] in x's dtype, x * rsqrt(mean(x**2) + eps) * (offset + w).
 
     Notes:
         Rows are rescaled by an exact power of two s (from max|x|: one VectorE tensor_scalar_reduce
@@ -116,22 +133,23 @@ def _rmsnorm_kernel(x_hbm, w_hbm, eps):
         rsqrt(sum/N + eps s^2) (scale and bias are free too). The output is one VectorE
         scalar_tensor_tensor per chunk: (x * (s * rstd)) * w. The weight is read from HBM once and
         replicated across the partitions in use by a K = 1 TensorE matmul against a ones row
-        (load_row_broadcast). Rows up to RESIDENT elements stay in SBUF, so x is read once too.
+        (load_row_broadcast), then offset added in float32 (weight_tile; skipped for offset 0). Rows up
+        to RESIDENT elements stay in SBUF, so x is read once too.
 
     Pseudocode:
-        w_sb[p, :] = w for every partition p in use
+        w_sb[p, :] = offset + w for every partition p in use
         for each 128-row tile:
             s = power of two with max|x * s| < 2^40 (1 if max|x| < 2^40)
             ss = sum over chunks of sum((s * x_c) ** 2)
             k = s * rsqrt(ss / N + max(eps * s^2, FLT_MIN))
             for each chunk c: out_c = (x_c * k) * w_c
     """
-    return forward_body(x_hbm, w_hbm, eps, None)
+    return forward_body(x_hbm, w_hbm, eps, None, offset)
 
 
-def forward_body(x_hbm, w_hbm, eps, r_hbm):
+def forward_body(x_hbm, w_hbm, eps, r_hbm, offset=0.0):
     """The forward's body (see _rmsnorm_kernel), shared with add_rmsnorm's kernel: with r_hbm the rows are the
-    rounded sums x + r, returned too, (out_hbm, sum_hbm)."""
+    rounded sums x + r, returned too, (out_hbm, sum_hbm). The scale is offset + w (rmsnorm's offset)."""
     R, N = x_hbm.shape
     out_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     add = r_hbm != None  # noqa: E711 (NKI kernels compare with None by value)
@@ -145,9 +163,7 @@ def forward_body(x_hbm, w_hbm, eps, r_hbm):
     w_tiles = []
     if has_weight and resident:
         for c0, f in spans(N, FMAX):
-            w_sb = nl.ndarray((p_all, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
-            load_row_broadcast(w_sb, w_hbm, c0, f, p_all)
-            w_tiles.append(w_sb)
+            w_tiles.append(weight_tile(w_hbm, c0, f, p_all, offset))
 
     for r0, p in spans(R, PMAX):
         # row scale from max|x|
@@ -174,8 +190,7 @@ def forward_body(x_hbm, w_hbm, eps, r_hbm):
                 if resident:
                     w_sb = w_tiles[c]
                 else:
-                    w_sb = nl.ndarray((p, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
-                    load_row_broadcast(w_sb, w_hbm, c0, f, p)
+                    w_sb = weight_tile(w_hbm, c0, f, p, offset)
                 nisa.scalar_tensor_tensor(dst=out_sb, data=x_sb, op0=nl.multiply, operand0=k_sb, op1=nl.multiply,
                                           operand1=w_sb[0:p, 0:f])
             else:
@@ -187,12 +202,13 @@ def forward_body(x_hbm, w_hbm, eps, r_hbm):
 
 
 @impl(spec, "neuron")
-def rmsnorm(x: np.ndarray, weight, eps: float) -> np.ndarray:
+def rmsnorm(x: np.ndarray, weight, eps: float, offset: float = 0.0) -> np.ndarray:
     """Host side: flatten leading dims to rows and launch; empty inputs have nothing to compute."""
     if x.size == 0:
         return np.empty(x.shape, x.dtype)
     w = None if weight is None else _host.contiguous(weight)
-    return _host.as_dtype(_host.run(_rmsnorm_kernel, _host.rows(x), w, float(eps)), x.dtype.name, x.shape)
+    return _host.as_dtype(_host.run(_rmsnorm_kernel, _host.rows(x), w, float(eps), float(offset)), x.dtype.name,
+                          x.shape)
 
 
 # --------------------------------------------------------------------------- backward
@@ -209,22 +225,22 @@ def chunk(tiles, t_hbm, r0, p, c):
     return load_chunk(t_hbm, r0, p, c0, f)
 
 
-def weight_chunk(w_tiles, w_hbm, c, p):
-    """Chunk c of the weight replicated on p partitions (kept, or replicated again by load_row_broadcast)."""
+def weight_chunk(w_tiles, w_hbm, c, p, offset=0.0):
+    """Chunk c of the weight (offset + w with a nonzero offset: weight_tile) replicated on p partitions (kept, or
+    replicated again)."""
     if w_tiles:
         return w_tiles[c]
     c0, f = spans(w_hbm.shape[0], FMAX)[c]
-    w_sb = nl.ndarray((p, f), dtype=w_hbm.dtype, buffer=nl.sbuf)
-    load_row_broadcast(w_sb, w_hbm, c0, f, p)
-    return w_sb
+    return weight_tile(w_hbm, c0, f, p, offset)
 
 
-def weighted(g_sb, w_tiles, w_hbm, c, p, f):
-    """g * w (float32) of chunk c, or g itself without a weight."""
+def weighted(g_sb, w_tiles, w_hbm, c, p, f, offset=0.0):
+    """g * (offset + w) (float32) of chunk c, or g itself without a weight."""
     if w_hbm == None:  # noqa: E711 (NKI kernels compare with None by value)
         return g_sb
     gw_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=gw_sb, data1=g_sb, data2=weight_chunk(w_tiles, w_hbm, c, p)[0:p, 0:f], op=nl.multiply)
+    nisa.tensor_tensor(dst=gw_sb, data1=g_sb, data2=weight_chunk(w_tiles, w_hbm, c, p, offset)[0:p, 0:f],
+                       op=nl.multiply)
     return gw_sb
 
 
@@ -288,14 +304,14 @@ def gw_parts(g_sb, w_sb, p, f):
     return gh_sb, gl_sb
 
 
-def weight_cols(w_tiles, w_hbm, c, p, j0, f):
-    """Columns j0:j0+f of weight chunk c on p partitions, or None without a weight."""
+def weight_cols(w_tiles, w_hbm, c, p, j0, f, offset=0.0):
+    """Columns j0:j0+f of weight chunk c (offset + w) on p partitions, or None without a weight."""
     if w_hbm == None:  # noqa: E711
         return None
-    return weight_chunk(w_tiles, w_hbm, c, p)[0:p, j0:j0 + f]
+    return weight_chunk(w_tiles, w_hbm, c, p, offset)[0:p, j0:j0 + f]
 
 
-def precise_sums(sums_sb, x_sb, g_sb, w_tiles, w_hbm, c, s_sb, p):
+def precise_sums(sums_sb, x_sb, g_sb, w_tiles, w_hbm, c, s_sb, p, offset=0.0):
     """float32 inputs: chunk c's sums of (x s)^2 and g w (x s) in SUB-column blocks, exact products folded as two
     floats (softmax's dot_two_float), into sums_sb [p, 4 n_sub]: highs of (x s)^2 then of g w x s, then their
     error parts in the same order."""
@@ -307,12 +323,12 @@ def precise_sums(sums_sb, x_sb, g_sb, w_tiles, w_hbm, c, s_sb, p):
         nisa.tensor_scalar(dst=xs_sb, data=x_sb[0:p, j0:j0 + fj], op0=nl.multiply, operand0=s_sb)
         dot_two_float(sums_sb[0:p, j:j + 1], sums_sb[0:p, 2 * n_sub + j:2 * n_sub + j + 1], xs_sb, None, xs_sb, None,
                       p, fj)
-        gh_sb, gl_sb = gw_parts(g_sb[0:p, j0:j0 + fj], weight_cols(w_tiles, w_hbm, c, p, j0, fj), p, fj)
+        gh_sb, gl_sb = gw_parts(g_sb[0:p, j0:j0 + fj], weight_cols(w_tiles, w_hbm, c, p, j0, fj, offset), p, fj)
         dot_two_float(sums_sb[0:p, n_sub + j:n_sub + j + 1], sums_sb[0:p, 3 * n_sub + j:3 * n_sub + j + 1], xs_sb,
                       None, gh_sb, gl_sb, p, fj)
 
 
-def grad_projection(dw_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, k_sb, s_sb, resident):
+def grad_projection(dw_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, k_sb, s_sb, resident, offset=0.0):
     """Pass 2 over rows r0:r0+p: -mean(g w xhat) per row ([p, 1]) and, with a weight, the rows' g xhat summed
     into dw_psum (column_sums); for float32 inputs also precise_sums' two-float sums. Returns (the grad chunks,
     kept when `resident`; -mean(g w xhat); the two-float sums, or None)."""
@@ -329,11 +345,12 @@ def grad_projection(dw_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, k_sb,
             g_tiles.append(g_sb)
         x_sb = chunk(x_tiles, x_hbm, r0, p, c)
         if sums_sb != None:  # noqa: E711 (NKI kernels compare with None by value); first: its scratch is freed
-            precise_sums(sums_sb, x_sb, g_sb, w_tiles, w_hbm, c, s_sb, p)
+            precise_sums(sums_sb, x_sb, g_sb, w_tiles, w_hbm, c, s_sb, p, offset)
         xhat_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=xhat_sb, data=x_sb, op0=nl.multiply, operand0=k_sb)
         prod_sb = nl.ndarray((p, f), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_sb, data1=weighted(g_sb, w_tiles, w_hbm, c, p, f), data2=xhat_sb, op=nl.multiply)
+        nisa.tensor_tensor(dst=prod_sb, data1=weighted(g_sb, w_tiles, w_hbm, c, p, f, offset), data2=xhat_sb,
+                           op=nl.multiply)
         nisa.tensor_reduce(dst=c_parts_sb[0:p, c:c + 1], op=nl.add, data=prod_sb, axis=1, keepdims=True)
         if w_hbm != None:  # noqa: E711
             nisa.tensor_tensor(dst=prod_sb, data1=g_sb, data2=xhat_sb, op=nl.multiply)
@@ -408,7 +425,8 @@ def plain_bracket(d_sb, x_sb, g_sb, w_sb, k_sb, mc_sb, N):
         nisa.scalar_tensor_tensor(dst=d_sb, data=d_sb, op0=nl.multiply, operand0=mc_sb, op1=nl.add, operand1=gw_sb)
 
 
-def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb, precise, h_hbm=None):
+def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb, precise, h_hbm=None,
+             offset=0.0):
     """Pass 3: dx = bracket * k per SUB block (plain_bracket), cast on the last multiply, one DMA per chunk.
     precise = (s, pf) for float32 inputs: precise_bracket, and the float32 bracket where that is not finite
     (a row holding inf or NaN). h_hbm (add_rmsnorm's grad_sum): dx = bracket * k + h, in the same instruction."""
@@ -419,7 +437,7 @@ def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb
         h_sb = None if h_hbm == None else load_chunk(h_hbm, r0, p, c0, f)  # noqa: E711
         dx_sb = nl.ndarray((p, f), dtype=x_hbm.dtype, buffer=nl.sbuf)
         for j0, fj in spans(f, SUB):
-            w_sb = weight_cols(w_tiles, w_hbm, c, p, j0, fj)
+            w_sb = weight_cols(w_tiles, w_hbm, c, p, j0, fj, offset)
             d_sb = nl.ndarray((p, fj), dtype=nl.float32, buffer=nl.sbuf)
             plain_bracket(d_sb, x_sb[0:p, j0:j0 + fj], g_sb[0:p, j0:j0 + fj], w_sb, k_sb, mc_sb, N)
             if precise != None:  # noqa: E711 (NKI kernels compare with None by value)
@@ -436,14 +454,15 @@ def write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb
         nisa.dma_copy(dst=dx_hbm[r0:r0 + p, c0:c0 + f], src=dx_sb)
 
 
-def rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, eps_lo, resident, h_hbm=None):
+def rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, eps_lo, resident, h_hbm=None,
+                  offset=0.0):
     """dx of rows r0:r0+p and their dweight partials into dw_psum: the kernel's loop body, a function so that
     the row tile's SBUF tiles are dead once it returns, before the next tile's are allocated."""
     x_tiles, s_sb, eps_sb = scaled_rows(x_hbm, r0, p, resident, eps)
     k_sb = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
     rstd_sb = rms_factor(k_sb, x_tiles, x_hbm, r0, p, s_sb, eps_sb)
     g_tiles, mc_sb, sums_sb = grad_projection(dw_psum, g_hbm, x_tiles, x_hbm, w_tiles, w_hbm, r0, p, k_sb, s_sb,
-                                              resident)
+                                              resident, offset)
     precise = None
     if sums_sb != None:  # noqa: E711 (NKI kernels compare with None by value)
         pf_sb = nl.ndarray((p, 2), dtype=nl.float32, buffer=nl.sbuf)
@@ -453,11 +472,11 @@ def rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, eps
         nisa.scalar_tensor_tensor(dst=k_sb, data=rstd_sb, op0=nl.multiply, operand0=eps_sb, op1=nl.multiply,
                                   operand1=k_sb)
         nisa.tensor_tensor(dst=k_sb, data1=k_sb, data2=rstd_sb, op=nl.multiply)
-    write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb, precise, h_hbm)
+    write_dx(dx_hbm, x_tiles, x_hbm, g_tiles, g_hbm, w_tiles, w_hbm, r0, p, k_sb, mc_sb, precise, h_hbm, offset)
 
 
 @nki.jit
-def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps, eps_lo):
+def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps, eps_lo, offset):
     """Gradients of rmsnorm for x and weight from grad and the saved x (and weight), [R, N] over N.
 
     Dimensions:
@@ -469,9 +488,11 @@ def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps, eps_lo):
         w_hbm: [N] weight in x's dtype, or None.
         eps: compile-time float added to the mean square.
         eps_lo: compile-time float, eps - float32(eps): the float32 path's exact statistics add eps as two floats.
+        offset: compile-time float added to the weight (in float32, weight_tile; 0.0 without a weight).
 
     Returns:
-        dx_hbm: [R, N] in x's dtype, k (g w - xhat mean(g w xhat)) with xhat = x k, k = s / rms(s x);
+        dx_hbm: [R, N] in x's dtype, k (g w - xhat mean(g w xhat)) with xhat = x k, k = s / rms(s x), w here
+            standing for offset + w;
         dw_hbm: [N] in w's dtype, sum over rows of g xhat (only with a weight).
 
     Notes:
@@ -495,12 +516,12 @@ def _rmsnorm_backward_kernel(g_hbm, x_hbm, w_hbm, eps, eps_lo):
             dx = (g w - xhat c) * k          (N = 1: g w eps' r^2 k; float32: two-float bracket)
         dw = cast(dw)
     """
-    return backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, None)
+    return backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, None, offset)
 
 
-def backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm):
+def backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm, offset=0.0):
     """The backward's body (see _rmsnorm_backward_kernel), shared with add_rmsnorm's: h_hbm (grad_sum) is added
-    to dx."""
+    to dx. The scale is offset + w (rmsnorm's offset); dweight sums g xhat, which does not read it."""
     R, N = x_hbm.shape
     dx_hbm = nl.ndarray((R, N), dtype=x_hbm.dtype, buffer=nl.shared_hbm)
     PMAX = nl.tile_size.pmax
@@ -511,11 +532,11 @@ def backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm):
     w_tiles = []
     if has_weight and resident:
         for c in range(n_chunks):
-            w_tiles.append(weight_chunk([], w_hbm, c, p_all))
+            w_tiles.append(weight_chunk([], w_hbm, c, p_all, offset))
     dw_psum = nl.ndarray((PMAX, cdiv(N, PMAX)), dtype=nl.float32, buffer=nl.psum)
 
     for r0, p in spans(R, PMAX):
-        rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, eps_lo, resident, h_hbm)
+        rows_backward(dx_hbm, dw_psum, g_hbm, x_hbm, w_tiles, w_hbm, r0, p, eps, eps_lo, resident, h_hbm, offset)
 
     if not has_weight:
         return dx_hbm
@@ -525,13 +546,13 @@ def backward_body(g_hbm, x_hbm, w_hbm, eps, eps_lo, h_hbm):
 
 
 @impl(spec.backward_op, "neuron")
-def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float):
+def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float, offset: float = 0.0):
     """Host side: flatten leading dims to rows and launch; empty inputs have nothing to compute."""
     n = x.shape[-1]
     if x.size == 0:  # no rows: dweight sums nothing (0); no features: nothing at all
         return np.empty(x.shape, x.dtype), None if weight is None else np.zeros(n, weight.dtype)
     w = None if weight is None else _host.contiguous(weight)
     eps_lo = float(eps) - float(np.float32(eps))  # the float32 kernel's exact path adds eps as two floats
-    out = _host.run(_rmsnorm_backward_kernel, _host.rows(grad), _host.rows(x), w, float(eps), eps_lo)
+    out = _host.run(_rmsnorm_backward_kernel, _host.rows(grad), _host.rows(x), w, float(eps), eps_lo, float(offset))
     dx, dw = (out, None) if weight is None else out
     return _host.as_dtype(dx, x.dtype.name, x.shape), None if dw is None else _host.as_dtype(dw, weight.dtype.name, (n,))

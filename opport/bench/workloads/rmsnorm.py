@@ -22,17 +22,19 @@ def make(d, dtype, mk):
     return dict(x=mk.normal((d["rows"], d["n"]), dtype), weight=mk.uniform((d["n"],), dtype, 0.5, 1.5), eps=1e-6)
 
 
-def torch_eager(x, weight, eps):
+def torch_eager(x, weight, eps, offset=0.0):
     import torch.nn.functional as F
 
+    if offset:  # Gemma's (offset + weight), formed in float32 as transformers' Gemma RMSNorm does
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (offset + weight.float())).to(x.dtype)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def numpy_composition(x, weight, eps):
+def numpy_composition(x, weight, eps, offset=0.0):
     xf = acc(x)
     y = xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + eps)
     if weight is not None:
-        y = y * acc(weight)
+        y = y * (offset + acc(weight))
     return y.astype(x.dtype)
 
 
