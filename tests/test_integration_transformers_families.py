@@ -54,10 +54,10 @@ CONFIGS = {  # model_type -> (config class, model class, overrides)
                       use_parallel_residual=True, hidden_act="gelu")),
 }
 BACKENDS = ("cpu", "cuda", "neuron")
+# norm calls per forward (in pre-norm layers the post-attention norm is add_rmsnorm's)
 NORMS = {"llama": LAYERS + 1, "mistral": LAYERS + 1, "qwen2": LAYERS + 1, "mixtral": LAYERS + 1,
-         "qwen3_moe": 3 * LAYERS + 1, "qwen3": 3 * LAYERS + 1, "phi3": LAYERS + 1, "olmo2": 4 * LAYERS + 1, "gemma2": 4 * LAYERS + 1,
-         "gemma3_text": 6 * LAYERS + 1, "gpt_neox": 2 * LAYERS + 1}  # norm calls per forward (Qwen3/Phi3: the
-# post-attention norm is add_rmsnorm's)
+         "qwen3_moe": 3 * LAYERS + 1, "qwen3": 3 * LAYERS + 1, "phi3": LAYERS + 1, "olmo2": 4 * LAYERS + 1,
+         "gemma2": 4 * LAYERS + 1, "gemma3_text": 6 * LAYERS + 1, "gpt_neox": 2 * LAYERS + 1}
 NORM_OP = {"gpt_neox": "layernorm"}
 MLP_OP = {"gemma2": "gelu", "gemma3_text": "gelu", "gpt_neox": "gelu", "mixtral": None, "qwen3_moe": None}
 MOE = {"mixtral", "qwen3_moe"}  # their MLPs are routed experts: topk_router and moe_experts per layer
@@ -242,3 +242,20 @@ def test_lora_gradient_checkpointing_and_torch_compile(tmp_path):
         eager = model(x).logits
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x).logits
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_bfloat16_runs_every_norm_and_is_as_accurate_as_its_own(family):
+    """bfloat16 Gemma: the (1 + weight) norms run opport.rmsnorm's offset (1 + w in float32, as the model forms
+    it), nothing handed back, and the logits are at most 1.5x as far (norm-wise) from a float64 run of the model
+    as its own bfloat16 logits."""
+    x = _ids()
+    with torch.no_grad():
+        exact = _model(family).double()(x).logits
+        model = _model(family).to(torch.bfloat16)
+        hf_err = ((model(x).logits.double() - exact).norm() / exact.norm()).item()
+        patch(model)
+        with opport.strict():
+            got = model(x).logits
+    assert ((got.double() - exact).norm() / exact.norm()).item() <= 1.5 * hf_err
+    assert _ran(model)["rmsnorm"] == NORMS[family]

@@ -3,7 +3,7 @@ and the opport op each one runs. Adding a family whose modules follow one of the
 (plus its tests); docs/integration.md prints the table (`table_rows`).
 
 Module kinds, by the class name after the family's prefix (transformers' own modeling file):
-- `RMSNorm` -> rmsnorm (Gemma's `x̂ · (1 + weight)` with the weight 1 + w); torch.nn.LayerNorm -> layernorm
+- `RMSNorm` -> rmsnorm (Gemma's `x̂ · (1 + weight)` as the op's offset=1.0); torch.nn.LayerNorm -> layernorm
   in layernorm families (GPT-NeoX);
 - `MLP` -> swiglu (SiLU gate) or gelu (Gemma's tanh-GELU gate: gelu(gate, 'tanh') · up; GPT-NeoX's ungated
   down(gelu(up(x)))), by the activation;

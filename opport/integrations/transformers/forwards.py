@@ -59,16 +59,13 @@ def _op(name: str, module, *args, **kwargs):
 
 
 def rmsnorm(module, hidden_states):
-    offset = vars(module)[FAMILY].norm_offset  # Gemma: x̂ · (1 + weight)
-    if hidden_states.dtype != module.weight.dtype or (offset and module.weight.dtype not in _WIDE):
+    """RMSNorm as opport.rmsnorm; Gemma's x̂ · (1 + weight) through the op's offset (1 + w formed in float32 inside
+    the kernel, as the model forms it, also for 16-bit weights)."""
+    if hidden_states.dtype != module.weight.dtype:
         hand_back(module, "rmsnorm", "dtype_mismatch")
         return call_original(module, hidden_states)
     eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
-    weight = module.weight + offset if offset else module.weight  # exact in float32 as the model forms it
-    return _op("rmsnorm", module, hidden_states, weight, eps)
-
-
-_WIDE = (torch.float32, torch.float64)
+    return _op("rmsnorm", module, hidden_states, module.weight, eps, offset=vars(module)[FAMILY].norm_offset)
 
 
 def layernorm(module, hidden_states):
