@@ -57,7 +57,8 @@ def test_every_op_is_a_custom_op_with_the_declared_signature(name):
 
 
 def test_schema_types_come_from_the_declaration():
-    assert ot.schema(opport.rmsnorm.spec) == "(Tensor x, Tensor? weight=None, float eps=1e-06, *, str? backend=None) -> Tensor"
+    assert ot.schema(opport.rmsnorm.spec) == ("(Tensor x, Tensor? weight=None, float eps=1e-06, float offset=0.0, *, "
+                                              "str? backend=None) -> Tensor")
 
 
 @pytest.mark.parametrize("name", OPS)
