@@ -10,6 +10,10 @@ import pytest
 
 # A fresh inductor cache per run: a cache left by an earlier build of a fake kernel can replay stale code.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="opport-inductor-"))
+# Models are built from configs (nothing is downloaded): any Hugging Face Hub call fails at once instead of waiting
+# on a network a CI machine may not have (transformers, TRL and datasets read these before their first request).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from opport.dispatch import Backend, register_backend, unregister_backend
 from opport.dtypes import FLOATS
