@@ -53,12 +53,28 @@ class PagedCache:
         return torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32)
 
 
+# what this loop computes: Llama's layout (pre-norm, SwiGLU, full rope, no q/k norm, no soft cap, no window)
+SUPPORTED = ("llama", "qwen2")
+
+
+def refuse(cfg):
+    """Raise UnsupportedError for a model this loop would compute wrongly (a window, q/k norms, soft caps, another
+    layer layout), instead of generating other tokens than the model would."""
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    why = (f"model_type {cfg.model_type!r} (this loop computes {SUPPORTED})" if cfg.model_type not in SUPPORTED else
+           f"sliding_window={window}" if window is not None else None)
+    if why:
+        raise opport.UnsupportedError(op="examples.paged_llama", arg="model", constraint="paged_llama.model",
+                                      expected=f"a {' or '.join(SUPPORTED)} model without a sliding window", got=why)
+
+
 class PagedLlama:
     """Greedy generation with a paged KV cache; the weights are the model's own tensors (nothing copied but
     the transposed projections)."""
 
     def __init__(self, model, block_size: int = 16, num_blocks: int = 64):
         cfg, inner = model.config, model.model
+        refuse(cfg)
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps, self.rotary = cfg.rms_norm_eps, inner.rotary_emb

@@ -76,3 +76,20 @@ def test_the_check_fails_when_the_cache_write_is_wrong(example, monkeypatch):
 
 def test_the_example_runs_as_a_script():
     assert _example().main(["--backend", "cpu", "--new-tokens", "3"]) == 0
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "qwen2-windowed"])
+def test_models_the_loop_would_compute_wrongly_are_refused(family):
+    """A window, q/k norms, soft caps or another layout: the loop refuses (it would generate other tokens)."""
+    import transformers
+
+    ex = _example()
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)
+    config = {"mistral": lambda: transformers.MistralConfig(**tiny, sliding_window=8),
+              "qwen3": lambda: transformers.Qwen3Config(**tiny),
+              "gemma2": lambda: transformers.Gemma2Config(**tiny),
+              "qwen2-windowed": lambda: transformers.Qwen2Config(**tiny, sliding_window=8, use_sliding_window=True)}
+    model = transformers.AutoModelForCausalLM.from_config(config[family]())
+    with pytest.raises(opport.UnsupportedError, match="paged_llama.model"):
+        ex.PagedLlama(model)
