@@ -23,17 +23,21 @@ REDUCTIONS = ("mean", "sum", "none")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 
 
-def token_logps(hidden, weight, target, bias=None, temperature: float = 1.0, ignore_index: int = -100):
-    """log p(target_i | hidden_i) per token [N] under `temperature` (logits (hidden @ weight.T + bias) / T), 0 where
-    target == ignore_index, computed as -linear_cross_entropy(hidden / T, weight, target, bias / T,
-    reduction="none"): the [N, V] logits are never held, and the gradient w.r.t. hidden and weight from any
-    per-token upstream gradient is the op's exact backward. float32, as the op's loss (float64 inputs are
-    computed in float64 and rounded once)."""
+def token_logps(hidden, weight, target, bias=None, temperature: float = 1.0, ignore_index: int = -100,
+                softcap: float | None = None):
+    """log p(target_i | hidden_i) per token [N] under `temperature`: the logits z = hidden @ weight.T + bias, soft-capped
+    first where the model's head caps them (Gemma: cap · tanh(z / cap)), then divided by T, as a trainer does with
+    the model's logits. Computed as -linear_cross_entropy(hidden / T, weight, target, bias / T, softcap=cap / T,
+    reduction="none") (the same logits: cap/T · tanh((z/T) / (cap/T))), so the [N, V] logits are never held, and
+    the gradient w.r.t. hidden and weight from any per-token upstream gradient is the op's exact backward; 0 where
+    target == ignore_index. float32, as the op's loss (float64 inputs are computed in float64 and rounded once)."""
     _check_positive("token_logps", "temperature", temperature)
     if temperature != 1.0:
         hidden = hidden / temperature
         bias = None if bias is None else bias / temperature
-    return -linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, reduction="none")
+        softcap = None if softcap is None else softcap / temperature
+    return -linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, reduction="none",
+                                 softcap=softcap)
 
 
 def sequence_logps(token_logps, mask, average: bool = False):
