@@ -53,3 +53,78 @@ def test_values_and_dpo_gradients_equal_the_logits_path(family, patched):
     for name in want[1]:
         scale = want[1][name].abs().max().item() or 1.0
         torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def _tokenizer():
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(97)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="t0", eos_token="t1", bos_token="t2",
+                                                unk_token="t0")
+
+
+def _dpo_losses(patched: bool, tmp_path) -> tuple:
+    datasets, trl = pytest.importorskip("datasets"), pytest.importorskip("trl")
+    model = _model("qwen3")
+    if patched:
+        patch(model)
+    text = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731
+    rows = [{"prompt": text([3 + i, 5, 7]), "chosen": text([10 + i, 11, 1]), "rejected": text([20 + i, 1])}
+            for i in range(4)]
+    args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3,
+                         logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+                         bf16=False, fp16=False)
+    trainer = trl.DPOTrainer(model=model, ref_model=_model("qwen3"), args=args,
+                             train_dataset=datasets.Dataset.from_list(rows), processing_class=_tokenizer())
+    with opport.strict() if patched else torch.enable_grad():
+        trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+
+def test_trl_dpo_trainer_gives_the_unpatched_losses(tmp_path):
+    """TRL's DPOTrainer on a patched Qwen3 in strict mode: the unpatched model's losses, every layer's norms, MLP
+    and (padded-batch) attention through opport. TRL builds the logits with the model's own head."""
+    from opport.integrations.transformers import stats
+
+    want, _ = _dpo_losses(False, tmp_path / "a")
+    got, model = _dpo_losses(True, tmp_path / "b")
+    assert len(got) == 2 and got == pytest.approx(want, rel=1e-5)
+    counts = stats(model)
+    assert counts["varlen_attention"]["opport"] > 0 and not any(c["handed_back"] for c in counts.values())
+
+
+def _grpo_log(patched: bool, tmp_path) -> tuple:
+    datasets, trl = pytest.importorskip("datasets"), pytest.importorskip("trl")
+    model = _model("qwen3")
+    if patched:
+        patch(model)
+    rows = [{"prompt": " ".join(f"t{3 + i + j}" for j in range(2 + i % 3))} for i in range(4)]  # 2-4 tokens
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                          max_completion_length=4, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[],
+                          use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True, bf16=False, fp16=False,
+                          beta=0.0)
+    trainer = trl.GRPOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                              processing_class=_tokenizer(),
+                              reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions])
+    with opport.strict() if patched else torch.enable_grad():
+        trainer.train()
+    keys = ("loss", "grad_norm", "reward")
+    return [tuple(h[k] for k in keys) for h in trainer.state.log_history if "loss" in h], model
+
+
+def test_trl_grpo_trainer_samples_and_steps_like_the_unpatched_model(tmp_path):
+    """TRL's GRPOTrainer (sampling with the model's generate from left-padded prompts of 2-4 tokens, then the clipped
+    policy loss) on a patched Qwen3 in strict mode: the same rewards (the same samples), losses and gradient norms
+    as the unpatched model's."""
+    from opport.integrations.transformers import stats
+
+    want, _ = _grpo_log(False, tmp_path / "a")
+    got, model = _grpo_log(True, tmp_path / "b")
+    assert len(got) == 2
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, rel=1e-4, abs=1e-6)
+    assert any(w[1] > 0 for w in want)  # a step that moved the weights
+    counts = stats(model)
+    assert counts["varlen_attention"]["opport"] > 0 and not any(c["handed_back"] for c in counts.values())
