@@ -207,16 +207,19 @@ class _BlasLimit:
             self._set(self.libs, target)
             self.applied = target
 
-    def current(self) -> list:
-        """The BLAS libraries' limits now (tests, `opport bench`)."""
-        if self.libs is None:
-            self._find()
-        return [lib.num_threads for lib in self.libs]
 
 
 _blas = _BlasLimit()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_blas.forked)
+
+
+def blas_limit() -> int | None:
+    """The BLAS thread limit in force now (the smallest over NumPy's BLAS libraries), None where threadpoolctl
+    finds none it can control; `opport bench` records it."""
+    if _blas.libs is None:
+        _blas._find()
+    return min((lib.num_threads for lib in _blas.libs), default=None)
 
 
 class blas_threads:
