@@ -204,3 +204,29 @@ def test_nested_and_concurrent_calls_put_the_callers_limit_back(monkeypatch):
         assert not errors, errors[:2]
         assert blas_limit() == 2
         assert common._blas.wants == [] and common._blas.saved is None
+
+
+def _report_limit(q):
+    q.put(blas_limit())
+
+
+@pytest.mark.timeout(120)
+def test_a_child_forked_during_a_limited_call_starts_with_the_callers_limit():
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    ctx = multiprocessing.get_context("fork")
+    with threadpool_limits(limits=2, user_api="blas"):
+        common._blas.enter(1)  # as a kernel in another thread would be, at the moment of the fork
+        try:
+            assert blas_limit() == 1
+            q = ctx.Queue()
+            p = ctx.Process(target=_report_limit, args=(q,))
+            p.start()
+            got = q.get(timeout=60)
+            p.join(60)
+        finally:
+            common._blas.exit(1)
+        assert p.exitcode == 0 and got == 2
+        assert blas_limit() == 2
