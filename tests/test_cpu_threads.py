@@ -120,7 +120,12 @@ def test_a_blas_kernel_called_from_a_share_uses_one_blas_thread(monkeypatch, spy
     with threadpool_limits(limits=2, user_api="blas"):
         common.parallel_rows(4, 1, lambda rows: matmul_kernel(a, b, None))  # ... but a kernel inside holds it to 1
         assert blas_limit() == 2
-    assert len(spy) == 4 and {lim for _, lim in spy} == {1}
+        assert len(spy) == 4 and {lim for _, lim in spy} == {1}
+        spy.clear()
+        monkeypatch.setattr(common, "PARALLEL_MIN", 1 << 18)  # a call that runs inline: no pool, BLAS has the budget
+        common.parallel_rows(4, 1, lambda rows: common.parallel_rows(4, 1, lambda r: matmul_kernel(a, b, None)))
+        assert blas_limit() == 2
+    assert len(spy) == 16 and {lim for _, lim in spy} == {2} and {t for t, _ in spy} == {threading.get_ident()}
 
 
 def test_one_thread_in_all(monkeypatch, spy):
