@@ -1,4 +1,5 @@
-"""Helpers shared by the NumPy kernels: upcasting, and row blocks spread over a small thread pool.
+"""Helpers shared by the NumPy kernels: upcasting, row blocks spread over a small thread pool, and the
+thread budget that pool shares with the BLAS under the kernels.
 
 NumPy's ufuncs and most reductions release the GIL, so the kernels run their blocks on threads: each
 thread takes a contiguous range of rows and walks it in blocks of about 256K elements. Smaller,
@@ -6,15 +7,24 @@ L2-sized blocks measured slower (1.3-2x at 16K-64K elements on the 2-core VM): e
 1-3 us of fixed overhead, held under the GIL, and a block makes ten or more. Rows never straddle
 threads and each row is reduced in one NumPy call whatever the block, so results are bitwise the
 same for any thread count.
+
+One budget, `num_threads()` (OPPORT_NUM_THREADS), covers opport's pool and BLAS together (docs/cpu.md,
+"Threads"): BLAS calls made in the pool's shares (`parallel_rows(..., blas=True)`, a `uses_blas` kernel
+called from a share) run on 1 thread; a kernel that hands the whole problem to BLAS (`uses_blas`) lets
+it use the budget. The BLAS limit in force when a call
+starts is a cap (OPENBLAS_NUM_THREADS, a user's `threadpool_limits`), and it is put back when the call
+returns.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import threadpoolctl
 
 from opport.dtypes import acc_dtype
 from opport.errors import ArgumentError
@@ -22,6 +32,8 @@ from opport.errors import ArgumentError
 BLOCK_ELEMS = 1 << 18  # elements per block: 1 MiB per float32 temporary, a few MiB per block
 PARALLEL_MIN = 1 << 18  # below this many elements the hand-off to a pool thread (~60 us measured) costs
 # about what it saves
+BLAS_INLINE = 1 << 18  # a GEMM of at most this many multiply-adds (M*N*K) runs on the calling thread in OpenBLAS
+# whatever its thread limit (65536 * GEMM_MULTITHREAD_THRESHOLD, 4 by default): such calls skip the limiter
 
 _ACC_SELF = (np.dtype(np.float32), np.dtype(np.float64))  # dtypes that compute in themselves
 _F16 = np.dtype(np.float16)
@@ -30,7 +42,12 @@ _F16 = np.dtype(np.float16)
 _F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 _pool: tuple | None = None  # (pid, workers, executor): a forked child must not use its parent's dead threads
 _pool_lock = threading.Lock()
-_inside = threading.local()  # set while a thread runs a share: a nested call must not wait on the pool
+class _Inside(threading.local):
+    on = False  # a class default: getattr with a default on a thread-local costs 0.3 us, this 0.03
+    pooled = False  # on while the share belongs to a call that split over the pool (inline calls: off)
+
+
+_inside = _Inside()  # on while a thread runs a share: a nested call must not wait on the pool
 
 
 def upcast(a: np.ndarray) -> np.ndarray:
@@ -99,18 +116,156 @@ def store(dst: np.ndarray, y: np.ndarray) -> None:
 
 
 def num_threads() -> int:
-    """Threads the cpu kernels use: `OPPORT_NUM_THREADS`, else the CPUs this process may run on.
+    """Threads the cpu kernels use in all, opport's pool and BLAS together: `OPPORT_NUM_THREADS`, else the
+    CPUs this process may run on.
 
     Read on every kernel call, whatever its size (a bad value must not pass for small inputs and fail for
     large ones); a value other than a positive integer is an ArgumentError naming the variable.
     """
-    env = os.environ.get("OPPORT_NUM_THREADS", "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ArgumentError(op="cpu", arg="OPPORT_NUM_THREADS", constraint="cpu.num_threads",
-                                expected="a positive integer (unset it to use every CPU)", got=repr(env))
-        return int(env)
+    raw = _ENV.get(_ENV_KEY) if _ENV is not None else os.environ.get("OPPORT_NUM_THREADS")
+    if raw:
+        n = _parsed.get(raw)
+        if n is not None:
+            return n
+        env = (os.environ.decodevalue(raw) if _ENV is not None else raw).strip()
+        if env:
+            if not env.isdigit() or int(env) < 1:
+                raise ArgumentError(op="cpu", arg="OPPORT_NUM_THREADS", constraint="cpu.num_threads",
+                                    expected="a positive integer (unset it to use every CPU)", got=repr(env))
+            _parsed[raw] = int(env)
+            return _parsed[raw]
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# num_threads runs on every kernel call: os.environ.get of an unset variable costs 1.1 us (two KeyErrors inside),
+# a look-up in os.environ's own dict 0.03 us (CPython keeps it in sync with os.environ; plain get elsewhere)
+_ENV = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") and hasattr(os.environ, "decodevalue") else None
+_ENV_KEY = os.environ.encodekey("OPPORT_NUM_THREADS") if _ENV is not None else None
+_parsed: dict = {}  # raw OPPORT_NUM_THREADS values already validated -> thread count
+
+
+class _BlasLimit:
+    """opport's hold on the BLAS thread limit, through threadpoolctl.
+
+    OpenBLAS's limit (pthreads build, NumPy's wheels) is one process-wide setting, so every kernel call that
+    limits it goes through here: the calls inside at once (threads, nesting) each ask for a limit and BLAS
+    gets the smallest, capped by the limits in force when the first of them started (OPENBLAS_NUM_THREADS,
+    a user's `threadpool_limits`); the last to leave puts those back. Only changes touch the library:
+    an enter/exit pair costs about 1.7 us when the limit stays, 3.3 us when it changes and changes back.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.libs = None  # found on first use: NumPy's BLAS is loaded by then
+        self.wants, self.saved, self.applied = [], None, None
+
+    def _find(self) -> None:
+        with self.lock:
+            if self.libs is None:
+                self.libs = [lib for lib in threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers
+                             if lib.num_threads is not None]
+
+    def forked(self) -> None:
+        """In a child forked while a call held BLAS's limit (possibly in another thread, which the child lacks):
+        a fresh lock, and the user's limits back."""
+        self.lock = threading.Lock()
+        if self.saved is not None:
+            self._set(self.libs, self.saved)
+        self.wants, self.saved, self.applied = [], None, None
+
+    @staticmethod
+    def _set(libs, limits) -> None:
+        for lib, n in zip(libs, limits):
+            # threadpoolctl 3.8's set_num_threads lets one Python thread at a time change pthreads OpenBLAS's
+            # shared limit and silently ignores the others; opport's calls already take turns under self.lock
+            # and the last one out must be able to restore, so they use the setter under it (0.35 us, not 1.1
+            # with the ownership bookkeeping). Older threadpoolctl: set_num_threads is that setter.
+            getattr(lib, "_real_set_num_threads", lib.set_num_threads)(n)
+
+    def enter(self, n: int) -> None:
+        if self.libs is None:
+            self._find()
+        with self.lock:
+            if not self.wants:
+                self.saved = self.applied = [lib.num_threads for lib in self.libs]
+            self.wants.append(n)
+            try:
+                self._apply()
+            except BaseException:
+                self.wants.remove(n)
+                raise
+
+    def exit(self, n: int) -> None:
+        with self.lock:
+            self.wants.remove(n)
+            self._apply()
+            if not self.wants:
+                self.saved = self.applied = None
+
+    def _apply(self) -> None:
+        want = min(self.wants) if self.wants else None
+        target = [s if want is None else min(s, want) for s in self.saved]
+        if target != self.applied:
+            self._set(self.libs, target)
+            self.applied = target
+
+
+_blas = _BlasLimit()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_blas.forked)
+
+
+def blas_limit() -> int | None:
+    """The BLAS thread limit in force now (the smallest over NumPy's BLAS libraries), None where threadpoolctl
+    finds none it can control; `opport bench` records it."""
+    if _blas.libs is None:
+        _blas._find()
+    return min((lib.num_threads for lib in _blas.libs), default=None)
+
+
+class blas_threads:
+    """`with blas_threads(n):` BLAS calls made inside use at most n threads (and at most the limit in force
+    when the outermost opport call started); the limits are put back on the way out. n = 0: no limit."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        if self.n:
+            _blas.enter(self.n)
+        return self
+
+    def __exit__(self, *exc):
+        if self.n:
+            _blas.exit(self.n)
+
+
+def uses_blas(work=None):
+    """Decorator for a kernel that calls BLAS on the whole problem (not split over opport's pool): BLAS gets
+    the budget, `num_threads()`, for the call, or 1 thread when called from a share of `parallel_rows` (the
+    pool has the budget). `work(*args)` (optional) counts the call's multiply-adds: at most BLAS_INLINE and
+    the limiter is skipped (OpenBLAS runs such a GEMM on the calling thread anyway).
+    """
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def kernel(*args, **kwargs):
+            n = num_threads()  # validated on every call, small ones too
+            if work is not None and work(*args, **kwargs) <= BLAS_INLINE:
+                return fn(*args, **kwargs)
+            if _inside.pooled:
+                n = 1
+            _blas.enter(n)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _blas.exit(n)
+
+        return kernel
+
+    return wrap
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
@@ -128,37 +283,44 @@ def block_rows(row_elems: int) -> int:
     return max(1, BLOCK_ELEMS // max(row_elems, 1))
 
 
-def parallel_rows(n_rows: int, row_elems: int, body) -> None:
+def parallel_rows(n_rows: int, row_elems: int, body, blas: bool = False) -> None:
     """Call `body(rows)` for row slices covering [0, n_rows), in blocks of `block_rows(row_elems)` rows.
 
-    Large inputs are split into one contiguous range of rows per thread (the caller's thread takes the
-    first); `body` must only write the output rows it is given. The blocks lie on a fixed grid (block i
+    Inputs of at least PARALLEL_MIN elements are split into one contiguous range of rows per thread, at most
+    `num_threads()` threads and one per block (the caller's thread takes the first range); smaller ones, and a
+    call from inside a share, run inline on the calling thread without touching the pool or BLAS's limit.
+    `blas=True` says that `body` calls BLAS itself: while the pool runs, BLAS is then held to 1 thread, once
+    for the call (the budget is spent on the pool); a `uses_blas` kernel called from a share does that itself.
+    `body` must only write the output rows it is given. The blocks lie on a fixed grid (block i
     is rows [i * step, (i + 1) * step)) whatever the thread count, so a kernel that reduces over rows can
     keep one partial result per block (index rows.start // step) and sum them in order: bitwise the same
     for any thread count. NumPy floating-point warnings are off inside: the kernels define their
     overflow, inf and NaN results themselves.
     """
     step = block_rows(row_elems)
-    nested = getattr(_inside, "on", False)
+    nested = _inside.on
     wanted = num_threads()  # validated on every call, small ones too
-    threads = 1 if nested or n_rows * row_elems < PARALLEL_MIN else min(wanted, n_rows)
+    threads = 1 if nested or n_rows * row_elems < PARALLEL_MIN else min(wanted, -(-n_rows // step))
+    outer = (nested, _inside.pooled)  # the workers run only when not nested, and their state is outer's then
+    pooled = outer[1] or threads > 1
 
     def run(lo: int, hi: int) -> None:
-        _inside.on = True
+        _inside.on, _inside.pooled = True, pooled
         try:
             with np.errstate(all="ignore"):  # per thread: NumPy's error state is thread-local
                 for start in range(lo, hi, step):
                     body(slice(start, min(start + step, hi)))
         finally:
-            _inside.on = nested
+            _inside.on, _inside.pooled = outer
 
     if threads <= 1:
         return run(0, n_rows)
     bounds = [min(n_rows, -(-(n_rows * i // threads) // step) * step) for i in range(threads + 1)]  # on the grid
     pool = _executor(threads - 1)
-    futures = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-    try:
-        run(bounds[0], bounds[1])
-    finally:
-        for f in futures:
-            f.result()  # re-raises a worker's exception; waits for all before the output is used
+    with blas_threads(1 if blas else 0):  # once per call, not per block: BLAS in the shares on the share's thread
+        futures = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads) if bounds[i] < bounds[i + 1]]
+        try:
+            run(bounds[0], bounds[1])
+        finally:
+            for f in futures:
+                f.result()  # re-raises a worker's exception; waits for all before the output is used

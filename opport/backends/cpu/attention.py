@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from opport.backends.cpu._common import store, upcast
+from opport.backends.cpu._common import store, upcast, uses_blas
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
 from opport.ops.attention import attention as spec
@@ -39,6 +39,7 @@ def _batch_heads_merge(*arrays) -> bool:
 
 
 @impl(spec, "cpu")
+@uses_blas()
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, softcap=None,
               sliding_window=None) -> np.ndarray:
     """softmax(q k^T · scale, bottom-right causal mask) v, out [B, Hq, Sq, Dv] in q's dtype.
@@ -57,6 +58,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, 
 
 
 @impl(spec.train_forward, "cpu")
+@uses_blas()
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, softcap=None,
                       sliding_window=None) -> tuple:
     """The forward plus each row's log-sum-exp m + log(l) [B, Hq, Sq] (float32; float64 for float64 inputs),
@@ -198,6 +200,7 @@ def _pv(p, vb, nvis, g: int):
 
 
 @impl(spec.backward_op, "cpu")
+@uses_blas()
 def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=None, sliding_window=None) -> tuple:
     """dq, dk, dv from the saved output and log-sum-exp: FlashAttention-2's backward in NumPy blocks.
 

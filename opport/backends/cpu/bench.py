@@ -121,11 +121,14 @@ def _copy_ms(timer: HostTimer, src: np.ndarray) -> float:
 
 
 def device() -> dict:
-    """The CPU, its clock, and the threads of opport's kernels and of torch's CPU eager baseline."""
-    from opport.backends.cpu._common import num_threads
+    """The CPU, its clock, and the threads of opport's kernels, of BLAS and of torch's CPU eager baseline."""
+    from opport.backends.cpu._common import blas_limit, num_threads
 
     info = {"kind": "cpu", "name": platform.processor() or platform.machine(), "logical_cpus": os.cpu_count(),
-            "threads": {"opport": num_threads()}}  # the cpu kernels' pool (OPPORT_NUM_THREADS)
+            "threads": {"opport": num_threads()}}  # the cpu kernels' budget, pool and BLAS (OPPORT_NUM_THREADS)
+    blas = blas_limit()
+    if blas is not None:  # BLAS's own limit outside opport's calls (the NumPy baseline's); opport's get min(it, opport)
+        info["threads"]["blas"] = blas
     torch = sys.modules.get("torch")
     if torch is not None:
         info["threads"]["torch"] = torch.get_num_threads()

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from opport.backends.cpu._common import upcast
+from opport.backends.cpu._common import upcast, uses_blas
 from opport.dispatch import impl
 from opport.ops.grouped_matmul import grouped_matmul as spec
 
@@ -20,6 +20,7 @@ def _weights(w: np.ndarray, e: int, trans_w: bool) -> np.ndarray:
 
 
 @impl(spec, "cpu")
+@uses_blas()
 def grouped_matmul(x: np.ndarray, w: np.ndarray, offsets: np.ndarray, trans_w: bool) -> np.ndarray:
     """out [M, N]: rows offsets[e]:offsets[e+1] of x times w[e], one np.matmul per expert with rows.
 
@@ -36,6 +37,7 @@ def grouped_matmul(x: np.ndarray, w: np.ndarray, offsets: np.ndarray, trans_w: b
 
 
 @impl(spec.backward_op, "cpu")
+@uses_blas()
 def grouped_matmul_backward(grad: np.ndarray, x: np.ndarray, w: np.ndarray, offsets: np.ndarray, trans_w: bool):
     """dx_e = grad_e w[e]^T and dw[e] = x_e^T grad_e (grad_e^T x_e with trans_w), per expert with rows; an expert
     without rows keeps dw[e] = 0.

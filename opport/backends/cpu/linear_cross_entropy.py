@@ -8,7 +8,7 @@ accumulator [N, H] (the output itself for float32/float64) and the upcast 16-bit
 import numpy as np
 
 from opport.arraymath import reduce_losses
-from opport.backends.cpu._common import upcast
+from opport.backends.cpu._common import upcast, uses_blas
 from opport.backends.cpu.cross_entropy import _at_target, _coefficients, _fix_rows
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
@@ -19,6 +19,7 @@ VOCAB_CHUNK = 4096  # vocabulary entries per tile: 256 x 4096 float32 = 4 MiB, G
 
 
 @impl(spec, "cpu")
+@uses_blas()
 def linear_cross_entropy(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
     """The loss of hidden @ weight.T (+ bias), softcapped, without the N x V logits (module docstring).
 
@@ -31,6 +32,7 @@ def linear_cross_entropy(hidden, weight, target, bias, ignore_index, reduction, 
 
 
 @impl(spec.train_forward, "cpu")
+@uses_blas()
 def linear_cross_entropy_forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
     """The forward plus the per-row logsumexp m + log s [N] it has at hand, for the backward."""
     return _forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
@@ -89,6 +91,7 @@ def _block_loss(x, weight, bias, t, eps, softcap) -> tuple:
 
 
 @impl(spec.backward_op, "cpu")
+@uses_blas()
 def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias, ignore_index, reduction, label_smoothing,
                                   softcap):
     """dhidden, dweight, dbias from the logits recomputed tile by tile (module docstring for the memory).

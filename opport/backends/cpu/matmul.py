@@ -4,12 +4,18 @@ import math
 
 import numpy as np
 
-from opport.backends.cpu._common import upcast
+from opport.backends.cpu._common import upcast, uses_blas
 from opport.dispatch import impl
 from opport.ops.matmul import matmul as spec
 
 
+def _work(a, b, *_) -> int:
+    """An upper bound on the call's multiply-adds (batch x M x N x K, either operand's batch)."""
+    return max(a.size * b.shape[-1], b.size * a.shape[-2])
+
+
 @impl(spec, "cpu")
+@uses_blas(work=_work)
 def matmul(a: np.ndarray, b: np.ndarray, bias) -> np.ndarray:
     """a [..., M, K] @ b ([K, N] or [..., K, N]) (+ bias [N]), returned in a's dtype.
 
@@ -25,6 +31,7 @@ def matmul(a: np.ndarray, b: np.ndarray, bias) -> np.ndarray:
 
 
 @impl(spec.backward_op, "cpu")
+@uses_blas(work=lambda grad, a, b, *_: _work(a, b))
 def matmul_backward(grad: np.ndarray, a: np.ndarray, b: np.ndarray, bias):
     """da = grad b^T, db = a^T grad (one product over every row of the batch when b is a shared [K, N]),
     dbias = grad summed over rows; each a BLAS call on transposed views, float32 for 16-bit inputs.

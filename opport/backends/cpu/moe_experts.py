@@ -7,7 +7,7 @@ the k picks of each token are summed in pick order (no scatter-add: a fixed orde
 
 import numpy as np
 
-from opport.backends.cpu._common import upcast
+from opport.backends.cpu._common import upcast, uses_blas
 from opport.backends.cpu.swiglu import _swiglu, _swiglu_backward, _swiglu_backward32
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
@@ -49,6 +49,7 @@ def _per_token(per_slot: np.ndarray, order: np.ndarray, t: int, k: int) -> np.nd
 
 
 @impl(spec, "cpu")
+@uses_blas()
 def moe_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights) -> np.ndarray:
     """out [T, H]: per expert hit, silu(xs W1g^T) * (xs W1u^T) @ W2^T on its sorted rows xs, times the router weight.
 
@@ -72,6 +73,7 @@ def moe_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights) -> np.nd
 
 
 @impl(spec.backward_op, "cpu")
+@uses_blas()
 def moe_experts_backward(grad, x, gate_up_proj, down_proj, top_k_index, top_k_weights) -> tuple:
     """dx, dgate_up_proj, ddown_proj, dtop_k_weights: per expert hit, gate and up recomputed on its sorted rows, then
     dA = g W2 (g: the rows' upstream gradients), dw = rowsum(dA * a), da = w dA, dW2 = (w g)^T a, [dgate, dup] from

@@ -5,7 +5,7 @@ import math
 import numpy as np
 
 from opport.arraymath import gather, visible
-from opport.backends.cpu._common import store, upcast
+from opport.backends.cpu._common import store, upcast, uses_blas
 from opport.dispatch import impl
 from opport.ops.paged_attention import paged_attention as spec
 
@@ -13,6 +13,7 @@ CHUNK_KEYS = 2048  # keys gathered per step: [chunk, Hkv, D] temporaries of a fe
 
 
 @impl(spec, "cpu")
+@uses_blas()
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
                     context_lens: np.ndarray, scale, softcap, sliding_window) -> np.ndarray:
     """out[b] = softmax(q[b] k_b^T · scale, softcapped) v_b over sequence b's visible positions.

@@ -5,7 +5,7 @@ import math
 import numpy as np
 
 from opport.arraymath import expand_a, expand_b
-from opport.backends.cpu._common import upcast
+from opport.backends.cpu._common import upcast, uses_blas
 from opport.backends.cpu.dequantize_fp8 import decode_table
 from opport.dispatch import impl
 from opport.dtypes import np_dtype
@@ -16,6 +16,7 @@ ROW_ELEMS = 1 << 20  # float32 elements of one dequantised chunk of a's rows (4 
 
 
 @impl(spec, "cpu")
+@uses_blas()
 def scaled_matmul(a_q, b_q, scale_a, scale_b, bias, out_dtype):
     """out = (a_q * scale_a) @ (b_q * scale_b) + bias, rounded once to out_dtype.
 

@@ -3,6 +3,7 @@
 import numpy as np
 
 from opport.arraymath import sequences
+from opport.backends.cpu._common import uses_blas
 from opport.backends.cpu.attention import _attention
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
@@ -10,6 +11,7 @@ from opport.ops.varlen_attention import varlen_attention as spec
 
 
 @impl(spec, "cpu")
+@uses_blas()
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window) -> np.ndarray:
     """out [Tq, Hq, Dv]: per sequence b, attention of q[cu_q[b]:cu_q[b+1]] over k, v[cu_k[b]:cu_k[b+1]].
 
@@ -21,6 +23,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
 
 
 @impl(spec.train_forward, "cpu")
+@uses_blas()
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window) -> tuple:
     """The forward plus each token's log-sum-exp per query head, lse [Hq, Tq] (float32; float64 for float64 inputs),
     from the dense kernel's online softmax: -inf for tokens that see no key or only -inf scores."""

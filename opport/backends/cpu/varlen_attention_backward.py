@@ -3,12 +3,14 @@
 import numpy as np
 
 from opport.arraymath import sequences
+from opport.backends.cpu._common import uses_blas
 from opport.backends.cpu.attention import attention_backward as dense_backward  # the dense kernel, per sequence
 from opport.dispatch import impl
 from opport.ops.varlen_attention import varlen_attention as spec
 
 
 @impl(spec.backward_op, "cpu")
+@uses_blas()
 def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap=None,
                               sliding_window=None) -> tuple:
     """dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, Dv]: per sequence, attention's blocked NumPy backward.

@@ -1,0 +1,237 @@
+"""One thread budget for the cpu backend (docs/cpu.md, "Threads"): OPPORT_NUM_THREADS is shared between opport's
+pool and the BLAS under the kernels. Structure only: which BLAS limit threadpoolctl sees inside a kernel, which
+threads run, and that the caller's limit is back afterwards. No timings (those belong to `opport bench`)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from threadpoolctl import ThreadpoolController, threadpool_limits
+
+import opport
+import opport.backends.cpu._common as common
+from opport.backends.cpu.attention import attention as attention_kernel
+from opport.backends.cpu.matmul import matmul as matmul_kernel
+from opport.backends.cpu.matmul import matmul_backward as matmul_backward_kernel
+
+
+def blas_limit() -> int:
+    """BLAS's thread limit as threadpoolctl reports it (a fresh controller: not opport's own handles)."""
+    return min(lib["num_threads"] for lib in ThreadpoolController().select(user_api="blas").info())
+
+
+pytestmark = pytest.mark.skipif(not ThreadpoolController().select(user_api="blas").lib_controllers,
+                                reason="no BLAS that threadpoolctl can limit")
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Every np.matmul records (thread, BLAS limit) before it runs."""
+    seen, real = [], np.matmul
+
+    def matmul(*args, **kwargs):
+        seen.append((threading.get_ident(), blas_limit()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np, "matmul", matmul)
+    return seen
+
+
+def _ab(m=96, k=80, n=64):  # 491,520 multiply-adds: above BLAS_INLINE, the limiter runs
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+
+
+def test_sizes_used_here_reach_the_limiter():
+    a, b = _ab()
+    assert a.shape[0] * a.shape[1] * b.shape[1] > common.BLAS_INLINE
+
+
+@pytest.mark.parametrize("budget", [1, 2])
+def test_a_whole_problem_blas_kernel_gives_blas_the_budget_and_restores_the_callers_limit(monkeypatch, spy, budget):
+    monkeypatch.setenv("OPPORT_NUM_THREADS", str(budget))
+    a, b = _ab()
+    with threadpool_limits(limits=2, user_api="blas"):  # the caller's limit, whatever this machine's default
+        matmul_kernel(a, b, None)
+        matmul_backward_kernel(np.ones((96, 64), np.float32), a, b, None)
+        assert blas_limit() == 2  # back after each call
+    assert [lim for _, lim in spy] == [budget] * 3  # forward: 1 product; backward: 2
+    q = np.ones((1, 2, 8, 16), np.float32)
+    spy.clear()
+    with threadpool_limits(limits=2, user_api="blas"):
+        attention_kernel(q, q, q, False, None)  # no size rule: always limited
+        assert blas_limit() == 2
+    assert spy and {lim for _, lim in spy} == {budget}
+
+
+def test_the_callers_blas_limit_is_a_cap_not_raised(monkeypatch, spy):
+    """A user's threadpool_limits (or OPENBLAS_NUM_THREADS) around opport calls is respected: BLAS gets
+    min(budget, the limit in force), and that limit is what the caller finds afterwards."""
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    a, b = _ab()
+    before = blas_limit()
+    with threadpool_limits(limits=1, user_api="blas"):
+        out = opport.matmul(a, b, backend="cpu")
+        assert blas_limit() == 1
+    assert blas_limit() == before
+    assert [lim for _, lim in spy] == [1]
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_pool_shares_run_blas_on_one_thread_set_once_per_call(monkeypatch):
+    """parallel_rows(blas=True) holds BLAS to 1 thread while its shares run (the pool has the budget): one limit
+    change for the call, not one per block; a uses_blas kernel called from a share does the same."""
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    monkeypatch.setattr(common, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(common, "BLOCK_ELEMS", 1)
+    changes = []
+    real_set = common._BlasLimit._set
+    monkeypatch.setattr(common._BlasLimit, "_set", staticmethod(lambda libs, lims: (changes.append(lims),
+                                                                                    real_set(libs, lims))))
+    a, b = _ab()
+    seen = []
+
+    def body(rows):
+        seen.append((threading.get_ident(), blas_limit(), "direct"))
+        np.matmul(a, b)
+        seen.append((threading.get_ident(), blas_limit(), "kernel"))
+        matmul_kernel(a, b, None)
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        common.parallel_rows(8, 1, body, blas=True)
+        assert blas_limit() == 2
+        assert len({t for t, _, _ in seen}) == 2  # the caller and one pool thread
+        assert {lim for _, lim, _ in seen} == {1}
+        assert changes == [[1], [2]]  # 8 blocks, 8 kernel calls inside: one change in, one back
+        seen.clear()
+        changes.clear()
+        common.parallel_rows(8, 1, lambda rows: seen.append(blas_limit()))
+        assert blas_limit() == 2
+    assert seen == [2] * 8 and changes == []  # blas=False (the row kernels): the pool run leaves BLAS alone ...
+
+
+def test_a_blas_kernel_called_from_a_share_uses_one_blas_thread(monkeypatch, spy):
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    monkeypatch.setattr(common, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(common, "BLOCK_ELEMS", 1)
+    a, b = _ab()
+    with threadpool_limits(limits=2, user_api="blas"):
+        common.parallel_rows(4, 1, lambda rows: matmul_kernel(a, b, None))  # ... but a kernel inside holds it to 1
+        assert blas_limit() == 2
+        assert len(spy) == 4 and {lim for _, lim in spy} == {1}
+        spy.clear()
+        monkeypatch.setattr(common, "PARALLEL_MIN", 1 << 18)  # a call that runs inline: no pool, BLAS has the budget
+        common.parallel_rows(4, 1, lambda rows: common.parallel_rows(4, 1, lambda r: matmul_kernel(a, b, None)))
+        assert blas_limit() == 2
+    assert len(spy) == 16 and {lim for _, lim in spy} == {2} and {t for t, _ in spy} == {threading.get_ident()}
+
+
+def test_one_thread_in_all(monkeypatch, spy):
+    """OPPORT_NUM_THREADS=1: no pool thread wakes and BLAS runs on one thread, in every kind of kernel."""
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "1")
+    monkeypatch.setattr(common, "_executor", lambda workers: pytest.fail("the pool was used"))
+    x = np.random.default_rng(1).standard_normal((600, 1024)).astype(np.float32)  # 2.4x PARALLEL_MIN
+    assert x.size >= common.PARALLEL_MIN
+    ran_on = set()
+    common.parallel_rows(600, 1024, lambda rows: ran_on.add(threading.get_ident()), blas=True)
+    assert ran_on == {threading.get_ident()}
+    opport.rmsnorm(x, None, backend="cpu")
+    opport.softmax(x, backend="cpu")
+    a, b = _ab()
+    q = np.ones((1, 2, 8, 16), np.float32)
+    with threadpool_limits(limits=2, user_api="blas"):
+        matmul_kernel(a, b, None)
+        attention_kernel(q, q, q, True, None)
+    assert spy and {t for t, _ in spy} == {threading.get_ident()} and {lim for _, lim in spy} == {1}
+
+
+def test_small_calls_run_inline_and_leave_blas_alone(monkeypatch):
+    """Below PARALLEL_MIN elements parallel_rows runs on the calling thread; a matmul of at most BLAS_INLINE
+    multiply-adds does not touch BLAS's limit (OpenBLAS runs it on the calling thread anyway)."""
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "4")
+    monkeypatch.setattr(common, "_executor", lambda workers: pytest.fail("the pool was used"))
+    monkeypatch.setattr(common._blas, "enter", lambda n: pytest.fail("BLAS's limit was touched"))
+    ran_on = set()
+    common.parallel_rows(64, 1024, lambda rows: ran_on.add(threading.get_ident()), blas=True)  # 65536 elements
+    assert ran_on == {threading.get_ident()}
+    a = np.ones((64, 64), np.float32)  # 262,144 multiply-adds = BLAS_INLINE
+    np.testing.assert_array_equal(opport.matmul(a, a, backend="cpu"), np.full((64, 64), 64, np.float32))
+    opport.rmsnorm(np.ones((8, 64), np.float32), None, backend="cpu")
+
+
+def test_a_bad_budget_fails_small_matmuls_too(monkeypatch):
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "0")
+    with pytest.raises(ValueError, match="OPPORT_NUM_THREADS"):
+        opport.matmul(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32), backend="cpu")
+
+
+def test_the_pool_wakes_at_most_one_thread_per_block(monkeypatch):
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "8")
+    workers = []
+    real = common._executor
+    monkeypatch.setattr(common, "_executor", lambda n: (workers.append(n), real(n))[1])
+    common.parallel_rows(3 * common.BLOCK_ELEMS // 1024, 1024, lambda rows: None)  # 3 blocks
+    assert workers == [2]
+
+
+def test_nested_and_concurrent_calls_put_the_callers_limit_back(monkeypatch):
+    """Calls from several user threads at once (and nested ones) take turns on the process-wide limit: BLAS gets
+    the smallest limit asked for, and the caller's is back once the last call returns. Results match a serial run."""
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "1")
+    a, b = _ab()
+    with threadpool_limits(limits=2, user_api="blas"):
+        common._blas.enter(2)
+        assert blas_limit() == 2
+        common._blas.enter(1)
+        assert blas_limit() == 1
+        common._blas.exit(1)
+        assert blas_limit() == 2
+        common._blas.exit(2)
+        assert blas_limit() == 2
+        serial = matmul_kernel(a, b, None)
+        errors, barrier = [], threading.Barrier(4)
+
+        def worker():
+            try:
+                barrier.wait()
+                for _ in range(50):
+                    np.testing.assert_array_equal(matmul_kernel(a, b, None), serial)
+            except Exception as e:  # asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:2]
+        assert blas_limit() == 2
+        assert common._blas.wants == [] and common._blas.saved is None
+
+
+def _report_limit(q):
+    q.put(blas_limit())
+
+
+@pytest.mark.timeout(120)
+def test_a_child_forked_during_a_limited_call_starts_with_the_callers_limit():
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    ctx = multiprocessing.get_context("fork")
+    with threadpool_limits(limits=2, user_api="blas"):
+        common._blas.enter(1)  # as a kernel in another thread would be, at the moment of the fork
+        try:
+            assert blas_limit() == 1
+            q = ctx.Queue()
+            p = ctx.Process(target=_report_limit, args=(q,))
+            p.start()
+            got = q.get(timeout=60)
+            p.join(60)
+        finally:
+            common._blas.exit(1)
+        assert p.exitcode == 0 and got == 2
+        assert blas_limit() == 2
