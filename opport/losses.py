@@ -2,9 +2,10 @@
 DAPO, Dr. GRPO), for NumPy, torch and JAX arrays alike.
 
 The log-probabilities come from `token_logps`, which never holds the N x V logits (opport.linear_cross_entropy,
-chunked over the vocabulary on every backend); the losses are a few elementwise operations and sums on [B] or
-[B, S] arrays, written once for the three array kinds (`_xp`), so torch autograd and jax.grad differentiate them
-with opport's backward under the log-probabilities. NumPy inputs give values (no gradients).
+chunked over the vocabulary on every backend), or for a Hugging Face causal LM from `completion_logps`; the
+losses are a few elementwise operations and sums on [B] or [B, S] arrays, written once for the three array kinds
+(`_xp`), so torch autograd and jax.grad differentiate them with opport's backward under the log-probabilities.
+NumPy inputs give values (no gradients).
 
 Reductions follow the papers and TRL's trainers: each loss takes `reduction` "mean" (default), "sum" or "none"
 (per pair / per sequence); the policy loss's `loss_type` decides how tokens are aggregated.
@@ -38,6 +39,34 @@ def token_logps(hidden, weight, target, bias=None, temperature: float = 1.0, ign
         softcap = None if softcap is None else softcap / temperature
     return -linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, reduction="none",
                                  softcap=softcap)
+
+
+def completion_logps(model, input_ids, attention_mask=None, temperature: float = 1.0, **kwargs):
+    """A Hugging Face causal LM's log p(input_ids[:, t + 1] | input_ids[:, :t + 1]) for t < S - 1: [B, S - 1],
+    float32, 0 where the next token is padding (attention_mask 0), from the base model's last hidden states and the
+    head's weight through `token_logps`: the same values and gradients as log_softmax(model(input_ids).logits[:, :-1]
+    / temperature) at the next tokens (Gemma's final soft cap before the temperature, as its head applies it),
+    without the [B, S, V] logits. Patched or not (a patched model runs its layers through opport too); `kwargs` go
+    to the base model (position_ids, FlashAttention's cu_seq_lens, ...)."""
+    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    hidden = out.last_hidden_state[:, :-1]
+    target = input_ids[:, 1:]
+    if attention_mask is not None:
+        target = target.masked_fill(attention_mask[:, 1:] == 0, -100)
+    head = model.get_output_embeddings()
+    b, s, h = hidden.shape
+    logps = token_logps(hidden.reshape(b * s, h), head.weight, target.reshape(-1).long(), head.bias,
+                        temperature=temperature, softcap=_head_softcap(model.config))
+    return logps.view(b, s)
+
+
+def _head_softcap(config):
+    """The final-logit soft cap the model's own head applies: Gemma's heads apply config.final_logit_softcapping,
+    Llama's ignore the setting (the transformers patcher's family table says which)."""
+    from opport.integrations.transformers.families import FAMILIES
+
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return getattr(config, "final_logit_softcapping", None) if family is not None and family.head_softcap else None
 
 
 def sequence_logps(token_logps, mask, average: bool = False):

@@ -15,7 +15,8 @@ if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is not installed", allow_module_level=True)
 
 from opport import losses  # noqa: E402
-from opport.integrations.transformers import completion_logps, patch  # noqa: E402
+from opport.integrations.transformers import patch  # noqa: E402
+from opport.losses import completion_logps  # noqa: E402
 from tests.test_integration_transformers_families import _ids, _model  # noqa: E402
 
 T = 0.7

@@ -32,10 +32,8 @@ from opport.errors import UnsupportedError
 from opport.integrations.transformers.families import FAMILIES, Family
 from opport.integrations.transformers.forwards import FAMILY, FORWARDS, SAVED, Bound
 from opport.integrations.transformers.handback import CAUSES, STATE, Counts, HandBackWarning, summary
-from opport.integrations.transformers.logps import completion_logps
 
-__all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "completion_logps", "is_patched", "patch", "stats",
-           "unpatch"]
+__all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "is_patched", "patch", "stats", "unpatch"]
 
 OPS = ("rmsnorm", "layernorm", "swiglu", "gelu", "rope", "attention", "varlen_attention", "add_rmsnorm", "topk_router",
        "moe_experts", "linear_cross_entropy")
