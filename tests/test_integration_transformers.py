@@ -124,7 +124,7 @@ def test_bfloat16_is_as_accurate_as_the_models_own_bfloat16():
 
 
 def test_other_model_types_are_refused():
-    other = types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2"), modules=lambda: iter(()))
+    other = types.SimpleNamespace(config=types.SimpleNamespace(model_type="bert"), modules=lambda: iter(()))
     with pytest.raises(opport.UnsupportedError) as info:
         patch(other)
     assert info.value.constraint == "transformers.model_type"

@@ -52,14 +52,18 @@ CONFIGS = {  # model_type -> (config class, model class, overrides)
     "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
                  dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
                       use_parallel_residual=True, hidden_act="gelu")),
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
+             dict(n_embd=32, n_head=4, n_positions=64, n_inner=48, activation_function="gelu_new",
+                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),  # its dropouts default to 0.1
 }
 BACKENDS = ("cpu", "cuda", "neuron")
 # norm calls per forward (in pre-norm layers the post-attention norm is add_rmsnorm's)
 NORMS = {"llama": 1, "mistral": 1, "qwen2": 1, "mixtral": 1, "qwen3_moe": 3, "qwen3": 3, "phi3": 1, "olmo2": 4,
-         "gemma2": 4, "gemma3_text": 6, "gpt_neox": 2}  # per layer; the final norm adds one
-NORM_OP = {"gpt_neox": "layernorm"}
-MLP_OP = {"gemma2": "gelu", "gemma3_text": "gelu", "gpt_neox": "gelu", "mixtral": None, "qwen3_moe": None}
+         "gemma2": 4, "gemma3_text": 6, "gpt_neox": 2, "gpt2": 2}  # per layer; the final norm adds one
+NORM_OP = {"gpt_neox": "layernorm", "gpt2": "layernorm"}
+MLP_OP = {"gemma2": "gelu", "gemma3_text": "gelu", "gpt_neox": "gelu", "gpt2": "gelu", "mixtral": None, "qwen3_moe": None}
 MOE = {"mixtral", "qwen3_moe"}  # their MLPs are routed experts: topk_router and moe_experts per layer
+LEARNED_POSITIONS = {"gpt2"}  # position embeddings added at the input: no rope; padded rows need position_ids
 
 
 def _model(family: str):
@@ -112,7 +116,8 @@ def test_logits_match_and_every_call_runs_opport(family, backend):
     fused = "add_rmsnorm" if FAMILIES[family].pre_norm_layer else None
     n = _layers(family)
     mlp = {"topk_router": n, "moe_experts": n} if family in MOE else {MLP_OP.get(family, "swiglu"): n}
-    want_ran = {NORM_OP.get(family, "rmsnorm"): NORMS[family] * n + 1, **mlp, "rope": 2 * n, "attention": n,
+    rope = {} if family in LEARNED_POSITIONS else {"rope": 2 * n}
+    want_ran = {NORM_OP.get(family, "rmsnorm"): NORMS[family] * n + 1, **mlp, **rope, "attention": n,
                 **({fused: n} if fused else {})}
     assert ran == want_ran
 
@@ -171,7 +176,9 @@ def test_padded_batch_equals_its_rows_alone(family, backend):
     mask = torch.ones_like(x)
     mask[0, :3] = 0  # row 0 left-padded by 3
     with opport.use_backend(backend), opport.strict(), torch.no_grad():
-        batch = model(x.masked_fill(mask == 0, 0), attention_mask=mask).logits
+        # learned positions count from each row's first token, as generate passes them; rope families need none
+        pos = dict(position_ids=(mask.cumsum(-1) - 1).clamp(min=0)) if family in LEARNED_POSITIONS else {}
+        batch = model(x.masked_fill(mask == 0, 0), attention_mask=mask, **pos).logits
         alone = [model(x[:1, 3:]).logits[0], model(x[1:]).logits[0]]
     torch.testing.assert_close(batch[0, 3:], alone[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(batch[1], alone[1], rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
 """Drop-in opport kernels for Hugging Face decoder models: Llama, Mistral, Qwen2, Qwen3, Phi3, OLMo2, Gemma2,
-Gemma3 (text), GPT-NeoX and the mixture-of-experts Mixtral and Qwen3-MoE (families.py: what runs where, as data).
+Gemma3 (text), GPT-NeoX, GPT-2 and the mixture-of-experts Mixtral and Qwen3-MoE (families.py: what runs where, as data).
 
     from opport.integrations.transformers import patch, stats, unpatch
     patch(model)     # RMSNorm -> opport.rmsnorm, gated MLP -> opport.swiglu (SiLU) or opport.gelu (Gemma),

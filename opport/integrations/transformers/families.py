@@ -41,6 +41,7 @@ class Family:
 
 KINDS = {"RMSNorm": "rmsnorm", "MLP": "mlp", "Attention": "attention", "DecoderLayer": "add_rmsnorm",
          "TopKRouter": "topk_router", "Experts": "moe_experts", "ForCausalLM": "linear_cross_entropy",
+         "LMHeadModel": "linear_cross_entropy",
          "Model": "inputs", "TextModel": "inputs"}
 
 FAMILIES = {
@@ -53,6 +54,7 @@ FAMILIES = {
     "gemma2": Family("Gemma2", norm_offset=1.0, pre_norm_layer=False, head_softcap=True),
     "gemma3_text": Family("Gemma3", norm_offset=1.0, pre_norm_layer=False, head_softcap=True),
     "gpt_neox": Family("GPTNeoX", pre_norm_layer=False, layernorm=True),
+    "gpt2": Family("GPT2", pre_norm_layer=False, layernorm=True),
     "mixtral": Family("Mixtral"),
     "qwen3_moe": Family("Qwen3Moe"),
 }

@@ -82,12 +82,15 @@ def mlp(module, x):
     activation is handed back."""
     act = next((getattr(module, a) for a in ("act_fn", "activation_fn", "act") if hasattr(module, a)), None)
     op, kwargs = MLP_ACTIVATIONS.get(type(act).__name__, ("swiglu", None))
-    plain = hasattr(module, "dense_h_to_4h")
+    plain = hasattr(module, "dense_h_to_4h") or hasattr(module, "c_fc")
     if kwargs is None or (plain and op != "gelu"):
         hand_back(module, op, "activation")
         return call_original(module, x)
-    if plain:
-        return module.dense_4h_to_h(_op("gelu", module, module.dense_h_to_4h(x), **kwargs))
+    if plain:  # GPT-NeoX's dense_h_to_4h / dense_4h_to_h, GPT-2's Conv1D c_fc / c_proj and dropout
+        up, down = (module.dense_h_to_4h, module.dense_4h_to_h) if hasattr(module, "dense_h_to_4h") else (
+            module.c_fc, module.c_proj)
+        out = down(_op("gelu", module, up(x), **kwargs))
+        return module.dropout(out) if hasattr(module, "dropout") else out
     if hasattr(module, "gate_up_proj"):
         gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
     else:
@@ -107,7 +110,7 @@ def base_model(module, input_ids=None, attention_mask=None, position_ids=None, *
                          **kwargs)
 
 
-def attention(module, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, cache=None,
+def attention(module, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None,
               **kwargs):
     """The Llama-family attention forward (modeling_llama's layout) with rope and attention from opport."""
     layout = kwargs.pop(layouts.KEY, None)
@@ -118,7 +121,8 @@ def attention(module, hidden_states, position_embeddings, attention_mask=None, p
     if getattr(module, "q_norm", None) is not None and module.q_norm.weight.shape[-1] == head_dim:
         q, k = module.q_norm(q), module.k_norm(k)  # Qwen3, Gemma3: RMSNorm over each head's dimension, before rope
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    q, k = _rope(module, q, position_embeddings), _rope(module, k, position_embeddings)
+    if position_embeddings is not None:  # GPT-2's positions are learned embeddings, added before the layers
+        q, k = _rope(module, q, position_embeddings), _rope(module, k, position_embeddings)
     if cache is not None:
         k, v = cache.update(k, v, module.layer_idx)
     window = _window(module)
@@ -133,7 +137,17 @@ def attention(module, hidden_states, position_embeddings, attention_mask=None, p
         out = _op("attention", module, q, k, v, causal=True, scale=module.scaling, sliding_window=window,
                   softcap=_softcap(module)).transpose(1, 2)
     out = out.reshape(*input_shape, -1).contiguous()
-    return (module.o_proj if hasattr(module, "o_proj") else module.dense)(out), weights
+    if hasattr(module, "o_proj"):
+        return module.o_proj(out), weights
+    if hasattr(module, "c_proj"):  # GPT-2: Conv1D output projection, then its residual dropout
+        return module.resid_dropout(module.c_proj(out)), weights
+    return module.dense(out), weights
+
+
+def _dropout_p(module) -> float:
+    """The attention-probability dropout: a float on most families, an nn.Dropout on GPT-2."""
+    p = getattr(module, "attention_dropout", None)
+    return module.attn_dropout.p if p is None else p
 
 
 def _head_dim(module) -> int:
@@ -146,6 +160,8 @@ def _qkv(module, hidden_states) -> tuple:
     if hasattr(module, "qkv_proj"):
         nq, nkv = module.config.num_attention_heads * module.head_dim, module.num_key_value_heads * module.head_dim
         return module.qkv_proj(hidden_states).split((nq, nkv, nkv), dim=-1)
+    if hasattr(module, "c_attn"):  # GPT-2: one Conv1D, [q | k | v] over the whole width
+        return module.c_attn(hidden_states).split(module.split_size, dim=-1)
     if hasattr(module, "query_key_value"):  # GPT-NeoX: [q | k | v] within each head
         qkv = module.query_key_value(hidden_states).view(*hidden_states.shape[:-1], -1, 3 * module.head_size)
         return (x.flatten(-2) for x in qkv.chunk(3, dim=-1))
@@ -173,7 +189,7 @@ def _why_not(module, layout, attention_mask, q, k, v, cache, window, kwargs) -> 
     """(the op this call runs on, None) or (that op, the cause of handing it back)."""
     varlen = layout is not None and layout.varlen
     op = "varlen_attention" if varlen else "attention"
-    if module.training and module.attention_dropout > 0:
+    if module.training and _dropout_p(module) > 0:
         return op, "dropout"
     if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
         return op, "output_attentions"
@@ -218,7 +234,7 @@ def _fallback(module, q, k, v, attention_mask, window, kwargs):
     if _softcap(module) is not None:
         kwargs["softcap"] = _softcap(module)
     return fn(module, q, k, v, attention_mask, scaling=module.scaling, sliding_window=window,
-              dropout=module.attention_dropout if module.training else 0.0, **kwargs)
+              dropout=_dropout_p(module) if module.training else 0.0, **kwargs)
 
 
 def _window(module):
@@ -320,7 +336,9 @@ def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kw
         loss = loss / num_items
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     modeling = sys.modules[type(module).__module__]
-    output = getattr(modeling, "MoeCausalLMOutputWithPast", None) or modeling.CausalLMOutputWithPast  # MoE: theirs
+    output = next(getattr(modeling, name) for name in  # the family's own output class (MoE's, GPT-2's)
+                  ("MoeCausalLMOutputWithPast", "CausalLMOutputWithPast", "CausalLMOutputWithCrossAttentions")
+                  if hasattr(modeling, name))
     return output(loss=loss, logits=None, **rest)
 
 
