@@ -48,6 +48,8 @@ def completion_logps(model, input_ids, attention_mask=None, temperature: float =
     / temperature) at the next tokens (Gemma's final soft cap before the temperature, as its head applies it),
     without the [B, S, V] logits. Patched or not (a patched model runs its layers through opport too); `kwargs` go
     to the base model (position_ids, FlashAttention's cu_seq_lens, ...)."""
+    from opport.integrations.transformers.families import head_softcap  # here: importing the package imports torch
+
     out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = out.last_hidden_state[:, :-1]
     target = input_ids[:, 1:]
@@ -56,17 +58,8 @@ def completion_logps(model, input_ids, attention_mask=None, temperature: float =
     head = model.get_output_embeddings()
     b, s, h = hidden.shape
     logps = token_logps(hidden.reshape(b * s, h), head.weight, target.reshape(-1).long(), head.bias,
-                        temperature=temperature, softcap=_head_softcap(model.config))
+                        temperature=temperature, softcap=head_softcap(model.config))
     return logps.view(b, s)
-
-
-def _head_softcap(config):
-    """The final-logit soft cap the model's own head applies: Gemma's heads apply config.final_logit_softcapping,
-    Llama's ignore the setting (the transformers patcher's family table says which)."""
-    from opport.integrations.transformers.families import FAMILIES
-
-    family = FAMILIES.get(getattr(config, "model_type", None))
-    return getattr(config, "final_logit_softcapping", None) if family is not None and family.head_softcap else None
 
 
 def sequence_logps(token_logps, mask, average: bool = False):

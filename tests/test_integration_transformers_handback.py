@@ -165,6 +165,7 @@ TRIGGERS = {
     ("linear_cross_entropy", "final_softcap"): _final_softcap,
     ("linear_cross_entropy", "router_aux_loss"): _router_aux_loss,
     ("moe_experts", "activation"): _expert_activation,
+    ("swiglu", "activation"): lambda: (model(hidden_act="relu"), lambda m: m(ids()).logits),
     ("moe_experts", "expert_bias"): _expert_bias,
 }
 # under autocast the rest of the model runs opport's bfloat16 kernels, which round differently from torch's

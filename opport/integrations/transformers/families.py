@@ -59,6 +59,13 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3Moe"),
 }
 
+def head_softcap(config) -> float | None:
+    """The final-logit soft cap the model's own head applies: config.final_logit_softcapping where the family's
+    head applies it (Gemma), else None (Llama's heads ignore the setting)."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return getattr(config, "final_logit_softcapping", None) if family is not None and family.head_softcap else None
+
+
 # a gated MLP's activation module (transformers.activations class name) -> (op, its keyword arguments):
 # swiglu(gate, up), or gelu(gate) · up
 MLP_ACTIVATIONS = {"SiLUActivation": ("swiglu", {}), "SiLU": ("swiglu", {}),

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from opport.integrations import apply
 from opport.integrations.transformers import layout as layouts
-from opport.integrations.transformers.families import MLP_ACTIVATIONS
+from opport.integrations.transformers.families import MLP_ACTIVATIONS, head_softcap
 from opport.integrations.transformers.handback import hand_back, ran
 from opport.ops import get_op
 
@@ -70,10 +70,11 @@ def rmsnorm(module, hidden_states):
 
 def layernorm(module, hidden_states):
     """torch.nn.LayerNorm over the last dimension (GPT-NeoX's norms) as opport.layernorm."""
-    if hidden_states.dtype != module.weight.dtype or len(module.normalized_shape) != 1:
+    weight = module.weight
+    if (weight is not None and hidden_states.dtype != weight.dtype) or len(module.normalized_shape) != 1:
         hand_back(module, "layernorm", "dtype_mismatch")
         return call_original(module, hidden_states)
-    return _op("layernorm", module, hidden_states, module.weight, module.bias, module.eps)
+    return _op("layernorm", module, hidden_states, weight, module.bias, module.eps)
 
 
 def mlp(module, x):
@@ -312,11 +313,10 @@ def causal_lm(module, input_ids=None, *args, labels=None, logits_to_keep=0, **kw
         return call_original(module, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     router_loss = kwargs.get("output_router_logits")
     router_loss = getattr(module.config, "output_router_logits", False) if router_loss is None else router_loss
-    softcap = getattr(module.config, "final_logit_softcapping", None)
-    applies = vars(module)[FAMILY].head_softcap  # Gemma's heads cap the logits; Llama's ignore the setting
+    softcap = head_softcap(module.config)  # Gemma's heads cap the logits; Llama's ignore the setting
     cause = ("positional_args" if args else
              "logits_to_keep" if not (isinstance(logits_to_keep, int) and logits_to_keep == 0) else
-             "final_softcap" if softcap is not None and not applies else
+             "final_softcap" if softcap is None and getattr(module.config, "final_logit_softcapping", None) else
              "router_aux_loss" if router_loss else None)
     if cause is not None:
         hand_back(module, "linear_cross_entropy", cause)

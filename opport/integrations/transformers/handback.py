@@ -36,7 +36,7 @@ CAUSES = {
     "logits_to_keep": ("logits_to_keep", "logits_to_keep slices the hidden states before the head"),
     "final_softcap": ("final_logit_softcapping", "a final-logit softcap on the head"),
     "router_aux_loss": ("output_router_logits", "the MoE load-balancing loss, which the model's own head adds"),
-    "activation": ("act_fn", "an expert activation other than SiLU (moe_experts computes silu(gate) * up)"),
+    "activation": ("act_fn", "an activation the op does not compute (swiglu and moe_experts: SiLU; gelu: GELU)"),
     "expert_bias": ("gate_up_proj_bias", "experts with biases (moe_experts' projections have none)"),
 }
 
