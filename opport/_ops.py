@@ -267,6 +267,39 @@ def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, r
 linear_cross_entropy.spec = _linear_cross_entropy
 
 
+_linear_logprobs = _get_op('linear_logprobs')
+
+
+def linear_logprobs(hidden, weight, target, bias=None, temperature=1.0, softcap=None, ignore_index=-100, *, backend=None):
+    """Per-token log-probability of the target and entropy under a temperature, without the N x V logits.
+
+    The logits a = hidden @ weight.T (+ bias) ([N, V], float32 accumulation) are soft-capped first where given
+    (cap · tanh(a / cap), Gemma's head), then divided by the temperature T: z = cap(a) / T, the distribution a
+    sampler draws from and an RL trainer scores. Returns (logps, entropy), both float32 [N]:
+    logps[i] = z[i, t_i] - logsumexp(z[i]) and entropy[i] = -sum_j p_ij log p_ij, p = softmax(z[i]); a row whose
+    target is ignore_index gives 0 for both (and no gradient), as a trainer's completion mask would. The entropy
+    is computed as log(s) - sum_j e_j (z_j - m) / s (m the row max, e_j = exp(z_j - m), s = sum e): terms of
+    the order of log V, never lse - E[z], which cancels catastrophically for large logits.
+    The backward takes an upstream gradient for each output, so per-token weights (a policy loss's advantages
+    and mask) and an entropy bonus are exact: dz_j = g_logp (onehot_j - p_j) - g_entropy p_j (log p_j + H).
+    Kernels walk the logits in tiles of tokens x vocabulary with an online logsumexp, as linear_cross_entropy's
+    (same memory: O(tile) in the forward, one vocabulary chunk of float32 dlogits in the cuda backward).
+    A target outside [0, V) that is not ignore_index is `linear_logprobs.target_range` for a host target
+    (its row's logp is NaN for a device target, as linear_cross_entropy's loss).
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (hidden, weight, target, bias, temperature, softcap, ignore_index)
+    if hidden.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_linear_logprobs, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_linear_logprobs, b, backend)
+
+
+linear_logprobs.spec = _linear_logprobs
+
+
 _matmul = _get_op('matmul')
 
 
@@ -648,4 +681,4 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
 varlen_attention.spec = _varlen_attention
 
 
-__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "grouped_matmul", "kv_cache_write", "layernorm", "linear_cross_entropy", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]
+__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "grouped_matmul", "kv_cache_write", "layernorm", "linear_cross_entropy", "linear_logprobs", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]

@@ -48,8 +48,10 @@ def training_forward(spec, bound: tuple, backend: str | None):
     require_backward(spec)
     if spec.train_forward is None:
         return call(spec, bound, backend), ()
-    out, *stats = call(spec.train_forward, bound, backend)
-    return out, tuple(stats)
+    outs = call(spec.train_forward, bound, backend)
+    if spec.n_outputs == 1:
+        return outs[0], tuple(outs[1:])
+    return tuple(outs[:spec.n_outputs]), tuple(outs[spec.n_outputs:])
 
 
 def saved_values(spec, bound: tuple, out, stats: tuple) -> tuple:

@@ -67,25 +67,31 @@ def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, r
     accumulator; cuda, a float32 dlogits buffer of one vocabulary chunk (at most 2^25 elements, 128 MiB);
     neuron, SBUF only; and for 16-bit inputs a float32 dhidden accumulator [N, H] (cpu, cuda).
     """
-    check_float(NAME, "hidden", hidden)
-    check_same_dtype(NAME, "hidden", hidden, weight=weight, bias=bias)
-    check(hidden.ndim == 2, ShapeError, NAME, "hidden", f"{NAME}.hidden_shape", "2-d [N, H]", hidden.shape)
-    h = hidden.shape[1]
-    check(weight.ndim == 2 and weight.shape[0] >= 1 and weight.shape[1] == h, ShapeError, NAME, "weight",
-          f"{NAME}.weight_shape", f"[V >= 1, {h}] = [V, H]", weight.shape)
-    if bias is not None:
-        check(bias.shape == weight.shape[:1], ShapeError, NAME, "bias", f"{NAME}.bias_shape",
-              f"({weight.shape[0]},) = (V,)", bias.shape)
-    check_domain(NAME, "target", target, INDEX)
-    check(target.shape == hidden.shape[:1], ShapeError, NAME, "target", f"{NAME}.target_shape",
-          f"({hidden.shape[0]},) = (N,)", target.shape)
-    ok = isinstance(ignore_index, (int, np.integer)) and not isinstance(ignore_index, (bool, np.bool_)) \
-        and -(2**63) <= ignore_index < 2**63
-    check(ok, ArgumentError, NAME, "ignore_index", f"{NAME}.ignore_index", "an int in [-2^63, 2^63)", repr(ignore_index))
+    check_head(NAME, hidden, weight, target, bias, ignore_index, softcap)
     check_choice(NAME, "reduction", reduction, REDUCTIONS)
     check(_number(label_smoothing) and 0 <= label_smoothing <= 1, ArgumentError, NAME, "label_smoothing",
           f"{NAME}.label_smoothing", "a number in [0, 1]", repr(label_smoothing))
-    check(softcap is None or (_number(softcap) and softcap > 0), ArgumentError, NAME, "softcap", f"{NAME}.softcap",
+
+
+def check_head(name: str, hidden, weight, target, bias, ignore_index, softcap) -> None:
+    """The checks an LM head's fused op shares (linear_cross_entropy, linear_logprobs), under `name`'s constraint
+    ids: dtypes, shapes [N, H] / [V, H] / [V] / [N], the ignore_index and the softcap."""
+    check_float(name, "hidden", hidden)
+    check_same_dtype(name, "hidden", hidden, weight=weight, bias=bias)
+    check(hidden.ndim == 2, ShapeError, name, "hidden", f"{name}.hidden_shape", "2-d [N, H]", hidden.shape)
+    h = hidden.shape[1]
+    check(weight.ndim == 2 and weight.shape[0] >= 1 and weight.shape[1] == h, ShapeError, name, "weight",
+          f"{name}.weight_shape", f"[V >= 1, {h}] = [V, H]", weight.shape)
+    if bias is not None:
+        check(bias.shape == weight.shape[:1], ShapeError, name, "bias", f"{name}.bias_shape",
+              f"({weight.shape[0]},) = (V,)", bias.shape)
+    check_domain(name, "target", target, INDEX)
+    check(target.shape == hidden.shape[:1], ShapeError, name, "target", f"{name}.target_shape",
+          f"({hidden.shape[0]},) = (N,)", target.shape)
+    ok = isinstance(ignore_index, (int, np.integer)) and not isinstance(ignore_index, (bool, np.bool_)) \
+        and -(2**63) <= ignore_index < 2**63
+    check(ok, ArgumentError, name, "ignore_index", f"{name}.ignore_index", "an int in [-2^63, 2^63)", repr(ignore_index))
+    check(softcap is None or (_number(softcap) and softcap > 0), ArgumentError, name, "softcap", f"{name}.softcap",
           "None or a finite number > 0", repr(softcap))
 
 

@@ -194,8 +194,9 @@ class BackwardSpec(DerivedSpec):
 
 
 class TrainForwardSpec(SameArgumentsSpec):
-    """The forward an op runs when a backward will follow: `(out, *stats)`, named `<op>_forward`. Declared by
-    `@<op>.saves(...)`; validation, cases and error cases are the forward's."""
+    """The forward an op runs when a backward will follow: `(out, *stats)` (`(*outputs, *stats)` for an op with
+    several outputs), named `<op>_forward`. Declared by `@<op>.saves(...)`; validation, cases and error cases are
+    the forward's."""
 
     direction = "forward_train"
     own_error_cases = False  # its validation is the forward's: errors name the op the user called
@@ -204,7 +205,10 @@ class TrainForwardSpec(SameArgumentsSpec):
         super().__init__(forward.validate, forward, forward.arrays, {}, name=f"{forward.name}_forward")
         self.constraints = forward.constraints
         self.stats, self._stat_shapes, self._stats_ref = stats, shapes, reference
-        self._reference = lambda *bound: (forward._reference(*bound), *reference(*bound))
+        self._reference = lambda *bound: (*self._outputs_of(forward._reference(*bound)), *reference(*bound))
+
+    def _outputs_of(self, out) -> tuple:
+        return (out,) if self.parent.n_outputs == 1 else tuple(out)
 
     @property
     def fixed_out_dtype(self):
@@ -212,7 +216,7 @@ class TrainForwardSpec(SameArgumentsSpec):
 
     @property
     def output_labels(self) -> tuple:
-        return ("out", *self.stats)
+        return (*(("out",) if self.parent.n_outputs == 1 else self.parent.output_labels), *self.stats)
 
     def out_dtype(self, bound: tuple) -> str:
         return self.parent.out_dtype(bound)
@@ -220,18 +224,23 @@ class TrainForwardSpec(SameArgumentsSpec):
     def out_metas(self, bound: tuple) -> list:
         dtype = self.dtype_of(bound)
         acc = acc_dtype(getattr(dtype, "name", dtype)).name
-        return [(self.out_shape(bound), self.out_dtype(bound))] + [(tuple(s), acc) for s in self._stat_shapes(*bound)]
+        outs = [(self.out_shape(bound), self.out_dtype(bound))] if self.parent.n_outputs == 1 \
+            else self.parent.out_metas(bound)
+        return list(outs) + [(tuple(s), acc) for s in self._stat_shapes(*bound)]
 
     def get_cost(self, *args, **kwargs) -> Cost:
         return self.parent.get_cost(*args, **kwargs)
 
     def run_stats(self, *args, **kwargs) -> tuple:
         """The float64 reference of the saved statistics."""
-        return tuple(self.run_reference(*args, **kwargs)[1:])
+        return tuple(self.run_reference(*args, **kwargs)[self.parent.n_outputs:])
 
     def tolerance_for(self, dtype: str, index: int, case: Case | None = None) -> Tolerance:
-        """The output as the forward's; the statistics at the accumulation dtype's base tolerance."""
-        return BASE_TOLERANCE[acc_dtype(dtype).name] if index > 0 else super().tolerance_for(dtype, index, case)
+        """The outputs as the forward's; the statistics at the accumulation dtype's base tolerance."""
+        if index >= self.parent.n_outputs:
+            return BASE_TOLERANCE[acc_dtype(dtype).name]
+        return self.parent.tolerance_for(dtype, index, case) if self.parent.n_outputs > 1 \
+            else super().tolerance_for(dtype, index, case)
 
 
 class ValueAndGradSpec(SameArgumentsSpec):
