@@ -111,7 +111,7 @@ def _differentiable(spec, metas: list, run: _Runner):
         _refuse_constants(spec, names, primals)
         values = [p.value for p in primals]
         outs = _once_differentiable(spec, lambda *ops: run.callback(trained, metas, ops))(*values)
-        out, stats = (outs[0], tuple(outs[1:])) if n_out == 1 else (tuple(outs), ())
+        out, stats = (outs[0] if n_out == 1 else tuple(outs[:n_out])), tuple(outs[n_out:])
         saved = dict(zip(bwd.params[k:], saved_values(spec, run.bound(values), out, stats)))
         return out, tuple(saved[p] for p in carried)
 

@@ -205,7 +205,9 @@ def autograd_call(spec, bound: tuple, backend: str | None):
         return OPS[spec.value_and_grad_op.name](*bound, backend=backend)[0]
     trained = spec.train_forward or spec
     out = OPS[trained.name](*bound, backend=backend)
-    return out[0] if trained is not spec else out
+    if trained is spec:
+        return out
+    return out[0] if spec.n_outputs == 1 else tuple(out[:spec.n_outputs])  # the statistics stay inside
 
 
 def _described(spec, bound: tuple) -> tuple:
@@ -319,7 +321,8 @@ def register_autograd(spec):
     def setup_context(ctx, inputs, keyword_only_inputs, output):
         bound = spec.bind(*inputs)
         _refuse_constant_grads(spec, bound)
-        out, rest = (output[0], tuple(output[1:])) if stats else (output, ())
+        k = spec.n_outputs
+        out, rest = ((output[0] if k == 1 else tuple(output[:k])), tuple(output[k:])) if stats else (output, ())
         if stats:
             ctx.mark_non_differentiable(*rest)
         _integers_not_differentiable(ctx, spec, out)
