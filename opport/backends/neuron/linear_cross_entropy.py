@@ -35,9 +35,10 @@ TILE_VB = 128  # backward vocabulary tile: dlogits is a stationary operand (free
 TILE_H = 512  # dhidden / dweight column chunk: one PSUM bank
 
 
-def _logit_tile(hT_tiles, wT_hbm, b_hbm, v0, vt, p, softcap):
+def _logit_tile(hT_tiles, wT_hbm, b_hbm, v0, vt, p, softcap, scale=1.0):
     """(z, tanh(logits / softcap) or None): float32 [p, vt] logits of one row tile's hT tiles against weight rows
-    v0:v0+vt, plus the bias (replicated across partitions by load_row_broadcast), softcapped on ScalarE."""
+    v0:v0+vt, plus the bias (replicated across partitions by load_row_broadcast), softcapped on ScalarE, times
+    `scale` (linear_logprobs' 1 / temperature: z = softcap · tanh(a / softcap) · scale)."""
     H = wT_hbm.shape[0]
     z_psum = nl.ndarray((p, vt), dtype=nl.float32, buffer=nl.psum)
     for k, (k0, kt) in enumerate(spans(H, TILE_K)):
@@ -52,10 +53,12 @@ def _logit_tile(hT_tiles, wT_hbm, b_hbm, v0, vt, p, softcap):
     else:
         nisa.tensor_copy(dst=z_sb, src=z_psum)
     if softcap == None:  # noqa: E711
+        if scale != 1.0:
+            nisa.tensor_scalar(dst=z_sb, data=z_sb, op0=nl.multiply, operand0=float(scale))
         return z_sb, None
     th_sb = nl.ndarray((p, vt), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=th_sb, op=nl.tanh, data=z_sb, scale=1.0 / softcap)
-    nisa.tensor_scalar(dst=z_sb, data=th_sb, op0=nl.multiply, operand0=float(softcap))
+    nisa.tensor_scalar(dst=z_sb, data=th_sb, op0=nl.multiply, operand0=float(softcap) * float(scale))
     return z_sb, th_sb
 
 
@@ -238,19 +241,19 @@ def _linear_cross_entropy_backward_kernel(grad_hbm, h_hbm, hT_hbm, w_hbm, wT_hbm
     has_bias = b_hbm != None  # noqa: E711
     cols_sb = column_iota(min(nl.tile_size.pmax, N), TILE_VB)
     rows = gradient_rows(grad_hbm, target_hbm, lse_hbm, ignore_index, reduction, V)  # (r0, p, t, c, ignored, -lse)
+    dlogits = (_dlogits, (wT_hbm, b_hbm, cols_sb, float(label_smoothing), softcap))
     for row in rows:
-        _dhidden_rows(row, h_hbm, hT_hbm, w_hbm, wT_hbm, b_hbm, cols_sb, dh_hbm, label_smoothing, softcap)
+        dhidden_rows(row, h_hbm, hT_hbm, w_hbm, dh_hbm, dlogits)
     if has_bias:
         db_hbm = nl.ndarray((1, V), dtype=h_hbm.dtype, buffer=nl.shared_hbm)
     else:
         db_hbm = None
     for v0, vt in spans(V, TILE_VB):
-        _dweight_tile(rows, v0, vt, h_hbm, hT_hbm, wT_hbm, b_hbm, cols_sb, dw_hbm, db_hbm,
-                      label_smoothing, softcap)
+        dweight_tile(rows, v0, vt, h_hbm, hT_hbm, dw_hbm, db_hbm, dlogits)
     return dh_hbm, dw_hbm, db_hbm
 
 
-def _dlogits(row, hT_tiles, wT_hbm, b_hbm, cols_sb, v0, vt, eps, softcap):
+def _dlogits(row, hT_tiles, v0, vt, wT_hbm, b_hbm, cols_sb, eps, softcap):
     """float32 dlogits [p, vt] of one row tile and vocabulary tile (the backward's Notes)."""
     V = wT_hbm.shape[1]
     _, p, t_f_sb, c_sb, ign_sb, neg_lse_sb = row
@@ -278,15 +281,17 @@ def _widened(src_hbm, r0, p, c0, c):
     return w_sb
 
 
-def _dhidden_rows(row, h_hbm, hT_hbm, w_hbm, wT_hbm, b_hbm, cols_sb, dh_hbm, eps, softcap):
-    """dh[rows] = sum over vocabulary tiles of dlogits @ weight[tile], in a float32 SBUF row accumulator."""
+def dhidden_rows(row, h_hbm, hT_hbm, w_hbm, dh_hbm, dlogits):
+    """dh[rows] = sum over vocabulary tiles of dlogits @ weight[tile], in a float32 SBUF row accumulator.
+    dlogits = (fn, args): fn(row, hT_tiles, v0, vt, *args) gives the float32 [p, vt] tile (shared with
+    linear_logprobs, whose dlogits differ)."""
     r0, p = row[0], row[1]
     H, V = h_hbm.shape[1], w_hbm.shape[0]
     hT_tiles = _hT_tiles(hT_hbm, r0, p)
     acc_sb = nl.ndarray((p, H), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=acc_sb, value=0.0)
     for v0, vt in spans(V, TILE_VB):
-        d_sb = _dlogits(row, hT_tiles, wT_hbm, b_hbm, cols_sb, v0, vt, float(eps), softcap)
+        d_sb = dlogits[0](row, hT_tiles, v0, vt, *dlogits[1])
         dT_psum = nl.ndarray((vt, p), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_transpose(dst=dT_psum, data=d_sb)
         dT_sb = nl.ndarray((vt, p), dtype=nl.float32, buffer=nl.sbuf)
@@ -300,8 +305,9 @@ def _dhidden_rows(row, h_hbm, hT_hbm, w_hbm, wT_hbm, b_hbm, cols_sb, dh_hbm, eps
     nisa.dma_copy(dst=dh_hbm[r0:r0 + p, 0:H], src=out_sb)
 
 
-def _dweight_tile(rows, v0, vt, h_hbm, hT_hbm, wT_hbm, b_hbm, cols_sb, dw_hbm, db_hbm, eps, softcap):
-    """dw[v0:v0+vt] = sum over row tiles of dlogits^T @ hidden[rows] (and db = dlogits^T @ ones), float32 in SBUF."""
+def dweight_tile(rows, v0, vt, h_hbm, hT_hbm, dw_hbm, db_hbm, dlogits):
+    """dw[v0:v0+vt] = sum over row tiles of dlogits^T @ hidden[rows] (and db = dlogits^T @ ones), float32 in SBUF;
+    dlogits as dhidden_rows'."""
     H = h_hbm.shape[1]
     acc_sb = nl.ndarray((vt, H), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=acc_sb, value=0.0)
@@ -313,7 +319,7 @@ def _dweight_tile(rows, v0, vt, h_hbm, hT_hbm, wT_hbm, b_hbm, cols_sb, dw_hbm, d
         nisa.memset(dst=ones_sb, value=1.0)
     for row in rows:
         r0, p = row[0], row[1]
-        d_sb = _dlogits(row, _hT_tiles(hT_hbm, r0, p), wT_hbm, b_hbm, cols_sb, v0, vt, float(eps), softcap)
+        d_sb = dlogits[0](row, _hT_tiles(hT_hbm, r0, p), v0, vt, *dlogits[1])
         for h0, hc in spans(H, TILE_H):
             part_psum = nl.ndarray((vt, hc), dtype=nl.float32, buffer=nl.psum)
             nisa.nc_matmul(dst=part_psum, stationary=d_sb, moving=_widened(h_hbm, r0, p, h0, hc))
