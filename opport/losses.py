@@ -1,11 +1,11 @@
 """Post-training losses on per-token log-probabilities: DPO, SimPO, ORPO and the policy-gradient family (GRPO,
 DAPO, Dr. GRPO), for NumPy, torch and JAX arrays alike.
 
-The log-probabilities come from `token_logps`, which never holds the N x V logits (opport.linear_cross_entropy,
-chunked over the vocabulary on every backend), or for a Hugging Face causal LM from `completion_logps`; the
-losses are a few elementwise operations and sums on [B] or [B, S] arrays, written once for the three array kinds
-(`_xp`), so torch autograd and jax.grad differentiate them with opport's backward under the log-probabilities.
-NumPy inputs give values (no gradients).
+The log-probabilities (and entropies) come from `token_logps`, which never holds the N x V logits
+(opport.linear_logprobs, chunked over the vocabulary on every backend), or for a Hugging Face causal LM from
+`completion_logps`; the losses are a few elementwise operations and sums on [B] or [B, S] arrays, written once for
+the three array kinds (`_xp`), so torch autograd and jax.grad differentiate them with opport's backward under the
+log-probabilities. NumPy inputs give values (no gradients).
 
 Reductions follow the papers and TRL's trainers: each loss takes `reduction` "mean" (default), "sum" or "none"
 (per pair / per sequence); the policy loss's `loss_type` decides how tokens are aggregated.
@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from opport._ops import linear_cross_entropy
+from opport._ops import linear_logprobs
 from opport.errors import ArgumentError
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -25,29 +25,28 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 
 
 def token_logps(hidden, weight, target, bias=None, temperature: float = 1.0, ignore_index: int = -100,
-                softcap: float | None = None):
-    """log p(target_i | hidden_i) per token [N] under `temperature`: the logits z = hidden @ weight.T + bias, soft-capped
-    first where the model's head caps them (Gemma: cap · tanh(z / cap)), then divided by T, as a trainer does with
-    the model's logits. Computed as -linear_cross_entropy(hidden / T, weight, target, bias / T, softcap=cap / T,
-    reduction="none") (the same logits: cap/T · tanh((z/T) / (cap/T))), so the [N, V] logits are never held, and
-    the gradient w.r.t. hidden and weight from any per-token upstream gradient is the op's exact backward; 0 where
-    target == ignore_index. float32, as the op's loss (float64 inputs are computed in float64 and rounded once)."""
+                softcap: float | None = None, entropy: bool = False):
+    """log p(target_i | hidden_i) per token [N] under `temperature` (and with `entropy=True` also each token's entropy
+    [N], as `(logps, entropy)`): the logits z = hidden @ weight.T + bias, soft-capped first where the model's head caps
+    them (Gemma: cap · tanh(z / cap)), then divided by T, as a sampler and a trainer see them. opport.linear_logprobs:
+    the [N, V] logits are never held, and the gradients w.r.t. hidden and weight from any per-token upstream
+    gradients of both outputs (a policy loss's weights, an entropy bonus) are its exact backward; 0 where
+    target == ignore_index. float32 (float64 inputs are computed in float64 and rounded once)."""
     _check_positive("token_logps", "temperature", temperature)
-    if temperature != 1.0:
-        hidden = hidden / temperature
-        bias = None if bias is None else bias / temperature
-        softcap = None if softcap is None else softcap / temperature
-    return -linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, reduction="none",
-                                 softcap=softcap)
+    logps, ent = linear_logprobs(hidden, weight, target, bias, temperature=temperature, softcap=softcap,
+                                 ignore_index=ignore_index)
+    return (logps, ent) if entropy else logps
 
 
-def completion_logps(model, input_ids, attention_mask=None, temperature: float = 1.0, **kwargs):
+def completion_logps(model, input_ids, attention_mask=None, temperature: float = 1.0, entropy: bool = False,
+                     **kwargs):
     """A Hugging Face causal LM's log p(input_ids[:, t + 1] | input_ids[:, :t + 1]) for t < S - 1: [B, S - 1],
     float32, 0 where the next token is padding (attention_mask 0), from the base model's last hidden states and the
     head's weight through `token_logps`: the same values and gradients as log_softmax(model(input_ids).logits[:, :-1]
     / temperature) at the next tokens (Gemma's final soft cap before the temperature, as its head applies it),
-    without the [B, S, V] logits. Patched or not (a patched model runs its layers through opport too); `kwargs` go
-    to the base model (position_ids, FlashAttention's cu_seq_lens, ...)."""
+    without the [B, S, V] logits; with `entropy=True` also each position's entropy, as `(logps, entropy)`. Patched or
+    not (a patched model runs its layers through opport too); `kwargs` go to the base model (position_ids,
+    FlashAttention's cu_seq_lens, ...)."""
     from opport.integrations.transformers.families import head_softcap  # here: importing the package imports torch
 
     out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -57,9 +56,9 @@ def completion_logps(model, input_ids, attention_mask=None, temperature: float =
         target = target.masked_fill(attention_mask[:, 1:] == 0, -100)
     head = model.get_output_embeddings()
     b, s, h = hidden.shape
-    logps = token_logps(hidden.reshape(b * s, h), head.weight, target.reshape(-1).long(), head.bias,
-                        temperature=temperature, softcap=head_softcap(model.config))
-    return logps.view(b, s)
+    logps, ent = token_logps(hidden.reshape(b * s, h), head.weight, target.reshape(-1).long(), head.bias,
+                             temperature=temperature, softcap=head_softcap(model.config), entropy=True)
+    return (logps.view(b, s), ent.view(b, s)) if entropy else logps.view(b, s)
 
 
 def sequence_logps(token_logps, mask, average: bool = False):

@@ -146,6 +146,26 @@ def _expert_bias():
     return m, lambda m: m(ids()).logits
 
 
+def _trl_head(outputs=("log_probs", "entropy"), logit_scale=None):
+    """TRL's fused LM head (log-probs without logits) added after patching, as TRL's trainers do."""
+    pytest.importorskip("trl")
+    from trl.trainer.utils import add_fused_lm_head
+
+    from opport.integrations.transformers import trl_head
+
+    trl_head.install()
+    m = model()
+    if logit_scale is not None:
+        m.config.logit_scale = logit_scale  # Cohere-style: TRL's head applies it
+    x = ids()
+
+    def call(m):
+        add_fused_lm_head(m, temperature=0.7, outputs=outputs)
+        return m(x, labels=x, fused_lm_head=True).log_probs
+
+    return m, call
+
+
 # (op, cause) -> trigger() returning (a fresh unpatched model, call(model) -> what to compare)
 TRIGGERS = {
     ("attention", "dropout"): _dropout,
@@ -167,6 +187,8 @@ TRIGGERS = {
     ("moe_experts", "activation"): _expert_activation,
     ("swiglu", "activation"): lambda: (model(hidden_act="relu"), lambda m: m(ids()).logits),
     ("moe_experts", "expert_bias"): _expert_bias,
+    ("linear_logprobs", "head_metrics"): lambda: _trl_head(outputs=("log_probs", "is_top1")),
+    ("linear_logprobs", "logit_scale"): lambda: _trl_head(logit_scale=0.5),
 }
 # under autocast the rest of the model runs opport's bfloat16 kernels, which round differently from torch's
 # (test_integration_transformers.py checks bfloat16 accuracy): that result is not compared with 1e-5

@@ -5,6 +5,7 @@ patched (strict) and unpatched, with Gemma2's final soft cap and a padded batch.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 
@@ -68,32 +69,41 @@ def _tokenizer():
 
 def _dpo_losses(patched: bool, tmp_path) -> tuple:
     datasets, trl = pytest.importorskip("datasets"), pytest.importorskip("trl")
-    model = _model("qwen3")
+    model, ref = _model("qwen3"), _model("qwen3")
     if patched:
         patch(model)
+        patch(ref)
     text = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731
     rows = [{"prompt": text([3 + i, 5, 7]), "chosen": text([10 + i, 11, 1]), "rejected": text([20 + i, 1])}
             for i in range(4)]
     args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3,
                          logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
                          bf16=False, fp16=False)
-    trainer = trl.DPOTrainer(model=model, ref_model=_model("qwen3"), args=args,
+    trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args,
                              train_dataset=datasets.Dataset.from_list(rows), processing_class=_tokenizer())
-    with opport.strict() if patched else torch.enable_grad():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], model, ref, seen
 
 
 def test_trl_dpo_trainer_gives_the_unpatched_losses(tmp_path):
-    """TRL's DPOTrainer on a patched Qwen3 in strict mode: the unpatched model's losses, every layer's norms, MLP
-    and (padded-batch) attention through opport. TRL builds the logits with the model's own head."""
-    from opport.integrations.transformers import stats
+    """TRL's DPOTrainer on patched Qwen3 policy and reference models: the unpatched models' losses; every layer's
+    norms, MLP and (padded-batch) attention through opport, the reference model's log-probs through
+    opport.linear_logprobs (TRL's fused head), and the policy's head handed back, counted and warned about: TRL asks
+    it for no-gradient metrics (mean_logits, is_top1) linear_logprobs does not compute."""
+    from opport.integrations.transformers import HandBackWarning, stats
 
-    want, _ = _dpo_losses(False, tmp_path / "a")
-    got, model = _dpo_losses(True, tmp_path / "b")
+    want, *_ = _dpo_losses(False, tmp_path / "a")
+    got, model, ref, seen = _dpo_losses(True, tmp_path / "b")
     assert len(got) == 2 and got == pytest.approx(want, rel=1e-5)
-    counts = stats(model)
-    assert counts["varlen_attention"]["opport"] > 0 and not any(c["handed_back"] for c in counts.values())
+    counts, ref_counts = stats(model), stats(ref)
+    assert counts["varlen_attention"]["opport"] > 0 and ref_counts["linear_logprobs"]["opport"] > 0
+    assert counts["linear_logprobs"]["reasons"] == {"head_metrics": counts["linear_logprobs"]["handed_back"]} != {}
+    assert not any(c["handed_back"] for op, c in counts.items() if op != "linear_logprobs")
+    assert not any(c["handed_back"] for c in ref_counts.values())
+    assert sum("[transformers.linear_logprobs.head_metrics]" in str(w.message) for w in seen
+               if issubclass(w.category, HandBackWarning)) == 1
 
 
 def _grpo_log(patched: bool, tmp_path) -> tuple:
@@ -129,3 +139,40 @@ def test_trl_grpo_trainer_samples_and_steps_like_the_unpatched_model(tmp_path):
     assert any(w[1] > 0 for w in want)  # a step that moved the weights
     counts = stats(model)
     assert counts["varlen_attention"]["opport"] > 0 and not any(c["handed_back"] for c in counts.values())
+    assert counts["linear_logprobs"]["opport"] > 0  # TRL's fused head: log-probs and entropies without logits
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "neuron"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_trl_fused_head_runs_linear_logprobs_with_the_same_values_and_gradients(family, backend):
+    """TRL's fused LM head on a patched model (strict): opport.linear_logprobs on each backend gives TRL's own head's
+    log-probs and entropies (Gemma2: with its final soft cap) and the same gradients for a GRPO-like loss that weights
+    every token and adds an entropy bonus; the model's head never forms [B, S, V] logits."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from opport.integrations.transformers import stats
+
+    x, mask = _batch()
+    labels = x.masked_fill(mask == 0, -100)
+    weights = torch.linspace(-1.0, 2.0, x.shape[1] - 1)
+
+    def run(patched):
+        model = _model(family).train()
+        if patched:
+            patch(model)
+        trl_utils.add_fused_lm_head(model, temperature=T, outputs=("log_probs", "entropy"))
+        with opport.use_backend(backend), opport.strict() if patched else torch.enable_grad():
+            out = model(x, attention_mask=mask, labels=labels, fused_lm_head=True)
+            loss = (out.log_probs * weights).sum() + 0.1 * out.entropy.sum()
+            loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return out.log_probs.detach(), out.entropy.detach(), grads, model
+
+    lp0, ent0, g0, _ = run(False)
+    lp1, ent1, g1, model = run(True)
+    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent1, ent0, rtol=1e-5, atol=1e-5)
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        scale = g0[name].abs().max().item() or 1.0
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+    assert stats(model)["linear_logprobs"]["opport"] == 1

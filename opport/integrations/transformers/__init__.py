@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from opport.errors import UnsupportedError
+from opport.integrations.transformers import trl_head
 from opport.integrations.transformers.families import FAMILIES, Family
 from opport.integrations.transformers.forwards import FAMILY, FORWARDS, SAVED, Bound
 from opport.integrations.transformers.handback import CAUSES, STATE, Counts, HandBackWarning, summary
@@ -36,7 +37,7 @@ from opport.integrations.transformers.handback import CAUSES, STATE, Counts, Han
 __all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "is_patched", "patch", "stats", "unpatch"]
 
 OPS = ("rmsnorm", "layernorm", "swiglu", "gelu", "rope", "attention", "varlen_attention", "add_rmsnorm", "topk_router",
-       "moe_experts", "linear_cross_entropy")
+       "moe_experts", "linear_cross_entropy", "linear_logprobs")
 
 
 def patch(model) -> dict:
@@ -60,12 +61,15 @@ def patch(model) -> dict:
         vars(module)[FAMILY] = family
         vars(module)["forward"] = Bound(FORWARDS[kind], module)
         counts[kind] += 1
+    # TRL's fused LM head (log-probs without logits) through opport.linear_logprobs
+    trl_head.register(model, next((m for m in model.modules() if STATE in vars(m)), None))
     return counts
 
 
 def unpatch(model) -> int:
     """Give every module `patch` changed its original forward back; returns how many were restored."""
     restored = 0
+    trl_head.unregister(model)
     for module in model.modules():
         saved = vars(module).pop(SAVED, None)
         if saved is None:

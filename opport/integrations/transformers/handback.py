@@ -38,6 +38,9 @@ CAUSES = {
     "router_aux_loss": ("output_router_logits", "the MoE load-balancing loss, which the model's own head adds"),
     "activation": ("act_fn", "an activation the op does not compute (swiglu and moe_experts: SiLU; gelu: GELU)"),
     "expert_bias": ("gate_up_proj_bias", "experts with biases (moe_experts' projections have none)"),
+    "head_metrics": ("outputs", "TRL's fused head asked for fields linear_logprobs does not compute (mean_logits, "
+                                "is_top1, log_sum_sq_probs: no-gradient metrics)"),
+    "logit_scale": ("logit_scale", "a logit scale on the head (linear_logprobs takes a temperature and a soft cap)"),
 }
 
 
