@@ -13,7 +13,7 @@ This module is the composition root: it puts the declarations (opport.ops), the 
 from opport._ops import *  # noqa: F403 - opport.softmax, opport.rmsnorm, ...: one function per declared op
 from opport._ops import __all__ as _op_names
 from opport._version import __version__  # noqa: F401 - opport.__version__
-from opport.dispatch import Decision, FallbackWarning, clear_cache, strict, use_backend
+from opport.dispatch import Decision, FallbackWarning, batch_invariant, clear_cache, strict, use_backend
 from opport.errors import (
     ArgumentError,
     BackendUnavailableError,
@@ -27,7 +27,7 @@ from opport.ops import all_ops, get_op
 from opport.public import explain, vjp
 
 __all__ = [
-    "ArgumentError", "BackendUnavailableError", "Decision", "DeviceError", "DTypeError", "FallbackWarning",
+    "ArgumentError", "BackendUnavailableError", "batch_invariant", "Decision", "DeviceError", "DTypeError", "FallbackWarning",
     "OpError", "ShapeError", "UnsupportedError", "all_ops", "clear_cache", "explain", "get_op",
     "strict", "use_backend", "vjp", *_op_names,
 ]

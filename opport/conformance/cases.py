@@ -23,17 +23,18 @@ OFFSET = 3  # elements before an offset view: odd, so the start is also misalign
 # cases beyond the layout coverage (every tier's) get a rotating layout (`rotate`, at most `rotate_max` per op x
 # dtype). A `<knob>_emulated` value replaces `<knob>` on a backend that emulates a device on this CPU (its
 # Capabilities.emulated()). smoke: every op, backend and dtype in a few minutes (make run), a subset of fast;
-# fast: the CI gate; full: thousands of examples, every layout.
+# fast: the CI gate; full: thousands of examples, every layout. `batch`: how many cases per op x dtype are also run
+# as batch-invariance items (smoke: none).
 TIERS = {
     "smoke": {"examples": 10, "examples_emulated": 3, "hyp_max": 1 << 16, "hyp_max_emulated": 1 << 12,
               "case_max": 1 << 16, "case_max_emulated": 1 << 14, "layout_max": 1 << 14, "rotate": False,
               "skip_tags": ("large", "slow")},
     "fast": {"examples": 100, "examples_emulated": 4, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 13,
              "case_max_emulated": 1 << 16, "layout_max": 1 << 16, "layout_max_emulated": 1 << 14, "rotate": True,
-             "rotate_max_emulated": 4,
+             "rotate_max_emulated": 4, "batch": 2, "batch_emulated": 1,
              "skip_tags": ("large", "slow")},
     "full": {"examples": 1000, "examples_emulated": 1000, "hyp_max": None, "hyp_max_emulated": 1 << 20,
-             "case_max_emulated": None, "layout_max": 1 << 20, "rotate": True, "skip_tags": ()},
+             "case_max_emulated": None, "layout_max": 1 << 20, "rotate": True, "batch": 4, "skip_tags": ()},
 }
 
 
@@ -69,7 +70,7 @@ class Item:
     name: str
     case: Case | None = None
     layout: str | None = None
-    source: str = "fixed"  # fixed | layout | hypothesis | error
+    source: str = "fixed"  # fixed | layout | hypothesis | error | batch
     error: ErrorCase | None = None
     tags: tuple = field(default_factory=tuple)
     missing: tuple = ()  # source "coverage": declared constraint ids without a bad input
@@ -93,6 +94,7 @@ def items_for(spec: OpSpec, backend: str, dtype: str, sel: Selection) -> list[It
     out = [Item(spec.name, backend, dtype, c.name, c, tags=tuple(c.tags)) for c in fixed if sel.wants(c.name)]
     if sel.layouts:
         out += [it for it in _layout_items(spec, backend, dtype, declared, fixed, sel) if sel.wants(it.name)]
+    out += [it for it in _batch_items(spec, backend, dtype, fixed, sel) if sel.wants(it.name)]
     if sel.cases and not any(fnmatch.fnmatchcase("hyp-0", p) or "hyp" in p for p in sel.cases):
         return out  # a named fixed case: no need to draw examples
     out += [Item(spec.name, backend, dtype, c.name, c, source="hypothesis", tags=tuple(c.tags))
@@ -120,6 +122,28 @@ def _layout_items(spec, backend, dtype, declared, fixed, sel) -> list[Item]:
             seen.add((c.name, lay))
             items.append(Item(spec.name, backend, dtype, f"{c.name}@{lay}", c, lay, "layout", tuple(c.tags)))
     return items
+
+
+def _batch_items(spec: OpSpec, backend: str, dtype: str, fixed: list, sel: Selection) -> list[Item]:
+    """Batch invariance: cases whose batch has at least 2 rows, each run whole, row by row alone and in reverse order
+    (opport/conformance/execute.py `_batch_case`); ops that declare a batch (`<op>.batched`) only. The largest case
+    under the tier's caps first (small products are often invariant where large ones are not: BLAS changes kernels
+    with the shape), then the smallest, then the rest from large to small, `batch` of them."""
+    if not getattr(spec, "batch_args", ()) or not sel.knob("batch"):
+        return []
+    eligible = sorted((c for c in fixed if batch_rows(spec, c) >= 2), key=elements, reverse=True)
+    order = [*eligible[:1], *eligible[-1:], *eligible[1:-1]] if len(eligible) > 1 else eligible
+    picked = order[:sel.knob("batch")]
+    return [Item(spec.name, backend, dtype, f"{c.name}@batch", c, source="batch", tags=tuple(c.tags)) for c in picked]
+
+
+def batch_rows(spec: OpSpec, case: Case) -> int:
+    """The size of a case's batch (the leading axis of the op's first batched array), 0 when it has none."""
+    bound = spec.bind(*case.args, **case.kwargs)
+    a = bound[spec.params.index(spec.batch_args[0])]
+    if spec.batch_when is not None and not spec.batch_when(*bound):
+        return 0
+    return a.shape[0] if isinstance(a, np.ndarray) and a.ndim else 0
 
 
 def _taken(spec: OpSpec, case: Case, backend: str) -> bool:

@@ -29,6 +29,7 @@ from opport.dtypes import acc_dtype, finfo, np_dtype
 from opport.errors import OpError
 from opport.ops import get_op
 from opport.public import function
+from opport.spec import Case
 
 SENTINEL = 1234.5  # the second poison: finite, so it survives where a NaN check would not look
 CALLS = 3
@@ -82,6 +83,8 @@ def run_item(item: Item) -> dict:
 def _dispatch(item: Item, res: dict):
     if item.source == "error":
         _error_case(item, res)
+    elif item.source == "batch":
+        _batch_case(item, res)
     elif item.source == "coverage":
         res["status"] = "fail"
         res["message"] = f"declared constraints without a bad-input case: {', '.join(item.missing)}"
@@ -132,6 +135,55 @@ def _value_case(item: Item, res: dict):
     problems += _judge_outputs(spec, case, item.dtype, bound, [outs for outs, _ in calls], refs, metas, kernel, res)
     if problems:
         _fail(res, "; ".join(problems), [])
+
+
+# --------------------------------------------------------------------------- batch invariance
+
+
+def _batch_case(item: Item, res: dict):
+    """Whether each checked row's outputs are bitwise the same computed in the whole batch, alone (rows 0, n/2 and
+    n - 1) and at another position (the batch reversed). res["batch_invariant"] says; the item fails only where
+    the backend declares `opport.batch_invariant()` (Capabilities.batch_invariant) and the mode is on."""
+    from opport.dispatch import get_backend, is_batch_invariant
+
+    spec, case, b = get_op(item.op), item.case, get_backend(item.backend)
+    kernel = _chosen_kernel(spec, b, lay_out(case, None, None), res)
+    if kernel is None:
+        return
+    bound = spec.bind(*case.args, **case.kwargs)
+    batched = [spec.params.index(a) for a in spec.batch_args if bound[spec.params.index(a)] is not None]
+    n = bound[batched[0]].shape[0]
+
+    def run(index) -> list:
+        args = [a[index] if i in batched else a for i, a in enumerate(bound)]
+        outs, why = _call(spec, b, lay_out(Case(case.name, tuple(args), {}, case.tags), None, _torch_device(b)),
+                          np.nan)
+        if why:
+            raise AssertionError(why)
+        return [o if o is not None and o.ndim and o.shape[0] == len(range(n)[index]) else None for o in outs]
+
+    whole = run(slice(None))
+    if all(o is None for o in whole):
+        res["status"], res["message"] = "skip", "no output has the batch's axis (a reduced loss)"
+        return
+    moved = run(slice(None, None, -1))
+    differ = [f"row {i} alone" for i in sorted({0, n // 2, n - 1}) if not _same_rows(whole, run(slice(i, i + 1)), i, 0)]
+    differ += [f"row {i} moved to {n - 1 - i}" for i in range(n) if not _same_rows(whole, moved, i, n - 1 - i)][:1]
+    res["batch_invariant"] = not differ
+    res["metrics"] = {"rows": n}
+    if differ:
+        res["message"] = f"not batch-invariant: {', '.join(differ)} differs from the batch's bits"
+        if b.capabilities.batch_invariant and is_batch_invariant():
+            res["status"] = "fail"
+
+
+def _same_rows(a: list, b: list, i: int, j: int) -> bool:
+    """Output rows a[k][i] and b[k][j] bitwise equal for every output that has the batch's axis."""
+    return all(x is None or y is None or np.array_equal(_bits(x[i]), _bits(y[j])) for x, y in zip(a, b))
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).view(np.uint8)
 
 
 def _outputs(value) -> list:

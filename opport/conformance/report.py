@@ -195,9 +195,48 @@ def matrix(report) -> Table:
     return t
 
 
+def batch_invariance(report) -> dict:
+    """{op: {backend: {dtype: True (every checked case invariant) / False}}} from the batch items: whether a row's
+    outputs are bitwise the same alone, in its batch and at another position (ops that declare a batch)."""
+    out: dict = {}
+    for c in report.cases:
+        if c.get("source") == "batch" and "batch_invariant" in c:
+            cell = out.setdefault(c["op"], {}).setdefault(c["backend"], {})
+            cell[c["dtype"]] = cell.get(c["dtype"], True) and c["batch_invariant"]
+    return out
+
+
+def batch_table(report) -> Table | None:
+    """The batch-invariance column: per op and backend, ✓ where every dtype's rows were invariant, else the dtypes
+    whose rows varied (ops without a declared batch are absent: nothing to check)."""
+    found = batch_invariance(report)
+    if not found:
+        return None
+    backends = [b for b in report.backends if any(b in per for per in found.values())]
+    t = Table(title="batch invariance (a row alone, in its batch, moved)", title_style="bold")
+    t.add_column("op")
+    for b in backends:
+        t.add_column(b)
+    for op in sorted(found):
+        cells = []
+        for b in backends:
+            dtypes = found[op].get(b)
+            varied = [_SHORT.get(d, d) for d, ok in (dtypes or {}).items() if not ok]
+            cells.append("" if dtypes is None else "[green]✓[/green]" if not varied
+                         else f"[yellow]varies {' '.join(varied)}[/yellow]")
+        t.add_row(op, *cells)
+    return t
+
+
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+
+
 def print_summary(report, console: Console | None = None):
     console = console or Console()
     console.print(matrix(report))
+    table = batch_table(report)
+    if table is not None:
+        console.print(table)
     s = report.summary
     console.print("  ".join(f"[{COLORS[k]}]{k} {v}[/{COLORS[k]}]" for k, v in s.items()) + f"   ({report.duration_s:.1f} s)")
     for n, info in report.backends.items():
@@ -284,13 +323,14 @@ def to_json(report) -> dict:
         "hosts": report.hosts,  # host id -> opport/doctor.py's record; every case names its "host"
         "interrupted": report.interrupted,
         "time_by_op": time_by_op(report),
+        "batch_invariance": batch_invariance(report),
         "cases": [_case_json(c) for c in report.cases],
     }
 
 
 def _case_json(c: dict) -> dict:
     keys = ("id", "op", "direction", "backend", "kernel", "dtype", "status", "metrics", "message", "repro", "case", "source",
-            "layout", "tags", "worst", "known_failure", "duration_s", "build_s", "host")
+            "layout", "tags", "worst", "known_failure", "duration_s", "build_s", "host", "batch_invariant")
     return {k: c.get(k) for k in keys if k in c}
 
 

@@ -5,7 +5,7 @@ kernels with `impl`) and everything above (integrations, conformance, bench, the
 the CLI). The one upward import is backend discovery, by name (registry.py).
 """
 
-from opport.dispatch.context import is_strict, strict, use_backend
+from opport.dispatch.context import batch_invariant, is_batch_invariant, is_strict, strict, use_backend
 from opport.dispatch.core import Decision, FallbackWarning, call, decide, explain, kernel_args, takes
 from opport.dispatch.registry import (
     Backend,
@@ -23,6 +23,7 @@ from opport.dispatch.registry import (
 
 __all__ = [
     "Backend", "Capabilities", "Decision", "FallbackWarning", "Kernel", "backends", "call", "clear_cache", "decide",
-    "explain", "get_backend", "impl", "is_strict", "kernel_args", "kernels", "register_backend", "remove_kernel", "strict",
+    "batch_invariant", "explain", "get_backend", "impl", "is_batch_invariant", "is_strict", "kernel_args", "kernels",
+    "register_backend", "remove_kernel", "strict",
     "takes", "unregister_backend", "use_backend",
 ]

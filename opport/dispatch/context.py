@@ -19,6 +19,7 @@ from contextvars import ContextVar
 
 _backend: ContextVar = ContextVar("opport_backend", default=None)
 _strict: ContextVar = ContextVar("opport_strict", default=None)
+_batch_invariant: ContextVar = ContextVar("opport_batch_invariant", default=None)
 
 BACKEND_VAR, STRICT_VAR = "OPPORT_BACKEND", "OPPORT_STRICT"
 
@@ -68,6 +69,28 @@ def strict(enabled: bool = True):
         yield
     finally:
         _strict.reset(token)
+
+
+@contextmanager
+def batch_invariant(enabled: bool = True):
+    """In this block, kernels take configurations whose results for a row do not depend on the batch it is computed
+    in (its size, the row's position): the backends that declare the mode (Capabilities.batch_invariant; cpu) do
+    so for every op, at some cost in speed (measured by `opport bench --batch-invariant`). Env
+    `OPPORT_BATCH_INVARIANT=1` sets it for a whole process (worker processes and JAX callbacks see the environment,
+    not this block)."""
+    token = _batch_invariant.set(enabled)
+    try:
+        yield
+    finally:
+        _batch_invariant.reset(token)
+
+
+BATCH_INVARIANT_VAR = "OPPORT_BATCH_INVARIANT"
+
+
+def is_batch_invariant() -> bool:
+    """Whether kernels must give batch-invariant results now (`batch_invariant()` > env OPPORT_BATCH_INVARIANT)."""
+    return strict_from(_batch_invariant.get(), ENV_GET(ENV_KEY(BATCH_INVARIANT_VAR)))
 
 
 def context_backend() -> str | None:

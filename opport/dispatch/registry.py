@@ -42,6 +42,9 @@ class Capabilities:
     checked: the context conformance runs each of its cases in, stricter than a user's call where an emulator
         only warns of what the device rejects (the NKI emulator's SBUF/PSUM capacity: the Neuron compiler
         refuses such a kernel).
+    batch_invariant: under `opport.batch_invariant()` every kernel of the backend gives a row the same bits
+        whatever batch it comes in (conformance's batch items then fail a row that varies); False: the report
+        says which kernels are invariant, nothing is promised.
     """
 
     emulated: Callable[[], bool] = field(default=lambda: False)
@@ -49,6 +52,7 @@ class Capabilities:
     bench: str | None = None
     device_resource: str | None = None
     checked: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,10 @@ def add_rmsnorm(x, residual, weight=None, eps=1e-6):
     check_eps(NAME, eps)
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+add_rmsnorm.batched("x", "residual", when=lambda x, *_: x.ndim >= 2)
+
+
 @add_rmsnorm.reference
 def _reference(x, residual, weight, eps, *, input_dtype=None):
     """The sum rounded to `input_dtype` (the dtype under test; the inputs' own when not given), then rmsnorm of

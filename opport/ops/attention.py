@@ -116,6 +116,10 @@ def range_bounds(q, k, v, causal: bool = False, scale=None, sliding_window=None)
     return scores, values
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+attention.batched("q", "k", "v")  # [B, H, S, D]: sequences
+
+
 @attention.reference
 def _reference(q, k, v, causal, scale, softcap=None, sliding_window=None):
     b, hq, sq, d = q.shape

@@ -78,6 +78,10 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
     check(ok, ArgumentError, NAME, "label_smoothing", "cross_entropy.label_smoothing", "a number in [0, 1]", repr(ls))
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+cross_entropy.batched("logits", "target", when=lambda logits, t, ii, reduction, *_: logits.ndim == 2 and reduction == "none")
+
+
 @cross_entropy.reference
 def _reference(logits, target, ignore_index, reduction, label_smoothing):
     """(m - x_t) + log(s) and, smoothed, mean(m - x) + log(s), with m the row max and s = sum(exp(x - m)): never

@@ -46,6 +46,10 @@ def gelu(x, approximate="none"):
 _ERFC = np.frompyfunc(math.erfc, 1, 1)
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+gelu.batched("x")  # elementwise
+
+
 @gelu.reference
 def _reference(x, approximate):
     with np.errstate(invalid="ignore", over="ignore"):

@@ -75,6 +75,10 @@ def _scaled_eps(s, eps):
     return np.where(s < 1, np.maximum(eps * s * s, np.finfo(np.float64).tiny), eps)
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+layernorm.batched("x", when=lambda x, *_: x.ndim >= 2)
+
+
 @layernorm.reference
 def _reference(x, weight, bias, eps):
     if x.size == 0:

@@ -112,6 +112,10 @@ def _logits(hidden, weight, bias, softcap) -> tuple:
         return softcap * t, 1 - t * t
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+linear_cross_entropy.batched("hidden", "target", when=lambda *bound: bound[5] == "none")  # tokens (per-token losses)
+
+
 @linear_cross_entropy.reference
 def _reference(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
     z, _ = _logits(hidden, weight, bias, softcap)

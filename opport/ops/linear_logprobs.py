@@ -85,6 +85,10 @@ def _stats(z, target, ignore_index) -> tuple:
     return np.where(ignored, 0.0, logps), np.where(ignored, 0.0, entropy), lse
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+linear_logprobs.batched("hidden", "target")  # tokens
+
+
 @linear_logprobs.reference
 def _reference(hidden, weight, target, bias, temperature, softcap, ignore_index):
     z, _ = _logits(hidden, weight, bias, temperature, softcap)

@@ -73,6 +73,10 @@ def accumulation_bound(a, b, bias=None) -> np.ndarray:
         return out if bias is None else out + np.abs(np.asarray(bias, np.float64))
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+matmul.batched("a", when=lambda a, b, *_: b.ndim == 2)  # rows of a (or its batch) against one b
+
+
 @matmul.reference
 def _reference(a, b, bias):
     with np.errstate(invalid="ignore", over="ignore"):

@@ -109,6 +109,10 @@ def _expert(xt, w1, w2):
     return gate, up, a, a @ w2.T
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+moe_experts.batched("x", "top_k_index", "top_k_weights")  # tokens
+
+
 @moe_experts.reference
 def _reference(x, gate_up_proj, down_proj, top_k_index, top_k_weights):
     out = np.zeros(x.shape)

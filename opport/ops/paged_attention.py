@@ -118,6 +118,10 @@ def softmax_rows(s):
     return p, den
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+paged_attention.batched("q", "block_tables", "context_lens")  # sequences over one shared cache
+
+
 @paged_attention.reference
 def _reference(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
     bsz, hq, d = q.shape

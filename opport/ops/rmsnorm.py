@@ -65,6 +65,10 @@ def check_offset(op: str, offset, weight):
           repr(offset))
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+rmsnorm.batched("x", when=lambda x, *_: x.ndim >= 2)  # rows of x; a 1-d x is one row
+
+
 @rmsnorm.reference
 def _reference(x, weight, eps, offset=0.0):
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):

@@ -56,6 +56,10 @@ def _tables(t: np.ndarray) -> np.ndarray:
     return t[None, None] if t.ndim == 2 else t[:, None]
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+rope.batched("x", when=lambda x, cos, *_: x.ndim >= 3 and cos.ndim == 2)  # [B, ...] with shared tables
+
+
 @rope.reference
 def _reference(x, cos, sin, interleaved):
     c, s = _tables(cos), _tables(sin)

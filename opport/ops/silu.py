@@ -57,6 +57,10 @@ def silu64(x: np.ndarray) -> np.ndarray:
         return np.where(np.isneginf(x), -0.0, x * sigmoid64(x))
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+silu.batched("x")  # elementwise
+
+
 @silu.reference
 def _reference(x):
     return silu64(x)

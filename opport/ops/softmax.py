@@ -27,6 +27,10 @@ def softmax(x, axis=-1):
     check_axis(NAME, "axis", axis, x.ndim)
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+softmax.batched("x", when=lambda x, axis: x.ndim >= 2 and axis % x.ndim != 0)  # not along the batch
+
+
 @softmax.reference
 def _reference(x, axis):
     if x.size == 0:

@@ -44,6 +44,10 @@ def swiglu(gate, up):
     check(up.shape == gate.shape, ShapeError, NAME, "up", "swiglu.shape_mismatch", f"{gate.shape} = gate.shape", up.shape)
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+swiglu.batched("gate", "up")  # elementwise
+
+
 @swiglu.reference
 def _reference(gate, up):
     with np.errstate(invalid="ignore", over="ignore"):

@@ -109,6 +109,10 @@ def weights_of(logits, idx, renormalize: bool, scoring: str) -> np.ndarray:
     return w
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+topk_router.batched("logits")  # tokens
+
+
 @topk_router.reference
 def _reference(logits, k, renormalize, scoring, bias):
     idx = select(ranking_keys(logits, scoring, bias), k)

@@ -41,6 +41,8 @@ class OpSpec(Spec):
         self.write_pos = tuple(self.params.index(w) for w in self.writes)
         self._written: Callable | None = None
         self._value_check: tuple | None = None  # (names, fn): a check of some arrays' values before any kernel
+        self.batch_args: tuple = ()  # set by <op>.batched(...): the arrays whose leading axis is the batch
+        self.batch_when: Callable | None = None
         if self.writes:
             self.output_names = ()
 
@@ -53,6 +55,17 @@ class OpSpec(Spec):
         return (self, *self.derived)
 
     # -- attaching the parts only a declared op has
+
+    def batched(self, *names: str, when: Callable | None = None):
+        """Declare the op's batch: the arrays `names` share a leading axis of independent rows (tokens, sequences),
+        and every output that has that axis follows it. The conformance suite then checks, on every backend, whether
+        a row's output is bitwise the same computed alone, in its batch and at another position in it (batch
+        invariance, docs/conformance.md); under `opport.batch_invariant()` a backend that declares the mode must
+        make it so. `when(*bound)`: whether a call's leading axis is that batch (rmsnorm's 1-d x is one row)."""
+        unknown = [n for n in names if n not in self.arrays]
+        if unknown or not names:
+            raise TypeError(f"{self.name}: batched {names}: name one or more of its arrays {self.arrays}")
+        self.batch_args, self.batch_when = tuple(names), when
 
     def written(self, fn):
         """The region an op declared with `writes=` writes: `fn(*bound) -> one NumPy index per name in `writes``

@@ -21,5 +21,5 @@ BACKEND = Backend(
     probe=lambda: None,
     mode=lambda: "numpy",
     versions=_versions,
-    capabilities=Capabilities(bench=f"{__name__}.bench"),
+    capabilities=Capabilities(bench=f"{__name__}.bench", batch_invariant=True),
 )

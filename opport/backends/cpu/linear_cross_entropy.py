@@ -8,6 +8,7 @@ accumulator [N, H] (the output itself for float32/float64) and the upcast 16-bit
 import numpy as np
 
 from opport.arraymath import reduce_losses
+from opport.backends.cpu import _invariant
 from opport.backends.cpu._common import upcast, uses_blas
 from opport.backends.cpu.cross_entropy import _at_target, _coefficients, _fix_rows
 from opport.dispatch import impl
@@ -39,8 +40,9 @@ def linear_cross_entropy_forward(hidden, weight, target, bias, ignore_index, red
 
 
 def _tile_logits(x, weight, bias, c0, c1, softcap) -> tuple:
-    """(z, 1 - tanh² or None) for the rows x (already upcast) and vocabulary entries [c0, c1)."""
-    z = x @ upcast(weight[c0:c1]).T
+    """(z, 1 - tanh² or None) for the rows x (already upcast) and vocabulary entries [c0, c1); row-invariant
+    logits under opport.batch_invariant()."""
+    z = _invariant.dot(x, upcast(weight[c0:c1]).T)
     if bias is not None:
         z += upcast(bias[c0:c1])
     if softcap is None:

@@ -7,6 +7,7 @@ accumulator and the dhidden accumulator [N, H]; never N x V.
 
 import numpy as np
 
+from opport.backends.cpu import _invariant
 from opport.backends.cpu._common import upcast, uses_blas
 from opport.backends.cpu.linear_cross_entropy import ROW_BLOCK, VOCAB_CHUNK, _take_targets
 from opport.dispatch import impl
@@ -15,8 +16,9 @@ from opport.ops.linear_logprobs import linear_logprobs as spec
 
 
 def _tile(x, weight, bias, c0, c1, inv_t, softcap) -> tuple:
-    """(z, dz/da) of rows x (upcast) and vocabulary [c0, c1): z = cap(x @ w^T + b) / T, dz/da = (1 - tanh²) / T."""
-    z = x @ upcast(weight[c0:c1]).T
+    """(z, dz/da) of rows x (upcast) and vocabulary [c0, c1): z = cap(x @ w^T + b) / T, dz/da = (1 - tanh²) / T
+    (row-invariant logits under opport.batch_invariant())."""
+    z = _invariant.dot(x, upcast(weight[c0:c1]).T)
     if bias is not None:
         z += upcast(bias[c0:c1])
     f = z.dtype.type

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 
+from opport.backends.cpu import _invariant
 from opport.backends.cpu._common import upcast, uses_blas
 from opport.dispatch import impl
 from opport.ops.matmul import matmul as spec
@@ -21,10 +22,15 @@ def matmul(a: np.ndarray, b: np.ndarray, bias) -> np.ndarray:
 
     Notes: 16-bit operands are upcast to float32 copies (2x their bytes) because NumPy has no
     float32-accumulating half/bfloat16 GEMM; np.matmul takes strided views as they are and
-    returns zeros when K = 0.
+    returns zeros when K = 0. Under opport.batch_invariant() a shared b [K, N] multiplies a's rows with
+    `_invariant.rows_matmul` (each row's bits independent of the others; BLAS's are not).
     """
     with np.errstate(invalid="ignore", over="ignore"):
-        out = np.matmul(upcast(a), upcast(b))
+        if b.ndim == 2 and _invariant.active():
+            out = _invariant.rows_matmul(upcast(a).reshape(-1, a.shape[-1]), upcast(b)).reshape(
+                *a.shape[:-1], b.shape[1])
+        else:
+            out = np.matmul(upcast(a), upcast(b))
         if bias is not None:
             out += upcast(bias)
         return out.astype(a.dtype, copy=False)  # beyond the dtype's range -> inf, as the exact result rounds

@@ -7,6 +7,7 @@ the k picks of each token are summed in pick order (no scatter-add: a fixed orde
 
 import numpy as np
 
+from opport.backends.cpu import _invariant
 from opport.backends.cpu._common import upcast, uses_blas
 from opport.backends.cpu.swiglu import _swiglu, _swiglu_backward, _swiglu_backward32
 from opport.dispatch import impl
@@ -32,7 +33,7 @@ def _experts_hit(offsets: np.ndarray):
 
 def _gate_up(xs: np.ndarray, w1: np.ndarray) -> tuple:
     """(gate, up) [n, I] of rows xs [n, H] against one expert's gate_up_proj [2I, H], in the compute dtype."""
-    h = xs @ upcast(w1).T
+    h = _invariant.dot(xs, upcast(w1).T)
     i = w1.shape[0] // 2
     return np.ascontiguousarray(h[:, :i]), np.ascontiguousarray(h[:, i:])
 
@@ -67,7 +68,7 @@ def moe_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights) -> np.nd
         for e, rows in _experts_hit(offsets):
             gate, up = _gate_up(xs[rows], gate_up_proj[e])
             a = _swiglu(np.empty_like(gate), gate, up)
-            ys[rows] = a @ upcast(down_proj[e]).T
+            ys[rows] = _invariant.dot(a, upcast(down_proj[e]).T)  # row-invariant under batch_invariant()
             ys[rows] *= ws[rows, None]
         return _per_token(ys, order, t, k).astype(x.dtype, copy=False)
 
