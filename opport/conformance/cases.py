@@ -31,7 +31,8 @@ TIERS = {
               "skip_tags": ("large", "slow")},
     "fast": {"examples": 100, "examples_emulated": 4, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 13,
              "case_max_emulated": 1 << 16, "layout_max": 1 << 16, "layout_max_emulated": 1 << 14, "rotate": True,
-             "rotate_max_emulated": 4, "batch": 2, "batch_emulated": 1,
+             "rotate_max_emulated": 4, "batch": 2, "batch_emulated": 1, "batch_max": 1 << 18,
+             "batch_max_emulated": 1 << 15,
              "skip_tags": ("large", "slow")},
     "full": {"examples": 1000, "examples_emulated": 1000, "hyp_max": None, "hyp_max_emulated": 1 << 20,
              "case_max_emulated": None, "layout_max": 1 << 20, "rotate": True, "batch": 4, "skip_tags": ()},
@@ -131,7 +132,9 @@ def _batch_items(spec: OpSpec, backend: str, dtype: str, fixed: list, sel: Selec
     with the shape), then the smallest, then the rest from large to small, `batch` of them."""
     if not getattr(spec, "batch_args", ()) or not sel.knob("batch"):
         return []
-    eligible = sorted((c for c in fixed if batch_rows(spec, c) >= 2), key=elements, reverse=True)
+    cap = sel.knob("batch_max")
+    eligible = sorted((c for c in fixed if batch_rows(spec, c) >= 2 and (cap is None or elements(c) <= cap)),
+                      key=elements, reverse=True)
     order = [*eligible[:1], *eligible[-1:], *eligible[1:-1]] if len(eligible) > 1 else eligible
     picked = order[:sel.knob("batch")]
     return [Item(spec.name, backend, dtype, f"{c.name}@batch", c, source="batch", tags=tuple(c.tags)) for c in picked]

@@ -207,25 +207,40 @@ def batch_invariance(report) -> dict:
 
 
 def batch_table(report) -> Table | None:
-    """The batch-invariance column: per op and backend, ✓ where every dtype's rows were invariant, else the dtypes
-    whose rows varied (ops without a declared batch are absent: nothing to check)."""
+    """The batch-invariance column: per op and backend, ✓ where every checked dtype's rows were invariant, else the
+    dtypes whose rows varied; "n/a" for an op without a declared batch (in-place writes, grouped rows, reductions
+    over the whole input), blank where no case fitted the tier's caps."""
+    from opport.ops import get_op
+
     found = batch_invariance(report)
-    if not found:
+    ops = sorted({c["op"] for c in report.cases if c.get("direction") == "forward" and _public(get_op, c["op"])})
+    if not found or not ops:
         return None
-    backends = [b for b in report.backends if any(b in per for per in found.values())]
+    backends = list(report.backends)
     t = Table(title="batch invariance (a row alone, in its batch, moved)", title_style="bold")
     t.add_column("op")
     for b in backends:
         t.add_column(b)
-    for op in sorted(found):
-        cells = []
-        for b in backends:
-            dtypes = found[op].get(b)
-            varied = [_SHORT.get(d, d) for d, ok in (dtypes or {}).items() if not ok]
-            cells.append("" if dtypes is None else "[green]✓[/green]" if not varied
-                         else f"[yellow]varies {' '.join(varied)}[/yellow]")
-        t.add_row(op, *cells)
+    for op in ops:
+        declared = bool(getattr(get_op(op), "batch_args", ()))
+        t.add_row(op, *(_batch_cell(found.get(op, {}).get(b), declared) for b in backends))
     return t
+
+
+def _public(get_op, name: str) -> bool:
+    try:
+        return get_op(name).public
+    except Exception:  # a preset row of an unknown op
+        return False
+
+
+def _batch_cell(dtypes: dict | None, declared: bool) -> str:
+    if not declared:
+        return "[dim]n/a[/dim]"
+    if dtypes is None:
+        return ""
+    varied = [_SHORT.get(d, d) for d, ok in dtypes.items() if not ok]
+    return "[green]✓[/green]" if not varied else f"[yellow]varies {' '.join(varied)}[/yellow]"
 
 
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}

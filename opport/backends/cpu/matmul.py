@@ -27,7 +27,8 @@ def matmul(a: np.ndarray, b: np.ndarray, bias) -> np.ndarray:
     """
     with np.errstate(invalid="ignore", over="ignore"):
         if b.ndim == 2 and _invariant.active():
-            out = _invariant.rows_matmul(upcast(a).reshape(-1, a.shape[-1]), upcast(b)).reshape(
+            rows = math.prod(a.shape[:-1])  # (-1 cannot be inferred when K is 0)
+            out = _invariant.rows_matmul(upcast(a).reshape(rows, a.shape[-1]), upcast(b)).reshape(
                 *a.shape[:-1], b.shape[1])
         else:
             out = np.matmul(upcast(a), upcast(b))
