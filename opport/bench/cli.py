@@ -40,6 +40,9 @@ def add_arguments(p):
     p.add_argument("--margin", type=float, default=0.10, help="--baseline: allowed slowdown, a fraction (default 0.10)")
     p.add_argument("--repeats", type=int, default=2, help="--baseline: re-runs of a suspect row before it counts (default 2)")
     p.add_argument("--overhead", action="store_true", help="measure dispatch overhead instead of kernel time")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="also time each op with a batch under opport.batch_invariant() (row opport_invariant: its "
+                        "vs column is the mode's cost; goal <= 1.25x)")
     p.add_argument("--compile", dest="compile", action="store_true", default=None,
                    help="include torch.compile (default: the backend's; off for host backends, where Inductor needs a "
                         "C++ compiler)")

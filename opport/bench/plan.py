@@ -34,7 +34,8 @@ def setup_run(console, prof, tier: str, dtypes: list, args):
     rounds = args.rounds or (1 if args.smoke else 2)
     settings = Settings(b.name, b.array_kind, prof.input_device, timer, ceilings, rounds=rounds, budget_ms=args.budget_ms,
                         compile=compile_, compile_mode=args.compile_mode, graphs=prof.graphs and not args.no_graphs,
-                        max_minutes=prof.max_minutes, passes=tuple(report["passes"]))
+                        max_minutes=prof.max_minutes, passes=tuple(report["passes"]),
+                        batch_invariant=getattr(args, "batch_invariant", False))
     return report, settings
 
 

@@ -50,6 +50,7 @@ class Settings:
     graphs: bool = False  # CUDA-graph variant and host wall time for launch-bound shapes
     max_minutes: float | None = None  # the backend's default time limit for a run
     passes: tuple = ("fwd",)  # fwd, fwd+bwd, bwd (opport/bench/training.py)
+    batch_invariant: bool = False  # also time opport under opport.batch_invariant() (the opport_invariant row)
 
 
 @dataclass
@@ -161,6 +162,9 @@ def _explain(spec, bound, backend: str):
 def _providers(spec, wl, bound, st: Settings, kernel: str) -> list:
     ps = [Provider("opport", f"opport.{spec.name}(..., backend={st.backend!r}) -> {kernel}",
                    partial(function(spec), *bound, backend=st.backend))]
+    if st.batch_invariant and getattr(spec, "batch_args", ()):
+        ps.append(Provider("opport_invariant", f"opport.{spec.name}(..., backend={st.backend!r}) under "
+                           "opport.batch_invariant()", partial(_invariant_call, function(spec), bound, st.backend)))
     torch_ok = wl.torch_eager is not None and importlib.util.find_spec("torch") is not None
     if torch_ok:
         tb = _torch_bound(bound, st)
@@ -174,6 +178,13 @@ def _providers(spec, wl, bound, st: Settings, kernel: str) -> list:
     if st.kind == "numpy" and wl.numpy is not None:
         ps.append(Provider("numpy", wl.numpy_call, lambda: wl.numpy(*bound)))
     return ps
+
+
+def _invariant_call(fn, bound, backend):
+    from opport.dispatch import batch_invariant
+
+    with batch_invariant():
+        return fn(*bound, backend=backend)
 
 
 def _torch_bound(bound, st: Settings) -> tuple:
