@@ -59,6 +59,7 @@ class Provider:
     call: str
     fn: Callable
     compiled: bool = False
+    unchecked: str | None = None  # why its output is not judged against the op's reference (a different op's)
 
 
 def run_shape(spec, wl, shape, dtype: str, st: Settings) -> list:
@@ -125,7 +126,9 @@ def _training_rows(spec, wl, bound, fwd_cost, dtype: str, st: Settings, base: di
 
 def _training_pass(pass_: str, spec, wl, bound, prob, cost, dtype: str, st: Settings, base: dict) -> list:
     try:
-        providers = [Provider(*p) for p in training.providers(pass_, spec, wl, bound, prob, st)]
+        unchecked = {name: getattr(fn, "unchecked", None) for name, _, fn in wl.torch_others}
+        providers = [Provider(*p, unchecked=unchecked.get(p[0])) for p in training.providers(pass_, spec, wl, bound,
+                                                                                             prob, st)]
     except Exception as e:
         return [{**base, "impl": "opport", "status": "error", "error": f"{type(e).__name__}: {e}"}]
     rows = [_check_grads(p, prob, st, base) for p in providers]
@@ -142,6 +145,8 @@ def _check_grads(p: Provider, prob, st: Settings, base: dict) -> dict:
         st.timer.sync()
         if isinstance(prob.ref, Exception):
             row.update(correct=None, note=f"unchecked: reference failed ({type(prob.ref).__name__}: {prob.ref})")
+        elif p.unchecked:
+            row.update(correct=None, note=f"unchecked: {p.unchecked}")
         else:
             row.update(training.judge(grads, prob))
         del grads
@@ -172,7 +177,8 @@ def _providers(spec, wl, bound, st: Settings, kernel: str) -> list:
         if wl.torch_detail is not None:
             call += f" [{wl.torch_detail(*tb)}]"
         ps.append(Provider("torch_eager", call, lambda: wl.torch_eager(*tb)))
-        ps += [Provider(name, desc, partial(fn, *tb)) for name, desc, fn in wl.torch_others]
+        ps += [Provider(name, desc, partial(fn, *tb), unchecked=getattr(fn, "unchecked", None))
+               for name, desc, fn in wl.torch_others]
         if st.compile:
             ps.append(_compiled(wl, tb, st))
     if st.kind == "numpy" and wl.numpy is not None:
@@ -276,6 +282,8 @@ def _check(p: Provider, ref, spec, dtype: str, out_dtype: str, st: Settings, bas
             out = _written(spec, bound, poison=False)
         if isinstance(ref, Exception):
             row.update(correct=None, note=f"unchecked: reference failed ({type(ref).__name__}: {ref})")
+        elif p.unchecked:
+            row.update(correct=None, note=f"unchecked: {p.unchecked}")
         else:
             v = _verdict(spec, out, ref, dtype, out_dtype)
             row.update(correct=v.ok, **v.metrics, **({"error_detail": v.message} if not v.ok else {}))

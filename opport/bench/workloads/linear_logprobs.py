@@ -58,6 +58,8 @@ def chunked_loss(hidden, weight, target, bias, temperature, softcap, ignore_inde
                                        softcap=None if softcap is None else softcap / t)
 
 
+chunked_loss.unchecked = "another op (the per-token loss, no entropy): timed and sized beside, not judged"
+
 WORKLOAD = Workload(
     "linear_logprobs", SHAPES, make,
     torch_eager=torch_eager,
