@@ -5,7 +5,6 @@ OPPORT_BATCH_INVARIANT=1) every cpu kernel makes them so, and the report's table
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 import opport
 from opport.conformance.report import batch_invariance, batch_table

@@ -15,6 +15,7 @@ import pytest
 import opport
 from opport.accuracy import compare
 from opport.bench.workloads import grouped_matmul as grouped_matmul_workload
+from opport.bench.workloads import linear_logprobs as linear_logprobs_workload
 from opport.bench.workloads import moe_experts as moe_experts_workload
 from opport.bench.workloads import moe_permute as moe_permute_workload
 from opport.bench.workloads import moe_unpermute as moe_unpermute_workload
@@ -100,6 +101,7 @@ TORCH = {
     "cross_entropy": lambda logits, target, ii, red, ls: F.cross_entropy(logits, target, ignore_index=ii,
                                                                           reduction=red, label_smoothing=ls),
     "linear_cross_entropy": _linear_cross_entropy_torch,
+    "linear_logprobs": linear_logprobs_workload.torch_eager,  # log_softmax of the logits, gathered; entropy from it
     # the MoE ops: the torch code of their bench baselines (transformers' loops and compositions)
     "topk_router": _topk_router_torch,
     "moe_permute": moe_permute_workload.torch_eager,
