@@ -16,8 +16,7 @@ MAX_V = 1 << IDX_BITS  # the index's bits in the order key
 IDX_SPAN = tl.constexpr(MAX_V)
 KEY_LO = tl.constexpr(-(1 << 52))  # below every key (|rank| < 2^31, so |key| < 2^51)
 KEY_HI = tl.constexpr(1 << 52)
-P = 32  # pivot slots per pass (31 used: the pivots split the range in 32)
-KEY_ITERS = 11  # ceil(53 / 5): a 2^53 key range down to one key
+P = 32  # pivot slots per pass (31 used: the pivots split the range in 32); 11 passes take a 2^53 key range to one key
 
 
 @triton.jit
