@@ -170,7 +170,7 @@ def test_array_dtypes_come_from_the_declared_domains():
     odd = {n for n, s in all_ops().items() if s.domains}
     assert odd == {"cross_entropy", "linear_cross_entropy", "kv_cache_write", "paged_attention", "varlen_attention",
                    "dequantize_fp8", "scaled_matmul", "rope", "topk_router", "moe_permute", "moe_unpermute",
-                   "grouped_matmul", "moe_experts"}
+                   "grouped_matmul", "moe_experts", "sample", "sampling_probs"}
 
 
 def test_explain_gives_integer_arrays_an_integer_dtype(capsys):
