@@ -1,9 +1,9 @@
-"""sampling_probs on NKI: sample's filters (opport/backends/neuron/_sampling.py), then the kept weights times the
+"""sampling_probs on NKI: sample's filters (opport/backends/neuron/sample.py), then the kept weights times the
 reciprocal of their sum."""
 
 import numpy as np
 
-from opport.backends.neuron._sampling import launch, supports
+from opport.backends.neuron.sample import launch, supports
 from opport.dispatch import impl
 from opport.ops.sampling_probs import sampling_probs as spec
 
