@@ -20,7 +20,7 @@ from opport.ops.sample import sample as spec
 
 V_MAX = 8192  # a row is held in SBUF: about eight [128, V] float32 tiles live, 32 KiB a partition each at 8K
 BIG = 1048576.0  # 2^20 > any index
-NEG_INF = float("-inf")
+NEG_INF = float("-inf")  # the max skips NaN set to it; a threshold below every order bits candidate
 SIGN = -2147483648  # 0x80000000 as int32
 
 
@@ -210,16 +210,16 @@ def _sample_kernel(x_hbm, u_hbm, t_hbm, k_hbm, tp_hbm, mp_hbm, probs):
         nisa.tensor_scalar(dst=live_sb, data=t_sb, op0=nl.greater, operand0=0.0)
         nisa.scalar_tensor_tensor(dst=live_sb, data=invalid_sb, op0=nl.equal, operand0=0.0, op1=nl.multiply,
                                   operand1=live_sb)
-        live_u8 = _col(p, nl.uint8)
-        nisa.tensor_copy(dst=live_u8, src=live_sb)
-        valid_u8 = _col(p, nl.uint8)
-        nisa.tensor_scalar(dst=valid_u8, data=invalid_sb, op0=nl.equal, operand0=0.0)
+        live_u8_sb = _col(p, nl.uint8)
+        nisa.tensor_copy(dst=live_u8_sb, src=live_sb)
+        valid_u8_sb = _col(p, nl.uint8)
+        nisa.tensor_scalar(dst=valid_u8_sb, data=invalid_sb, op0=nl.equal, operand0=0.0)
         ms_sb = _col(p)
         nisa.memset(dst=ms_sb, value=0.0)
-        nisa.tensor_copy_predicated(dst=ms_sb, src=m_sb, predicate=valid_u8)
+        nisa.tensor_copy_predicated(dst=ms_sb, src=m_sb, predicate=valid_u8_sb)
         ts_sb = _col(p)
         nisa.memset(dst=ts_sb, value=1.0)
-        nisa.tensor_copy_predicated(dst=ts_sb, src=t_sb, predicate=live_u8)
+        nisa.tensor_copy_predicated(dst=ts_sb, src=t_sb, predicate=live_u8_sb)
         inv_t_sb = _col(p)
         nisa.reciprocal(dst=inv_t_sb, data=ts_sb)
         w_sb = _row(p, V)
@@ -231,11 +231,11 @@ def _sample_kernel(x_hbm, u_hbm, t_hbm, k_hbm, tp_hbm, mp_hbm, probs):
         lt_v_sb = _col(p)
         nisa.tensor_scalar(dst=lt_v_sb, data=k_sb, op0=nl.less, operand0=float(V))
         nisa.tensor_tensor(dst=on_sb, data1=on_sb, data2=lt_v_sb, op=nl.multiply)
-        on_u8 = _col(p, nl.uint8)
-        nisa.tensor_copy(dst=on_u8, src=on_sb)
+        on_u8_sb = _col(p, nl.uint8)
+        nisa.tensor_copy(dst=on_u8_sb, src=on_sb)
         kk_sb = _col(p)
         nisa.memset(dst=kk_sb, value=float(V))
-        nisa.tensor_copy_predicated(dst=kk_sb, src=k_sb, predicate=on_u8)
+        nisa.tensor_copy_predicated(dst=kk_sb, src=k_sb, predicate=on_u8_sb)
         ones_sb = _row(p, V)
         nisa.memset(dst=ones_sb, value=1.0)
         kept_k_sb = _prefix(x_sb, ids_sb, ones_sb, kk_sb, p, V, n_bits)
@@ -268,9 +268,9 @@ def _sample_kernel(x_hbm, u_hbm, t_hbm, k_hbm, tp_hbm, mp_hbm, probs):
             greedy_sb = _col(p, nl.uint8)
             nisa.tensor_scalar(dst=greedy_sb, data=live_sb, op0=nl.equal, operand0=0.0)
             nisa.tensor_copy_predicated(dst=pr_sb, src=onehot_sb, predicate=greedy_sb.broadcast(1, V))
-            inv_u8 = _col(p, nl.uint8)
-            nisa.tensor_copy(dst=inv_u8, src=invalid_sb)
-            nisa.tensor_copy_predicated(dst=pr_sb, src=float("nan"), predicate=inv_u8.broadcast(1, V))
+            inv_u8_sb = _col(p, nl.uint8)
+            nisa.tensor_copy(dst=inv_u8_sb, src=invalid_sb)
+            nisa.tensor_copy_predicated(dst=pr_sb, src=float("nan"), predicate=inv_u8_sb.broadcast(1, V))
             nisa.dma_copy(dst=out_hbm[t0:t0 + p, 0:V], src=pr_sb)
         else:
             u_sb = _load_col(u_hbm, t0, p)
@@ -292,12 +292,12 @@ def _sample_kernel(x_hbm, u_hbm, t_hbm, k_hbm, tp_hbm, mp_hbm, probs):
             greedy_sb = _col(p, nl.uint8)
             nisa.tensor_scalar(dst=greedy_sb, data=live_sb, op0=nl.equal, operand0=0.0)
             nisa.tensor_copy_predicated(dst=tok_sb, src=g_sb, predicate=greedy_sb)
-            inv_u8 = _col(p, nl.uint8)
-            nisa.tensor_copy(dst=inv_u8, src=invalid_sb)
-            nisa.tensor_copy_predicated(dst=tok_sb, src=-1.0, predicate=inv_u8)
-            tok_i = _col(p, nl.int32)
-            nisa.tensor_copy(dst=tok_i, src=tok_sb)
-            nisa.dma_copy(dst=out_hbm[t0:t0 + p, 0:1], src=tok_i)
+            inv_u8_sb = _col(p, nl.uint8)
+            nisa.tensor_copy(dst=inv_u8_sb, src=invalid_sb)
+            nisa.tensor_copy_predicated(dst=tok_sb, src=-1.0, predicate=inv_u8_sb)
+            tok_i_sb = _col(p, nl.int32)
+            nisa.tensor_copy(dst=tok_i_sb, src=tok_sb)
+            nisa.dma_copy(dst=out_hbm[t0:t0 + p, 0:1], src=tok_i_sb)
     return out_hbm
 
 
