@@ -519,6 +519,67 @@ def rope(x, cos, sin, interleaved=False, *, backend=None):
 rope.spec = _rope
 
 
+_sample = _get_op('sample')
+
+
+def sample(logits, uniforms, temperature, top_k, top_p, min_p, *, backend=None):
+    """One token id per row, int32 [B]: logits [B, V], and per row a uniform in [0, 1) (float32), temperature
+    (float32, 0: greedy), top_k (int32, 0 or >= V: off), top_p (float32 in (0, 1], 1: off), min_p (float32 in
+    [0, 1], 0: off). Deterministic: the randomness is the caller's uniforms.
+
+    The order of a row: descending logit, ties to the lowest index (-0 and +0 tie). With m the row's max logit
+    and w_i = exp((x_i - m) / T) (so p_i = w_i / sum w):
+    top_k keeps the first k tokens of the order (ties at the k-th logit: the lowest indices);
+    top_p, on the distribution top_k left (vLLM's and FlashInfer's top-k-first order), keeps the shortest prefix
+    of the order whose mass reaches top_p times the mass top_k kept (a token enters if the mass before it is
+    below that; at least one token);
+    min_p keeps the tokens with p_i >= min_p * p_max, i.e. w_i >= min_p (renormalising changes no ratio, so it is
+    the same before or after the other two).
+    The kept set is the intersection (the max-logit token is always in it). The token is then the inverse CDF
+    in vocabulary order: the first index whose cumulative kept weight exceeds u times the kept mass (tokens of
+    zero weight are never drawn). temperature == 0 is greedy: the argmax, ties to the lowest index, whatever
+    the filters (they all keep it), so top_k = 1 is the argmax too. A row with a NaN or +inf logit, or all
+    -inf, returns -1; -inf logits have weight 0 and are never drawn.
+
+    Boundaries: the float64 reference decides. Kernels compute in float32, so where u times the kept mass, top_p
+    times a mass or min_p lies within float32 rounding of a cumulative sum or a weight, a kernel may choose the
+    neighbouring token (docs/serving.md, Sampling); the conformance cases keep those decisions away (MARGIN).
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (logits, uniforms, temperature, top_k, top_p, min_p)
+    if logits.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_sample, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_sample, b, backend)
+
+
+sample.spec = _sample
+
+
+_sampling_probs = _get_op('sampling_probs')
+
+
+def sampling_probs(logits, temperature, top_k, top_p, min_p, *, backend=None):
+    """float32 [B, V]: the probabilities `sample` draws from, after temperature, top_k, top_p and min_p (the same
+    settings, the same kept tokens: see opport.sample), renormalised over the kept tokens and exactly 0 elsewhere.
+    temperature == 0: one-hot at the argmax (ties to the lowest index). A row with a NaN or +inf logit, or all
+    -inf, is NaN throughout.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (logits, temperature, top_k, top_p, min_p)
+    if logits.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_sampling_probs, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_sampling_probs, b, backend)
+
+
+sampling_probs.spec = _sampling_probs
+
+
 _scaled_matmul = _get_op('scaled_matmul')
 
 
@@ -681,4 +742,4 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
 varlen_attention.spec = _varlen_attention
 
 
-__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "grouped_matmul", "kv_cache_write", "layernorm", "linear_cross_entropy", "linear_logprobs", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]
+__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "grouped_matmul", "kv_cache_write", "layernorm", "linear_cross_entropy", "linear_logprobs", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "sample", "sampling_probs", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]
