@@ -188,6 +188,10 @@ def sample_rows(logits, uniforms, temperature, top_k, top_p, min_p, topp_first=F
     return out
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+sample.batched("logits", "uniforms", "temperature", "top_k", "top_p", "min_p")  # rows
+
+
 @sample.reference
 def _reference(logits, uniforms, temperature, top_k, top_p, min_p):
     return sample_rows(logits, uniforms, temperature, top_k, top_p, min_p)

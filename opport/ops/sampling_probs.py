@@ -56,6 +56,10 @@ def probs_rows(logits, temperature, top_k, top_p, min_p, topp_first=False, highe
     return out
 
 
+# batch invariance (docs/conformance.md): the arrays whose leading axis is the batch
+sampling_probs.batched("logits", "temperature", "top_k", "top_p", "min_p")  # rows
+
+
 @sampling_probs.reference
 def _reference(logits, temperature, top_k, top_p, min_p):
     return probs_rows(logits, temperature, top_k, top_p, min_p)
