@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 from opport.arraymath import row_scale
+from opport.backends.cpu import _fused
 from opport.backends.cpu._common import block_rows, parallel_rows, result_block, row_mean, store, upcast
 from opport.dispatch import impl
 from opport.ops.layernorm import layernorm as spec
@@ -69,14 +70,24 @@ def layernorm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
     x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
     w = upcast(weight) if weight is not None else None
     b = upcast(bias) if bias is not None else None
+    fused = _fused.enabled()
 
-    def body(rows):
-        xf, dst = upcast(x2[rows]), o2[rows]
-        y = _normalise(result_block(dst, xf), xf, eps)[0]
+    def affine(y):
         if w is not None:
             y *= w
         if b is not None:
             y += b
+        return y
+
+    def body(rows):
+        xf, dst = upcast(x2[rows]), o2[rows]
+        if fused:  # one pass per statistic over rows in cache; rows it leaves (overflow, inf, NaN) by NumPy
+            y = result_block(dst, xf)
+            bad = _fused.ln_forward(xf, w, b, eps, y)
+            if bad is not None:
+                y[bad] = affine(_normalise(np.empty((bad.size, n), y.dtype), xf[bad], eps)[0])
+        else:
+            y = affine(_normalise(result_block(dst, xf), xf, eps)[0])
         store(dst, y)
 
     parallel_rows(x2.shape[0], n, body)

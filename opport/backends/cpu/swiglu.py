@@ -3,6 +3,7 @@
 import numpy as np
 
 from opport.backends.cpu import _activations as act
+from opport.backends.cpu import _fused
 from opport.dispatch import impl
 from opport.ops.swiglu import swiglu as spec
 
@@ -37,7 +38,7 @@ def _swiglu(y: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 @impl(spec, "cpu")
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    return act.elementwise(_swiglu, gate, up)
+    return act.elementwise(_fused.swiglu_block(_swiglu) if _fused.enabled() else _swiglu, gate, up)
 
 
 def _swiglu_backward(dg: np.ndarray, du: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray) -> tuple:

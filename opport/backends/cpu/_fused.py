@@ -1,0 +1,536 @@
+"""One-pass fused loops (numba) for the cpu backend's memory-bound kernels: docs/cpu.md, "Fused loops".
+
+NumPy evaluates a formula one pass per operation, with a temporary per pass; the loops here read each row
+(or block of elements) once into cache and do all of an op's arithmetic there. They are an accelerator of
+the NumPy kernels, not a second implementation of the edge cases: every loop handles the common values
+(finite, in range) and reports the rows or blocks it did not handle, which the op file then computes with
+its NumPy kernel (overflowing sums, NaN, inf, exp arguments outside the normal range). Rows never straddle
+calls and every element depends on its own row only, so results are bitwise the same for any thread count.
+
+Threads: the loops are compiled with `nogil=True` and called from inside `parallel_rows`' shares, so they
+run on opport's pool within its budget (`OPPORT_NUM_THREADS`); numba's own threading layer is never used.
+
+Precision follows the NumPy kernels: float32 arithmetic for float32 (and upcast 16-bit) blocks, float64 for
+float64, statistics accumulated in the same dtype (16 interleaved partial sums per row, then added in
+order); the norms' backward computes in float64 as the NumPy backward does. Each loop is compiled for
+float32 and float64 blocks only (16-bit data is converted outside, by `upcast` and `store`), once, and
+cached on disk (`cache=True`).
+
+`OPPORT_NUMBA=0` turns the fused loops off (the NumPy kernels run); so does numba being absent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:  # numba is a dependency, but the NumPy kernels must keep working without it
+    import numba
+    from llvmlite import ir as _ir
+    from numba.extending import intrinsic as _intrinsic
+    from numba.extending import overload as _overload
+except ImportError:  # pragma: no cover - exercised only where numba is not installed
+    numba = None
+
+
+def enabled() -> bool:
+    """Whether the op files take the fused loops: numba importable and OPPORT_NUMBA not "0"."""
+    return numba is not None and os.environ.get("OPPORT_NUMBA", "1").strip() != "0"
+
+LANES = 16  # partial sums per row: independent lanes the compiler vectorises without reassociating
+
+if numba is not None:
+    _jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
+    _inline = numba.njit(inline="always", fastmath=False, error_model="numpy")
+
+    @_intrinsic
+    def _int_as_float(typingctx, i):
+        """The float32 whose bits are the int32 `i` (vectorisable, unlike a view)."""
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], _ir.FloatType())
+
+        return numba.float32(numba.int32), codegen
+
+    @_intrinsic
+    def _long_as_double(typingctx, i):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], _ir.DoubleType())
+
+        return numba.float64(numba.int64), codegen
+
+    @_inline
+    def _exp32(x):
+        """exp of a float32 in [-87, 87] (callers check: `_hi`), within 1 ulp: Cody-Waite reduction by
+        ln 2 and Cephes' expf polynomial, 2^k from the exponent bits. Vectorises (libm's expf does not)."""
+        k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+        r = x - k * np.float32(0.693359375)
+        r = r - k * np.float32(-2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        return p * _int_as_float((np.int32(k) + np.int32(127)) << np.int32(23))
+
+    @_inline
+    def _exp64(x):
+        """exp of a float64 in [-700, 700] (`_hi`), within 1 ulp: reduction by ln 2 (Cody-Waite) and a
+        degree-13 Taylor polynomial on |r| <= ln2/2 (truncation < 2e-17 relative), 2^k from the bits."""
+        k = np.floor(x * 1.4426950408889634 + 0.5)
+        r = x - k * 0.6931471803691238
+        r = r - k * 1.9082149292705877e-10
+        p = 1.0 / 6227020800.0
+        p = p * r + 1.0 / 479001600.0
+        p = p * r + 1.0 / 39916800.0
+        p = p * r + 1.0 / 3628800.0
+        p = p * r + 1.0 / 362880.0
+        p = p * r + 1.0 / 40320.0
+        p = p * r + 1.0 / 5040.0
+        p = p * r + 1.0 / 720.0
+        p = p * r + 1.0 / 120.0
+        p = p * r + 1.0 / 24.0
+        p = p * r + 1.0 / 6.0
+        p = p * r + 0.5
+        p = p * r * r + r + 1.0
+        return p * _long_as_double((np.int64(k) + np.int64(1023)) << np.int64(52))
+
+    def _exp(x):
+        """exp by dtype (float32: _exp32, float64: _exp64), chosen at compile time."""
+
+    def _as(a, v):
+        """v in the dtype of the array `a` (a float32 or float64 array), chosen at compile time."""
+
+    def _hi(a):
+        """EXP_RANGE's upper bound for the dtype of the array `a`: exp(+-hi) is finite and normal."""
+
+    @_overload(_exp, inline="always")
+    def _exp_impl(x):
+        return (lambda x: _exp32(x)) if x == numba.float32 else (lambda x: _exp64(x))
+
+    @_overload(_as, inline="always")
+    def _as_impl(a, v):
+        if a.dtype == numba.float32:
+            return lambda a, v: np.float32(v)
+        return lambda a, v: np.float64(v)
+
+    def _deep(a):
+        """_activations.DEEP for the dtype of `a`: below -DEEP, swiglu takes its careful formula."""
+
+    @_overload(_deep, inline="always")
+    def _deep_impl(a):
+        if a.dtype == numba.float32:
+            return lambda a: np.float32(64.0)
+        return lambda a: np.float64(512.0)
+
+    @_overload(_hi, inline="always")
+    def _hi_impl(a):
+        if a.dtype == numba.float32:
+            return lambda a: np.float32(87.0)
+        return lambda a: np.float64(700.0)
+
+
+
+
+# --------------------------------------------------------------------------- row statistics
+
+if numba is not None:
+
+    @_inline
+    def _sum_squares(v, acc):
+        """sum(v * v) in v's dtype: LANES interleaved partial sums, then added in lane order."""
+        n = v.size
+        m = n - n % LANES
+        acc[:] = 0
+        for j0 in range(0, m, LANES):
+            for k in range(LANES):
+                acc[k] += v[j0 + k] * v[j0 + k]
+        s = acc[0] * 0
+        for k in range(LANES):
+            s += acc[k]
+        for j in range(m, n):
+            s += v[j] * v[j]
+        return s
+
+    @_jit
+    def _rms_fwd(x, w, has_w, eps, y, bad, acc):
+        """y = x / sqrt(mean(x^2) + eps) (* w) per row, NumPy's rounding order; bad[i] = 1 (row left for the
+        NumPy kernel) where the sum of squares is not finite."""
+        rows, n = x.shape
+        nbad = 0
+        for i in range(rows):
+            xi, yi = x[i], y[i]
+            ms = _sum_squares(xi, acc) / n
+            if not np.isfinite(ms):
+                bad[i] = 1
+                nbad += 1
+                continue
+            r = 1 / np.sqrt(ms + eps)
+            if has_w:
+                for j in range(n):
+                    yi[j] = (xi[j] * r) * w[j]
+            else:
+                for j in range(n):
+                    yi[j] = xi[j] * r
+        return nbad
+
+    @_jit
+    def _rms_bwd(x, g, w, has_w, eps, h, has_h, dx, dw, bad, acc, xh):
+        """rmsnorm's backward per row in float64: dx = (g w - xhat mean(g w xhat)) r (+ h), dw += g xhat over
+        the rows (in row order). bad[i] = 1 where the sum of squares is not finite (the NumPy kernel's rows)."""
+        rows, n = x.shape
+        nbad = 0
+        for i in range(rows):
+            xi, gi, di = x[i], g[i], dx[i]
+            acc[:] = 0
+            m = n - n % LANES
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    v = np.float64(xi[j0 + k])
+                    acc[k] += v * v
+            ss = 0.0
+            for k in range(LANES):
+                ss += acc[k]
+            for j in range(m, n):
+                ss += np.float64(xi[j]) * np.float64(xi[j])
+            ms = ss / n
+            if not np.isfinite(ms):
+                bad[i] = 1
+                nbad += 1
+                continue
+            r = 1 / np.sqrt(ms + eps)
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    j = j0 + k
+                    xv = np.float64(xi[j]) * r
+                    xh[j] = xv
+                    gw = np.float64(gi[j]) * np.float64(w[j]) if has_w else np.float64(gi[j])
+                    acc[k] += gw * xv
+            c = 0.0
+            for k in range(LANES):
+                c += acc[k]
+            for j in range(m, n):
+                xv = np.float64(xi[j]) * r
+                xh[j] = xv
+                gw = np.float64(gi[j]) * np.float64(w[j]) if has_w else np.float64(gi[j])
+                c += gw * xv
+            c /= n
+            for j in range(n):
+                gv = np.float64(gi[j])
+                if has_w:
+                    dw[j] += gv * xh[j]
+                    gv = gv * np.float64(w[j])
+                d = (gv - xh[j] * c) * r
+                if has_h:
+                    d += np.float64(h[i, j])
+                di[j] = d
+        return nbad
+
+    @_jit
+    def _ln_fwd(x, w, has_w, b, has_b, eps, y, bad, acc):
+        """layernorm per row as the NumPy kernel: d = (x - x0) - mean(x - x0), y = d / sqrt(mean(d^2) + eps)
+        (* w, + b). bad[i] = 1 where the statistics are not finite."""
+        rows, n = x.shape
+        nbad = 0
+        m = n - n % LANES
+        for i in range(rows):
+            xi, yi = x[i], y[i]
+            x0 = xi[0]
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    acc[k] += xi[j0 + k] - x0
+            s = acc[0] * 0
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(m, n):
+                s += xi[j] - x0
+            mean = s / n
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    d = (xi[j0 + k] - x0) - mean
+                    acc[k] += d * d
+            s = acc[0] * 0
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(m, n):
+                d = (xi[j] - x0) - mean
+                s += d * d
+            var = s / n
+            if not (np.isfinite(var) and np.isfinite(mean)):
+                bad[i] = 1
+                nbad += 1
+                continue
+            r = 1 / np.sqrt(var + eps)
+            for j in range(n):
+                v = ((xi[j] - x0) - mean) * r
+                if has_w:
+                    v = v * w[j]
+                if has_b:
+                    v = v + b[j]
+                yi[j] = v
+        return nbad
+
+    @_jit
+    def _softmax_fwd(x, y, bad, acc):
+        """exp(x) / sum(exp(x)) per row (the NumPy kernel's unshifted form); bad[i] = 1 where an exp would leave
+        the normal range (then so may the row sum: the NumPy kernel decides) or the sum is not in [1, max]."""
+        rows, n = x.shape
+        hi = _hi(x)
+        lo = -hi
+        nbad = 0
+        m = n - n % LANES
+        for i in range(rows):
+            xi, yi = x[i], y[i]
+            out = 0
+            for j in range(n):
+                v = xi[j]
+                out += not (v >= lo and v <= hi)
+            if out:
+                bad[i] = 1
+                nbad += 1
+                continue
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    e = _exp(xi[j0 + k])
+                    yi[j0 + k] = e
+                    acc[k] += e
+            s = acc[0] * 0
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(m, n):
+                e = _exp(xi[j])
+                yi[j] = e
+                s += e
+            if not (s >= 1 and np.isfinite(s)):
+                bad[i] = 1
+                nbad += 1
+                continue
+            for j in range(n):
+                yi[j] = yi[j] / s
+        return nbad
+
+    @_jit
+    def _softmax_bwd(g, yv, dst, bad, acc):
+        """y (g - s), s = sum(g y) in float64 from exact products, applied to float32 rows as (g - s_hi) - s_lo
+        (the NumPy kernel's arithmetic); bad[i] = 1 where the result is not finite."""
+        rows, n = g.shape
+        nbad = 0
+        m = n - n % LANES
+        for i in range(rows):
+            gi, yi, di = g[i], yv[i], dst[i]
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    acc[k] += np.float64(gi[j0 + k]) * np.float64(yi[j0 + k])
+            s = 0.0
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(m, n):
+                s += np.float64(gi[j]) * np.float64(yi[j])
+            s_hi = _as(g, s)
+            s_lo = _as(g, s - np.float64(s_hi))
+            fin = 0
+            for j in range(n):
+                d = ((gi[j] - s_hi) - s_lo) * yi[j]  # float64: s_lo == 0, (g - s) exactly
+                di[j] = d
+                fin += not np.isfinite(d)
+            if fin:
+                bad[i] = 1
+                nbad += 1
+        return nbad
+
+    # ----------------------------------------------------------------------- activations (1-d blocks)
+
+    @_jit
+    def _silu(x, y):
+        """x / (1 + exp(-x)) where x >= -hi (exp(-x) stays normal and finite; x = +inf gives inf);
+        returns the count of elements not handled (x below that, -inf, NaN): the caller redoes the block."""
+        hi = _hi(x)
+        lo = -hi
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            nbad += not (v >= lo)
+            a = min(-v, hi)
+            a = max(a, -hi)  # exp(-hi) + 1 == 1: the same as exp underflowing to 0
+            y[j] = v / (1 + _exp(a))
+        return nbad
+
+    @_inline
+    def _sigmoid_terms(z, tt, hi):
+        """sigmoid(z) + tt sigmoid(z) sigmoid(-z), as q (num + tt e q), e = exp(-|z|), q = 1 / (1 + e),
+        num = max(e, z >= 0): the NumPy kernel's formula. |z| is clipped to the exp's range (e is 0 below)."""
+        e = _exp(max(-abs(z), -hi))  # callers leave |z| > hi to the NumPy kernel
+        num = max(e, hi * 0 + 1 if z >= 0 else hi * 0)
+        q = 1 / (e + 1)
+        return (num + (tt * e) * q) * q
+
+    @_jit
+    def _silu_grad(x, g, y):
+        """y = g silu'(x) = g (sigmoid(x) + x sigmoid(x) sigmoid(-x)); count of elements not handled
+        (non-finite x, g or result: the NumPy kernel has rules for those)."""
+        hi = _hi(x)
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            d = _sigmoid_terms(v, v, hi) * g[j]
+            y[j] = d
+            nbad += not (np.isfinite(d) and abs(v) <= hi)
+        return nbad
+
+    @_jit
+    def _gelu_tanh(x, y):
+        """x / (1 + exp(-2u)), 2u = x (c1 + c3 x^2) as the NumPy kernel forms it; count of elements not handled
+        (exp(-2u) leaving the range: x below about -10, -inf, NaN)."""
+        c3, c1 = _as(x, 2 * _SQRT_2_OVER_PI * 0.044715), _as(x, 2 * _SQRT_2_OVER_PI)
+        hi = _hi(x)
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            tu = ((v * v) * c3 + c1) * v
+            nbad += not (tu >= -hi)
+            a = max(min(-tu, hi), -hi)
+            y[j] = v / (1 + _exp(a))
+        return nbad
+
+    @_jit
+    def _gelu_tanh_grad(x, g, y):
+        """y = g d/dx x sigmoid(2u) = g (sigmoid(2u) + x 2u' sigmoid(2u) sigmoid(-2u)), x clipped to +-64 as the
+        NumPy kernel does; count of elements not handled (non-finite x or result)."""
+        c3, c1 = _as(x, 2 * _SQRT_2_OVER_PI * 0.044715), _as(x, 2 * _SQRT_2_OVER_PI)
+        d3 = _as(x, 6 * _SQRT_2_OVER_PI * 0.044715)
+        hi = _hi(x)
+        lim = _as(x, 64.0)
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            xc = min(max(v, -lim), lim)
+            x2 = xc * xc
+            tu = (x2 * c3 + c1) * xc
+            tt = (x2 * d3 + c1) * xc
+            d = _sigmoid_terms(tu, tt, hi) * g[j]
+            y[j] = d
+            nbad += not (np.isfinite(d) and abs(tu) <= hi)
+        return nbad
+
+    @_jit
+    def _swiglu(gate, up, y):
+        """gate * (sigmoid(gate) * up), sigmoid = max(e, gate >= 0) / (1 + e) with e = exp(-|gate|) (the NumPy
+        kernel's roundings); count of elements not handled (gate < -DEEP or NaN: the careful formula's)."""
+        deep = -_deep(gate)
+        lo = -_hi(gate)
+        nbad = 0
+        for j in range(gate.size):
+            v = gate[j]
+            nbad += not (v >= deep)
+            a = max(-abs(v), lo)
+            e = _exp(a)
+            s = max(e, e * 0 + 1 if v >= 0 else e * 0) / (e + 1)
+            y[j] = v * (s * up[j])
+        return nbad
+
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+# --------------------------------------------------------------------------- the op files' entry points
+
+def _lanes(dtype) -> np.ndarray:
+    """Scratch for the LANES partial sums. Every buffer the loops use is made here, in Python, with np.zeros: the
+    conformance suite patches np.empty (poisoned outputs), which numba's own allocations cannot call."""
+    return np.zeros(LANES, dtype)
+
+
+def _flags(rows: int) -> np.ndarray:
+    return np.zeros(rows, np.uint8)
+
+
+def _weight(w, dtype) -> tuple:
+    """(w as a contiguous array of `dtype`, has_w) with a 1-element dummy for None (one signature either way)."""
+    if w is None:
+        return np.zeros(1, dtype), False
+    return np.ascontiguousarray(w, dtype=dtype), True
+
+
+def rms_forward(xf: np.ndarray, w, eps: float, y: np.ndarray):
+    """rmsnorm of the rows `xf` into `y` (both float32 or float64, C-contiguous); returns the indices of the rows
+    left for the NumPy kernel (None when none)."""
+    wt, has_w = _weight(w, xf.dtype)
+    bad = _flags(xf.shape[0])
+    if _rms_fwd(xf, wt, has_w, xf.dtype.type(eps), y, bad, _lanes(xf.dtype)):
+        return np.flatnonzero(bad)
+    return None
+
+
+def rms_backward(xf, gf, w, eps: float, hf, dx, dw):
+    """rmsnorm's backward of the rows (float32/float64 xf, gf, hf; dx in the same dtype) in float64; adds the rows'
+    g xhat into the float64 `dw` (when w is given). hf: grad of add_rmsnorm's sum, added to dx, or None.
+    Returns the indices of the rows left for the NumPy kernel (not in dx, not in dw), or None."""
+    wt, has_w = _weight(w, np.float64) if w is not None else (np.zeros(1, np.float64), False)
+    h, has_h = (hf, True) if hf is not None else (np.zeros((1, 1), xf.dtype), False)
+    bad = _flags(xf.shape[0])
+    dwt = dw if dw is not None else np.zeros(1, np.float64)
+    if _rms_bwd(xf, gf, wt, has_w, float(eps), h, has_h, dx, dwt, bad, _lanes(np.float64),
+                np.zeros(xf.shape[1], np.float64)):
+        return np.flatnonzero(bad)
+    return None
+
+
+def ln_forward(xf, w, b, eps: float, y):
+    """layernorm of the rows `xf` into `y` (float32/float64); the indices of rows left to NumPy, or None."""
+    wt, has_w = _weight(w, xf.dtype)
+    bt, has_b = _weight(b, xf.dtype)
+    bad = _flags(xf.shape[0])
+    if _ln_fwd(xf, wt, has_w, bt, has_b, xf.dtype.type(eps), y, bad, _lanes(xf.dtype)):
+        return np.flatnonzero(bad)
+    return None
+
+
+def softmax_forward(xf, y):
+    bad = _flags(xf.shape[0])
+    return np.flatnonzero(bad) if _softmax_fwd(xf, y, bad, _lanes(xf.dtype)) else None
+
+
+def softmax_backward(gf, yf, dst):
+    bad = _flags(gf.shape[0])
+    return np.flatnonzero(bad) if _softmax_bwd(gf, yf, dst, bad, _lanes(np.float64)) else None
+
+
+def activation(loop, careful):
+    """A block function `fn(y, *xs)` for `_activations.elementwise`: the fused loop, and the NumPy block
+    function `careful` over the whole block where the loop reports elements it does not handle."""
+
+    def fn(y, *xs):
+        if loop(*xs, y):
+            return careful(y, *xs)
+        return y
+
+    fn.__name__ = f"fused_{getattr(careful, '__name__', 'block')}"
+    return fn
+
+
+def silu_block(careful):
+    return activation(_silu, careful)
+
+
+def silu_grad_block(careful):
+    return activation(_silu_grad, careful)
+
+
+def gelu_tanh_block(careful):
+    return activation(_gelu_tanh, careful)
+
+
+def gelu_tanh_grad_block(careful):
+    return activation(_gelu_tanh_grad, careful)
+
+
+def swiglu_block(careful):
+    return activation(_swiglu, careful)
