@@ -349,15 +349,18 @@ if numba is not None:
     # ----------------------------------------------------------------------- activations (1-d blocks)
 
     @_jit
-    def _silu(x, y):
+    def _silu(x, y, mark, flags):
         """x / (1 + exp(-x)) where x >= -hi (exp(-x) stays normal and finite; x = +inf gives inf);
-        returns the count of elements not handled (x below that, -inf, NaN): the caller redoes the block."""
+        returns the count of elements not handled (x below that, -inf, NaN), marked in `flags` when `mark`."""
         hi = _hi(x)
         lo = -hi
         nbad = 0
         for j in range(x.size):
             v = x[j]
-            nbad += not (v >= lo)
+            if not (v >= lo):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
             a = min(-v, hi)
             a = max(a, -hi)  # exp(-hi) + 1 == 1: the same as exp underflowing to 0
             y[j] = v / (1 + _exp(a))
@@ -373,7 +376,7 @@ if numba is not None:
         return (num + (tt * e) * q) * q
 
     @_jit
-    def _silu_grad(x, g, y):
+    def _silu_grad(x, g, y, mark, flags):
         """y = g silu'(x) = g (sigmoid(x) + x sigmoid(x) sigmoid(-x)); count of elements not handled
         (non-finite x, g or result: the NumPy kernel has rules for those)."""
         hi = _hi(x)
@@ -382,11 +385,14 @@ if numba is not None:
             v = x[j]
             d = _sigmoid_terms(v, v, hi) * g[j]
             y[j] = d
-            nbad += not (np.isfinite(d) and abs(v) <= hi)
+            if not (np.isfinite(d) and abs(v) <= hi):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
         return nbad
 
     @_jit
-    def _gelu_tanh(x, y):
+    def _gelu_tanh(x, y, mark, flags):
         """x / (1 + exp(-2u)), 2u = x (c1 + c3 x^2) as the NumPy kernel forms it; count of elements not handled
         (exp(-2u) leaving the range: x below about -10, -inf, NaN)."""
         c3, c1 = _as(x, 2 * _SQRT_2_OVER_PI * 0.044715), _as(x, 2 * _SQRT_2_OVER_PI)
@@ -395,13 +401,16 @@ if numba is not None:
         for j in range(x.size):
             v = x[j]
             tu = ((v * v) * c3 + c1) * v
-            nbad += not (tu >= -hi)
+            if not (tu >= -hi):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
             a = max(min(-tu, hi), -hi)
             y[j] = v / (1 + _exp(a))
         return nbad
 
     @_jit
-    def _gelu_tanh_grad(x, g, y):
+    def _gelu_tanh_grad(x, g, y, mark, flags):
         """y = g d/dx x sigmoid(2u) = g (sigmoid(2u) + x 2u' sigmoid(2u) sigmoid(-2u)), x clipped to +-64 as the
         NumPy kernel does; count of elements not handled (non-finite x or result)."""
         c3, c1 = _as(x, 2 * _SQRT_2_OVER_PI * 0.044715), _as(x, 2 * _SQRT_2_OVER_PI)
@@ -417,11 +426,14 @@ if numba is not None:
             tt = (x2 * d3 + c1) * xc
             d = _sigmoid_terms(tu, tt, hi) * g[j]
             y[j] = d
-            nbad += not (np.isfinite(d) and abs(tu) <= hi)
+            if not (np.isfinite(d) and abs(tu) <= hi):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
         return nbad
 
     @_jit
-    def _swiglu(gate, up, y):
+    def _swiglu(gate, up, y, mark, flags):
         """gate * (sigmoid(gate) * up), sigmoid = max(e, gate >= 0) / (1 + e) with e = exp(-|gate|) (the NumPy
         kernel's roundings); count of elements not handled (gate < -DEEP or NaN: the careful formula's)."""
         deep = -_deep(gate)
@@ -429,7 +441,10 @@ if numba is not None:
         nbad = 0
         for j in range(gate.size):
             v = gate[j]
-            nbad += not (v >= deep)
+            if not (v >= deep):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
             a = max(-abs(v), lo)
             e = _exp(a)
             s = max(e, e * 0 + 1 if v >= 0 else e * 0) / (e + 1)
@@ -503,13 +518,20 @@ def softmax_backward(gf, yf, dst):
     return np.flatnonzero(bad) if _softmax_bwd(gf, yf, dst, bad, _lanes(np.float64)) else None
 
 
+_NO_FLAGS = np.zeros(1, np.uint8)
+
+
 def activation(loop, careful):
-    """A block function `fn(y, *xs)` for `_activations.elementwise`: the fused loop, and the NumPy block
-    function `careful` over the whole block where the loop reports elements it does not handle."""
+    """A block function `fn(y, *xs)` for `_activations.elementwise`: the fused loop, then the NumPy block function
+    `careful` on the elements the loop reports it did not handle (NaN, inf, exp arguments out of range). Both
+    decide element by element, so no element's result depends on its block (or the thread count)."""
 
     def fn(y, *xs):
-        if loop(*xs, y):
-            return careful(y, *xs)
+        if loop(*xs, y, False, _NO_FLAGS):  # the rare case: run again, marking the elements left
+            flags = np.zeros(y.size, np.uint8)
+            loop(*xs, y, True, flags)
+            idx = np.flatnonzero(flags)
+            y[idx] = careful(np.zeros(idx.size, y.dtype), *[a[idx] for a in xs])
         return y
 
     fn.__name__ = f"fused_{getattr(careful, '__name__', 'block')}"
