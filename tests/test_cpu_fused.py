@@ -99,7 +99,7 @@ def test_fused_path_is_taken_and_switched_off(monkeypatch, name, op, entry):
     assert not any(calls.values()), f"{name}: OPPORT_NUMBA=0 still called {calls}"
 
 
-@pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16", "float64"))
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16"))
 @pytest.mark.parametrize("name,op,entry", PATHS, ids=[p[0] for p in PATHS])
 def test_fused_agrees_with_numpy_within_tolerance(monkeypatch, name, op, entry, dtype):
     """Both paths against the float64 reference, and the fused result against the NumPy kernel's, each within
@@ -152,6 +152,7 @@ def test_switch_reads_the_environment(monkeypatch):
     monkeypatch.setenv("OPPORT_NUMBA", "0")
     assert not _fused.enabled()
     monkeypatch.delenv("OPPORT_NUMBA")
-    assert _fused.enabled()
+    assert _fused.enabled() and _fused.enabled(np.dtype("float32")) and _fused.enabled(np.dtype("bfloat16"))
+    assert not _fused.enabled(np.dtype("float64"))  # float64 keeps the NumPy kernels (one compiled signature)
     monkeypatch.setattr(_fused, "numba", None)
     assert not _fused.enabled()

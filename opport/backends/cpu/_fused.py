@@ -13,8 +13,8 @@ run on opport's pool within its budget (`OPPORT_NUM_THREADS`); numba's own threa
 Precision follows the NumPy kernels: float32 arithmetic for float32 (and upcast 16-bit) blocks, float64 for
 float64, statistics accumulated in the same dtype (16 interleaved partial sums per row, then added in
 order); the norms' backward computes in float64 as the NumPy backward does. Each loop is compiled for
-float32 and float64 blocks only (16-bit data is converted outside, by `upcast` and `store`), once, and
-cached on disk (`cache=True`).
+float32 blocks only (16-bit data is converted outside, by `upcast` and `store`; float64 inputs keep the
+NumPy kernels), once, and cached on disk (`cache=True`).
 
 `OPPORT_NUMBA=0` turns the fused loops off (the NumPy kernels run); so does numba being absent.
 """
@@ -34,9 +34,14 @@ except ImportError:  # pragma: no cover - exercised only where numba is not inst
     numba = None
 
 
-def enabled() -> bool:
-    """Whether the op files take the fused loops: numba importable and OPPORT_NUMBA not "0"."""
-    return numba is not None and os.environ.get("OPPORT_NUMBA", "1").strip() != "0"
+_F64 = np.dtype(np.float64)
+
+
+def enabled(dtype=None) -> bool:  # (np.dtype(None) is float64: None is checked first)
+    """Whether the op files take the fused loops for inputs of `dtype`: numba importable, OPPORT_NUMBA not "0",
+    and a float32 compute dtype (float32, float16, bfloat16 inputs). float64 inputs keep the NumPy kernels:
+    compiling every loop a second time for them would double the JIT cost for a dtype nobody trains in."""
+    return numba is not None and os.environ.get("OPPORT_NUMBA", "1").strip() != "0" and (dtype is None or dtype != _F64)
 
 LANES = 16  # partial sums per row: independent lanes the compiler vectorises without reassociating
 

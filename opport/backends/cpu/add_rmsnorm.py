@@ -20,7 +20,7 @@ def add_rmsnorm(x: np.ndarray, residual: np.ndarray, weight, eps: float):
     x2, r2 = x.reshape(-1, n), residual.reshape(-1, n)  # reshape copies a non-contiguous input, never writes it
     o2, s2 = normed.reshape(-1, n), total.reshape(-1, n)
     w = upcast(weight) if weight is not None else None
-    fused = _fused.enabled()
+    fused = _fused.enabled(x.dtype)
 
     def body(rows):
         xf = upcast(x2[rows])
@@ -49,7 +49,7 @@ def add_rmsnorm_backward(grad_normed: np.ndarray, grad_sum: np.ndarray, total: n
     w = wide(weight) if weight is not None else None
     step = block_rows(n)
     partial = None if w is None else np.zeros((max(-(-rows // step), 1), n), w.dtype)
-    fused = _fused.enabled()
+    fused = _fused.enabled(total.dtype)
 
     def body(block):
         dst = d2[block]

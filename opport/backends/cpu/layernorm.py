@@ -70,7 +70,7 @@ def layernorm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
     x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
     w = upcast(weight) if weight is not None else None
     b = upcast(bias) if bias is not None else None
-    fused = _fused.enabled()
+    fused = _fused.enabled(x.dtype)
 
     def affine(y):
         if w is not None:

@@ -17,7 +17,7 @@ def rmsnorm(x: np.ndarray, weight, eps: float, offset: float = 0.0) -> np.ndarra
         return out
     x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
     w = offset_weight(upcast(weight), offset) if weight is not None else None
-    fused = _fused.enabled()
+    fused = _fused.enabled(x.dtype)
 
     def body(rows):
         xf = upcast(x2[rows])
@@ -87,7 +87,7 @@ def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float, offset
     w = offset_weight(wide(weight), offset) if weight is not None else None
     step = block_rows(n)
     partial = None if w is None else np.zeros((max(-(-rows // step), 1), n), w.dtype)
-    fused = _fused.enabled()
+    fused = _fused.enabled(x.dtype)
 
     def body(block):
         dst = d2[block]

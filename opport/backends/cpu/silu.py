@@ -11,10 +11,10 @@ from opport.ops.silu import silu as spec
 
 @impl(spec, "cpu")
 def silu(x: np.ndarray) -> np.ndarray:
-    return act.elementwise(_fused.silu_block(act.silu) if _fused.enabled() else act.silu, x)
+    return act.elementwise(_fused.silu_block(act.silu) if _fused.enabled(x.dtype) else act.silu, x)
 
 
 @impl(spec.backward_op, "cpu")
 def silu_backward(grad: np.ndarray, x: np.ndarray):
     careful = act.times_grad(act.silu_grad)
-    return (act.elementwise(_fused.silu_grad_block(careful) if _fused.enabled() else careful, x, grad),)
+    return (act.elementwise(_fused.silu_grad_block(careful) if _fused.enabled(x.dtype) else careful, x, grad),)

@@ -42,7 +42,7 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     n = moved.shape[-1]
     if out.size:
         x2, o2 = moved.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
-        fused = _fused.enabled()
+        fused = _fused.enabled(x.dtype)
 
         def body(rows):
             xf, dst = upcast(x2[rows]), o2[rows]
@@ -96,7 +96,7 @@ def softmax_backward(grad: np.ndarray, out: np.ndarray, axis: int):
     n = y.shape[-1]
     if dx.size:
         g2, y2, d2 = g.reshape(-1, n), y.reshape(-1, n), dx.reshape(-1, n)  # reshape copies views, never writes
-        fused = _fused.enabled()
+        fused = _fused.enabled(out.dtype)
 
         def body(rows):
             gf, yf, dst = upcast(g2[rows]), upcast(y2[rows]), d2[rows]

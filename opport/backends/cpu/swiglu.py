@@ -38,7 +38,7 @@ def _swiglu(y: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 @impl(spec, "cpu")
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    return act.elementwise(_fused.swiglu_block(_swiglu) if _fused.enabled() else _swiglu, gate, up)
+    return act.elementwise(_fused.swiglu_block(_swiglu) if _fused.enabled(gate.dtype) else _swiglu, gate, up)
 
 
 def _swiglu_backward(dg: np.ndarray, du: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray) -> tuple:
