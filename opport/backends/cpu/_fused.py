@@ -107,7 +107,8 @@ if numba is not None:
         """exp by dtype (float32: _exp32, float64: _exp64), chosen at compile time."""
 
     def _as(a, v):
-        """v in the dtype of the array `a` (a float32 or float64 array), chosen at compile time."""
+        """v in the dtype of `a` (a float32/float64 array or scalar), chosen at compile time. Every constant in the
+        loops goes through it: a Python int or float would promote float32 arithmetic to float64."""
 
     def _hi(a):
         """EXP_RANGE's upper bound for the dtype of the array `a`: exp(+-hi) is finite and normal."""
@@ -118,7 +119,7 @@ if numba is not None:
 
     @_overload(_as, inline="always")
     def _as_impl(a, v):
-        if a.dtype == numba.float32:
+        if getattr(a, "dtype", a) == numba.float32:  # an array's dtype, or a scalar's type
             return lambda a, v: np.float32(v)
         return lambda a, v: np.float64(v)
 
@@ -153,7 +154,7 @@ if numba is not None:
         for j0 in range(0, m, LANES):
             for k in range(LANES):
                 acc[k] += v[j0 + k] * v[j0 + k]
-        s = acc[0] * 0
+        s = _as(acc, 0.0)
         for k in range(LANES):
             s += acc[k]
         for j in range(m, n):
@@ -168,12 +169,12 @@ if numba is not None:
         nbad = 0
         for i in range(rows):
             xi, yi = x[i], y[i]
-            ms = _sum_squares(xi, acc) / n
+            ms = _sum_squares(xi, acc) / _as(x, n)
             if not np.isfinite(ms):
                 bad[i] = 1
                 nbad += 1
                 continue
-            r = 1 / np.sqrt(ms + eps)
+            r = _as(x, 1.0) / np.sqrt(ms + eps)
             if has_w:
                 for j in range(n):
                     yi[j] = (xi[j] * r) * w[j]
@@ -249,29 +250,29 @@ if numba is not None:
             for j0 in range(0, m, LANES):
                 for k in range(LANES):
                     acc[k] += xi[j0 + k] - x0
-            s = acc[0] * 0
+            s = _as(acc, 0.0)
             for k in range(LANES):
                 s += acc[k]
             for j in range(m, n):
                 s += xi[j] - x0
-            mean = s / n
+            mean = s / _as(x, n)
             acc[:] = 0
             for j0 in range(0, m, LANES):
                 for k in range(LANES):
                     d = (xi[j0 + k] - x0) - mean
                     acc[k] += d * d
-            s = acc[0] * 0
+            s = _as(acc, 0.0)
             for k in range(LANES):
                 s += acc[k]
             for j in range(m, n):
                 d = (xi[j] - x0) - mean
                 s += d * d
-            var = s / n
+            var = s / _as(x, n)
             if not (np.isfinite(var) and np.isfinite(mean)):
                 bad[i] = 1
                 nbad += 1
                 continue
-            r = 1 / np.sqrt(var + eps)
+            r = _as(x, 1.0) / np.sqrt(var + eps)
             for j in range(n):
                 v = ((xi[j] - x0) - mean) * r
                 if has_w:
@@ -306,7 +307,7 @@ if numba is not None:
                     e = _exp(xi[j0 + k])
                     yi[j0 + k] = e
                     acc[k] += e
-            s = acc[0] * 0
+            s = _as(acc, 0.0)
             for k in range(LANES):
                 s += acc[k]
             for j in range(m, n):
@@ -368,7 +369,7 @@ if numba is not None:
                     flags[j] = 1
             a = min(-v, hi)
             a = max(a, -hi)  # exp(-hi) + 1 == 1: the same as exp underflowing to 0
-            y[j] = v / (1 + _exp(a))
+            y[j] = v / (_as(x, 1.0) + _exp(a))
         return nbad
 
     @_inline
@@ -376,8 +377,8 @@ if numba is not None:
         """sigmoid(z) + tt sigmoid(z) sigmoid(-z), as q (num + tt e q), e = exp(-|z|), q = 1 / (1 + e),
         num = max(e, z >= 0): the NumPy kernel's formula. |z| is clipped to the exp's range (e is 0 below)."""
         e = _exp(max(-abs(z), -hi))  # callers leave |z| > hi to the NumPy kernel
-        num = max(e, hi * 0 + 1 if z >= 0 else hi * 0)
-        q = 1 / (e + 1)
+        num = max(e, _as(hi, 1.0) if z >= 0 else _as(hi, 0.0))
+        q = _as(hi, 1.0) / (e + _as(hi, 1.0))
         return (num + (tt * e) * q) * q
 
     @_jit
@@ -411,7 +412,7 @@ if numba is not None:
                 if mark:
                     flags[j] = 1
             a = max(min(-tu, hi), -hi)
-            y[j] = v / (1 + _exp(a))
+            y[j] = v / (_as(x, 1.0) + _exp(a))
         return nbad
 
     @_jit
@@ -452,7 +453,7 @@ if numba is not None:
                     flags[j] = 1
             a = max(-abs(v), lo)
             e = _exp(a)
-            s = max(e, e * 0 + 1 if v >= 0 else e * 0) / (e + 1)
+            s = max(e, _as(e, 1.0) if v >= 0 else _as(e, 0.0)) / (e + _as(e, 1.0))
             y[j] = v * (s * up[j])
         return nbad
 
