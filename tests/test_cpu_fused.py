@@ -29,6 +29,8 @@ PATHS = [
     ("silu_backward", "silu", ("_silu_grad",)),
     ("gelu_tanh", "gelu", ("_gelu_tanh",)),
     ("gelu_tanh_backward", "gelu", ("_gelu_tanh_grad",)),
+    ("gelu_erf", "gelu", ("_gelu_erf",)),
+    ("gelu_erf_backward", "gelu", ("_gelu_erf_grad",)),
     ("swiglu", "swiglu", ("_swiglu",)),
 ]
 
@@ -48,7 +50,8 @@ def _inputs(name: str, dtype: str, rows: int = 64, n: int = 1000, special: bool 
         x[5, 7], x[9, 1], x[11, 2], x[13, 4] = np.nan, np.inf, -np.inf, -120
     w = (rng.uniform(0.5, 1.5, n)).astype(dt)
     g = arr((rows, n))
-    op = name.removesuffix("_backward").removesuffix("_tanh")
+    op = name.removesuffix("_backward").removesuffix("_tanh").removesuffix("_erf")
+    approximate = "none" if "_erf" in name else "tanh"
     spec = get_op(op)
     bwd = name.endswith("_backward")
     if op == "rmsnorm":
@@ -60,7 +63,7 @@ def _inputs(name: str, dtype: str, rows: int = 64, n: int = 1000, special: bool 
     elif op == "softmax":
         args = (g, cpu_kernel(spec)(x, -1), -1) if bwd else (x, -1)
     elif op == "gelu":
-        args = (g, x, "tanh") if bwd else (x, "tanh")
+        args = (g, x, approximate) if bwd else (x, approximate)
     elif op == "swiglu":
         args = (x, arr((rows, n), 3.0))
     else:

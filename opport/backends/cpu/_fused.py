@@ -59,6 +59,15 @@ if numba is not None:
         return numba.float32(numba.int32), codegen
 
     @_intrinsic
+    def _float_as_int(typingctx, f):
+        """The int32 whose bits are the float32 `f`."""
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], _ir.IntType(32))
+
+        return numba.int32(numba.float32), codegen
+
+    @_intrinsic
     def _long_as_double(typingctx, i):
         def codegen(context, builder, signature, args):
             return builder.bitcast(args[0], _ir.DoubleType())
@@ -459,6 +468,77 @@ if numba is not None:
 
 
 _SQRT_2_OVER_PI = 0.7978845608028654
+_INV_SQRT2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+# _activations._ERFC_P: the erfc fit's polynomial, highest order first (Horner)
+_P9, _P8, _P7, _P6, _P5, _P4, _P3, _P2, _P1, _P0 = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807,
+                                                    -0.18628806, 0.09678418, 0.37409196, 1.00002368, -1.26551223)
+_ERF_ABS_MAX = 13.0  # beyond, exp(-a*a/2) leaves float32's normal range: the NumPy kernels take those elements
+
+if numba is not None:
+
+    @_inline
+    def _erfc_fit(a):
+        """(t, P(t), exp(hi*hi*-0.5), lo) of _activations._erfc_fit32 for a float32 a in [0, 13], the same
+        operations in the same order."""
+        z = a * np.float32(_INV_SQRT2)
+        t = np.float32(1) / (np.float32(1) + np.float32(0.5) * z)
+        p = np.float32(_P9)
+        p = p * t + np.float32(_P8)
+        p = p * t + np.float32(_P7)
+        p = p * t + np.float32(_P6)
+        p = p * t + np.float32(_P5)
+        p = p * t + np.float32(_P4)
+        p = p * t + np.float32(_P3)
+        p = p * t + np.float32(_P2)
+        p = p * t + np.float32(_P1)
+        p = p * t + np.float32(_P0)
+        hi = _int_as_float(_float_as_int(a) & np.int32(-4096))  # a's top 12 significand bits: hi*hi exact
+        lo = (a - hi) * (a + hi)
+        return t, p, _exp32(hi * hi * np.float32(-0.5)), lo * np.float32(-0.5)
+
+    @_jit
+    def _gelu_erf(x, y, mark, flags):
+        """x Phi(x), Phi(x) = q or 1 - q with q = Phi(-|x|) from the erfc fit (the NumPy kernel's float32 formula);
+        count of elements not handled (|x| > 13, NaN, inf), marked in `flags` when `mark`."""
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            a = abs(v)
+            if not (a <= np.float32(_ERF_ABS_MAX)):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+                a = np.float32(0)
+            t, p, e_hi, lo = _erfc_fit(a)
+            q = np.float32(0.5) * t * e_hi * _exp32(lo + p)
+            y[j] = v * (q if v < 0 else np.float32(1) - q)
+        return nbad
+
+    @_jit
+    def _gelu_erf_grad(x, g, y, mark, flags):
+        """g (H + s (|x| phi(x) - Phi(-|x|))), s = sign(x), H = (s > 0): _activations.gelu_erf_grad's float32
+        formula; count of elements not handled (|x| > 13, non-finite x or result)."""
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            a = abs(v)
+            ok = a <= np.float32(_ERF_ABS_MAX)
+            if not ok:
+                a = np.float32(0)
+            t, p, e_hi, lo = _erfc_fit(a)
+            d = _exp32(lo) * e_hi
+            tail = _exp32(lo + p) * t * e_hi * np.float32(0.5)
+            d = d * np.float32(_INV_SQRT_2PI)
+            dens = d * a - tail
+            sg = np.float32(-1) if _float_as_int(v) < 0 else np.float32(1)  # copysign(1, x): -0.0 gives -1
+            r = (max(sg, np.float32(0)) + dens * sg) * g[j]
+            y[j] = r
+            if not (ok and np.isfinite(r)):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+        return nbad
 
 
 # --------------------------------------------------------------------------- the op files' entry points
@@ -562,3 +642,11 @@ def gelu_tanh_grad_block(careful):
 
 def swiglu_block(careful):
     return activation(_swiglu, careful)
+
+
+def gelu_erf_block(careful):
+    return activation(_gelu_erf, careful)
+
+
+def gelu_erf_grad_block(careful):
+    return activation(_gelu_erf_grad, careful)
