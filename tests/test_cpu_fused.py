@@ -32,6 +32,7 @@ PATHS = [
     ("gelu_erf", "gelu", ("_gelu_erf",)),
     ("gelu_erf_backward", "gelu", ("_gelu_erf_grad",)),
     ("swiglu", "swiglu", ("_swiglu",)),
+    ("swiglu_backward", "swiglu", ("_swiglu_grad",)),
 ]
 
 
@@ -65,7 +66,7 @@ def _inputs(name: str, dtype: str, rows: int = 64, n: int = 1000, special: bool 
     elif op == "gelu":
         args = (g, x, approximate) if bwd else (x, approximate)
     elif op == "swiglu":
-        args = (x, arr((rows, n), 3.0))
+        args = (g, x, arr((rows, n), 3.0)) if bwd else (x, arr((rows, n), 3.0))
     else:
         args = (g, x) if bwd else (x,)
     return (spec.backward_op if bwd else spec), args

@@ -650,3 +650,50 @@ def gelu_erf_block(careful):
 
 def gelu_erf_grad_block(careful):
     return activation(_gelu_erf_grad, careful)
+
+
+if numba is not None:
+
+    @_jit
+    def _swiglu_grad(gate, up, g, dg, du, mark, flags):
+        """dup = swiglu(gate, grad) (the forward's float32 formula) and dgate = (silu'(gate) grad) up in float64,
+        rounded once, silu'(x) = (1 + x e / (1 + e)) / (1 + e), e = exp(-x) (_activations._silu_grad64's order),
+        as the NumPy kernel does for float32 inputs; count of elements not handled (gate < -64 or NaN, a result
+        that is not finite), marked in `flags` when `mark`."""
+        deep = -_deep(gate)
+        lo = -_hi(gate)
+        one = _as(gate, 1.0)
+        for_each = gate.size
+        nbad = 0
+        for j in range(for_each):
+            v = gate[j]
+            e = _exp32(max(-abs(v), lo))
+            sg = max(e, one if v >= 0 else _as(gate, 0.0)) / (e + one)
+            u = v * (sg * g[j])
+            du[j] = u
+            v64 = np.float64(v)
+            e64 = _exp64(max(-v64, -700.0))
+            d = (1.0 + v64 * e64 / (1.0 + e64)) / (1.0 + e64)
+            r = (d * np.float64(g[j])) * np.float64(up[j])
+            dg[j] = r
+            if not (v >= deep and np.isfinite(u) and np.isfinite(np.float32(r))):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+        return nbad
+
+
+def swiglu_backward_block(careful):
+    """The block function (dg, du, gate, up, grad) of swiglu's backward: the fused loop, then `careful` (the NumPy
+    block function) on the elements it leaves."""
+
+    def fn(dg, du, gate, up, g):
+        if _swiglu_grad(gate, up, g, dg, du, False, _NO_FLAGS):
+            flags = np.zeros(gate.size, np.uint8)
+            _swiglu_grad(gate, up, g, dg, du, True, flags)
+            idx = np.flatnonzero(flags)
+            a, b = careful(np.zeros(idx.size, dg.dtype), np.zeros(idx.size, du.dtype), gate[idx], up[idx], g[idx])
+            dg[idx], du[idx] = a, b
+        return dg, du
+
+    return fn
