@@ -697,3 +697,95 @@ def swiglu_backward_block(careful):
         return dg, du
 
     return fn
+
+
+if numba is not None:
+
+    @_jit
+    def _ln_bwd(x, g, w, has_w, eps, dx, dw, db, bad, acc, acc2, xh):
+        """layernorm's backward per row in float64: xhat = d r with d = (x - x0) - mean(x - x0), r = 1/sqrt(var + eps);
+        dx = ((g w - mean(g w)) - xhat mean(g w xhat)) r, the NumPy kernel's order; dw += g xhat and db += g over
+        the rows handled. bad[i] = 1 (row left to the NumPy kernel, not in dw/db) where the statistics or dx are
+        not finite, or rows of 2 elements (the NumPy kernel's exact form)."""
+        rows, n = x.shape
+        m = n - n % LANES
+        nbad = 0
+        for i in range(rows):
+            xi, gi, di = x[i], g[i], dx[i]
+            x0 = np.float64(xi[0])
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    acc[k] += np.float64(xi[j0 + k]) - x0
+            s = 0.0
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(m, n):
+                s += np.float64(xi[j]) - x0
+            mean = s / n
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    d = (np.float64(xi[j0 + k]) - x0) - mean
+                    acc[k] += d * d
+            s = 0.0
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(m, n):
+                d = (np.float64(xi[j]) - x0) - mean
+                s += d * d
+            var = s / n
+            if n == 2 or not (np.isfinite(var) and np.isfinite(mean)):
+                bad[i] = 1
+                nbad += 1
+                continue
+            r = 1.0 / np.sqrt(var + eps)
+            acc[:] = 0
+            acc2[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    j = j0 + k
+                    xv = ((np.float64(xi[j]) - x0) - mean) * r
+                    xh[j] = xv
+                    gw = np.float64(gi[j]) * w[j] if has_w else np.float64(gi[j])
+                    acc[k] += gw
+                    acc2[k] += (np.float64(gi[j]) * xv) * w[j] if has_w else np.float64(gi[j]) * xv
+            sg = 0.0
+            c = 0.0
+            for k in range(LANES):
+                sg += acc[k]
+                c += acc2[k]
+            for j in range(m, n):
+                xv = ((np.float64(xi[j]) - x0) - mean) * r
+                xh[j] = xv
+                gw = np.float64(gi[j]) * w[j] if has_w else np.float64(gi[j])
+                sg += gw
+                c += (np.float64(gi[j]) * xv) * w[j] if has_w else np.float64(gi[j]) * xv
+            mg = sg / n
+            c = c / n
+            fin = 0
+            for j in range(n):
+                gw = np.float64(gi[j]) * w[j] if has_w else np.float64(gi[j])
+                d = ((gw - mg) - xh[j] * c) * r
+                di[j] = d
+                fin += not np.isfinite(d)
+            if fin:
+                bad[i] = 1
+                nbad += 1
+                continue
+            for j in range(n):
+                gv = np.float64(gi[j])
+                dw[j] += gv * xh[j]
+                db[j] += gv
+        return nbad
+
+
+def ln_backward(xf, gf, w, eps: float, dx, dw, db):
+    """layernorm's backward of the rows (float32 xf, gf; dx float32) in float64; adds the rows' g xhat and g into
+    the float64 `dw` and `db`. Returns the indices of the rows left for the NumPy kernel (not in dx, dw, db), or None."""
+    wt, has_w = _weight(w, np.float64)
+    bad = _flags(xf.shape[0])
+    n = xf.shape[1]
+    if _ln_bwd(xf, gf, wt, has_w, float(eps), dx, dw, db, bad, _lanes(np.float64), _lanes(np.float64), np.zeros(n)):
+        return np.flatnonzero(bad)
+    return None
