@@ -282,13 +282,18 @@ if numba is not None:
                 nbad += 1
                 continue
             r = _as(x, 1.0) / np.sqrt(var + eps)
-            for j in range(n):
-                v = ((xi[j] - x0) - mean) * r
-                if has_w:
-                    v = v * w[j]
-                if has_b:
-                    v = v + b[j]
-                yi[j] = v
+            if has_w and has_b:  # one loop per case: a branch inside kept the loop from vectorising
+                for j in range(n):
+                    yi[j] = (((xi[j] - x0) - mean) * r) * w[j] + b[j]
+            elif has_w:
+                for j in range(n):
+                    yi[j] = (((xi[j] - x0) - mean) * r) * w[j]
+            elif has_b:
+                for j in range(n):
+                    yi[j] = ((xi[j] - x0) - mean) * r + b[j]
+            else:
+                for j in range(n):
+                    yi[j] = ((xi[j] - x0) - mean) * r
         return nbad
 
     @_jit
