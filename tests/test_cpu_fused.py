@@ -32,6 +32,8 @@ PATHS = [
     ("gelu_tanh_backward", "gelu", ("_gelu_tanh_grad",)),
     ("gelu_erf", "gelu", ("_gelu_erf",)),
     ("gelu_erf_backward", "gelu", ("_gelu_erf_grad",)),
+    ("rope", "rope", ("rope",)),
+    ("rope_backward", "rope", ("rope",)),
     ("swiglu", "swiglu", ("_swiglu",)),
     ("swiglu_backward", "swiglu", ("_swiglu_grad",)),
 ]
@@ -64,6 +66,9 @@ def _inputs(name: str, dtype: str, rows: int = 64, n: int = 1000, special: bool 
         args = (g, x, w, w, 1e-5) if bwd else (x, w, w, 1e-5)
     elif op == "softmax":
         args = (g, cpu_kernel(spec)(x, -1), -1) if bwd else (x, -1)
+    elif op == "rope":  # x [B=4, H=2, S=rows/8, D=n], per-batch tables [4, S, D/2], half-split and interleaved
+        ang = rng.uniform(-10, 10, (4, rows // 8, n // 2))
+        args = ((g if bwd else x).reshape(4, 2, rows // 8, n), np.cos(ang), np.sin(ang), special)
     elif op == "gelu":
         args = (g, x, approximate) if bwd else (x, approximate)
     elif op == "swiglu":
@@ -117,6 +122,9 @@ def test_fused_agrees_with_numpy_within_tolerance(monkeypatch, name, op, entry, 
             if f is None:
                 continue
             assert f.dtype == p.dtype and f.shape == p.shape
+            if op == "rope":  # products and sums in the NumPy kernel's order: the same bits, NaN and inf included
+                np.testing.assert_array_equal(f, p, err_msg=f"{name} {dtype}")
+                continue
             if special and f.ndim == 1:  # dweight, dbias: sums over rows (with NaN rows: NaN where NumPy's are)
                 np.testing.assert_array_equal(np.isnan(f.astype(np.float64)), np.isnan(p.astype(np.float64)))
                 continue
