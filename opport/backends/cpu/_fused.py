@@ -827,3 +827,109 @@ def rope(xb: np.ndarray, c: np.ndarray, sn: np.ndarray, interleaved: bool, y: np
     if c.ndim == 2:
         c, sn = c[None], sn[None]
     _rope(xb, c, sn, interleaved, y)
+
+
+if numba is not None:
+
+    @_inline
+    def _exp32_low(x):
+        """exp of a float32 x <= 87, down into the subnormals (x < -87.3): 2^k in two normal halves, so the
+        product rounds into the subnormal range instead of needing an exponent below -126; 0 below -104."""
+        x = max(x, np.float32(-104.0))
+        k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+        r = x - k * np.float32(0.693359375)
+        r = r - k * np.float32(-2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        ki = np.int32(k)
+        k1 = ki >> np.int32(1)
+        return (p * _int_as_float((k1 + np.int32(127)) << np.int32(23))) * _int_as_float(
+            (ki - k1 + np.int32(127)) << np.int32(23))
+
+    @_jit
+    def _ce_stats(x, pivot, want_d, m_out, s_out, d_out, bad, acc, acc2):
+        """Per row of float32 logits: m = max, s = sum exp(x - m), d = sum(x - pivot) (when want_d), each in float32
+        over LANES partial sums. bad[i] = 1 (row left to the NumPy kernel) where m or s is not finite (inf, NaN,
+        all -inf)."""
+        rows, v = x.shape
+        mm = v - v % LANES
+        nbad = 0
+        for i in range(rows):
+            xi = x[i]
+            acc[:] = -np.inf
+            for j0 in range(0, mm, LANES):
+                for k in range(LANES):
+                    acc[k] = max(acc[k], xi[j0 + k])
+            m = _as(x, -np.inf)
+            for k in range(LANES):
+                m = max(m, acc[k])
+            for j in range(mm, v):
+                m = max(m, xi[j])
+            acc[:] = 0
+            for j0 in range(0, mm, LANES):
+                for k in range(LANES):
+                    acc[k] += _exp32_low(xi[j0 + k] - m)
+            s = _as(x, 0.0)
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(mm, v):
+                s += _exp32_low(xi[j] - m)
+            if not (np.isfinite(m) and np.isfinite(s)):  # NaN anywhere makes s NaN
+                bad[i] = 1
+                nbad += 1
+                continue
+            m_out[i], s_out[i] = m, s
+            if want_d:
+                pv = pivot[i]
+                acc2[:] = 0
+                for j0 in range(0, mm, LANES):
+                    for k in range(LANES):
+                        acc2[k] += xi[j0 + k] - pv
+                d = _as(x, 0.0)
+                for k in range(LANES):
+                    d += acc2[k]
+                for j in range(mm, v):
+                    d += xi[j] - pv
+                d_out[i] = d
+        return nbad
+
+    @_jit
+    def _ce_grad(x, a, b, epsv, c, y, bad):
+        """y = (exp((x - a) - b) - eps/V) c per row (the NumPy kernel's order; the target column is the caller's).
+        bad[i] = 1 where an exp argument exceeds 87 or is NaN (the NumPy kernel decides those rows)."""
+        rows, v = x.shape
+        nbad = 0
+        for i in range(rows):
+            xi, yi = x[i], y[i]
+            ai, bi, ci = a[i], b[i], c[i]
+            out = 0
+            for j in range(v):
+                t = (xi[j] - ai) - bi
+                out += not (t <= np.float32(87.0))
+                yi[j] = (_exp32_low(min(t, np.float32(87.0))) - epsv) * ci
+            if out:
+                bad[i] = 1
+                nbad += 1
+        return nbad
+
+
+def ce_stats(xf: np.ndarray, pivot: np.ndarray, want_d: bool) -> tuple:
+    """(m, s, d, rows left to NumPy or None) of cross_entropy's rows, float32 logits [rows, V]."""
+    rows = xf.shape[0]
+    m, s, d = np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+    bad = _flags(rows)
+    nbad = _ce_stats(xf, pivot.astype(np.float32), want_d, m, s, d, bad, np.zeros(LANES, np.float32),
+                     np.zeros(LANES, np.float32))
+    return m, s, d, (np.flatnonzero(bad) if nbad else None)
+
+
+def ce_grad(xf, a, b, epsv, c, y) -> np.ndarray | None:
+    bad = _flags(xf.shape[0])
+    if _ce_grad(xf, a.astype(np.float32), b.astype(np.float32), np.float32(epsv), c.astype(np.float32), y, bad):
+        return np.flatnonzero(bad)
+    return None
