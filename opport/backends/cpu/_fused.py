@@ -10,9 +10,9 @@ calls and every element depends on its own row only, so results are bitwise the 
 Threads: the loops are compiled with `nogil=True` and called from inside `parallel_rows`' shares, so they
 run on opport's pool within its budget (`OPPORT_NUM_THREADS`); numba's own threading layer is never used.
 
-Precision follows the NumPy kernels: float32 arithmetic for float32 (and upcast 16-bit) blocks, float64 for
-float64, statistics accumulated in the same dtype (16 interleaved partial sums per row, then added in
-order); the norms' backward computes in float64 as the NumPy backward does. Each loop is compiled for
+Precision follows the NumPy kernels: float32 arithmetic for float32 (and upcast 16-bit) blocks, statistics
+accumulated in float32 (16 interleaved partial sums per row, then added in lane order); the norms' backward
+and swiglu's dgate compute in float64 as the NumPy kernels do. Each loop is compiled for
 float32 blocks only (16-bit data is converted outside, by `upcast` and `store`; float64 inputs keep the
 NumPy kernels), once, and cached on disk (`cache=True`).
 
@@ -120,7 +120,7 @@ if numba is not None:
         loops goes through it: a Python int or float would promote float32 arithmetic to float64."""
 
     def _hi(a):
-        """EXP_RANGE's upper bound for the dtype of the array `a`: exp(+-hi) is finite and normal."""
+        """The exp range bound for the dtype of the array `a`: exp(+-hi) is finite and normal."""
 
     @_overload(_exp, inline="always")
     def _exp_impl(x):
