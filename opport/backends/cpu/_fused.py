@@ -41,7 +41,20 @@ def enabled(dtype=None) -> bool:  # (np.dtype(None) is float64: None is checked 
     """Whether the op files take the fused loops for inputs of `dtype`: numba importable, OPPORT_NUMBA not "0",
     and a float32 compute dtype (float32, float16, bfloat16 inputs). float64 inputs keep the NumPy kernels:
     compiling every loop a second time for them would double the JIT cost for a dtype nobody trains in."""
-    return numba is not None and os.environ.get("OPPORT_NUMBA", "1").strip() != "0" and (dtype is None or dtype != _F64)
+    if numba is None or (dtype is not None and dtype == _F64):
+        return False
+    raw = _ENV.get(_ENV_KEY) if _ENV is not None else os.environ.get("OPPORT_NUMBA")
+    if raw is None:
+        return True
+    if isinstance(raw, bytes):
+        raw = os.environ.decodevalue(raw)
+    return raw.strip() != "0"
+
+
+# read on every kernel call: os.environ's own dict costs 0.03 us, os.environ.get of an unset variable ~0.5 us
+# (as _common.num_threads does)
+_ENV = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") and hasattr(os.environ, "decodevalue") else None
+_ENV_KEY = os.environ.encodekey("OPPORT_NUMBA") if _ENV is not None else None
 
 LANES = 16  # partial sums per row: independent lanes the compiler vectorises without reassociating
 
