@@ -168,20 +168,51 @@ if numba is not None:
 if numba is not None:
 
     @_inline
-    def _sum_squares(v, acc):
-        """sum(v * v) in v's dtype: LANES interleaved partial sums, then added in lane order."""
+    def _sum8(v, x0, mean, square):
+        """sum(d) or sum(d * d) over d = (v - x0) - mean in v's dtype: 8 interleaved partial sums in scalars, added
+        pairwise, then the tail (partial sums in an array, which LLVM cannot prove apart from v, were 1.6x slower for
+        rmsnorm; 16 scalars were no faster). x0 = mean = 0 gives sum(v) and sum(v * v) exactly."""
         n = v.size
-        m = n - n % LANES
-        acc[:] = 0
-        for j0 in range(0, m, LANES):
-            for k in range(LANES):
-                acc[k] += v[j0 + k] * v[j0 + k]
-        s = _as(acc, 0.0)
-        for k in range(LANES):
-            s += acc[k]
+        m = n - n % 8
+        z = _as(v, 0.0)
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = z
+        for j in range(0, m, 8):
+            d0 = (v[j + 0] - x0) - mean
+            d1 = (v[j + 1] - x0) - mean
+            d2 = (v[j + 2] - x0) - mean
+            d3 = (v[j + 3] - x0) - mean
+            d4 = (v[j + 4] - x0) - mean
+            d5 = (v[j + 5] - x0) - mean
+            d6 = (v[j + 6] - x0) - mean
+            d7 = (v[j + 7] - x0) - mean
+            if square:
+                d0 = d0 * d0
+                d1 = d1 * d1
+                d2 = d2 * d2
+                d3 = d3 * d3
+                d4 = d4 * d4
+                d5 = d5 * d5
+                d6 = d6 * d6
+                d7 = d7 * d7
+            s0 += d0
+            s1 += d1
+            s2 += d2
+            s3 += d3
+            s4 += d4
+            s5 += d5
+            s6 += d6
+            s7 += d7
+        t = (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)))
         for j in range(m, n):
-            s += v[j] * v[j]
-        return s
+            d = (v[j] - x0) - mean
+            t += d * d if square else d
+        return t
+
+    @_inline
+    def _sum_squares(v, acc):
+        """sum(v * v) in v's dtype (_sum8)."""
+        z = _as(v, 0.0)
+        return _sum8(v, z, z, True)
 
     @_jit
     def _rms_fwd(x, w, has_w, eps, y, bad, acc):
@@ -264,31 +295,11 @@ if numba is not None:
         (* w, + b). bad[i] = 1 where the statistics are not finite."""
         rows, n = x.shape
         nbad = 0
-        m = n - n % LANES
         for i in range(rows):
             xi, yi = x[i], y[i]
             x0 = xi[0]
-            acc[:] = 0
-            for j0 in range(0, m, LANES):
-                for k in range(LANES):
-                    acc[k] += xi[j0 + k] - x0
-            s = _as(acc, 0.0)
-            for k in range(LANES):
-                s += acc[k]
-            for j in range(m, n):
-                s += xi[j] - x0
-            mean = s / _as(x, n)
-            acc[:] = 0
-            for j0 in range(0, m, LANES):
-                for k in range(LANES):
-                    d = (xi[j0 + k] - x0) - mean
-                    acc[k] += d * d
-            s = _as(acc, 0.0)
-            for k in range(LANES):
-                s += acc[k]
-            for j in range(m, n):
-                d = (xi[j] - x0) - mean
-                s += d * d
+            mean = _sum8(xi, x0, _as(x, 0.0), False) / _as(x, n)
+            s = _sum8(xi, x0, mean, True)
             var = s / _as(x, n)
             if not (np.isfinite(var) and np.isfinite(mean)):
                 bad[i] = 1
