@@ -3,7 +3,7 @@
 NumPy evaluates a formula one pass per operation, with a temporary per pass; the loops here read each row
 (or block of elements) once into cache and do all of an op's arithmetic there. They are an accelerator of
 the NumPy kernels, not a second implementation of the edge cases: every loop handles the common values
-(finite, in range) and reports the rows or blocks it did not handle, which the op file then computes with
+(finite, in range) and reports the rows or elements it did not handle, which the op file then computes with
 its NumPy kernel (overflowing sums, NaN, inf, exp arguments outside the normal range). Rows never straddle
 calls and every element depends on its own row only, so results are bitwise the same for any thread count.
 
@@ -11,7 +11,7 @@ Threads: the loops are compiled with `nogil=True` and called from inside `parall
 run on opport's pool within its budget (`OPPORT_NUM_THREADS`); numba's own threading layer is never used.
 
 Precision follows the NumPy kernels: float32 arithmetic for float32 (and upcast 16-bit) blocks, statistics
-accumulated in float32 (16 interleaved partial sums per row, then added in lane order); the norms' backward
+accumulated in float32 (8 or 16 interleaved partial sums per row, then added in a fixed order); the norms' backward
 and swiglu's dgate compute in float64 as the NumPy kernels do. Each loop is compiled for
 float32 blocks only (16-bit data is converted outside, by `upcast` and `store`; float64 inputs keep the
 NumPy kernels), once, and cached on disk (`cache=True`).
