@@ -712,6 +712,9 @@ if numba is not None:
         return nbad
 
 
+_SWIGLU_DEEP = 64.0  # _activations.DEEP[float32], the loops' `_deep`
+
+
 def swiglu_backward_block(careful):
     """The block function (dg, du, gate, up, grad) of swiglu's backward: the fused loop, then `careful` (the NumPy
     block function) on the elements it leaves."""
@@ -722,7 +725,10 @@ def swiglu_backward_block(careful):
             _swiglu_grad(gate, up, g, dg, du, True, flags)
             idx = np.flatnonzero(flags)
             a, b = careful(np.zeros(idx.size, dg.dtype), np.zeros(idx.size, du.dtype), gate[idx], up[idx], g[idx])
-            dg[idx], du[idx] = a, b
+            dg[idx] = a
+            # dup is swiglu(gate, grad) bit for bit: the NumPy one only where the forward's loop leaves it too
+            fwd_left = ~(gate[idx] >= -_SWIGLU_DEEP)
+            du[idx[fwd_left]] = b[fwd_left]
         return dg, du
 
     return fn
