@@ -2,8 +2,9 @@
 
 import numpy as np
 
+from opport.backends.cpu import _fused
 from opport.backends.cpu._common import block_rows, parallel_rows, result_block, store, upcast
-from opport.backends.cpu.rmsnorm import backward_rows, normalize_rows, wide
+from opport.backends.cpu.rmsnorm import backward_fused, backward_rows, normalize, wide
 from opport.dispatch import impl
 from opport.ops.add_rmsnorm import add_rmsnorm as spec
 
@@ -19,6 +20,7 @@ def add_rmsnorm(x: np.ndarray, residual: np.ndarray, weight, eps: float):
     x2, r2 = x.reshape(-1, n), residual.reshape(-1, n)  # reshape copies a non-contiguous input, never writes it
     o2, s2 = normed.reshape(-1, n), total.reshape(-1, n)
     w = upcast(weight) if weight is not None else None
+    fused = _fused.enabled(x.dtype)
 
     def body(rows):
         xf = upcast(x2[rows])
@@ -29,7 +31,7 @@ def add_rmsnorm(x: np.ndarray, residual: np.ndarray, weight, eps: float):
             store(s_dst, s)
             s = upcast(s_dst)
         dst = o2[rows]
-        store(dst, normalize_rows(s, w, eps, result_block(dst, s)))
+        store(dst, normalize(s, w, eps, result_block(dst, s), fused))
 
     parallel_rows(x2.shape[0], n, body)
     return normed, total
@@ -47,15 +49,19 @@ def add_rmsnorm_backward(grad_normed: np.ndarray, grad_sum: np.ndarray, total: n
     w = wide(weight) if weight is not None else None
     step = block_rows(n)
     partial = None if w is None else np.zeros((max(-(-rows // step), 1), n), w.dtype)
+    fused = _fused.enabled(total.dtype)
 
     def body(block):
-        sf = wide(s2[block])
         dst = d2[block]
-        y = result_block(dst, sf)
-        dw_rows = backward_rows(sf, wide(g2[block]), w, eps, y)
+        if fused:
+            y, dw_rows = backward_fused(s2[block], g2[block], h2[block], w, eps, dst)
+        else:
+            sf = wide(s2[block])
+            y = result_block(dst, sf)
+            dw_rows = backward_rows(sf, wide(g2[block]), w, eps, y)
+            y += wide(h2[block])
         if dw_rows is not None:
             partial[block.start // step] = dw_rows
-        y += wide(h2[block])
         store(dst, y)
 
     if dx.size:

@@ -3,6 +3,7 @@
 import numpy as np
 
 from opport.arraymath import reduce_losses
+from opport.backends.cpu import _fused
 from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
@@ -58,6 +59,23 @@ def _row_losses(x: np.ndarray, t: np.ndarray, eps) -> tuple:
     xt = upcast(x[np.arange(rows), t])
     acc = xt.dtype
     pivot = np.where(np.isfinite(xt), xt, acc.type(0))  # shift for sum(x): exact near x_t, finite always
+    if _fused.enabled(x.dtype) and rows:  # one loop per statistic over whole rows; rows it leaves by the chunk loop
+        m, s, d, bad = _fused.ce_stats(upcast(x), pivot, bool(eps))
+        if bad is not None:
+            m[bad], log_b, d_b = _chunked_stats(x[bad], pivot[bad], eps)
+            s[bad] = 1
+        log_s = np.log(s)
+        if bad is not None:
+            log_s[bad], d[bad] = log_b, d_b
+        return _losses(m, log_s, d, xt, pivot, eps, v)
+    m, log_s, d = _chunked_stats(x, pivot, eps)
+    return _losses(m, log_s, d, xt, pivot, eps, v)
+
+
+def _chunked_stats(x: np.ndarray, pivot: np.ndarray, eps) -> tuple:
+    """(m, log(s), sum(x - pivot)) per row by the online logsumexp over vocabulary chunks."""
+    rows, v = x.shape
+    acc = pivot.dtype
     m = np.full(rows, -np.inf, acc)
     s = np.zeros(rows, acc)
     d = np.zeros(rows, acc)
@@ -69,11 +87,15 @@ def _row_losses(x: np.ndarray, t: np.ndarray, eps) -> tuple:
         if eps:
             d += (xc - pivot[:, None]).sum(axis=1)
         m = m_new
-    log_s = np.log(s)
+    return m, np.log(s), d
+
+
+def _losses(m, log_s, d, xt, pivot, eps, v: int) -> tuple:
+    """(loss, m, log(s)) from the row statistics."""
     nll = (m - xt) + log_s
     if not eps:
         return nll, m, log_s
-    smooth = (m - pivot) + log_s - d / acc.type(v)  # logsumexp - mean(row)
+    smooth = (m - pivot) + log_s - d / xt.dtype.type(v)  # logsumexp - mean(row)
     return (1 - eps) * nll + eps * smooth, m, log_s
 
 
@@ -145,6 +167,25 @@ def _write_grad(out, logits, rows, t, shift, coef, ignored, valid, eps) -> None:
     acc = shift[0].dtype
     c, tr, keep = coef[rows, None], t[rows], valid[rows] & ~ignored[rows]
     a, b = shift[0][rows], shift[1][rows]
+    if _fused.enabled(logits.dtype):  # whole rows in one loop; the target column and the rows it leaves as below
+        xf, dst = upcast(logits[rows]), out[rows]
+        y = result_block(dst, xf)
+        bad = _fused.ce_grad(xf, a, b, eps / acc.type(v) if eps else 0, c[:, 0], y)
+        on = keep.copy()
+        if bad is not None:
+            on[bad] = False
+            y[bad] = _grad_rows(xf[bad], a[bad], b[bad], c[bad], tr[bad], keep[bad], eps, v)
+        hit = np.flatnonzero(on)
+        if hit.size:  # the target column as the chunk loop forms it (NumPy's exp), then its share c
+            col = tr[hit]
+            d = (xf[hit, col] - a[hit]) - b[hit]
+            y_t = np.exp(d)
+            if eps:
+                y_t -= eps / acc.type(v)
+            y[hit, col] = _at_target(y_t, d, eps, v) * c[hit, 0]
+        _fix_rows(y, ignored[rows], valid[rows])
+        store(dst, y)
+        return
     for c0 in range(0, v, VOCAB_CHUNK):
         c1 = min(c0 + VOCAB_CHUNK, v)
         xc, dst = upcast(logits[rows, c0:c1]), out[rows, c0:c1]
@@ -161,6 +202,20 @@ def _write_grad(out, logits, rows, t, shift, coef, ignored, valid, eps) -> None:
         y *= c
         _fix_rows(y, ignored[rows], valid[rows])
         store(dst, y)
+
+
+def _grad_rows(xf, a, b, c, tr, keep, eps, v: int) -> np.ndarray:
+    """The chunk loop's formula on whole rows (the rows the fused loop leaves), before _fix_rows."""
+    y = np.subtract(xf, a[:, None])
+    y -= b[:, None]
+    np.exp(y, out=y)
+    if eps:
+        y -= eps / a.dtype.type(v)
+    hit = np.flatnonzero(keep)
+    if hit.size:
+        y[hit, tr[hit]] = _at_target(y[hit, tr[hit]], (xf[hit, tr[hit]] - a[hit]) - b[hit], eps, v)
+    y *= c
+    return y
 
 
 def _at_target(y_t: np.ndarray, d: np.ndarray, eps, v: int) -> np.ndarray:

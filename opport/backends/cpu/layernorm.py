@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 from opport.arraymath import row_scale
+from opport.backends.cpu import _fused
 from opport.backends.cpu._common import block_rows, parallel_rows, result_block, row_mean, store, upcast
 from opport.dispatch import impl
 from opport.ops.layernorm import layernorm as spec
@@ -69,14 +70,24 @@ def layernorm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
     x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
     w = upcast(weight) if weight is not None else None
     b = upcast(bias) if bias is not None else None
+    fused = _fused.enabled(x.dtype)
 
-    def body(rows):
-        xf, dst = upcast(x2[rows]), o2[rows]
-        y = _normalise(result_block(dst, xf), xf, eps)[0]
+    def affine(y):
         if w is not None:
             y *= w
         if b is not None:
             y += b
+        return y
+
+    def body(rows):
+        xf, dst = upcast(x2[rows]), o2[rows]
+        if fused:  # one pass per statistic over rows in cache; rows it leaves (overflow, inf, NaN) by NumPy
+            y = result_block(dst, xf)
+            bad = _fused.ln_forward(xf, w, b, eps, y)
+            if bad is not None:
+                y[bad] = affine(_normalise(np.empty((bad.size, n), y.dtype), xf[bad], eps)[0])
+        else:
+            y = affine(_normalise(result_block(dst, xf), xf, eps)[0])
         store(dst, y)
 
     parallel_rows(x2.shape[0], n, body)
@@ -107,8 +118,11 @@ def layernorm_backward(grad: np.ndarray, x: np.ndarray, weight, bias, eps: float
     pb = None if bias is None else np.zeros((blocks, n), ct)
 
     local = threading.local()
+    fused = _fused.enabled(x.dtype)
 
     def body(block):
+        if fused:
+            return fused_body(block)
         xf, gf, dst = upcast(x2[block]), upcast(g2[block]), d2[block]
         xhat, tmp, *wide = _scratch(local, xf.shape, ct, 2 if xf.dtype == ct else 4)
         if wide:  # float32 rows as exact float64 copies: mixed-dtype ufuncs cast in small buffers (2-3x slower)
@@ -131,6 +145,45 @@ def layernorm_backward(grad: np.ndarray, x: np.ndarray, weight, bias, eps: float
         if ct == np.float32 and not np.isfinite(np.add.reduce(y, axis=None)):
             _redo_in_float64(y, xf, gf, w, eps)
         store(dst, y)
+
+    def fused_body(block):
+        """The fused loop in float64 on the block's rows; rows it leaves (non-finite statistics or dx, n == 2) run
+        the NumPy body above on their own (their dweight/dbias sums added to the block's)."""
+        xf, gf, dst = upcast(x2[block]), upcast(g2[block]), d2[block]
+        y = result_block(dst, xf)
+        dw64, db64 = np.zeros(n), np.zeros(n)
+        bad = _fused.ln_backward(xf, gf, w, eps, y, dw64, db64)
+        i = block.start // step
+        if bad is not None:
+            yb = np.zeros((bad.size, n), dst.dtype)
+            wb, bb = _left_rows(x2[block][bad], g2[block][bad], yb)
+            y[bad] = yb
+            dw64 += wb
+            db64 += bb
+        if pw is not None:
+            pw[i] = dw64
+        if pb is not None:
+            pb[i] = db64
+        store(dst, y)
+
+    def _left_rows(xr, gr, dst):
+        """The NumPy body on rows `xr`, `gr` into `dst` (the output dtype); returns their dweight and dbias sums."""
+        xf, gf = upcast(xr), upcast(gr)
+        xhat, tmp = np.zeros(xf.shape, ct), np.zeros(xf.shape, ct)
+        xf, gf = xf.astype(ct), gf.astype(ct)
+        f = _normalise(xhat, xf, eps, tmp)[1]
+        sb = np.add.reduce(gf, axis=0)
+        gx = np.multiply(gf, xhat, out=tmp)
+        sw = np.add.reduce(gx, axis=0)
+        if w is not None:
+            gx *= w
+        c = row_mean(gx)
+        y = gf.copy() if w is None else gf * w
+        _dx_rows(y, xhat, c, f, eps)
+        if ct == np.float32 and not np.isfinite(np.add.reduce(y, axis=None)):
+            _redo_in_float64(y, xf, gf, w, eps)
+        store(dst, y)
+        return sw, sb
 
     if dx.size:
         parallel_rows(rows, n, body)

@@ -3,6 +3,7 @@ is formed once per call in the accumulation dtype (float32 for 16-bit inputs), n
 
 import numpy as np
 
+from opport.backends.cpu import _fused
 from opport.backends.cpu._common import block_rows, parallel_rows, result_block, row_mean, store, upcast
 from opport.dispatch import impl
 from opport.ops.rmsnorm import rmsnorm as spec
@@ -16,11 +17,12 @@ def rmsnorm(x: np.ndarray, weight, eps: float, offset: float = 0.0) -> np.ndarra
         return out
     x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
     w = offset_weight(upcast(weight), offset) if weight is not None else None
+    fused = _fused.enabled(x.dtype)
 
     def body(rows):
         xf = upcast(x2[rows])
         dst = o2[rows]
-        store(dst, normalize_rows(xf, w, eps, result_block(dst, xf)))
+        store(dst, normalize(xf, w, eps, result_block(dst, xf), fused))
 
     parallel_rows(x2.shape[0], n, body)
     return out
@@ -29,6 +31,16 @@ def rmsnorm(x: np.ndarray, weight, eps: float, offset: float = 0.0) -> np.ndarra
 def offset_weight(w: np.ndarray, offset: float) -> np.ndarray:
     """offset + w in w's (upcast) dtype: float32 for 16-bit weights, float64 for float64; w itself for offset 0."""
     return w + w.dtype.type(offset) if offset else w
+
+
+def normalize(xf: np.ndarray, w, eps: float, y: np.ndarray, fused: bool) -> np.ndarray:
+    """normalize_rows, through the fused loop when `fused` (rows it leaves, e.g. overflowing ones, by NumPy)."""
+    if not fused:
+        return normalize_rows(xf, w, eps, y)
+    bad = _fused.rms_forward(xf, w, eps, y)
+    if bad is not None:
+        y[bad] = normalize_rows(xf[bad], w, eps, np.empty((bad.size, xf.shape[1]), xf.dtype))
+    return y
 
 
 def normalize_rows(xf: np.ndarray, w, eps: float, y: np.ndarray) -> np.ndarray:
@@ -75,12 +87,16 @@ def rmsnorm_backward(grad: np.ndarray, x: np.ndarray, weight, eps: float, offset
     w = offset_weight(wide(weight), offset) if weight is not None else None
     step = block_rows(n)
     partial = None if w is None else np.zeros((max(-(-rows // step), 1), n), w.dtype)
+    fused = _fused.enabled(x.dtype)
 
     def body(block):
-        xf, gf = wide(x2[block]), wide(g2[block])
         dst = d2[block]
-        y = result_block(dst, xf)
-        dw_rows = backward_rows(xf, gf, w, eps, y)
+        if fused:
+            y, dw_rows = backward_fused(x2[block], g2[block], None, w, eps, dst)
+        else:
+            xf, gf = wide(x2[block]), wide(g2[block])
+            y = result_block(dst, xf)
+            dw_rows = backward_rows(xf, gf, w, eps, y)
         if dw_rows is not None:
             partial[block.start // step] = dw_rows
         store(dst, y)
@@ -111,6 +127,25 @@ def backward_rows(xf: np.ndarray, gf: np.ndarray, w, eps: float, y: np.ndarray):
     else:
         np.multiply(gf - xhat * row_mean(gf * xhat), r if s is None else r * s, out=y)
     return dw_rows
+
+
+def backward_fused(x: np.ndarray, g: np.ndarray, h, w, eps: float, dst: np.ndarray) -> tuple:
+    """(dx block, dweight partial) of the rows `x`, `g` (as stored) through the fused loop, which computes in
+    float64 as backward_rows does; `h` (add_rmsnorm's grad of the sum, or None) is added to dx. Rows the loop
+    leaves (sums of squares that overflow) go through backward_rows."""
+    xf, gf = upcast(x), upcast(g)
+    y = result_block(dst, xf)
+    dw = None if w is None else np.zeros(xf.shape[1], np.float64)
+    bad = _fused.rms_backward(xf, gf, w, eps, None if h is None else upcast(h), y, dw)
+    if bad is not None:
+        yb = np.empty((bad.size, xf.shape[1]), wide(xf[:1]).dtype)
+        dwb = backward_rows(wide(x[bad]), wide(g[bad]), w, eps, yb)
+        if h is not None:
+            yb += wide(h[bad])
+        y[bad] = yb
+        if dw is not None:
+            dw += dwb
+    return y, None if dw is None else dw.astype(w.dtype, copy=False)
 
 
 def wide(a: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@
 import numpy as np
 
 from opport.arraymath import pair_views
+from opport.backends.cpu import _fused
 from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
@@ -28,11 +29,18 @@ def _rotate(x: np.ndarray, c: np.ndarray, sn: np.ndarray, interleaved: bool) -> 
     if c.ndim == 3 and c.shape[0] == 1:  # [1, S, D/2]: one table for every batch entry
         c, sn = c[0], sn[0]
     per_batch = c.ndim == 3
+    fused = _fused.enabled(x.dtype)
+    if fused:
+        c, sn = np.ascontiguousarray(c), np.ascontiguousarray(sn)
 
     def rotate(bs: slice, hs: slice) -> None:
-        cb, sb = (c[bs, None], sn[bs, None]) if per_batch else (c, sn)  # broadcast over heads (and batches)
         xb, dst = upcast(x[bs, hs]), out[bs, hs]  # a strided x is copied a block at a time
         y = result_block(dst, xb)
+        if fused:  # one pass over x, products and sums in the NumPy kernel's order
+            _fused.rope(xb, c[bs] if per_batch else c, sn[bs] if per_batch else sn, interleaved, y)
+            store(dst, y)
+            return
+        cb, sb = (c[bs, None], sn[bs, None]) if per_batch else (c, sn)  # broadcast over heads (and batches)
         (x1, x2), (y1, y2) = pair_views(xb, interleaved), pair_views(y, interleaved)
         np.multiply(x1, cb, out=y1)
         y1 -= x2 * sb

@@ -6,6 +6,7 @@ layout and copied back into a contiguous output of x's shape (one extra pass ove
 
 import numpy as np
 
+from opport.backends.cpu import _fused
 from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.dispatch import impl
 from opport.ops.softmax import softmax as spec
@@ -41,10 +42,18 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     n = moved.shape[-1]
     if out.size:
         x2, o2 = moved.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
+        fused = _fused.enabled(x.dtype)
 
         def body(rows):
             xf, dst = upcast(x2[rows]), o2[rows]
-            store(dst, _softmax_rows(result_block(dst, xf), xf))
+            y = result_block(dst, xf)
+            if fused:  # rows the fused loop leaves (exp out of range, sums outside [1, max]) by NumPy
+                bad = _fused.softmax_forward(xf, y)
+                if bad is not None:
+                    y[bad] = _softmax_rows(np.empty((bad.size, n), y.dtype), xf[bad])
+            else:
+                _softmax_rows(y, xf)
+            store(dst, y)
 
         parallel_rows(x2.shape[0], n, body)
     if x.ndim == 0:
@@ -87,10 +96,18 @@ def softmax_backward(grad: np.ndarray, out: np.ndarray, axis: int):
     n = y.shape[-1]
     if dx.size:
         g2, y2, d2 = g.reshape(-1, n), y.reshape(-1, n), dx.reshape(-1, n)  # reshape copies views, never writes
+        fused = _fused.enabled(out.dtype)
 
         def body(rows):
             gf, yf, dst = upcast(g2[rows]), upcast(y2[rows]), d2[rows]
-            store(dst, _softmax_grad_rows(result_block(dst, gf), gf, yf))
+            r = result_block(dst, gf)
+            if fused:  # rows whose result is not finite by NumPy (the reference's form for those)
+                bad = _fused.softmax_backward(gf, yf, r)
+                if bad is not None:
+                    r[bad] = _softmax_grad_rows(np.empty((bad.size, n), r.dtype), gf[bad], yf[bad])
+            else:
+                _softmax_grad_rows(r, gf, yf)
+            store(dst, r)
 
         parallel_rows(g2.shape[0], n, body)
     if out.ndim == 0:

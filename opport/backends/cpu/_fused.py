@@ -1,0 +1,965 @@
+"""One-pass fused loops (numba) for the cpu backend's memory-bound kernels: docs/cpu.md, "Fused loops".
+
+NumPy evaluates a formula one pass per operation, with a temporary per pass; the loops here read each row
+(or block of elements) once into cache and do all of an op's arithmetic there. They are an accelerator of
+the NumPy kernels, not a second implementation of the edge cases: every loop handles the common values
+(finite, in range) and reports the rows or elements it did not handle, which the op file then computes with
+its NumPy kernel (overflowing sums, NaN, inf, exp arguments outside the normal range). Rows never straddle
+calls and every element depends on its own row only, so results are bitwise the same for any thread count.
+
+Threads: the loops are compiled with `nogil=True` and called from inside `parallel_rows`' shares, so they
+run on opport's pool within its budget (`OPPORT_NUM_THREADS`); numba's own threading layer is never used.
+
+Precision follows the NumPy kernels: float32 arithmetic for float32 (and upcast 16-bit) blocks, statistics
+accumulated in float32 (8 or 16 interleaved partial sums per row, then added in a fixed order); the norms' backward
+and swiglu's dgate compute in float64 as the NumPy kernels do. Each loop is compiled for
+float32 blocks only (16-bit data is converted outside, by `upcast` and `store`; float64 inputs keep the
+NumPy kernels), once, and cached on disk (`cache=True`).
+
+`OPPORT_NUMBA=0` turns the fused loops off (the NumPy kernels run); so does numba being absent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:  # numba is a dependency, but the NumPy kernels must keep working without it
+    import numba
+    from llvmlite import ir as _ir
+    from numba.extending import intrinsic as _intrinsic
+    from numba.extending import overload as _overload
+except ImportError:  # pragma: no cover - exercised only where numba is not installed
+    numba = None
+
+
+_F64 = np.dtype(np.float64)
+
+
+def enabled(dtype=None) -> bool:  # (np.dtype(None) is float64: None is checked first)
+    """Whether the op files take the fused loops for inputs of `dtype`: numba importable, OPPORT_NUMBA not "0",
+    and a float32 compute dtype (float32, float16, bfloat16 inputs). float64 inputs keep the NumPy kernels:
+    compiling every loop a second time for them would double the JIT cost for a dtype nobody trains in."""
+    if numba is None or (dtype is not None and dtype == _F64):
+        return False
+    raw = _ENV.get(_ENV_KEY) if _ENV is not None else os.environ.get("OPPORT_NUMBA")
+    if raw is None:
+        return True
+    if isinstance(raw, bytes):
+        raw = os.environ.decodevalue(raw)
+    return raw.strip() != "0"
+
+
+# read on every kernel call: os.environ's own dict costs 0.03 us, os.environ.get of an unset variable ~0.5 us
+# (as _common.num_threads does)
+_ENV = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") and hasattr(os.environ, "decodevalue") else None
+_ENV_KEY = os.environ.encodekey("OPPORT_NUMBA") if _ENV is not None else None
+
+LANES = 16  # partial sums per row: independent lanes the compiler vectorises without reassociating
+
+if numba is not None:
+    _jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
+    _inline = numba.njit(inline="always", fastmath=False, error_model="numpy")
+
+    @_intrinsic
+    def _int_as_float(typingctx, i):
+        """The float32 whose bits are the int32 `i` (vectorisable, unlike a view)."""
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], _ir.FloatType())
+
+        return numba.float32(numba.int32), codegen
+
+    @_intrinsic
+    def _float_as_int(typingctx, f):
+        """The int32 whose bits are the float32 `f`."""
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], _ir.IntType(32))
+
+        return numba.int32(numba.float32), codegen
+
+    @_intrinsic
+    def _long_as_double(typingctx, i):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], _ir.DoubleType())
+
+        return numba.float64(numba.int64), codegen
+
+    @_inline
+    def _exp32(x):
+        """exp of a float32 in [-87, 87] (callers check: `_hi`), within 1 ulp: Cody-Waite reduction by
+        ln 2 and Cephes' expf polynomial, 2^k from the exponent bits. Vectorises (libm's expf does not)."""
+        k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+        r = x - k * np.float32(0.693359375)
+        r = r - k * np.float32(-2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        return p * _int_as_float((np.int32(k) + np.int32(127)) << np.int32(23))
+
+    @_inline
+    def _exp64(x):
+        """exp of a float64 in [-700, 700] (`_hi`), within 1 ulp: reduction by ln 2 (Cody-Waite) and a
+        degree-13 Taylor polynomial on |r| <= ln2/2 (truncation < 2e-17 relative), 2^k from the bits."""
+        k = np.floor(x * 1.4426950408889634 + 0.5)
+        r = x - k * 0.6931471803691238
+        r = r - k * 1.9082149292705877e-10
+        p = 1.0 / 6227020800.0
+        p = p * r + 1.0 / 479001600.0
+        p = p * r + 1.0 / 39916800.0
+        p = p * r + 1.0 / 3628800.0
+        p = p * r + 1.0 / 362880.0
+        p = p * r + 1.0 / 40320.0
+        p = p * r + 1.0 / 5040.0
+        p = p * r + 1.0 / 720.0
+        p = p * r + 1.0 / 120.0
+        p = p * r + 1.0 / 24.0
+        p = p * r + 1.0 / 6.0
+        p = p * r + 0.5
+        p = p * r * r + r + 1.0
+        return p * _long_as_double((np.int64(k) + np.int64(1023)) << np.int64(52))
+
+    def _exp(x):
+        """exp by dtype (float32: _exp32, float64: _exp64), chosen at compile time."""
+
+    def _as(a, v):
+        """v in the dtype of `a` (a float32/float64 array or scalar), chosen at compile time. Every constant in the
+        loops goes through it: a Python int or float would promote float32 arithmetic to float64."""
+
+    def _hi(a):
+        """The exp range bound for the dtype of the array `a`: exp(+-hi) is finite and normal."""
+
+    @_overload(_exp, inline="always")
+    def _exp_impl(x):
+        return (lambda x: _exp32(x)) if x == numba.float32 else (lambda x: _exp64(x))
+
+    @_overload(_as, inline="always")
+    def _as_impl(a, v):
+        if getattr(a, "dtype", a) == numba.float32:  # an array's dtype, or a scalar's type
+            return lambda a, v: np.float32(v)
+        return lambda a, v: np.float64(v)
+
+    def _deep(a):
+        """_activations.DEEP for the dtype of `a`: below -DEEP, swiglu takes its careful formula."""
+
+    @_overload(_deep, inline="always")
+    def _deep_impl(a):
+        if a.dtype == numba.float32:
+            return lambda a: np.float32(64.0)
+        return lambda a: np.float64(512.0)
+
+    @_overload(_hi, inline="always")
+    def _hi_impl(a):
+        if a.dtype == numba.float32:
+            return lambda a: np.float32(87.0)
+        return lambda a: np.float64(700.0)
+
+
+
+
+# --------------------------------------------------------------------------- row statistics
+
+if numba is not None:
+
+    @_inline
+    def _sum8(v, x0, mean, square):
+        """sum(d) or sum(d * d) over d = (v - x0) - mean in v's dtype: 8 interleaved partial sums in scalars, added
+        pairwise, then the tail (partial sums in an array, which LLVM cannot prove apart from v, were 1.6x slower for
+        rmsnorm; 16 scalars were no faster). x0 = mean = 0 gives sum(v) and sum(v * v) exactly."""
+        n = v.size
+        m = n - n % 8
+        z = _as(v, 0.0)
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = z
+        for j in range(0, m, 8):
+            d0 = (v[j + 0] - x0) - mean
+            d1 = (v[j + 1] - x0) - mean
+            d2 = (v[j + 2] - x0) - mean
+            d3 = (v[j + 3] - x0) - mean
+            d4 = (v[j + 4] - x0) - mean
+            d5 = (v[j + 5] - x0) - mean
+            d6 = (v[j + 6] - x0) - mean
+            d7 = (v[j + 7] - x0) - mean
+            if square:
+                d0 = d0 * d0
+                d1 = d1 * d1
+                d2 = d2 * d2
+                d3 = d3 * d3
+                d4 = d4 * d4
+                d5 = d5 * d5
+                d6 = d6 * d6
+                d7 = d7 * d7
+            s0 += d0
+            s1 += d1
+            s2 += d2
+            s3 += d3
+            s4 += d4
+            s5 += d5
+            s6 += d6
+            s7 += d7
+        t = (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)))
+        for j in range(m, n):
+            d = (v[j] - x0) - mean
+            t += d * d if square else d
+        return t
+
+    @_inline
+    def _sum_squares(v, acc):
+        """sum(v * v) in v's dtype (_sum8)."""
+        z = _as(v, 0.0)
+        return _sum8(v, z, z, True)
+
+    @_jit
+    def _rms_fwd(x, w, has_w, eps, y, bad, acc):
+        """y = x / sqrt(mean(x^2) + eps) (* w) per row, NumPy's rounding order; bad[i] = 1 (row left for the
+        NumPy kernel) where the sum of squares is not finite."""
+        rows, n = x.shape
+        nbad = 0
+        for i in range(rows):
+            xi, yi = x[i], y[i]
+            ms = _sum_squares(xi, acc) / _as(x, n)
+            if not np.isfinite(ms):
+                bad[i] = 1
+                nbad += 1
+                continue
+            r = _as(x, 1.0) / np.sqrt(ms + eps)
+            if has_w:
+                for j in range(n):
+                    yi[j] = (xi[j] * r) * w[j]
+            else:
+                for j in range(n):
+                    yi[j] = xi[j] * r
+        return nbad
+
+    @_jit
+    def _rms_bwd(x, g, w, has_w, eps, h, has_h, dx, dw, bad, acc, xh):
+        """rmsnorm's backward per row in float64: dx = (g w - xhat mean(g w xhat)) r (+ h), dw += g xhat over
+        the rows (in row order). bad[i] = 1 where the sum of squares is not finite (the NumPy kernel's rows)."""
+        rows, n = x.shape
+        nbad = 0
+        for i in range(rows):
+            xi, gi, di = x[i], g[i], dx[i]
+            acc[:] = 0
+            m = n - n % LANES
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    v = np.float64(xi[j0 + k])
+                    acc[k] += v * v
+            ss = 0.0
+            for k in range(LANES):
+                ss += acc[k]
+            for j in range(m, n):
+                ss += np.float64(xi[j]) * np.float64(xi[j])
+            ms = ss / n
+            if not np.isfinite(ms):
+                bad[i] = 1
+                nbad += 1
+                continue
+            r = 1 / np.sqrt(ms + eps)
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    j = j0 + k
+                    xv = np.float64(xi[j]) * r
+                    xh[j] = xv
+                    gw = np.float64(gi[j]) * np.float64(w[j]) if has_w else np.float64(gi[j])
+                    acc[k] += gw * xv
+            c = 0.0
+            for k in range(LANES):
+                c += acc[k]
+            for j in range(m, n):
+                xv = np.float64(xi[j]) * r
+                xh[j] = xv
+                gw = np.float64(gi[j]) * np.float64(w[j]) if has_w else np.float64(gi[j])
+                c += gw * xv
+            c /= n
+            for j in range(n):
+                gv = np.float64(gi[j])
+                if has_w:
+                    dw[j] += gv * xh[j]
+                    gv = gv * np.float64(w[j])
+                d = (gv - xh[j] * c) * r
+                if has_h:
+                    d += np.float64(h[i, j])
+                di[j] = d
+        return nbad
+
+    @_jit
+    def _ln_fwd(x, w, has_w, b, has_b, eps, y, bad, acc):
+        """layernorm per row as the NumPy kernel: d = (x - x0) - mean(x - x0), y = d / sqrt(mean(d^2) + eps)
+        (* w, + b). bad[i] = 1 where the statistics are not finite."""
+        rows, n = x.shape
+        nbad = 0
+        for i in range(rows):
+            xi, yi = x[i], y[i]
+            x0 = xi[0]
+            mean = _sum8(xi, x0, _as(x, 0.0), False) / _as(x, n)
+            s = _sum8(xi, x0, mean, True)
+            var = s / _as(x, n)
+            if not (np.isfinite(var) and np.isfinite(mean)):
+                bad[i] = 1
+                nbad += 1
+                continue
+            r = _as(x, 1.0) / np.sqrt(var + eps)
+            if has_w and has_b:  # one loop per case: a branch inside kept the loop from vectorising
+                for j in range(n):
+                    yi[j] = (((xi[j] - x0) - mean) * r) * w[j] + b[j]
+            elif has_w:
+                for j in range(n):
+                    yi[j] = (((xi[j] - x0) - mean) * r) * w[j]
+            elif has_b:
+                for j in range(n):
+                    yi[j] = ((xi[j] - x0) - mean) * r + b[j]
+            else:
+                for j in range(n):
+                    yi[j] = ((xi[j] - x0) - mean) * r
+        return nbad
+
+    @_jit
+    def _softmax_fwd(x, y, bad, acc):
+        """exp(x) / sum(exp(x)) per row (the NumPy kernel's unshifted form); bad[i] = 1 where an exp would leave
+        the normal range (then so may the row sum: the NumPy kernel decides) or the sum is not in [1, max]."""
+        rows, n = x.shape
+        hi = _hi(x)
+        lo = -hi
+        nbad = 0
+        m = n - n % LANES
+        for i in range(rows):
+            xi, yi = x[i], y[i]
+            out = 0
+            for j in range(n):
+                v = xi[j]
+                out += not (v >= lo and v <= hi)
+            if out:
+                bad[i] = 1
+                nbad += 1
+                continue
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    e = _exp(xi[j0 + k])
+                    yi[j0 + k] = e
+                    acc[k] += e
+            s = _as(acc, 0.0)
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(m, n):
+                e = _exp(xi[j])
+                yi[j] = e
+                s += e
+            if not (s >= 1 and np.isfinite(s)):
+                bad[i] = 1
+                nbad += 1
+                continue
+            for j in range(n):
+                yi[j] = yi[j] / s
+        return nbad
+
+    @_jit
+    def _softmax_bwd(g, yv, dst, bad, acc):
+        """y (g - s), s = sum(g y) in float64 from exact products, applied to float32 rows as (g - s_hi) - s_lo
+        (the NumPy kernel's arithmetic); bad[i] = 1 where the result is not finite."""
+        rows, n = g.shape
+        nbad = 0
+        m = n - n % LANES
+        for i in range(rows):
+            gi, yi, di = g[i], yv[i], dst[i]
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    acc[k] += np.float64(gi[j0 + k]) * np.float64(yi[j0 + k])
+            s = 0.0
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(m, n):
+                s += np.float64(gi[j]) * np.float64(yi[j])
+            s_hi = _as(g, s)
+            s_lo = _as(g, s - np.float64(s_hi))
+            fin = 0
+            for j in range(n):
+                d = ((gi[j] - s_hi) - s_lo) * yi[j]  # float64: s_lo == 0, (g - s) exactly
+                di[j] = d
+                fin += not np.isfinite(d)
+            if fin:
+                bad[i] = 1
+                nbad += 1
+        return nbad
+
+    # ----------------------------------------------------------------------- activations (1-d blocks)
+
+    @_jit
+    def _silu(x, y, mark, flags):
+        """x / (1 + exp(-x)) where x >= -hi (exp(-x) stays normal and finite; x = +inf gives inf);
+        returns the count of elements not handled (x below that, -inf, NaN), marked in `flags` when `mark`."""
+        hi = _hi(x)
+        lo = -hi
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            if not (v >= lo):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+            a = min(-v, hi)
+            a = max(a, -hi)  # exp(-hi) + 1 == 1: the same as exp underflowing to 0
+            y[j] = v / (_as(x, 1.0) + _exp(a))
+        return nbad
+
+    @_inline
+    def _sigmoid_terms(z, tt, hi):
+        """sigmoid(z) + tt sigmoid(z) sigmoid(-z), as q (num + tt e q), e = exp(-|z|), q = 1 / (1 + e),
+        num = max(e, z >= 0): the NumPy kernel's formula. |z| is clipped to the exp's range (e is 0 below)."""
+        e = _exp(max(-abs(z), -hi))  # callers leave |z| > hi to the NumPy kernel
+        num = max(e, _as(hi, 1.0) if z >= 0 else _as(hi, 0.0))
+        q = _as(hi, 1.0) / (e + _as(hi, 1.0))
+        return (num + (tt * e) * q) * q
+
+    @_jit
+    def _silu_grad(x, g, y, mark, flags):
+        """y = g silu'(x) = g (sigmoid(x) + x sigmoid(x) sigmoid(-x)); count of elements not handled
+        (non-finite x, g or result: the NumPy kernel has rules for those)."""
+        hi = _hi(x)
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            d = _sigmoid_terms(v, v, hi) * g[j]
+            y[j] = d
+            if not (np.isfinite(d) and abs(v) <= hi):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+        return nbad
+
+    @_jit
+    def _gelu_tanh(x, y, mark, flags):
+        """x / (1 + exp(-2u)), 2u = x (c1 + c3 x^2) as the NumPy kernel forms it; count of elements not handled
+        (exp(-2u) leaving the range: x below about -10, -inf, NaN)."""
+        c3, c1 = _as(x, 2 * _SQRT_2_OVER_PI * 0.044715), _as(x, 2 * _SQRT_2_OVER_PI)
+        hi = _hi(x)
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            tu = ((v * v) * c3 + c1) * v
+            if not (tu >= -hi):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+            a = max(min(-tu, hi), -hi)
+            y[j] = v / (_as(x, 1.0) + _exp(a))
+        return nbad
+
+    @_jit
+    def _gelu_tanh_grad(x, g, y, mark, flags):
+        """y = g d/dx x sigmoid(2u) = g (sigmoid(2u) + x 2u' sigmoid(2u) sigmoid(-2u)), x clipped to +-64 as the
+        NumPy kernel does; count of elements not handled (non-finite x or result)."""
+        c3, c1 = _as(x, 2 * _SQRT_2_OVER_PI * 0.044715), _as(x, 2 * _SQRT_2_OVER_PI)
+        d3 = _as(x, 6 * _SQRT_2_OVER_PI * 0.044715)
+        hi = _hi(x)
+        lim = _as(x, 64.0)
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            xc = min(max(v, -lim), lim)
+            x2 = xc * xc
+            tu = (x2 * c3 + c1) * xc
+            tt = (x2 * d3 + c1) * xc
+            d = _sigmoid_terms(tu, tt, hi) * g[j]
+            y[j] = d
+            if not (np.isfinite(d) and abs(tu) <= hi):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+        return nbad
+
+    @_jit
+    def _swiglu(gate, up, y, mark, flags):
+        """gate * (sigmoid(gate) * up), sigmoid = max(e, gate >= 0) / (1 + e) with e = exp(-|gate|) (the NumPy
+        kernel's roundings); count of elements not handled (gate < -DEEP or NaN: the careful formula's)."""
+        deep = -_deep(gate)
+        lo = -_hi(gate)
+        nbad = 0
+        for j in range(gate.size):
+            v = gate[j]
+            if not (v >= deep):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+            a = max(-abs(v), lo)
+            e = _exp(a)
+            s = max(e, _as(e, 1.0) if v >= 0 else _as(e, 0.0)) / (e + _as(e, 1.0))
+            y[j] = v * (s * up[j])
+        return nbad
+
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+_INV_SQRT2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+# _activations._ERFC_P: the erfc fit's polynomial, highest order first (Horner)
+_P9, _P8, _P7, _P6, _P5, _P4, _P3, _P2, _P1, _P0 = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807,
+                                                    -0.18628806, 0.09678418, 0.37409196, 1.00002368, -1.26551223)
+_ERF_ABS_MAX = 13.0  # beyond, exp(-a*a/2) leaves float32's normal range: the NumPy kernels take those elements
+
+if numba is not None:
+
+    @_inline
+    def _erfc_fit(a):
+        """(t, P(t), exp(hi*hi*-0.5), lo) of _activations._erfc_fit32 for a float32 a in [0, 13], the same
+        operations in the same order."""
+        z = a * np.float32(_INV_SQRT2)
+        t = np.float32(1) / (np.float32(1) + np.float32(0.5) * z)
+        p = np.float32(_P9)
+        p = p * t + np.float32(_P8)
+        p = p * t + np.float32(_P7)
+        p = p * t + np.float32(_P6)
+        p = p * t + np.float32(_P5)
+        p = p * t + np.float32(_P4)
+        p = p * t + np.float32(_P3)
+        p = p * t + np.float32(_P2)
+        p = p * t + np.float32(_P1)
+        p = p * t + np.float32(_P0)
+        hi = _int_as_float(_float_as_int(a) & np.int32(-4096))  # a's top 12 significand bits: hi*hi exact
+        lo = (a - hi) * (a + hi)
+        return t, p, _exp32(hi * hi * np.float32(-0.5)), lo * np.float32(-0.5)
+
+    @_jit
+    def _gelu_erf(x, y, mark, flags):
+        """x Phi(x), Phi(x) = q or 1 - q with q = Phi(-|x|) from the erfc fit (the NumPy kernel's float32 formula);
+        count of elements not handled (|x| > 13, NaN, inf), marked in `flags` when `mark`."""
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            a = abs(v)
+            if not (a <= np.float32(_ERF_ABS_MAX)):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+                a = np.float32(0)
+            t, p, e_hi, lo = _erfc_fit(a)
+            q = np.float32(0.5) * t * e_hi * _exp32(lo + p)
+            y[j] = v * (q if v < 0 else np.float32(1) - q)
+        return nbad
+
+    @_jit
+    def _gelu_erf_grad(x, g, y, mark, flags):
+        """g (H + s (|x| phi(x) - Phi(-|x|))), s = sign(x), H = (s > 0): _activations.gelu_erf_grad's float32
+        formula; count of elements not handled (|x| > 13, non-finite x or result)."""
+        nbad = 0
+        for j in range(x.size):
+            v = x[j]
+            a = abs(v)
+            ok = a <= np.float32(_ERF_ABS_MAX)
+            if not ok:
+                a = np.float32(0)
+            t, p, e_hi, lo = _erfc_fit(a)
+            d = _exp32(lo) * e_hi
+            tail = _exp32(lo + p) * t * e_hi * np.float32(0.5)
+            d = d * np.float32(_INV_SQRT_2PI)
+            dens = d * a - tail
+            sg = np.float32(-1) if _float_as_int(v) < 0 else np.float32(1)  # copysign(1, x): -0.0 gives -1
+            r = (max(sg, np.float32(0)) + dens * sg) * g[j]
+            y[j] = r
+            if not (ok and np.isfinite(r)):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+        return nbad
+
+
+# --------------------------------------------------------------------------- the op files' entry points
+
+def _lanes(dtype) -> np.ndarray:
+    """Scratch for the LANES partial sums. Every buffer the loops use is made here, in Python, with np.zeros: the
+    conformance suite patches np.empty (poisoned outputs), which numba's own allocations cannot call."""
+    return np.zeros(LANES, dtype)
+
+
+def _flags(rows: int) -> np.ndarray:
+    return np.zeros(rows, np.uint8)
+
+
+def _weight(w, dtype) -> tuple:
+    """(w as a contiguous array of `dtype`, has_w) with a 1-element dummy for None (one signature either way)."""
+    if w is None:
+        return np.zeros(1, dtype), False
+    return np.ascontiguousarray(w, dtype=dtype), True
+
+
+def rms_forward(xf: np.ndarray, w, eps: float, y: np.ndarray):
+    """rmsnorm of the rows `xf` into `y` (both float32 or float64, C-contiguous); returns the indices of the rows
+    left for the NumPy kernel (None when none)."""
+    wt, has_w = _weight(w, xf.dtype)
+    bad = _flags(xf.shape[0])
+    if _rms_fwd(xf, wt, has_w, xf.dtype.type(eps), y, bad, _lanes(xf.dtype)):
+        return np.flatnonzero(bad)
+    return None
+
+
+def rms_backward(xf, gf, w, eps: float, hf, dx, dw):
+    """rmsnorm's backward of the rows (float32/float64 xf, gf, hf; dx in the same dtype) in float64; adds the rows'
+    g xhat into the float64 `dw` (when w is given). hf: grad of add_rmsnorm's sum, added to dx, or None.
+    Returns the indices of the rows left for the NumPy kernel (not in dx, not in dw), or None."""
+    wt, has_w = _weight(w, np.float64) if w is not None else (np.zeros(1, np.float64), False)
+    h, has_h = (hf, True) if hf is not None else (np.zeros((1, 1), xf.dtype), False)
+    bad = _flags(xf.shape[0])
+    dwt = dw if dw is not None else np.zeros(1, np.float64)
+    if _rms_bwd(xf, gf, wt, has_w, float(eps), h, has_h, dx, dwt, bad, _lanes(np.float64),
+                np.zeros(xf.shape[1], np.float64)):
+        return np.flatnonzero(bad)
+    return None
+
+
+def ln_forward(xf, w, b, eps: float, y):
+    """layernorm of the rows `xf` into `y` (float32/float64); the indices of rows left to NumPy, or None."""
+    wt, has_w = _weight(w, xf.dtype)
+    bt, has_b = _weight(b, xf.dtype)
+    bad = _flags(xf.shape[0])
+    if _ln_fwd(xf, wt, has_w, bt, has_b, xf.dtype.type(eps), y, bad, _lanes(xf.dtype)):
+        return np.flatnonzero(bad)
+    return None
+
+
+def softmax_forward(xf, y):
+    bad = _flags(xf.shape[0])
+    return np.flatnonzero(bad) if _softmax_fwd(xf, y, bad, _lanes(xf.dtype)) else None
+
+
+def softmax_backward(gf, yf, dst):
+    bad = _flags(gf.shape[0])
+    return np.flatnonzero(bad) if _softmax_bwd(gf, yf, dst, bad, _lanes(np.float64)) else None
+
+
+_NO_FLAGS = np.zeros(1, np.uint8)
+
+
+def activation(loop, careful):
+    """A block function `fn(y, *xs)` for `_activations.elementwise`: the fused loop, then the NumPy block function
+    `careful` on the elements the loop reports it did not handle (NaN, inf, exp arguments out of range). Both
+    decide element by element, so no element's result depends on its block (or the thread count)."""
+
+    def fn(y, *xs):
+        if loop(*xs, y, False, _NO_FLAGS):  # the rare case: run again, marking the elements left
+            flags = np.zeros(y.size, np.uint8)
+            loop(*xs, y, True, flags)
+            idx = np.flatnonzero(flags)
+            y[idx] = careful(np.zeros(idx.size, y.dtype), *[a[idx] for a in xs])
+        return y
+
+    fn.__name__ = f"fused_{getattr(careful, '__name__', 'block')}"
+    return fn
+
+
+def silu_block(careful):
+    return activation(_silu, careful)
+
+
+def silu_grad_block(careful):
+    return activation(_silu_grad, careful)
+
+
+def gelu_tanh_block(careful):
+    return activation(_gelu_tanh, careful)
+
+
+def gelu_tanh_grad_block(careful):
+    return activation(_gelu_tanh_grad, careful)
+
+
+def swiglu_block(careful):
+    return activation(_swiglu, careful)
+
+
+def gelu_erf_block(careful):
+    return activation(_gelu_erf, careful)
+
+
+def gelu_erf_grad_block(careful):
+    return activation(_gelu_erf_grad, careful)
+
+
+if numba is not None:
+
+    @_jit
+    def _swiglu_grad(gate, up, g, dg, du, mark, flags):
+        """dup = swiglu(gate, grad) (the forward's float32 formula) and dgate = (silu'(gate) grad) up in float64,
+        rounded once, silu'(x) = (1 + x e / (1 + e)) / (1 + e), e = exp(-x) (_activations._silu_grad64's order),
+        as the NumPy kernel does for float32 inputs; count of elements not handled (gate < -64 or NaN, a result
+        that is not finite), marked in `flags` when `mark`."""
+        deep = -_deep(gate)
+        lo = -_hi(gate)
+        one = _as(gate, 1.0)
+        for_each = gate.size
+        nbad = 0
+        for j in range(for_each):
+            v = gate[j]
+            e = _exp32(max(-abs(v), lo))
+            sg = max(e, one if v >= 0 else _as(gate, 0.0)) / (e + one)
+            u = v * (sg * g[j])
+            du[j] = u
+            v64 = np.float64(v)
+            e64 = _exp64(max(-v64, -700.0))
+            d = (1.0 + v64 * e64 / (1.0 + e64)) / (1.0 + e64)
+            r = (d * np.float64(g[j])) * np.float64(up[j])
+            dg[j] = r
+            if not (v >= deep and np.isfinite(u) and np.isfinite(np.float32(r))):
+                nbad += 1
+                if mark:
+                    flags[j] = 1
+        return nbad
+
+
+_SWIGLU_DEEP = 64.0  # _activations.DEEP[float32], the loops' `_deep`
+
+
+def swiglu_backward_block(careful):
+    """The block function (dg, du, gate, up, grad) of swiglu's backward: the fused loop, then `careful` (the NumPy
+    block function) on the elements it leaves."""
+
+    def fn(dg, du, gate, up, g):
+        if _swiglu_grad(gate, up, g, dg, du, False, _NO_FLAGS):
+            flags = np.zeros(gate.size, np.uint8)
+            _swiglu_grad(gate, up, g, dg, du, True, flags)
+            idx = np.flatnonzero(flags)
+            a, b = careful(np.zeros(idx.size, dg.dtype), np.zeros(idx.size, du.dtype), gate[idx], up[idx], g[idx])
+            dg[idx] = a
+            # dup is swiglu(gate, grad) bit for bit: the NumPy one only where the forward's loop leaves it too
+            fwd_left = ~(gate[idx] >= -_SWIGLU_DEEP)
+            du[idx[fwd_left]] = b[fwd_left]
+        return dg, du
+
+    return fn
+
+
+if numba is not None:
+
+    @_jit
+    def _ln_bwd(x, g, w, has_w, eps, dx, dw, db, bad, acc, acc2, xh):
+        """layernorm's backward per row in float64: xhat = d r with d = (x - x0) - mean(x - x0), r = 1/sqrt(var + eps);
+        dx = ((g w - mean(g w)) - xhat mean(g w xhat)) r, the NumPy kernel's order; dw += g xhat and db += g over
+        the rows handled. bad[i] = 1 (row left to the NumPy kernel, not in dw/db) where the statistics or dx are
+        not finite, or rows of 2 elements (the NumPy kernel's exact form)."""
+        rows, n = x.shape
+        m = n - n % LANES
+        nbad = 0
+        for i in range(rows):
+            xi, gi, di = x[i], g[i], dx[i]
+            x0 = np.float64(xi[0])
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    acc[k] += np.float64(xi[j0 + k]) - x0
+            s = 0.0
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(m, n):
+                s += np.float64(xi[j]) - x0
+            mean = s / n
+            acc[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    d = (np.float64(xi[j0 + k]) - x0) - mean
+                    acc[k] += d * d
+            s = 0.0
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(m, n):
+                d = (np.float64(xi[j]) - x0) - mean
+                s += d * d
+            var = s / n
+            if n == 2 or not (np.isfinite(var) and np.isfinite(mean)):
+                bad[i] = 1
+                nbad += 1
+                continue
+            r = 1.0 / np.sqrt(var + eps)
+            acc[:] = 0
+            acc2[:] = 0
+            for j0 in range(0, m, LANES):
+                for k in range(LANES):
+                    j = j0 + k
+                    xv = ((np.float64(xi[j]) - x0) - mean) * r
+                    xh[j] = xv
+                    gw = np.float64(gi[j]) * w[j] if has_w else np.float64(gi[j])
+                    acc[k] += gw
+                    acc2[k] += (np.float64(gi[j]) * xv) * w[j] if has_w else np.float64(gi[j]) * xv
+            sg = 0.0
+            c = 0.0
+            for k in range(LANES):
+                sg += acc[k]
+                c += acc2[k]
+            for j in range(m, n):
+                xv = ((np.float64(xi[j]) - x0) - mean) * r
+                xh[j] = xv
+                gw = np.float64(gi[j]) * w[j] if has_w else np.float64(gi[j])
+                sg += gw
+                c += (np.float64(gi[j]) * xv) * w[j] if has_w else np.float64(gi[j]) * xv
+            mg = sg / n
+            c = c / n
+            fin = 0
+            for j in range(n):
+                gw = np.float64(gi[j]) * w[j] if has_w else np.float64(gi[j])
+                d = ((gw - mg) - xh[j] * c) * r
+                di[j] = d
+                fin += not np.isfinite(d)
+            if fin:
+                bad[i] = 1
+                nbad += 1
+                continue
+            for j in range(n):
+                gv = np.float64(gi[j])
+                dw[j] += gv * xh[j]
+                db[j] += gv
+        return nbad
+
+
+def ln_backward(xf, gf, w, eps: float, dx, dw, db):
+    """layernorm's backward of the rows (float32 xf, gf; dx float32) in float64; adds the rows' g xhat and g into
+    the float64 `dw` and `db`. Returns the indices of the rows left for the NumPy kernel (not in dx, dw, db), or None."""
+    wt, has_w = _weight(w, np.float64)
+    bad = _flags(xf.shape[0])
+    n = xf.shape[1]
+    if _ln_bwd(xf, gf, wt, has_w, float(eps), dx, dw, db, bad, _lanes(np.float64), _lanes(np.float64), np.zeros(n)):
+        return np.flatnonzero(bad)
+    return None
+
+
+if numba is not None:
+
+    @_jit
+    def _rope(x, c, sn, interleaved, y):
+        """y = (x1 c - x2 s, x2 c + x1 s) per pair, the NumPy kernel's roundings; x, y [B, H, S, D] (float32),
+        tables [Bc, S, D/2] with Bc = 1 (shared) or B."""
+        nb, nh, ns, d = x.shape
+        half = d // 2
+        for b in range(nb):
+            cb, sb = c[b if c.shape[0] > 1 else 0], sn[b if c.shape[0] > 1 else 0]
+            for h in range(nh):
+                for t in range(ns):
+                    xr, yr, cr, sr = x[b, h, t], y[b, h, t], cb[t], sb[t]
+                    if interleaved:
+                        for i in range(half):
+                            x1, x2 = xr[2 * i], xr[2 * i + 1]
+                            yr[2 * i] = x1 * cr[i] - x2 * sr[i]
+                            yr[2 * i + 1] = x2 * cr[i] + x1 * sr[i]
+                    else:
+                        for i in range(half):
+                            x1, x2 = xr[i], xr[i + half]
+                            yr[i] = x1 * cr[i] - x2 * sr[i]
+                            yr[i + half] = x2 * cr[i] + x1 * sr[i]
+
+
+def rope(xb: np.ndarray, c: np.ndarray, sn: np.ndarray, interleaved: bool, y: np.ndarray) -> None:
+    """rope of the float32 block xb [b, h, S, D] into y, tables [S, D/2] or [b or 1, S, D/2] (float32, contiguous).
+    Elementwise products and sums: no value needs the NumPy kernel (inf and NaN propagate as there)."""
+    if c.ndim == 2:
+        c, sn = c[None], sn[None]
+    _rope(xb, c, sn, interleaved, y)
+
+
+if numba is not None:
+
+    @_inline
+    def _exp32_low(x):
+        """exp of a float32 x <= 87, down into the subnormals (x < -87.3): 2^k in two normal halves, so the
+        product rounds into the subnormal range instead of needing an exponent below -126; 0 below -104."""
+        x = max(x, np.float32(-104.0))
+        k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+        r = x - k * np.float32(0.693359375)
+        r = r - k * np.float32(-2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        ki = np.int32(k)
+        k1 = ki >> np.int32(1)
+        return (p * _int_as_float((k1 + np.int32(127)) << np.int32(23))) * _int_as_float(
+            (ki - k1 + np.int32(127)) << np.int32(23))
+
+    @_jit
+    def _ce_stats(x, pivot, want_d, m_out, s_out, d_out, bad, acc, acc2):
+        """Per row of float32 logits: m = max, s = sum exp(x - m), d = sum(x - pivot) (when want_d), each in float32
+        over LANES partial sums. bad[i] = 1 (row left to the NumPy kernel) where m or s is not finite (inf, NaN,
+        all -inf)."""
+        rows, v = x.shape
+        mm = v - v % LANES
+        nbad = 0
+        for i in range(rows):
+            xi = x[i]
+            acc[:] = -np.inf
+            for j0 in range(0, mm, LANES):
+                for k in range(LANES):
+                    acc[k] = max(acc[k], xi[j0 + k])
+            m = _as(x, -np.inf)
+            for k in range(LANES):
+                m = max(m, acc[k])
+            for j in range(mm, v):
+                m = max(m, xi[j])
+            acc[:] = 0
+            for j0 in range(0, mm, LANES):
+                for k in range(LANES):
+                    acc[k] += _exp32_low(xi[j0 + k] - m)
+            s = _as(x, 0.0)
+            for k in range(LANES):
+                s += acc[k]
+            for j in range(mm, v):
+                s += _exp32_low(xi[j] - m)
+            if not (np.isfinite(m) and np.isfinite(s)):  # NaN anywhere makes s NaN
+                bad[i] = 1
+                nbad += 1
+                continue
+            m_out[i], s_out[i] = m, s
+            if want_d:
+                pv = pivot[i]
+                acc2[:] = 0
+                for j0 in range(0, mm, LANES):
+                    for k in range(LANES):
+                        acc2[k] += xi[j0 + k] - pv
+                d = _as(x, 0.0)
+                for k in range(LANES):
+                    d += acc2[k]
+                for j in range(mm, v):
+                    d += xi[j] - pv
+                d_out[i] = d
+        return nbad
+
+    @_jit
+    def _ce_grad(x, a, b, epsv, c, y, bad):
+        """y = (exp((x - a) - b) - eps/V) c per row (the NumPy kernel's order; the target column is the caller's).
+        bad[i] = 1 where an exp argument exceeds 87 or is NaN (the NumPy kernel decides those rows)."""
+        rows, v = x.shape
+        nbad = 0
+        for i in range(rows):
+            xi, yi = x[i], y[i]
+            ai, bi, ci = a[i], b[i], c[i]
+            out = 0
+            for j in range(v):
+                t = (xi[j] - ai) - bi
+                out += not (t <= np.float32(87.0))
+                yi[j] = (_exp32_low(min(t, np.float32(87.0))) - epsv) * ci
+            if out:
+                bad[i] = 1
+                nbad += 1
+        return nbad
+
+
+def ce_stats(xf: np.ndarray, pivot: np.ndarray, want_d: bool) -> tuple:
+    """(m, s, d, rows left to NumPy or None) of cross_entropy's rows, float32 logits [rows, V]."""
+    rows = xf.shape[0]
+    m, s, d = np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+    bad = _flags(rows)
+    nbad = _ce_stats(xf, pivot.astype(np.float32), want_d, m, s, d, bad, np.zeros(LANES, np.float32),
+                     np.zeros(LANES, np.float32))
+    return m, s, d, (np.flatnonzero(bad) if nbad else None)
+
+
+def ce_grad(xf, a, b, epsv, c, y) -> np.ndarray | None:
+    bad = _flags(xf.shape[0])
+    if _ce_grad(xf, a.astype(np.float32), b.astype(np.float32), np.float32(epsv), c.astype(np.float32), y, bad):
+        return np.flatnonzero(bad)
+    return None

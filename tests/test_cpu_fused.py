@@ -1,0 +1,185 @@
+"""The cpu backend's fused numba loops (opport/backends/cpu/_fused.py): used when numba is present, off with
+OPPORT_NUMBA=0, within each op's tolerance of the NumPy kernels (and of the reference), the NumPy kernel's exact
+bits on the rows the loops leave to it, and bitwise the same at 1 and 2 threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import opport.backends.cpu._common as common
+from opport.accuracy import compare
+from opport.backends.cpu import _fused
+from opport.ops import get_op
+from opport.spec import Case
+from tests.ops._check import assert_matches, cpu_kernel
+
+pytest.importorskip("numba")
+
+# (name, op, which fused entry points it must call)
+PATHS = [
+    ("rmsnorm", "rmsnorm", ("rms_forward",)),
+    ("rmsnorm_backward", "rmsnorm", ("rms_backward",)),
+    ("add_rmsnorm", "add_rmsnorm", ("rms_forward",)),
+    ("add_rmsnorm_backward", "add_rmsnorm", ("rms_backward",)),
+    ("layernorm", "layernorm", ("ln_forward",)),
+    ("layernorm_backward", "layernorm", ("ln_backward",)),
+    ("softmax", "softmax", ("softmax_forward",)),
+    ("softmax_backward", "softmax", ("softmax_backward",)),
+    ("silu", "silu", ("_silu",)),
+    ("silu_backward", "silu", ("_silu_grad",)),
+    ("gelu_tanh", "gelu", ("_gelu_tanh",)),
+    ("gelu_tanh_backward", "gelu", ("_gelu_tanh_grad",)),
+    ("gelu_erf", "gelu", ("_gelu_erf",)),
+    ("gelu_erf_backward", "gelu", ("_gelu_erf_grad",)),
+    ("rope", "rope", ("rope",)),
+    ("rope_backward", "rope", ("rope",)),
+    ("cross_entropy", "cross_entropy", ("ce_stats",)),
+    ("cross_entropy_value_and_grad", "cross_entropy", ("ce_stats", "ce_grad")),
+    ("swiglu", "swiglu", ("_swiglu",)),
+    ("swiglu_backward", "swiglu", ("_swiglu_grad",)),
+]
+
+
+def _inputs(name: str, dtype: str, rows: int = 64, n: int = 1000, special: bool = False):
+    """(spec, args) of the kernel `name` on random inputs; `special` plants rows/elements the loops leave to NumPy."""
+    rng = np.random.default_rng(3)
+    dt = np.dtype(dtype) if dtype != "bfloat16" else np.dtype("bfloat16")
+
+    def arr(shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(dt)
+
+    x = arr((rows, n), 2.0)
+    if special:  # overflowing sums of squares, inf, NaN, deep negative tails
+        big = np.finfo(np.float32).max / 4 if dtype != "float64" else 1e300
+        x[3, :] = np.asarray(big, dt) if dtype != "float16" else np.float16(60000)
+        x[5, 7], x[9, 1], x[11, 2], x[13, 4] = np.nan, np.inf, -np.inf, -120
+    w = (rng.uniform(0.5, 1.5, n)).astype(dt)
+    g = arr((rows, n))
+    op = name.removesuffix("_value_and_grad").removesuffix("_backward").removesuffix("_tanh").removesuffix("_erf")
+    approximate = "none" if "_erf" in name else "tanh"
+    spec = get_op(op)
+    bwd = name.endswith("_backward")
+    if op == "rmsnorm":
+        args = (g, x, w, 1e-6) if bwd else (x, w, 1e-6)
+    elif op == "add_rmsnorm":
+        args = (g, arr((rows, n)), x, w, 1e-6) if bwd else (x, arr((rows, n)), w, 1e-6)
+    elif op == "layernorm":
+        args = (g, x, w, w, 1e-5) if bwd else (x, w, w, 1e-5)
+    elif op == "softmax":
+        args = (g, cpu_kernel(spec)(x, -1), -1) if bwd else (x, -1)
+    elif op == "rope":  # x [B=4, H=2, S=rows/8, D=n], per-batch tables [4, S, D/2], half-split and interleaved
+        ang = rng.uniform(-10, 10, (4, rows // 8, n // 2))
+        args = ((g if bwd else x).reshape(4, 2, rows // 8, n), np.cos(ang), np.sin(ang), special)
+    elif op == "cross_entropy":  # smoothing, an ignored row
+        t = rng.integers(0, n, rows)
+        t[20] = -100
+        vag = name.endswith("_value_and_grad")
+        return (spec.value_and_grad_op if vag else spec), (x, t, -100, "mean", 0.1)
+    elif op == "gelu":
+        args = (g, x, approximate) if bwd else (x, approximate)
+    elif op == "swiglu":
+        args = (g, x, arr((rows, n), 3.0)) if bwd else (x, arr((rows, n), 3.0))
+    else:
+        args = (g, x) if bwd else (x,)
+    return (spec.backward_op if bwd else spec), args
+
+
+def _run(monkeypatch, spec, args, numba_on: bool):
+    monkeypatch.setenv("OPPORT_NUMBA", "1" if numba_on else "0")
+    out = cpu_kernel(spec)(*args)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _spy(monkeypatch, names):
+    calls = {n: 0 for n in names}
+    for n in names:
+        real = getattr(_fused, n)
+
+        def wrapped(*a, _real=real, _n=n, **k):
+            calls[_n] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(_fused, n, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("name,op,entry", PATHS, ids=[p[0] for p in PATHS])
+def test_fused_path_is_taken_and_switched_off(monkeypatch, name, op, entry):
+    spec, args = _inputs(name, "float32")
+    calls = _spy(monkeypatch, entry)
+    _run(monkeypatch, spec, args, numba_on=True)
+    assert all(calls[e] > 0 for e in entry), f"{name}: fused loop not called with numba present: {calls}"
+    for e in entry:
+        calls[e] = 0
+    _run(monkeypatch, spec, args, numba_on=False)
+    assert not any(calls.values()), f"{name}: OPPORT_NUMBA=0 still called {calls}"
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16"))
+@pytest.mark.parametrize("name,op,entry", PATHS, ids=[p[0] for p in PATHS])
+def test_fused_agrees_with_numpy_within_tolerance(monkeypatch, name, op, entry, dtype):
+    """Both paths against the float64 reference, and the fused result against the NumPy kernel's, each within
+    the op's tolerance for the dtype; elements the loops leave to NumPy (`special` rows) bitwise NumPy's."""
+    for special in (False, True):
+        spec, args = _inputs(name, dtype, special=special)
+        fused = _run(monkeypatch, spec, args, numba_on=True)
+        plain = _run(monkeypatch, spec, args, numba_on=False)
+        for i, (f, p) in enumerate(zip(fused, plain)):
+            if f is None:
+                continue
+            assert f.dtype == p.dtype and f.shape == p.shape
+            if op == "cross_entropy" and special:  # rows 5 (NaN) and 9 (+inf): the NumPy kernel's
+                if f.ndim == 2:
+                    np.testing.assert_array_equal(f[[5, 9]], p[[5, 9]], err_msg=name)
+                continue
+            if op == "rope":  # products and sums in the NumPy kernel's order: the same bits, NaN and inf included
+                np.testing.assert_array_equal(f, p, err_msg=f"{name} {dtype}")
+                continue
+            if special and f.ndim == 1:  # dweight, dbias: sums over rows (with NaN rows: NaN where NumPy's are)
+                np.testing.assert_array_equal(np.isnan(f.astype(np.float64)), np.isnan(p.astype(np.float64)))
+                continue
+            if special:  # rows 3, 5, 9, 11 hold values only the NumPy kernels handle
+                if op in ("rmsnorm", "add_rmsnorm", "layernorm", "softmax"):  # those rows, by the NumPy kernel
+                    rows = [3, 5, 9, 11]  # sums of squares that overflow, NaN, inf, -inf (exp out of range)
+                    if name.endswith("_backward"):  # the backward loops leave rows whose sums or results are not finite
+                        rows = np.flatnonzero(~np.isfinite(p.astype(np.float64)).all(axis=-1))
+                        assert rows.size
+                    np.testing.assert_array_equal(f[rows], p[rows], err_msg=f"{name}[{i}] left rows")
+                else:  # the elements the loop leaves (NaN, inf, deep tails) are the NumPy block function's
+                    left = [(5, 7), (9, 1), (11, 2), (13, 4)]
+                    np.testing.assert_array_equal(f[tuple(zip(*left))], p[tuple(zip(*left))], err_msg=f"{name}[{i}]")
+                continue  # the reference comparison of inf/NaN inputs is the conformance suite's job
+            tol = spec.tolerances[dtype]
+            out_dtype = spec.fixed_out_dtype or dtype
+            v = compare(f, p.astype(np.float64), tol, out_dtype)
+            assert v.ok, f"{name}[{i}] {dtype}: fused vs NumPy: {v.message}"
+        if not special and not name.endswith("_backward") and len(fused) == 1:
+            kwargs = {"approximate": args[1]} if op == "gelu" else {}
+            assert_matches(spec, Case("fused", args[:1] if kwargs else args, kwargs), dtype, fused[0])
+
+
+@pytest.mark.parametrize("name,op,entry", PATHS, ids=[p[0] for p in PATHS])
+def test_fused_bitwise_same_at_1_and_2_threads(monkeypatch, name, op, entry):
+    """Inputs above PARALLEL_MIN (two shares of the pool), with special rows: the same bits on 1 and 2 threads."""
+    spec, args = _inputs(name, "float32", rows=600, n=1024, special=True)
+    monkeypatch.setenv("OPPORT_NUMBA", "1")
+    outs = []
+    for threads in (1, 2):
+        monkeypatch.setenv("OPPORT_NUM_THREADS", str(threads))
+        out = cpu_kernel(spec)(*args)
+        outs.append(out if isinstance(out, tuple) else (out,))
+    assert 600 * 1024 >= common.PARALLEL_MIN
+    for a, b in zip(*outs):
+        if a is not None:
+            np.testing.assert_array_equal(a, b, err_msg=f"{name}: 1 vs 2 threads")
+
+
+def test_switch_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("OPPORT_NUMBA", "0")
+    assert not _fused.enabled()
+    monkeypatch.delenv("OPPORT_NUMBA")
+    assert _fused.enabled() and _fused.enabled(np.dtype("float32")) and _fused.enabled(np.dtype("bfloat16"))
+    assert not _fused.enabled(np.dtype("float64"))  # float64 keeps the NumPy kernels (one compiled signature)
+    monkeypatch.setattr(_fused, "numba", None)
+    assert not _fused.enabled()
