@@ -5,8 +5,8 @@ matrix's height, even the values of the other rows in a zero-padded block of fix
 0.3.31, Haswell kernels, one thread and two). So under the mode the GEMMs whose rows are a batch's rows (matmul,
 the LM-head losses, the MoE experts) run `rows_matmul`: every output element accumulates a[i, k] b[k, j] for
 k = 0, 1, ..., K - 1 in that order, in the accumulation dtype, whatever i is and whoever its neighbours are.
-Blocks of rows share each loaded row of b (cache reuse), threads take whole row blocks: neither changes an
-element's order of operations. Compiled with numba (cached on disk); without numba, the same order in NumPy, one
+Blocks of rows share each loaded row of b (cache reuse), numba's threads (as many as opport's thread budget,
+OPPORT_NUM_THREADS) take whole row blocks: neither changes an element's order of operations. Compiled with numba (cached on disk); without numba, the same order in NumPy, one
 k at a time (exact, much slower).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from opport.backends.cpu._common import num_threads
 from opport.dispatch import is_batch_invariant
 
 try:
@@ -50,8 +51,11 @@ def rows_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
                 part += a[:, k:k + 1] * b[k]
             out += part
         return out
+    kernel = _kernel()
+    # numba's threads within opport's thread budget (docs/cpu.md), never more than numba started with
+    numba.set_num_threads(max(1, min(num_threads(), numba.config.NUMBA_NUM_THREADS)))
     scratch = np.zeros((numba.get_num_threads(), 2, ROWS, COLS), out.dtype)  # per thread: acc, part
-    _kernel()(a, b, out, scratch)
+    kernel(a, b, out, scratch)
     return out
 
 
