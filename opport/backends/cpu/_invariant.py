@@ -4,10 +4,11 @@ OpenBLAS gives a row of a @ b different bits depending on the rows around it: it
 matrix's height, even the values of the other rows in a zero-padded block of fixed shape (measured with OpenBLAS
 0.3.31, Haswell kernels, one thread and two). So under the mode the GEMMs whose rows are a batch's rows (matmul,
 the LM-head losses, the MoE experts) run `rows_matmul`: every output element accumulates a[i, k] b[k, j] for
-k = 0, 1, ..., K - 1 in that order, in the accumulation dtype, whatever i is and whoever its neighbours are.
-Blocks of rows share each loaded row of b (cache reuse), numba's threads (as many as opport's thread budget,
-OPPORT_NUM_THREADS) take whole row blocks: neither changes an element's order of operations. Compiled with numba (cached on disk); without numba, the same order in NumPy, one
-k at a time (exact, much slower).
+k = 0, 1, ..., K - 1 in that fixed order (chunks of KC, the chunks added in order), in the accumulation dtype,
+whatever i is and whoever its neighbours are. Blocks of rows share each loaded row of b (cache reuse), numba's
+threads (as many as opport's thread budget, OPPORT_NUM_THREADS) take whole row blocks: neither changes an
+element's order of operations. Compiled with numba (cached on disk); without numba, the same order in NumPy
+(exact, much slower).
 """
 
 from __future__ import annotations
