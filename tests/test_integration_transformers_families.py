@@ -12,8 +12,8 @@ attention and loss call counted as run through opport.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
+import warnings
 
 import pytest
 
@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is not installed", allow_module_level=True)
 
-from opport.integrations.transformers import FAMILIES, patch, stats  # noqa: E402
+from opport.integrations.transformers import FAMILIES, HandBackWarning, patch, stats  # noqa: E402
 from tests.hf_tiny import VOCAB, backend_skip, transformers  # noqa: E402
 from tests.hf_tiny import ids as _ids  # noqa: E402
 
@@ -211,7 +211,8 @@ def _sft_losses(patched: bool, padding_free: bool, tmp_path) -> tuple:
                          seed=0, max_length=None if padding_free else 64, disable_tqdm=True, bf16=False, fp16=False)
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                              processing_class=tok)
-    with opport.strict() if patched else contextlib.nullcontext():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HandBackWarning)  # the head's, counted below
         trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
 
@@ -219,13 +220,18 @@ def _sft_losses(patched: bool, padding_free: bool, tmp_path) -> tuple:
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding_free"])
 def test_trl_sft_trainer_gives_the_unpatched_losses(padding_free, tmp_path):
     """TRL's SFTTrainer, padded batches and padding-free (packed rows with position_ids): the same logged losses;
-    its batches run varlen_attention. TRL computes the loss from the logits itself (it logs entropy and token
-    accuracy from them), so the model is called without labels and the model's own head runs (not a hand-back)."""
+    its batches run varlen_attention and every layer through opport. TRL scores tokens with its fused LM head and
+    asks it for `is_top1` (token accuracy), a field linear_logprobs does not compute: the head is handed back to
+    TRL's own kernel, counted under its cause (and refused under strict(), as every hand-back)."""
+    from opport.integrations.transformers import stats
+
     want, _ = _sft_losses(False, padding_free, tmp_path / "a")
     got, model = _sft_losses(True, padding_free, tmp_path / "b")
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-5)
-    ran = _ran(model)
-    assert ran["varlen_attention"] >= 3 * _layers("qwen3")  # every step's forward: the batches are padded or packed
+    counts = stats(model)
+    assert counts["varlen_attention"]["opport"] >= 3 * _layers("qwen3")  # every step: padded or packed batches
+    assert counts["linear_logprobs"]["reasons"] == {"head_metrics": counts["linear_logprobs"]["handed_back"]} != {}
+    assert not any(c["handed_back"] for op, c in counts.items() if op != "linear_logprobs")
 
 
 def test_lora_gradient_checkpointing_and_torch_compile(tmp_path):
