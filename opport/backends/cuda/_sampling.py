@@ -16,7 +16,10 @@ MAX_V = 1 << IDX_BITS  # the index's bits in the order key
 IDX_SPAN = tl.constexpr(MAX_V)
 KEY_LO = tl.constexpr(-(1 << 52))  # below every key (|rank| < 2^31, so |key| < 2^51)
 KEY_HI = tl.constexpr(1 << 52)
-P = 32  # pivot slots per pass (31 used: the pivots split the range in 32); 11 passes take a 2^53 key range to one key
+# pivot slots per pass (P - 1 used: the pivots split the range in P): 32 on a GPU ([P, BLOCK] compare tiles in
+# registers); 1024 in the interpreter, where a pass costs its number of ops, not its width (6 passes, not 11)
+P = 1024 if INTERPRET else 32
+KEY_ITERS = next(n for n in range(1, 64) if P ** n >= 1 << 53)  # passes that take the 2^53 key range to one key
 
 
 @triton.jit
@@ -82,7 +85,8 @@ def _sampling_kernel(
     # shapes, strides
     V, s_b, s_v, s_u, s_t, s_k, s_p, s_mp, o_b, o_v,
     # meta-parameters
-    PROBS: tl.constexpr, IDX_ITERS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+    PROBS: tl.constexpr, IDX_ITERS: tl.constexpr, KEY_ITERS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):
     """One row's token (PROBS=False) or its filtered, renormalised probabilities (PROBS=True).
 
@@ -128,7 +132,7 @@ def _sampling_kernel(
     kap_p = KEY_LO + tl.zeros((), tl.int64)
     if live & (k > 0) & (k < V):
         kap_k = _search(xr, s_v, V, KEY_LO + tl.zeros((), tl.int64), KEY_HI + tl.zeros((), tl.int64),
-                        k.to(tl.float32), ms, ts, kap_k, kap_p, min_p, 0, 11, P, BLOCK, PRECISE)
+                        k.to(tl.float32), ms, ts, kap_k, kap_p, min_p, 0, KEY_ITERS, P, BLOCK, PRECISE)
     sk = tl.zeros((BLOCK,), tl.float32)
     for off in range(0, V, BLOCK):
         i = off + tl.arange(0, BLOCK)
@@ -138,7 +142,7 @@ def _sampling_kernel(
     s_top_k = tl.sum(sk, axis=0)
     if live & (top_p < 1.0):
         kap_p = _search(xr, s_v, V, KEY_LO + tl.zeros((), tl.int64), KEY_HI + tl.zeros((), tl.int64),
-                        top_p * s_top_k, ms, ts, kap_k, kap_p, min_p, 1, 11, P, BLOCK, PRECISE)
+                        top_p * s_top_k, ms, ts, kap_k, kap_p, min_p, 1, KEY_ITERS, P, BLOCK, PRECISE)
     sv = tl.zeros((BLOCK,), tl.float32)
     lastv = tl.full((BLOCK,), -1, tl.int32)
     for off in range(0, V, BLOCK):
@@ -178,13 +182,13 @@ def _sampling_kernel(
 
 def config(v: int) -> dict:
     """BLOCK (columns a chunk) and passes of the index search: [P, BLOCK] compare tiles of 8K elements on a GPU
-    (P = 32 pivots), up to 32K in the interpreter (fewer, larger NumPy ops)."""
+    (P = 32 pivots), up to 1M in the interpreter (P = 1024: fewer, larger NumPy ops)."""
     cap = 1024 if INTERPRET else 256
     block = min(next_pow2(v), cap)
     idx_iters = 1
     while P ** idx_iters < v:
         idx_iters += 1
-    return {"BLOCK": max(block, 16), "IDX_ITERS": idx_iters + 1, "P": P}
+    return {"BLOCK": max(block, 16), "IDX_ITERS": idx_iters + 1, "KEY_ITERS": KEY_ITERS, "P": P}
 
 
 def supports(logits, *rest):
