@@ -104,13 +104,30 @@ def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias, ignor
     target's entry through expm1 where p_t > 1/2, as cpu cross_entropy), times 1 - tanh² with a softcap.
     Notes: ignored rows are 0, rows with a target outside [0, V) NaN (spreading to every dweight/dbias entry).
     """
-    n, h = hidden.shape
     v = weight.shape[0]
     acc = acc_dtype(hidden.dtype.name)
     t = target.astype(np.int64)
     ignored, valid = t == ignore_index, (t >= 0) & (t < v)
     coef = _coefficients(np.asarray(grad, acc), ignored, reduction)
     eps, lse = acc.type(label_smoothing), lse.astype(acc, copy=False)
+
+    def dlogits(x, rows, c0, c1):
+        return _dlogits(x, weight, bias, c0, c1, softcap, t[rows], lse[rows], coef[rows], ignored[rows], valid[rows],
+                        eps)
+
+    return head_gradients(hidden, weight, bias, t, dlogits)
+
+
+def head_gradients(hidden, weight, bias, t, dlogits) -> tuple:
+    """dhidden, dweight, dbias of an LM head's loss from its dlogits tiles (shared with linear_logprobs).
+
+    Vocabulary tiles outside, row blocks inside: `dlogits(x, rows, c0, c1)` gives the tile's gradient w.r.t. the
+    logits (x the block's upcast rows); each tile's dweight and dbias are summed in the accumulation dtype over
+    every row block, then rounded once into the output; dhidden accumulates d @ w_tile over the tiles. The target
+    entries are added after the GEMMs (`_take_targets`)."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    acc = acc_dtype(hidden.dtype.name)
     dh = np.zeros((n, h), acc)
     dw = np.empty((v, h), weight.dtype)
     db = None if bias is None else np.empty(v, bias.dtype)
@@ -122,8 +139,7 @@ def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias, ignor
             for r0 in range(0, n, ROW_BLOCK):
                 rows = slice(r0, min(r0 + ROW_BLOCK, n))
                 x = upcast(hidden[rows])
-                d = _dlogits(x, weight, bias, c0, c1, softcap, t[rows], lse[rows], coef[rows], ignored[rows],
-                             valid[rows], eps)
+                d = dlogits(x, rows, c0, c1)
                 hit, col, dt = _take_targets(d, t[rows], c0, c1)
                 dh_tile = d @ wc
                 dh_tile[hit] += dt[:, None] * wc[col]

@@ -9,7 +9,7 @@ import numpy as np
 
 from opport.backends.cpu import _invariant
 from opport.backends.cpu._common import upcast, uses_blas
-from opport.backends.cpu.linear_cross_entropy import ROW_BLOCK, VOCAB_CHUNK, _take_targets
+from opport.backends.cpu.linear_cross_entropy import ROW_BLOCK, VOCAB_CHUNK, head_gradients
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
 from opport.ops.linear_logprobs import linear_logprobs as spec
@@ -90,14 +90,12 @@ def _block(x, weight, bias, t, inv_t, softcap) -> tuple:
 @uses_blas()
 def linear_logprobs_backward(grad_logps, grad_entropy, hidden, weight, target, entropy, lse, bias, temperature, softcap,
                              ignore_index):
-    """dhidden, dweight, dbias from the logits recomputed tile by tile: vocabulary tiles outside (each tile's dweight
-    and dbias summed over every row block in the accumulation dtype, rounded once), row blocks inside.
+    """dhidden, dweight, dbias from the logits recomputed tile by tile (linear_cross_entropy's `head_gradients`).
 
     dz = -p (g_logp + g_entropy (z - lse + H)), plus g_logp at the target (through expm1 where p_t > 1/2: an ulp of
     1 - p_t, not of 1), times dz/da; ignored rows 0, targets outside [0, V) NaN. The target entries are added after
     the GEMMs (linear_cross_entropy's `_take_targets`: the verdict must not depend on BLAS's summation order).
     """
-    n, h = hidden.shape
     v = weight.shape[0]
     acc = acc_dtype(hidden.dtype.name)
     t = target.astype(np.int64)
@@ -105,32 +103,13 @@ def linear_logprobs_backward(grad_logps, grad_entropy, hidden, weight, target, e
     keep = ~ignored
     g_lp = np.where(keep, grad_logps.astype(acc), acc.type(0))
     g_h = np.where(keep, grad_entropy.astype(acc), acc.type(0))
-    rows_h, lse = entropy.astype(acc), lse.astype(acc, copy=False)
-    dh = np.zeros((n, h), acc)
-    dw = np.empty((v, h), weight.dtype)
-    db = None if bias is None else np.empty(v, bias.dtype)
-    with np.errstate(invalid="ignore", over="ignore"):
-        for c0 in range(0, v, VOCAB_CHUNK):
-            c1 = min(c0 + VOCAB_CHUNK, v)
-            wc = upcast(weight[c0:c1])
-            dw_acc, db_acc = np.zeros((c1 - c0, h), acc), np.zeros(c1 - c0, acc)
-            for r0 in range(0, n, ROW_BLOCK):
-                rows = slice(r0, min(r0 + ROW_BLOCK, n))
-                x = upcast(hidden[rows])
-                d = _da(x, weight, bias, c0, c1, 1.0 / temperature, softcap, t[rows], lse[rows], rows_h[rows],
-                        g_lp[rows], g_h[rows], ignored[rows], valid[rows])
-                hit, col, dt = _take_targets(d, t[rows], c0, c1)
-                dh_tile = d @ wc
-                dh_tile[hit] += dt[:, None] * wc[col]
-                dh[rows] += dh_tile
-                dw_acc += d.T @ x
-                np.add.at(dw_acc, col, dt[:, None] * x[hit])  # in row order: deterministic
-                db_acc += d.sum(axis=0)
-                np.add.at(db_acc, col, dt)
-            dw[c0:c1] = dw_acc
-            if db is not None:
-                db[c0:c1] = db_acc
-        return dh.astype(hidden.dtype, copy=False), dw, db
+    ent, lse = entropy.astype(acc), lse.astype(acc, copy=False)
+
+    def dlogits(x, rows, c0, c1):
+        return _da(x, weight, bias, c0, c1, 1.0 / temperature, softcap, t[rows], lse[rows], ent[rows], g_lp[rows],
+                   g_h[rows], ignored[rows], valid[rows])
+
+    return head_gradients(hidden, weight, bias, t, dlogits)
 
 
 def _da(x, weight, bias, c0, c1, inv_t, softcap, t, lse, ent, g_lp, g_h, ignored, valid) -> np.ndarray:

@@ -286,12 +286,7 @@ def _forward(hidden, weight, target, bias, ignore_index, reduction, label_smooth
     dev = hidden.device
     loss = torch.empty((n,), dtype=torch.float32, device=dev)
     if n:
-        cfg = _config(n, v, h, hidden.dtype)
-        row_blocks, tiles_v = cdiv(n, cfg["BLOCK_M"]), cdiv(v, cfg["BLOCK_V"])
-        programs = 2 if INTERPRET else SPLIT_TARGET * sm_count(dev)
-        splits = min(tiles_v, max(1, cdiv(programs, row_blocks)))
-        split_cols = cdiv(tiles_v, splits) * cfg["BLOCK_V"]
-        splits = cdiv(v, split_cols)
+        cfg, row_blocks, splits, split_cols = vocabulary_splits(n, v, h, hidden.dtype, dev)
         part = torch.empty((4, splits, n), dtype=torch.float32, device=dev)
         _lce_partial_kernel[(row_blocks, splits)](
             hidden, weight, hidden if bias is None else bias, target, part, n, v, h,
@@ -310,6 +305,16 @@ def _forward(hidden, weight, target, bias, ignore_index, reduction, label_smooth
     return total / (target != ignore_index).sum().to(torch.float32)
 
 
+def vocabulary_splits(n: int, v: int, h: int, dtype: torch.dtype, dev) -> tuple:
+    """(tile config, row blocks, splits, columns per split) of a forward over the vocabulary (module docstring)."""
+    cfg = _config(n, v, h, dtype)
+    row_blocks, tiles_v = cdiv(n, cfg["BLOCK_M"]), cdiv(v, cfg["BLOCK_V"])
+    programs = 2 if INTERPRET else SPLIT_TARGET * sm_count(dev)
+    splits = min(tiles_v, max(1, cdiv(programs, row_blocks)))
+    split_cols = cdiv(tiles_v, splits) * cfg["BLOCK_V"]
+    return cfg, row_blocks, cdiv(v, split_cols), split_cols
+
+
 def _chunk_cols(n: int, v: int, block_v: int) -> int:
     """Vocabulary columns per backward chunk: CHUNK_ELEMENTS / N, a multiple of the tile, at least one tile."""
     cols = max(block_v, (CHUNK_ELEMENTS // max(n, 1)) // block_v * block_v)
@@ -321,6 +326,24 @@ def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias, ignor
                                   label_smoothing: float, softcap):
     """dhidden, dweight, dbias chunk by chunk of the vocabulary (module docstring): the logits are recomputed,
     never stored; the dlogits buffer holds one chunk."""
+    kept = (target != ignore_index).sum() if reduction == "mean" else grad  # a device count: no host sync
+
+    def dlogits(buf, c0, c, cfg):
+        n, h = hidden.shape
+        _lce_dlogits_kernel[(cdiv(n, cfg["BLOCK_M"]) * cdiv(c, cfg["BLOCK_V"]),)](
+            grad, hidden, weight, hidden if bias is None else bias, target, lse, kept, buf,
+            n, weight.shape[0], h, c0, c, *_strides(hidden, weight, target, bias), grad.stride(0) if grad.dim() else 0,
+            lse.stride(0), buf.stride(0), int(ignore_index), float(label_smoothing), float(softcap or 1.0),
+            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, MEAN=reduction == "mean",
+            PRECISE=hidden.dtype == torch.float32, PRECISION=_precision(hidden.dtype), **cfg)
+
+    return head_gradients(hidden, weight, bias, dlogits)
+
+
+def head_gradients(hidden, weight, bias, dlogits) -> tuple:
+    """dhidden, dweight, dbias of an LM head's loss, chunk by chunk of the vocabulary (module docstring; shared with
+    linear_logprobs): `dlogits(buf, c0, c, cfg)` writes the chunk's float32 dlogits [N, c] into buf, then the chunk's
+    two GEMMs and column sum run."""
     (n, h), v = hidden.shape, weight.shape[0]
     dev = hidden.device
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
@@ -334,15 +357,9 @@ def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias, ignor
     cfg = _config(n, v, h, hidden.dtype)
     width = _chunk_cols(n, v, cfg["BLOCK_V"])
     buf = torch.empty((n, width), dtype=torch.float32, device=dev)
-    kept = (target != ignore_index).sum() if reduction == "mean" else grad  # a device count: no host sync
     for c0 in range(0, v, width):
         c = min(width, v - c0)
-        _lce_dlogits_kernel[(cdiv(n, cfg["BLOCK_M"]) * cdiv(c, cfg["BLOCK_V"]),)](
-            grad, hidden, weight, hidden if bias is None else bias, target, lse, kept, buf,
-            n, v, h, c0, c, *_strides(hidden, weight, target, bias), grad.stride(0) if grad.dim() else 0,
-            lse.stride(0), buf.stride(0), int(ignore_index), float(label_smoothing), float(softcap or 1.0),
-            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, MEAN=reduction == "mean",
-            PRECISE=hidden.dtype == torch.float32, PRECISION=_precision(hidden.dtype), **cfg)
+        dlogits(buf, c0, c, cfg)
         d = buf[:, :c]
         _gemm(d, weight[c0:c0 + c], acc_dh, hidden.dtype, accumulate=c0 > 0)
         _gemm(d.transpose(0, 1), hidden, dw[c0:c0 + c], hidden.dtype, accumulate=False)

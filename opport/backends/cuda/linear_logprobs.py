@@ -11,18 +11,15 @@ Deterministic: fixed tiles and orders, no atomics.
 
 import torch
 
-from opport.backends.cuda._launch import INTERPRET, cdiv, exp_f32, log_f32, narrow, next_pow2, sm_count, tl, triton
+from opport.backends.cuda._launch import cdiv, exp_f32, log_f32, narrow, next_pow2, tl, triton
 from opport.backends.cuda.cross_entropy import _target_term
 from opport.backends.cuda.linear_cross_entropy import (
-    SPLIT_TARGET,
-    _chunk_cols,
-    _config,
-    _gemm,
     _logit_tile,
     _precision,
     _strides,
+    head_gradients,
+    vocabulary_splits,
 )
-from opport.backends.cuda.matmul import _column_sum
 from opport.dispatch import impl
 from opport.ops.linear_logprobs import linear_logprobs as spec
 
@@ -175,12 +172,7 @@ def _forward(hidden, weight, target, bias, temperature, softcap, ignore_index, l
     ent = torch.empty((n,), dtype=torch.float32, device=dev)
     if n == 0:
         return logp, ent
-    cfg = _config(n, v, h, hidden.dtype)
-    row_blocks, tiles_v = cdiv(n, cfg["BLOCK_M"]), cdiv(v, cfg["BLOCK_V"])
-    programs = 2 if INTERPRET else SPLIT_TARGET * sm_count(dev)
-    splits = min(tiles_v, max(1, cdiv(programs, row_blocks)))
-    split_cols = cdiv(tiles_v, splits) * cfg["BLOCK_V"]
-    splits = cdiv(v, split_cols)
+    cfg, row_blocks, splits, split_cols = vocabulary_splits(n, v, h, hidden.dtype, hidden.device)
     part = torch.empty((4, splits, n), dtype=torch.float32, device=dev)
     _llp_partial_kernel[(row_blocks, splits)](
         hidden, weight, hidden if bias is None else bias, target, part, n, v, h,
@@ -196,31 +188,15 @@ def _forward(hidden, weight, target, bias, temperature, softcap, ignore_index, l
 @impl(spec.backward_op, "cuda")
 def linear_logprobs_backward(grad_logps, grad_entropy, hidden, weight, target, entropy, lse, bias, temperature,
                              softcap, ignore_index):
-    """dhidden, dweight, dbias chunk by chunk of the vocabulary (linear_cross_entropy's loop and GEMMs)."""
-    (n, h), v = hidden.shape, weight.shape[0]
-    dev = hidden.device
-    dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
-    db = None if bias is None else torch.empty((v,), dtype=bias.dtype, device=dev)
-    acc_dh = torch.zeros((n, h), dtype=torch.float32, device=dev)
-    if n == 0 or h == 0:
-        dw.zero_()
-        if db is not None:
-            db.zero_()
-        return acc_dh.to(hidden.dtype), dw, db
-    cfg = _config(n, v, h, hidden.dtype)
-    width = _chunk_cols(n, v, cfg["BLOCK_V"])
-    buf = torch.empty((n, width), dtype=torch.float32, device=dev)
-    for c0 in range(0, v, width):
-        c = min(width, v - c0)
+    """dhidden, dweight, dbias chunk by chunk of the vocabulary (linear_cross_entropy's `head_gradients`)."""
+
+    def dlogits(buf, c0, c, cfg):
+        (n, h), v = hidden.shape, weight.shape[0]
         _llp_dlogits_kernel[(cdiv(n, cfg["BLOCK_M"]) * cdiv(c, cfg["BLOCK_V"]),)](
             grad_logps, grad_entropy, hidden, weight, hidden if bias is None else bias, target, lse, entropy, buf,
             n, v, h, c0, c, *_strides(hidden, weight, target, bias), grad_logps.stride(0), grad_entropy.stride(0),
             lse.stride(0), entropy.stride(0), buf.stride(0), int(ignore_index), float(softcap or 1.0),
             1.0 / float(temperature), HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
             PRECISE=hidden.dtype == torch.float32, PRECISION=_precision(hidden.dtype), **cfg)
-        d = buf[:, :c]
-        _gemm(d, weight[c0:c0 + c], acc_dh, hidden.dtype, accumulate=c0 > 0)
-        _gemm(d.transpose(0, 1), hidden, dw[c0:c0 + c], hidden.dtype, accumulate=False)
-        if db is not None:
-            db[c0:c0 + c] = _column_sum(d, bias.dtype)
-    return acc_dh.to(hidden.dtype), dw, db
+
+    return head_gradients(hidden, weight, bias, dlogits)
