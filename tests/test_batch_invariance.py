@@ -5,6 +5,7 @@ OPPORT_BATCH_INVARIANT=1) every cpu kernel makes them so, and the report's table
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import opport
 from opport.conformance.report import batch_invariance, batch_table
@@ -88,3 +89,24 @@ def test_the_report_has_a_batch_invariance_column_for_every_op():
     text = console.export_text()
     assert "rmsnorm" in text and "✓" in text
     assert "kv_cache_write" in text and "n/a" in text
+
+
+def test_a_backend_that_does_not_keep_the_mode_warns_once_and_strict_refuses():
+    """Under the mode, an op with a batch on a backend without Capabilities.batch_invariant (cuda here) runs its usual
+    kernels: never silently (one FallbackWarning per op and backend; UnsupportedError under strict()); ops without a
+    batch and cpu say nothing."""
+    import warnings
+
+    x = np.ones((4, 8), np.float32)
+    opport.clear_cache()
+    with opport.batch_invariant(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opport.rmsnorm(x, backend="cuda")
+        opport.rmsnorm(x, backend="cpu")
+    said = [str(w.message) for w in seen if issubclass(w.category, opport.FallbackWarning)]
+    assert len(said) == 1 and "cuda backend does not make its kernels batch-invariant" in said[0]
+    with opport.batch_invariant(), opport.strict(), pytest.raises(opport.UnsupportedError) as info:
+        opport.rmsnorm(x, backend="cuda")
+    assert info.value.constraint == "rmsnorm.batch_invariant"
+    opport.rmsnorm(x, backend="cuda")  # outside the mode the cached plans run as before

@@ -75,7 +75,8 @@ def strict(enabled: bool = True):
 def batch_invariant(enabled: bool = True):
     """In this block, kernels take configurations whose results for a row do not depend on the batch it is computed
     in (its size, the row's position): the backends that declare the mode (Capabilities.batch_invariant; cpu) do
-    so for every op, at some cost in speed (measured by `opport bench --batch-invariant`). Env
+    so for every op, at some cost in speed (measured by `opport bench --batch-invariant`); on another backend an op
+    with a batch warns once and strict() refuses it (dispatch/core.py `_check_batch_invariant`). Env
     `OPPORT_BATCH_INVARIANT=1` sets it for a whole process (worker processes and JAX callbacks see the environment,
     not this block)."""
     token = _batch_invariant.set(enabled)
@@ -91,6 +92,11 @@ BATCH_INVARIANT_VAR = "OPPORT_BATCH_INVARIANT"
 def is_batch_invariant() -> bool:
     """Whether kernels must give batch-invariant results now (`batch_invariant()` > env OPPORT_BATCH_INVARIANT)."""
     return strict_from(_batch_invariant.get(), ENV_GET(ENV_KEY(BATCH_INVARIANT_VAR)))
+
+
+def context_batch_invariant() -> bool | None:
+    """The innermost `batch_invariant()` block's setting, or None outside any."""
+    return _batch_invariant.get()
 
 
 def context_backend() -> str | None:

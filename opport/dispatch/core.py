@@ -236,12 +236,15 @@ def key_function(op, env_get=None, env_key=None):
         lines.append(f"s{i} = b[{i}]")
         parts += [f"s{i}", f"s{i}.__class__"]
     parts += ["backend if backend is not None else (backend_ctx() or env(K_BACKEND))", "strict_ctx()", "env(K_STRICT)"]
+    if getattr(op, "batch_args", ()):  # the batch-invariant mode decides whether its plan may run (`_plan`)
+        parts += ["batch_ctx()", "env(K_BATCH)"]
     lines.append(f"return ({', '.join(parts)})")
     src = "def key(b, backend):\n" + "".join(f"    {ln}\n" for ln in lines)
     get, keyname = (context.ENV_GET, context.ENV_KEY) if env_get is None else (env_get, env_key)
     scope = dict(op=op, NP=np.ndarray, TENSOR=_TENSOR, other=_other_key, backend_ctx=context.context_backend,
                  strict_ctx=context.context_strict, env=get, K_BACKEND=keyname(context.BACKEND_VAR),
-                 K_STRICT=keyname(context.STRICT_VAR))
+                 K_STRICT=keyname(context.STRICT_VAR), batch_ctx=context.context_batch_invariant,
+                 K_BATCH=keyname(context.BATCH_INVARIANT_VAR))
     exec(compile(src, f"<opport key {op.name}>", "exec"), scope)
     if env_get is None:
         _key_functions[op] = scope["key"]
@@ -310,6 +313,8 @@ def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool
                                       got=decision.error, message=f"{op.name}: {decision.error}")
     if decision.fallback:
         _warn_once(op.name, decision.fallback_from, decision.fallback)
+    if getattr(op, "batch_args", ()) and context.is_batch_invariant():
+        _check_batch_invariant(op.name, kernel.backend, strict_now)
     for i in op.write_pos:  # written in place: the caller's own memory must be writable by a kernel or a copy-back
         if bound[i] is not None and adapter_for(bound[i]).kind not in ("numpy", "torch"):
             raise errors.DTypeError(op=op.name, arg=op.params[i], constraint=f"{op.name}.array_type",
@@ -419,6 +424,25 @@ def _warn_once(op: str, backend: str, reason: str):
             return
         _warned.add(key)
     warnings.warn(f"opport.{op}: falling back from {backend} to cpu: {reason}", FallbackWarning, stacklevel=5)
+
+
+def _check_batch_invariant(op: str, backend: str, strict_now: bool):
+    """Under opport.batch_invariant(), a backend that does not declare the mode (Capabilities.batch_invariant) runs
+    its usual kernels: refused under strict mode, else a warning once per op and backend."""
+    if backends()[backend].capabilities.batch_invariant:
+        return
+    why = f"the {backend} backend does not make its kernels batch-invariant (only backends that declare the mode do)"
+    if strict_now:
+        raise errors.UnsupportedError(op=op, arg="backend", constraint=f"{op}.batch_invariant",
+                                      expected="a backend that keeps opport.batch_invariant()", got=backend,
+                                      message=f"{op}: under opport.batch_invariant(): {why}; strict mode refuses")
+    key = (op, backend, "batch_invariant")
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(f"opport.{op}: under opport.batch_invariant(): {why}; its rows may differ with the batch",
+                  FallbackWarning, stacklevel=5)
 
 
 def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
