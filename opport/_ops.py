@@ -438,6 +438,35 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
 paged_attention.spec = _paged_attention
 
 
+_paged_varlen_attention = _get_op('paged_varlen_attention')
+
+
+def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, softcap=None, sliding_window=None, *, backend=None):
+    """Attention of a mixed batch's new tokens over a paged KV cache, out [T, Hq, Dv].
+
+    Sequence b's new tokens are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]], n_b of them: a decode step (n_b = 1),
+    a prefill chunk, a whole prompt, or none. They are the last n_b positions of its context of
+    context_lens[b] positions, already written to the cache (kv_cache_write first), so its token i is at
+    position p = context_lens[b] - n_b + i and sees the keys at positions <= p (causal within the new tokens,
+    everything cached before them: chunked prefill and prefix caching); with sliding_window W only those
+    > p - W. Position p of sequence b lives in block block_tables[b, p // block_size] at offset
+    p % block_size, and sequences may share blocks (a cached prefix). GQA, scale, soft cap and safe softmax
+    as `paged_attention`, which is the case n_b = 1 for every b; per sequence this is `attention(causal=True)`
+    of its new tokens over its gathered context. Cache slots no query sees never reach the output, NaN or not.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window)
+    if q.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_paged_varlen_attention, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_paged_varlen_attention, b, backend)
+
+
+paged_varlen_attention.spec = _paged_varlen_attention
+
+
 _quantize_fp8 = _get_op('quantize_fp8')
 
 
@@ -742,4 +771,4 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
 varlen_attention.spec = _varlen_attention
 
 
-__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "grouped_matmul", "kv_cache_write", "layernorm", "linear_cross_entropy", "linear_logprobs", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "quantize_fp8", "rmsnorm", "rope", "sample", "sampling_probs", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]
+__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "grouped_matmul", "kv_cache_write", "layernorm", "linear_cross_entropy", "linear_logprobs", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "paged_varlen_attention", "quantize_fp8", "rmsnorm", "rope", "sample", "sampling_probs", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]

@@ -101,6 +101,23 @@ def visible(length: int, sliding_window) -> tuple:
     return lo, length
 
 
+def paged_spans(cu_seqlens_q, context_lens, sliding_window) -> list:
+    """paged_varlen_attention's sequences: (their token slice of q, the first position any of their new tokens
+    sees, their context length). Sequence b's n new tokens are its last n positions."""
+    out = []
+    for b in range(len(context_lens)):
+        t0, t1, ctx = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(context_lens[b])
+        first = ctx - (t1 - t0)  # the first new token's position
+        lo = 0 if sliding_window is None else max(0, first + 1 - sliding_window)
+        out.append((slice(t0, t1), lo, ctx))
+    return out
+
+
+def as_heads(x):
+    """[T, H, D] tokens of one sequence as attention's [1, H, T, D] (a view)."""
+    return x.transpose(1, 0, 2)[None]
+
+
 def gather(cache, table, lo: int, hi: int):
     """cache rows of positions lo .. hi - 1 of one sequence: [hi - lo, Hkv, D]."""
     pos = np.arange(lo, hi)

@@ -32,25 +32,32 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float, np.floating)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+def constraints(name: str, q_rank: str) -> dict:
+    """The constraints paged_attention and paged_varlen_attention share (q's rank and batch rules differ)."""
+    return {
+        f"{name}.dtype": "q is float32, float16, bfloat16 or float64",
+        f"{name}.dtype_mismatch": "k_cache and v_cache have q's dtype",
+        f"{name}.rank": q_rank,
+        f"{name}.gqa_ratio": "k_cache and v_cache have the same Hkv >= 1 and Hq % Hkv == 0",
+        f"{name}.head_dim": "k_cache.shape[-1] == q.shape[-1] = D >= 1",
+        f"{name}.cache_shape": "k_cache and v_cache share num_blocks and block_size >= 1",
+        f"{name}.scale": SCALE_RULE,
+        f"{name}.softcap": "softcap is None or a finite number > 0",
+        f"{name}.sliding_window": "sliding_window is None or an int >= 1",
+        f"{name}.context_range": "0 <= context_lens[b] <= max_blocks * block_size",
+        f"{name}.block_range": "the blocks a sequence reads (block_tables[b, :cdiv(context_lens[b], block_size)]) are in "
+                               "[0, num_blocks)",
+    }
+
+
 @op(
     arrays=("q", "k_cache", "v_cache", "block_tables", "context_lens"),
     domains={"block_tables": INT32, "context_lens": INT32},
     constraints={
-        "paged_attention.dtype": "q is float32, float16, bfloat16 or float64",
-        "paged_attention.dtype_mismatch": "k_cache and v_cache have q's dtype",
-        "paged_attention.rank": "q [B, Hq, D], caches [num_blocks, block_size, Hkv, D/Dv], block_tables [B, max_blocks], "
-                                "context_lens [B]",
+        **constraints(NAME, "q [B, Hq, D], caches [num_blocks, block_size, Hkv, D/Dv], block_tables [B, max_blocks], "
+                            "context_lens [B]"),
         "paged_attention.batch": "block_tables and context_lens have q's B",
-        "paged_attention.gqa_ratio": "k_cache and v_cache have the same Hkv >= 1 and Hq % Hkv == 0",
-        "paged_attention.head_dim": "k_cache.shape[-1] == q.shape[-1] = D >= 1",
-        "paged_attention.cache_shape": "k_cache and v_cache share num_blocks and block_size >= 1",
         "paged_attention.index_dtype": "block_tables and context_lens are int32",
-        "paged_attention.scale": SCALE_RULE,
-        "paged_attention.softcap": "softcap is None or a finite number > 0",
-        "paged_attention.sliding_window": "sliding_window is None or an int >= 1",
-        "paged_attention.context_range": "0 <= context_lens[b] <= max_blocks * block_size",
-        "paged_attention.block_range": "the blocks a sequence reads (block_tables[b, :cdiv(context_lens[b], "
-                                       "block_size)]) are in [0, num_blocks)",
     },
 )
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float | None = None,
@@ -66,46 +73,60 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: floa
     sequence does not see (the tail of its last block, other blocks) never reach its output, NaN or not.
     Table entries past a sequence's last block are not read. Same numerics as `attention`.
     """
-    check_float(NAME, "q", q)
-    check_same_dtype(NAME, "q", q, k_cache=k_cache, v_cache=v_cache)
-    for arg, m, nd in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4), ("block_tables", block_tables, 2),
-                       ("context_lens", context_lens, 1)):
-        check_ndim(NAME, arg, m, nd, constraint=f"{NAME}.rank")
+    check_cache(NAME, q, k_cache, v_cache, block_tables, context_lens)
     b = q.shape[0]
     for arg, m in (("block_tables", block_tables), ("context_lens", context_lens)):
         check(m.shape[0] == b, ShapeError, NAME, arg, f"{NAME}.batch", f"B = {b} (as q)", m.shape)
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    check(hkv >= 1 and hq % hkv == 0, ShapeError, NAME, "k_cache", f"{NAME}.gqa_ratio", f"Hkv >= 1 dividing Hq = {hq}",
-          k_cache.shape)
-    check(v_cache.shape[2] == hkv, ShapeError, NAME, "v_cache", f"{NAME}.gqa_ratio", f"Hkv = {hkv} (as k_cache)",
-          v_cache.shape)
-    check(q.shape[2] >= 1 and k_cache.shape[3] == q.shape[2], ShapeError, NAME, "k_cache", f"{NAME}.head_dim",
-          f"head dim D = {q.shape[2]} (as q), >= 1", k_cache.shape)
-    check(k_cache.shape[1] >= 1 and v_cache.shape[:2] == k_cache.shape[:2], ShapeError, NAME, "v_cache",
-          f"{NAME}.cache_shape", f"[{k_cache.shape[0]}, {k_cache.shape[1]} >= 1, ...] (as k_cache)", v_cache.shape)
     for arg, m in (("block_tables", block_tables), ("context_lens", context_lens)):
         check_domain(NAME, arg, m, INT32, f"{NAME}.index_dtype")
-    check_scale(NAME, scale)
-    check(softcap is None or _positive(softcap), ArgumentError, NAME, "softcap", f"{NAME}.softcap",
+    check_scalars(NAME, scale, softcap, sliding_window)
+
+
+def check_cache(name: str, q, k_cache, v_cache, block_tables, context_lens) -> None:
+    """q's dtype, the caches' dtype, ranks and shapes against q's heads (q [..., Hq, D] either way)."""
+    check_float(name, "q", q)
+    check_same_dtype(name, "q", q, k_cache=k_cache, v_cache=v_cache)
+    for arg, m, nd in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4), ("block_tables", block_tables, 2),
+                       ("context_lens", context_lens, 1)):
+        check_ndim(name, arg, m, nd, constraint=f"{name}.rank")
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    check(hkv >= 1 and hq % hkv == 0, ShapeError, name, "k_cache", f"{name}.gqa_ratio", f"Hkv >= 1 dividing Hq = {hq}",
+          k_cache.shape)
+    check(v_cache.shape[2] == hkv, ShapeError, name, "v_cache", f"{name}.gqa_ratio", f"Hkv = {hkv} (as k_cache)",
+          v_cache.shape)
+    check(q.shape[2] >= 1 and k_cache.shape[3] == q.shape[2], ShapeError, name, "k_cache", f"{name}.head_dim",
+          f"head dim D = {q.shape[2]} (as q), >= 1", k_cache.shape)
+    check(k_cache.shape[1] >= 1 and v_cache.shape[:2] == k_cache.shape[:2], ShapeError, name, "v_cache",
+          f"{name}.cache_shape", f"[{k_cache.shape[0]}, {k_cache.shape[1]} >= 1, ...] (as k_cache)", v_cache.shape)
+
+
+def check_scalars(name: str, scale, softcap, sliding_window) -> None:
+    check_scale(name, scale)
+    check(softcap is None or _positive(softcap), ArgumentError, name, "softcap", f"{name}.softcap",
           "None or a finite number > 0", repr(softcap))
     ok = sliding_window is None or isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool) \
         and sliding_window >= 1
-    check(ok, ArgumentError, NAME, "sliding_window", f"{NAME}.sliding_window", "None or an int >= 1", repr(sliding_window))
+    check(ok, ArgumentError, name, "sliding_window", f"{name}.sliding_window", "None or an int >= 1", repr(sliding_window))
 
 
 @paged_attention.check_values(("block_tables", "context_lens"))
 def _check_tables(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
+    check_tables(NAME, k_cache, block_tables, context_lens)
+
+
+def check_tables(name: str, k_cache, block_tables, context_lens) -> None:
+    """`<name>.context_range` and `<name>.block_range`: the lengths fit the tables, the blocks read exist."""
     num_blocks, bs = k_cache.shape[:2]
     bt, lens = np.asarray(block_tables).astype(np.int64), np.asarray(context_lens).astype(np.int64)
     cap = bt.shape[1] * bs
     bad = (lens < 0) | (lens > cap)
     first = int(np.flatnonzero(bad)[0]) if bad.any() else 0
-    check(not bad.any(), ArgumentError, NAME, "context_lens", f"{NAME}.context_range",
+    check(not bad.any(), ArgumentError, name, "context_lens", f"{name}.context_range",
           f"0 <= length <= max_blocks * block_size = {cap}", f"{int(lens[first])} for sequence {first}")
     used = np.arange(bt.shape[1])[None, :] < -(-lens[:, None] // bs)
     out = used & ((bt < 0) | (bt >= num_blocks))
     where = np.argwhere(out)[0] if out.any() else (0, 0)
-    check(not out.any(), ArgumentError, NAME, "block_tables", f"{NAME}.block_range", f"blocks in [0, {num_blocks})",
+    check(not out.any(), ArgumentError, name, "block_tables", f"{name}.block_range", f"blocks in [0, {num_blocks})",
           f"block {int(bt[tuple(where)])} at [{int(where[0])}, {int(where[1])}]")
 
 

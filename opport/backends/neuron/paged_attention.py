@@ -78,9 +78,26 @@ def _paged_attention_kernel(q_hbm, kc_hbm, vc_hbm, bt_hbm, lens, window, scale, 
     return out_hbm
 
 
+def gather_tile(kc_hbm, vc_hbm, bt_hbm, row0, t0, n, h):
+    """(k [n, D], v [n, Dv]) in SBUF: KV head h's rows of positions t0 .. t0 + n - 1 of the sequence whose table
+    starts at row row0 of bt_hbm; the table entries of those blocks first, then one DMA per block and cache."""
+    _, bs, Hkv, D = kc_hbm.shape
+    Dv = vc_hbm.shape[3]
+    t1 = t0 + n
+    j0, j1 = t0 // bs, (t1 - 1) // bs + 1
+    ids_sb = nl.ndarray((j1 - j0, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids_sb, src=bt_hbm[row0 + j0:row0 + j1, 0:1])
+    k_sb = nl.ndarray((n, D), dtype=kc_hbm.dtype, buffer=nl.sbuf)
+    v_sb = nl.ndarray((n, Dv), dtype=vc_hbm.dtype, buffer=nl.sbuf)
+    for j in range(j0, j1):
+        a, e = max(t0, j * bs), min(t1, (j + 1) * bs)
+        _gather_rows(k_sb[a - t0:e - t0, 0:D], kc_hbm, ids_sb, j - j0, a, e, bs, h, Hkv * D, D)
+        _gather_rows(v_sb[a - t0:e - t0, 0:Dv], vc_hbm, ids_sb, j - j0, a, e, bs, h, Hkv * Dv, Dv)
+    return k_sb, v_sb
+
+
 def _one(out_sb, q_hbm, kc_hbm, vc_hbm, bt_hbm, row0, b, h, G, D, Dv, bs, lo, hi, scale, softcap):
     """out_sb [G, Dv] = attention of sequence b's KV head h over positions lo .. hi - 1."""
-    Hkv = kc_hbm.shape[2]
     q_sb = nl.ndarray((G, D), dtype=q_hbm.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=q_sb, src=q_hbm[b, h * G:(h + 1) * G, 0:D])
     qT_psum = nl.ndarray((D, G), dtype=q_hbm.dtype, buffer=nl.psum)
@@ -91,42 +108,57 @@ def _one(out_sb, q_hbm, kc_hbm, vc_hbm, bt_hbm, row0, b, h, G, D, Dv, bs, lo, hi
     nisa.memset(dst=o_sb, value=0.0)
     m_sb, l_sb = running_state(G)
     for t0, n in spans(hi, KP, lo):
-        t1 = t0 + n
-        j0, j1 = t0 // bs, (t1 - 1) // bs + 1
-        ids_sb = nl.ndarray((j1 - j0, 1), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=ids_sb, src=bt_hbm[row0 + j0:row0 + j1, 0:1])
-        k_sb = nl.ndarray((n, D), dtype=kc_hbm.dtype, buffer=nl.sbuf)
-        v_sb = nl.ndarray((n, Dv), dtype=vc_hbm.dtype, buffer=nl.sbuf)
-        for j in range(j0, j1):
-            a, e = max(t0, j * bs), min(t1, (j + 1) * bs)
-            _gather_rows(k_sb[a - t0:e - t0, 0:D], kc_hbm, ids_sb, j - j0, a, e, bs, h, Hkv * D, D)
-            _gather_rows(v_sb[a - t0:e - t0, 0:Dv], vc_hbm, ids_sb, j - j0, a, e, bs, h, Hkv * Dv, Dv)
+        k_sb, v_sb = gather_tile(kc_hbm, vc_hbm, bt_hbm, row0, t0, n, h)
         _tile(o_sb, m_sb, l_sb, qT_sb, k_sb, v_sb, G, n, D, Dv, scale, softcap)
     nisa.tensor_scalar(dst=out_sb, data=o_sb, op0=nl.multiply, operand0=inverse_sum(l_sb))
 
 
 def _tile(o_sb, m_sb, l_sb, qT_sb, k_sb, v_sb, G, n, D, Dv, scale, softcap):
     """One tile of n positions of the online softmax, in place on o, m, l."""
+    fold(o_sb, m_sb, l_sb, scores(qT_sb, transposed_k(k_sb), scale, softcap), widened_v(v_sb))
+
+
+def transposed_k(k_sb):
+    """k^T [D, n] in SBUF from k [n, D] (a TensorE transpose through PSUM)."""
+    n, D = k_sb.shape
     kT_psum = nl.ndarray((D, n), dtype=k_sb.dtype, buffer=nl.psum)
     nisa.nc_transpose(dst=kT_psum, data=k_sb)
     kT_sb = nl.ndarray((D, n), dtype=k_sb.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=kT_sb, src=kT_psum)
-    s_psum = nl.ndarray((G, n), dtype=nl.float32, buffer=nl.psum)
+    return kT_sb
+
+
+def widened_v(v_sb):
+    """v [n, Dv] as float32 (VectorE): P @ V runs on float32 p and v, so 16-bit outputs carry one rounding."""
+    v32_sb = nl.ndarray(v_sb.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=v32_sb, src=v_sb)
+    return v32_sb
+
+
+def scores(qT_sb, kT_sb, scale, softcap):
+    """s [rows, n] float32 = scale * q k^T (c * tanh(scale * q k^T / c) with a soft cap c), evicted by ScalarE."""
+    rows, n = qT_sb.shape[1], kT_sb.shape[1]
+    s_psum = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=s_psum, stationary=qT_sb, moving=kT_sb)
-    s_sb = nl.ndarray((G, n), dtype=nl.float32, buffer=nl.sbuf)
+    s_sb = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.sbuf)
     if softcap is None:
         nisa.activation(dst=s_sb, op=nl.copy, data=s_psum, scale=float(scale))
     else:  # c * tanh(scale * s / c)
         nisa.activation(dst=s_sb, op=nl.tanh, data=s_psum, scale=float(scale) / float(softcap))
         nisa.tensor_scalar(dst=s_sb, data=s_sb, op0=nl.multiply, operand0=float(softcap))
+    return s_sb
+
+
+def fold(o_sb, m_sb, l_sb, s_sb, v32_sb):
+    """Folds scores s [rows, n] and their values v [n, Dv] (float32) into o, m, l: o = o corr + p v."""
+    rows, n = s_sb.shape
+    Dv = v32_sb.shape[1]
     m_new_sb, corr_sb, p_sb = online_step(m_sb, l_sb, s_sb)
-    pT_psum = nl.ndarray((n, G), dtype=nl.float32, buffer=nl.psum)
+    pT_psum = nl.ndarray((n, rows), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(dst=pT_psum, data=p_sb)
-    pT_sb = nl.ndarray((n, G), dtype=nl.float32, buffer=nl.sbuf)
+    pT_sb = nl.ndarray((n, rows), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=pT_sb, src=pT_psum)
-    v32_sb = nl.ndarray((n, Dv), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=v32_sb, src=v_sb)
-    pv_psum = nl.ndarray((G, Dv), dtype=nl.float32, buffer=nl.psum)
+    pv_psum = nl.ndarray((rows, Dv), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=pv_psum, stationary=pT_sb, moving=v32_sb)
     nisa.scalar_tensor_tensor(dst=o_sb, data=o_sb, op0=nl.multiply, operand0=corr_sb, op1=nl.add, operand1=pv_psum)
     nisa.tensor_copy(dst=m_sb, src=m_new_sb)

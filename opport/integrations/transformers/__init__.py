@@ -37,7 +37,7 @@ from opport.integrations.transformers.handback import CAUSES, STATE, Counts, Han
 __all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "is_patched", "patch", "stats", "unpatch"]
 
 OPS = ("rmsnorm", "layernorm", "swiglu", "gelu", "rope", "attention", "varlen_attention", "add_rmsnorm", "topk_router",
-       "moe_experts", "linear_cross_entropy", "linear_logprobs")
+       "moe_experts", "linear_cross_entropy", "linear_logprobs", "kv_cache_write", "paged_varlen_attention")
 
 
 def patch(model) -> dict:

@@ -15,10 +15,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from opport.errors import UnsupportedError
 from opport.integrations import apply
 from opport.integrations.transformers import layout as layouts
 from opport.integrations.transformers.families import MLP_ACTIVATIONS, head_softcap
-from opport.integrations.transformers.handback import hand_back, ran
+from opport.integrations.transformers.handback import CAUSES, hand_back, ran
 from opport.ops import get_op
 
 SAVED = "_opport_saved_forward"  # on a patched module: (the forward it had in its __dict__, or None,)
@@ -103,10 +104,11 @@ def mlp(module, x):
 def base_model(module, input_ids=None, attention_mask=None, position_ids=None, *args, **kwargs):
     """The base model (LlamaModel, ...): reads the batch's token layout once for all attention layers."""
     ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-    if args or ref is None or layouts.KEY in kwargs:  # positional extras or an invalid call: the model's code decides
+    if args or ref is None:  # positional extras or an invalid call: the model's code decides
         return call_original(module, input_ids, attention_mask, position_ids, *args, **kwargs)
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    kwargs[layouts.KEY] = layouts.read(attention_mask, position_ids, cache, kwargs, ref.shape)
+    if layouts.KEY not in kwargs:  # a caller that knows the layout (opport.serving's step) passes it
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        kwargs[layouts.KEY] = layouts.read(attention_mask, position_ids, cache, kwargs, ref.shape)
     return call_original(module, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          **kwargs)
 
@@ -124,6 +126,9 @@ def attention(module, hidden_states, position_embeddings=None, attention_mask=No
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if position_embeddings is not None:  # GPT-2's positions are learned embeddings, added before the layers
         q, k = _rope(module, q, position_embeddings), _rope(module, k, position_embeddings)
+    if layout is not None and layout.kind == "paged":
+        out = _paged(module, layout, q, k, v, kwargs).reshape(*input_shape, -1).contiguous()
+        return _output(module, out), None
     if cache is not None:
         k, v = cache.update(k, v, module.layer_idx)
     window = _window(module)
@@ -137,12 +142,41 @@ def attention(module, hidden_states, position_embeddings=None, attention_mask=No
     else:
         out = _op("attention", module, q, k, v, causal=True, scale=module.scaling, sliding_window=window,
                   softcap=_softcap(module)).transpose(1, 2)
-    out = out.reshape(*input_shape, -1).contiguous()
+    return _output(module, out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _output(module, out):
+    """The attention's output projection of out [..., Hq * Dv]."""
     if hasattr(module, "o_proj"):
-        return module.o_proj(out), weights
+        return module.o_proj(out)
     if hasattr(module, "c_proj"):  # GPT-2: Conv1D output projection, then its residual dropout
-        return module.resid_dropout(module.c_proj(out)), weights
-    return module.dense(out), weights
+        return module.resid_dropout(module.c_proj(out))
+    return module.dense(out)
+
+
+def _paged(module, step, q, k, v, kwargs):
+    """A serving step (layout.PagedStep): this layer's new K/V into its paged cache (kv_cache_write), then
+    paged_varlen_attention of the new tokens; [1, T, Hq, Dv]. Nothing can be handed back here (the model's own
+    attention does not know the paged cache): a call opport cannot run raises UnsupportedError."""
+    cause = _paged_refusal(module, kwargs)
+    if cause is not None:
+        raise UnsupportedError(op="serving", arg=CAUSES[cause][0], constraint=f"serving.{cause}",
+                               expected="a call the paged attention computes", got=CAUSES[cause][1])
+    qt, kt, vt = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # [T, H, D]: the batch is one packed row
+    kc, vc = step.cache.layer(module.layer_idx, kt, vt)
+    _op("kv_cache_write", module, kt, vt, kc, vc, step.slots)
+    out = _op("paged_varlen_attention", module, qt, kc, vc, step.block_tables, step.cu_seqlens_q, step.context_lens,
+              scale=module.scaling, softcap=_softcap(module), sliding_window=_window(module))
+    return out[None]
+
+
+def _paged_refusal(module, kwargs) -> str | None:
+    if module.training and _dropout_p(module) > 0:
+        return "dropout"
+    if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
+        return "output_attentions"
+    causal = (kwargs.get("is_causal"), getattr(module, "is_causal", True), getattr(module.config, "is_causal", True))
+    return "non_causal" if False in causal else None
 
 
 def _dropout_p(module) -> float:

@@ -47,6 +47,18 @@ class Layout:
         return self._rows[n]
 
 
+class PagedStep(Layout):
+    """A serving step (opport.serving): the new tokens of a mixed batch packed in one row [1, T], each layer's K/V
+    written to its paged cache at `slots` and attended with paged_varlen_attention (tables, cu_seqlens_q and context
+    lengths as that op takes them). `cache.layer(layer_idx, k, v)` gives the layer's (k_cache, v_cache), made on
+    first use from the layer's own K/V heads, head size and dtype."""
+
+    def __init__(self, cache, slots, block_tables, cu_seqlens_q, context_lens):
+        super().__init__("paged")
+        self.cache, self.slots = cache, slots
+        self.block_tables, self.cu_seqlens_q, self.context_lens = block_tables, cu_seqlens_q, context_lens
+
+
 DENSE = Layout("dense")
 CUSTOM = Layout("custom")
 MISFIT = Layout("misfit")  # a 2-D mask whose length is not the cached plus the new tokens

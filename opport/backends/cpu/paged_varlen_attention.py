@@ -1,0 +1,29 @@
+"""paged_varlen_attention on NumPy: each sequence's new tokens through the cpu attention kernel over its gathered
+context."""
+
+import numpy as np
+
+from opport.arraymath import as_heads, gather, paged_spans
+from opport.backends.cpu._common import uses_blas
+from opport.backends.cpu.attention import _attention
+from opport.dispatch import impl
+from opport.ops.paged_varlen_attention import paged_varlen_attention as spec
+
+
+@impl(spec, "cpu")
+@uses_blas()
+def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap,
+                           sliding_window) -> np.ndarray:
+    """out [T, Hq, Dv]: per sequence, attention(causal=True) of its n new tokens over positions lo .. ctx - 1.
+
+    Notes: only the positions some new token sees are gathered (from the first token's window start to the
+    context's end), so unseen slots never enter; the dense kernel's bottom-right causal mask over those keys is
+    exactly "token i sees positions <= ctx - n + i" (and its window), in its 128-query x 256-key blocks.
+    """
+    out = np.empty((q.shape[0], q.shape[1], v_cache.shape[3]), q.dtype)
+    for b, (ts, lo, ctx) in enumerate(paged_spans(cu_seqlens_q, context_lens, sliding_window)):
+        if ts.stop > ts.start:
+            k, v = gather(k_cache, block_tables[b], lo, ctx), gather(v_cache, block_tables[b], lo, ctx)
+            o = _attention(as_heads(q[ts]), as_heads(k), as_heads(v), True, scale, None, softcap, sliding_window)
+            out[ts] = o[0].transpose(1, 0, 2)
+    return out

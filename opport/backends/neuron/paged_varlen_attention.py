@@ -1,0 +1,149 @@
+"""paged_varlen_attention on NKI: per (sequence, KV head, tile of new tokens), the positions its tokens see gathered
+by block-table indirection, once for all the query heads of the KV head."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from opport.arraymath import gather, paged_spans
+from opport.backends.neuron import _host
+from opport.backends.neuron._softmax_steps import inverse_sum, running_state
+from opport.backends.neuron._tiles import spans
+from opport.backends.neuron.nki_compat import nisa, nki, nl
+from opport.backends.neuron.paged_attention import (
+    D_MAX,
+    DV_MAX,
+    KP,
+    fold,
+    gather_tile,
+    scores,
+    transposed_k,
+    widened_v,
+)
+from opport.backends.neuron.paged_attention import (
+    _supports as _paged_supports,
+)
+from opport.dispatch import impl
+from opport.ops.paged_varlen_attention import paged_varlen_attention as spec
+
+Q_ROWS = 128  # new tokens per tile: the partitions of the score tile
+
+
+@nki.jit
+def _paged_varlen_kernel(q_hbm, kc_hbm, vc_hbm, bt_hbm, seqs, window, scale, softcap):
+    """Attention of a mixed batch's new tokens over a paged KV cache (decodes and prefill chunks in one kernel).
+
+    Dimensions:
+        T: new tokens of all sequences; Hq / Hkv: query / KV heads, G = Hq / Hkv; D <= 128; Dv <= 512; new tokens
+        in tiles of up to 128 rows (the partitions), positions in tiles of 128 (the gathered k and v).
+
+    Args:
+        q_hbm: [T, Hq, D]; kc_hbm: [num_blocks, bs, Hkv, D]; vc_hbm: [num_blocks, bs, Hkv, Dv] (q's dtype);
+        bt_hbm: [B * max_blocks, 1] int32, the block tables as one column.
+        seqs: compile-time tuple of (first token in q, new tokens n, context length ctx, rows per tile) per
+        sequence (NKI loop bounds and DMA sizes are static: one compiled kernel per batch composition); rows
+        per tile is 128, or 1 where a value the sequence's tokens see is not finite (below).
+        window: compile-time W or None; scale, softcap: compile-time floats (None: no cap).
+
+    Returns:
+        out_hbm: [T, Hq, Dv] in q's dtype.
+
+    Notes:
+        Token i of a sequence sits at position p = ctx - n + i and sees positions (p - W, p]. Per (sequence,
+        KV head, token tile) the positions from the first row's window start to the last row's position are
+        gathered 128 at a time (block ids from the table, then one DMA per block by `vector_offset`, as
+        paged_attention), k transposed and v widened once for the G query heads; per query head the scores
+        are masked by GpSimd affine_select, -inf where a key is after the row's position (only on tiles the
+        diagonal crosses) or before its window (only on tiles the window's start crosses), and folded into
+        that head's online softmax. A masked key's weight is exactly 0, but TensorE computes 0 * inf = NaN in
+        P @ V: a sequence whose visible values hold inf or NaN runs one row per tile, whose gathered
+        positions are exactly the row's own (no mask at all).
+
+    Pseudocode:
+        for b, KV head h, token tile rows: for each 128 positions: k, v = cache[table[b, pos // bs], pos % bs, h]
+            for each query head g of h: s = mask(cap(scale * q_g k^T)); online softmax into o_g
+        out = o_g / l_g
+    """
+    T, Hq, D = q_hbm.shape
+    _, bs, Hkv, _ = kc_hbm.shape
+    Dv = vc_hbm.shape[3]
+    G = Hq // Hkv
+    max_blocks = bt_hbm.shape[0] // len(seqs)
+    out_hbm = nl.ndarray((T, Hq, Dv), dtype=q_hbm.dtype, buffer=nl.shared_hbm)
+    for b in range(len(seqs)):
+        t_first, n_new, ctx, q_rows = seqs[b]
+        for h in range(Hkv):
+            for i0, p in spans(n_new, q_rows):
+                first = ctx - n_new + i0  # the tile's first token's position
+                lo = 0 if window is None else max(0, first + 1 - window)
+                heads = []
+                for g in range(G):
+                    heads.append(_head_state(q_hbm, t_first + i0, p, h * G + g, D, Dv))
+                for k0, n in spans(first + p, KP, lo):
+                    k_sb, v_sb = gather_tile(kc_hbm, vc_hbm, bt_hbm, b * max_blocks, k0, n, h)
+                    kT_sb = transposed_k(k_sb)
+                    v32_sb = widened_v(v_sb)
+                    for g in range(G):
+                        qT_sb, o_sb, m_sb, l_sb = heads[g]
+                        s_sb = scores(qT_sb, kT_sb, scale, softcap)
+                        _mask(s_sb, first, k0, p, n, window)
+                        fold(o_sb, m_sb, l_sb, s_sb, v32_sb)
+                for g in range(G):
+                    _, o_sb, _, l_sb = heads[g]
+                    out_sb = nl.ndarray((p, Dv), dtype=q_hbm.dtype, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=out_sb, data=o_sb, op0=nl.multiply, operand0=inverse_sum(l_sb))
+                    nisa.dma_copy(dst=out_hbm[t_first + i0:t_first + i0 + p, h * G + g, 0:Dv], src=out_sb)
+    return out_hbm
+
+
+def _head_state(q_hbm, t0, p, head, D, Dv):
+    """(q^T [D, p] of tokens t0 .. t0 + p - 1 of one query head, o = 0, m, l): one head's online softmax."""
+    q_sb = nl.ndarray((p, D), dtype=q_hbm.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_sb, src=q_hbm[t0:t0 + p, head, 0:D])
+    qT_psum = nl.ndarray((D, p), dtype=q_hbm.dtype, buffer=nl.psum)
+    nisa.nc_transpose(dst=qT_psum, data=q_sb)
+    qT_sb = nl.ndarray((D, p), dtype=q_hbm.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=qT_sb, src=qT_psum)
+    o_sb = nl.ndarray((p, Dv), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=o_sb, value=0.0)
+    m_sb, l_sb = running_state(p)
+    return qT_sb, o_sb, m_sb, l_sb
+
+
+def _mask(s_sb, first, k0, p, n, window):
+    """-inf where key k0 + j is after row i's position first + i, or (with a window W) at or before first + i - W."""
+    if k0 + n - 1 > first:  # the diagonal crosses this tile: keep (first - k0) + i - j >= 0
+        nisa.affine_select(dst=s_sb, pattern=[[-1, n]], channel_multiplier=1, on_true_tile=s_sb,
+                           on_false_value=-math.inf, cmp_op=nl.greater_equal, offset=first - k0)
+    if window is not None and k0 <= first + p - 1 - window:  # the last row misses key k0: keep (k0 - first + W - 1) - i + j >= 0
+        nisa.affine_select(dst=s_sb, pattern=[[1, n]], channel_multiplier=-1, on_true_tile=s_sb,
+                           on_false_value=-math.inf, cmp_op=nl.greater_equal, offset=k0 - first + window - 1)
+
+
+def _supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window):
+    if q.shape[2] > D_MAX or v_cache.shape[3] > DV_MAX:
+        return _paged_supports(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window)
+    return None
+
+
+@impl(spec, "neuron", supports=_supports)
+def paged_varlen_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                           cu_seqlens_q: np.ndarray, context_lens: np.ndarray, scale, softcap,
+                           sliding_window) -> np.ndarray:
+    """Host side: contiguous inputs, the table as one int32 column, per sequence (first token, new tokens, context,
+    rows per tile) and the scalars as compile-time values."""
+    t, hq, d = q.shape
+    out_shape = (t, hq, v_cache.shape[3])
+    if math.prod(out_shape) == 0:
+        return np.empty(out_shape, q.dtype)
+    seqs = []
+    for b, (ts, lo, ctx) in enumerate(paged_spans(cu_seqlens_q, context_lens, sliding_window)):
+        finite = np.isfinite(gather(v_cache, block_tables[b], lo, ctx)).all()
+        seqs.append((ts.start, ts.stop - ts.start, ctx, Q_ROWS if finite else 1))
+    s = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    table = np.ascontiguousarray(block_tables, dtype=np.int32).reshape(-1, 1)
+    args = (_host.contiguous(q), _host.contiguous(k_cache), _host.contiguous(v_cache), table, tuple(seqs),
+            None if sliding_window is None else int(sliding_window), s, None if softcap is None else float(softcap))
+    return _host.as_dtype(_host.run(_paged_varlen_kernel, *args), q.dtype.name, out_shape)
