@@ -1,6 +1,6 @@
 """The elementwise activations' jnp arithmetic (silu), in float32 for 16-bit inputs (float64 for float64),
 with the limits the declarations define (silu(-inf) = -0.0) and no subnormal in between: XLA on the CPU flushes
-subnormals to zero, so a product whose factor would be subnormal is rescaled first (sigmoid_times)."""
+subnormals to zero, so a product whose factor would be subnormal is rescaled first (times_silu_grad)."""
 
 import jax.numpy as jnp
 
