@@ -22,14 +22,15 @@ OFFSET = 3  # elements before an offset view: odd, so the start is also misalign
 # Per tier: Hypothesis examples per op x dtype, element caps (all array arguments together), and whether fixed
 # cases beyond the layout coverage (every tier's) get a rotating layout (`rotate`, at most `rotate_max` per op x
 # dtype). A `<knob>_emulated` value replaces `<knob>` on a backend that emulates a device on this CPU (its
-# Capabilities.emulated()). smoke: every op, backend and dtype in a few minutes (make run), a subset of fast;
+# Capabilities.emulated()); an `examples_compiled` value, on a backend that compiles per shape (XLA:
+# Capabilities.compiles_per_shape). smoke: every op, backend and dtype in a few minutes (make run), a subset of fast;
 # fast: the CI gate; full: thousands of examples, every layout. `batch`: how many cases per op x dtype are also run
 # as batch-invariance items (smoke: none).
 TIERS = {
-    "smoke": {"examples": 10, "examples_emulated": 3, "hyp_max": 1 << 16, "hyp_max_emulated": 1 << 12,
+    "smoke": {"examples": 10, "examples_emulated": 3, "examples_compiled": 3, "hyp_max": 1 << 16, "hyp_max_emulated": 1 << 12,
               "case_max": 1 << 16, "case_max_emulated": 1 << 14, "layout_max": 1 << 14, "rotate": False,
               "skip_tags": ("large", "slow")},
-    "fast": {"examples": 100, "examples_emulated": 4, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 13,
+    "fast": {"examples": 100, "examples_emulated": 4, "examples_compiled": 6, "hyp_max": 1 << 20, "hyp_max_emulated": 1 << 13,
              "case_max_emulated": 1 << 16, "layout_max": 1 << 16, "layout_max_emulated": 1 << 14, "rotate": True,
              "rotate_max_emulated": 4, "batch": 2, "batch_emulated": 1, "batch_max": 1 << 18,
              "batch_max_emulated": 1 << 15,
@@ -49,13 +50,16 @@ class Selection:
     cases: tuple = ()  # fnmatch patterns on case names; an explicit choice bypasses tier filters
     emulated: bool = False  # the backend emulates a device on this CPU (Capabilities.emulated())
     layouts: bool = True
+    compiled: bool = False  # each new shape compiles first (Capabilities.compiles_per_shape)
 
     def n_examples(self) -> int:
         return self.examples if self.examples is not None else self.knob("examples")
 
     def knob(self, key: str):
         t = TIERS[self.tier]
-        return t.get(f"{key}_emulated", t.get(key)) if self.emulated else t.get(key)
+        if self.emulated:
+            return t.get(f"{key}_emulated", t.get(key))
+        return t.get(f"{key}_compiled", t.get(key)) if self.compiled else t.get(key)
 
     def wants(self, name: str) -> bool:
         return not self.cases or any(fnmatch.fnmatchcase(name, p) for p in self.cases)

@@ -100,7 +100,7 @@ def plan(options: Options) -> Plan:
                              if s.public]  # one row per op, not per derived op
             continue
         sel = Selection(options.tier, options.examples, options.seed, tuple(options.cases), b.capabilities.emulated(),
-                        options.layouts)
+                        options.layouts, b.capabilities.compiles_per_shape)
         p.limits[name] = b.capabilities.max_workers()
         p.selections[name] = sel
         for spec in specs:

@@ -6,7 +6,7 @@ the CLI). The one upward import is backend discovery, by name (registry.py).
 """
 
 from opport.dispatch.context import batch_invariant, is_batch_invariant, is_strict, strict, use_backend
-from opport.dispatch.core import Decision, FallbackWarning, call, decide, explain, kernel_args, takes
+from opport.dispatch.core import Decision, FallbackWarning, call, decide, explain, kernel_args, select, takes
 from opport.dispatch.registry import (
     Backend,
     Capabilities,
@@ -24,6 +24,6 @@ from opport.dispatch.registry import (
 __all__ = [
     "Backend", "Capabilities", "Decision", "FallbackWarning", "Kernel", "backends", "call", "clear_cache", "decide",
     "batch_invariant", "explain", "get_backend", "impl", "is_batch_invariant", "is_strict", "kernel_args", "kernels",
-    "register_backend", "remove_kernel", "strict",
+    "register_backend", "remove_kernel", "select", "strict",
     "takes", "unregister_backend", "use_backend",
 ]

@@ -306,15 +306,7 @@ def _run_converted(plan: Plan, bound: tuple):
 def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool) -> Plan:
     scalars = python_scalars(op, bound)  # NumPy scalars and 0-d arrays in scalar positions as Python scalars
     metas = metas_of(op, scalars)
-    decision, kernel = decide(op, metas, name, strict_now, by_keyword)
-    if kernel is None:
-        raise errors.UnsupportedError(op=op.name, arg="backend", constraint=f"{op.name}.supported",
-                                      expected=f"a {decision.backend} kernel that takes this call",
-                                      got=decision.error, message=f"{op.name}: {decision.error}")
-    if decision.fallback:
-        _warn_once(op.name, decision.fallback_from, decision.fallback)
-    if getattr(op, "batch_args", ()) and context.is_batch_invariant():
-        _check_batch_invariant(op.name, kernel.backend, strict_now)
+    decision, kernel = select(op, metas, name, strict_now, by_keyword)
     for i in op.write_pos:  # written in place: the caller's own memory must be writable by a kernel or a copy-back
         if bound[i] is not None and adapter_for(bound[i]).kind not in ("numpy", "torch"):
             raise errors.DTypeError(op=op.name, arg=op.params[i], constraint=f"{op.name}.array_type",
@@ -325,6 +317,22 @@ def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool
     if changed:
         plan = Plan(kernel, plan.convert + changed, plan.back, plan.first, decision, plan.lock, op, plan.check)
     return plan
+
+
+def select(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool):
+    """`decide`, then what a call does with the decision before it runs: UnsupportedError where no kernel takes it
+    (strict mode, or nothing on cpu either), the fallback warning, the batch-invariant check. (Decision, Kernel).
+    The dispatcher's plans and JAX's traced calls (opport/integrations/jax.py) both go through it."""
+    decision, kernel = decide(op, metas, name, strict_now, by_keyword)
+    if kernel is None:
+        raise errors.UnsupportedError(op=op.name, arg="backend", constraint=f"{op.name}.supported",
+                                      expected=f"a {decision.backend} kernel that takes this call",
+                                      got=decision.error, message=f"{op.name}: {decision.error}")
+    if decision.fallback:
+        _warn_once(op.name, decision.fallback_from, decision.fallback)
+    if getattr(op, "batch_args", ()) and context.is_batch_invariant():
+        _check_batch_invariant(op.name, kernel.backend, strict_now)
+    return decision, kernel
 
 
 def _as_python(v):
@@ -358,8 +366,9 @@ def decide(op, metas: list, name: str | None, strict_now: bool, by_keyword: bool
                                      got=device_type)
         fallback = None
     else:
-        b = backend_for_device(device_type)
-        requested = f"input device {device_type}"
+        kind = arrays[0][1].kind if arrays else None
+        b = backend_for_device(device_type, kind, op)
+        requested = f"input device {device_type}" + (f" ({kind} arrays)" if b.array_kind == kind != "numpy" else "")
         fallback = b.unavailable() and f"backend {b.name} unavailable: {b.unavailable()}"
 
     dtype = op.dtype_of(metas)
@@ -423,7 +432,7 @@ def _warn_once(op: str, backend: str, reason: str):
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(f"opport.{op}: falling back from {backend} to cpu: {reason}", FallbackWarning, stacklevel=5)
+    warnings.warn(f"opport.{op}: falling back from {backend} to cpu: {reason}", FallbackWarning, stacklevel=6)
 
 
 def _check_batch_invariant(op: str, backend: str, strict_now: bool):
@@ -442,7 +451,7 @@ def _check_batch_invariant(op: str, backend: str, strict_now: bool):
             return
         _warned.add(key)
     warnings.warn(f"opport.{op}: under opport.batch_invariant(): {why}; its rows may differ with the batch",
-                  FallbackWarning, stacklevel=5)
+                  FallbackWarning, stacklevel=6)
 
 
 def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
@@ -462,6 +471,9 @@ def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
         elif b.array_kind == "numpy":
             if ad is not NumpyAdapter:
                 convert.append((i, ad.to_numpy))
+        elif b.array_kind == "jax":
+            if ad.kind != "jax":
+                convert.append((i, partial(_to_jax, ad)))
         else:
             device = b.torch_device()
             if ad.kind != "torch" or not _on(a, device):
@@ -469,7 +481,7 @@ def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
             else:  # kernels read memory: a negative-bit view (not in the key: rare, and 65 ns to ask) materialised
                 convert.append((i, _resolve_neg))
     same_kind = (src is None or src.kind == b.array_kind) and not convert
-    back = None if same_kind else src.from_native
+    back = None if same_kind else partial(_from_jax, src) if b.array_kind == "jax" else src.from_native
     convert += kernel_views(op, bound)  # after any conversion of the same argument
     lock = _backend_locks.setdefault(b.name, threading.Lock()) if b.serialized() else None
     return Plan(kernel, tuple(convert), back, first if first is not None else 0, decision, lock, op,
@@ -503,8 +515,22 @@ def _normalizer(b):
     """A converter to a native, contiguous copy in backend `b`'s array kind."""
     if b.array_kind == "numpy":
         return NumpyAdapter.normalized
+    if b.array_kind == "jax":
+        return lambda x: _to_jax(NumpyAdapter, NumpyAdapter.normalized(x))
     device = b.torch_device()
     return lambda x: NumpyAdapter.to_torch(NumpyAdapter.normalized(x), device)
+
+
+def _to_jax(ad, a):
+    """A NumPy array or torch tensor as a JAX array (through a NumPy view; a copy on the device)."""
+    import jax.numpy as jnp
+
+    return jnp.asarray(ad.to_numpy(a))
+
+
+def _from_jax(src, out, like):
+    """A jax-kind kernel's output as the caller's kind: a writeable NumPy copy, then `src`'s conversion."""
+    return src.from_native(np.array(out), like)
 
 
 def _resolve_neg(t):

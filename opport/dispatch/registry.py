@@ -45,6 +45,8 @@ class Capabilities:
     batch_invariant: under `opport.batch_invariant()` every kernel of the backend gives a row the same bits
         whatever batch it comes in (conformance's batch items then fail a row that varies); False: the report
         says which kernels are invariant, nothing is promised.
+    compiles_per_shape: each new shape compiles its kernels first (XLA: ~0.1 s a kernel on a CPU core), so
+        conformance draws the tier's `examples_compiled` Hypothesis examples (every fixed and layout case still runs).
     """
 
     emulated: Callable[[], bool] = field(default=lambda: False)
@@ -53,6 +55,7 @@ class Capabilities:
     device_resource: str | None = None
     checked: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
     batch_invariant: bool = False
+    compiles_per_shape: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,14 @@ def _backend_constraint(op: str, what: str) -> str:
     return f"{op}.backend" if op != "opport" else f"backend.{what}"
 
 
-def backend_for_device(device_type: str) -> Backend:
+def backend_for_device(device_type: str, kind: str | None = None, spec=None) -> Backend:
+    """The backend automatic selection takes for arrays of `kind` on `device_type`: one whose kernels take that
+    kind of array itself (`array_kind`: the jax backend for JAX arrays), lists the device, can run here and has
+    kernels for `spec`; else the first backend that lists the device; else cpu."""
+    if kind is not None and spec is not None:
+        for b in backends().values():
+            if b.array_kind == kind and device_type in b.device_types and not b.unavailable() and kernels(spec, b):
+                return b
     for b in backends().values():
         if device_type in b.device_types:
             return b

@@ -1,24 +1,27 @@
-"""opport ops inside `jax.jit`, `vmap`, `jax.grad` and `jax.vjp`: host callbacks into the dispatcher.
+"""opport ops inside `jax.jit`, `vmap`, `jax.grad` and `jax.vjp`: the op's JAX formulation traced in where the
+dispatcher selects one, else host callbacks into the dispatcher.
 
 Eager JAX arrays need nothing from here (the dispatcher's JAX adapter takes them). When an argument is
-a tracer, the call is validated at trace time on its metadata (typed opport errors, as eagerly), the
-output's shape and dtype come from the op's declaration, and the computation becomes a
-`jax.pure_callback` that hands NumPy arrays to opport's dispatcher when the compiled function runs:
-the cpu backend, or the backend named by `backend=` / `opport.use_backend` / `OPPORT_BACKEND`.
-Differentiable ops are a `jax.custom_vjp`: the forward rule runs the op's training forward and keeps
-what its backward needs, the backward rule runs `<op>_backward` through the dispatcher. Forward-mode
-`jax.jvp` is not available (JAX's own error for custom_vjp functions); a second derivative, or a
-gradient with respect to a constant input (rope's tables), raises UnsupportedError at trace time.
+a tracer, the call is validated at trace time on its metadata (typed opport errors, as eagerly) and each op it
+runs (the forward, the training forward, the backward) is selected then, as the dispatcher selects for any call
+(`opport.dispatch.select`: strict mode refuses, a fallback warns). Where the kernel selected takes JAX arrays
+itself (a backend whose `array_kind` is "jax": opport/backends/jax, chosen for JAX arrays by default), it is called
+on the tracers: its jnp code becomes part of the caller's XLA computation, nothing leaves it. Otherwise the
+computation becomes a `jax.pure_callback` that hands NumPy arrays to opport's dispatcher when the compiled
+function runs: the cpu backend, or the backend named by `backend=` / `opport.use_backend` / `OPPORT_BACKEND`.
+Differentiable ops are a `jax.custom_vjp` either way: the forward rule runs the op's training forward and keeps
+what its backward needs, the backward rule runs `<op>_backward` (traced in or through a callback). Forward-mode
+`jax.jvp` is not available (JAX's own error for custom_vjp functions); a second derivative, or a gradient with
+respect to a constant input (rope's tables), raises UnsupportedError at trace time.
 
-The backend name and strict mode in force when the function is traced are fixed into the callback
-(a jitted function does not re-read Python state on later calls). On a GPU the callback still goes
-through host memory; reaching the Triton kernels directly (DLPack, no host copy) is future work.
+The backend name and strict mode in force when the function is traced are fixed into the computation (a jitted
+function does not re-read Python state on later calls). On a GPU the callback still goes through host memory;
+reaching the Triton kernels directly (DLPack, no host copy) is future work.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +30,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from opport import errors
 from opport.autodiff import floating_grads, saved_values
-from opport.dispatch import FallbackWarning, call, context, decide, strict
+from opport.dispatch import backends, call, context, decide, kernel_args, select, strict
 from opport.dispatch.adapters import meta_of, python_scalars
 from opport.dtypes import np_dtype
 from opport.spec import Meta
@@ -45,14 +48,12 @@ def traced_call(spec, bound: tuple, backend: str | None):
             metas[i] = _meta(spec, spec.params[i], bound[i])
             slots.append(i)
     chosen = backend if backend is not None else context.context_backend()
-    with warnings.catch_warnings():  # the call itself warns about a fallback when it runs
-        warnings.simplefilter("ignore", FallbackWarning)
-        decide(spec, metas, context.requested_backend(chosen), context.is_strict(), chosen is not None)
     template = tuple(None if i in slots else v for i, v in enumerate(bound))  # scalars only: no tracer kept
-    run = _Runner(template, tuple(slots), chosen, context.context_strict())
+    run = _Runner(template, tuple(slots), chosen, context.context_strict(), backend is not None)
+    run.kernel(spec, metas)  # validation, the backend's name and availability, strict mode: raised now
     operands = [bound[i] for i in slots]
     if spec.backward_op is None:
-        outs = run.callback(spec, metas, operands)
+        outs = run.apply(spec, metas, operands)
         return outs[0] if spec.n_outputs == 1 else tuple(outs)  # quantize_fp8: (q, scales)
     vag = spec.value_and_grad_op  # the fused value-and-grad where the chosen backend has a kernel for it
     if vag is not None and decide(vag, metas, context.requested_backend(chosen), True, chosen is not None)[1]:
@@ -61,10 +62,28 @@ def traced_call(spec, bound: tuple, backend: str | None):
 
 
 class _Runner:
-    """Runs an op's dispatcher on the host under the trace-time backend and strict mode."""
+    """Runs an op under the trace-time backend and strict mode: its JAX kernel traced in, or its dispatcher on the
+    host through a callback."""
 
-    def __init__(self, template: tuple, slots: tuple, backend: str | None, strict_now: bool | None):
+    def __init__(self, template: tuple, slots: tuple, backend: str | None, strict_now: bool | None, by_keyword: bool):
         self.template, self.slots, self.backend, self.strict = template, slots, backend, strict_now
+        self.name, self.strict_now = context.requested_backend(backend), context.is_strict()
+        self.by_keyword = by_keyword
+
+    def kernel(self, spec, metas):
+        """The kernel the dispatcher selects for `spec` on these metadata, as a call would (its typed errors, strict
+        mode's refusal, the fallback warning); the decision is the same when the callback's call makes it again."""
+        return select(spec, metas, self.name, self.strict_now, self.by_keyword)[1]
+
+    def apply(self, spec, metas, operands, bound_of=None) -> list:
+        """`spec` on `operands`, its outputs (those not None) as a list: the selected kernel itself where it takes
+        JAX arrays (traced into the caller's computation), else a host callback."""
+        bound_of = bound_of or self.bound
+        k = self.kernel(spec, metas)
+        if backends()[k.backend].array_kind != "jax":
+            return self.callback(spec, metas, operands, bound_of)
+        out = k.fn(*kernel_args(spec, bound_of(operands)))
+        return [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
 
     def bound(self, operands) -> tuple:
         args = list(self.template)
@@ -104,13 +123,13 @@ def _differentiable(spec, metas: list, run: _Runner):
         return tuple(by_name[p] for p in bwd.params)
 
     def forward(*operands):
-        outs = run.callback(spec, metas, operands)
+        outs = run.apply(spec, metas, operands)
         return outs[0] if n_out == 1 else tuple(outs)
 
     def fwd(*primals):
         _refuse_constants(spec, names, primals)
         values = [p.value for p in primals]
-        outs = _once_differentiable(spec, lambda *ops: run.callback(trained, metas, ops))(*values)
+        outs = _once_differentiable(spec, lambda *ops: run.apply(trained, metas, ops))(*values)
         out, stats = (outs[0] if n_out == 1 else tuple(outs[:n_out])), tuple(outs[n_out:])
         saved = dict(zip(bwd.params[k:], saved_values(spec, run.bound(values), out, stats)))
         return out, tuple(saved[p] for p in carried)
@@ -121,7 +140,7 @@ def _differentiable(spec, metas: list, run: _Runner):
         bmetas = backward_bound([_meta(bwd, n, c) for n, c in zip(bwd.grads, g)],
                                 [_meta(bwd, p, r) for p, r in zip(carried, residuals)])
         run_backward = _once_differentiable(
-            spec, lambda *ops: run.callback(bwd, bmetas, ops, lambda a: backward_bound(a[:k], a[k:])))
+            spec, lambda *ops: run.apply(bwd, bmetas, ops, lambda a: backward_bound(a[:k], a[k:])))
         grads = iter(run_backward(*g, *residuals))
         by_name = {n: next(grads) for n in bwd.wrt if n in names}
         return tuple(by_name.get(n) for n in names)
@@ -140,11 +159,11 @@ def _fused(spec, metas: list, run: _Runner):
     present = [n for n in vag.wrt if n in names]
 
     def forward(*operands):
-        return run.callback(spec, metas, operands)[0]
+        return run.apply(spec, metas, operands)[0]
 
     def fwd(*primals):
         _refuse_constants(spec, names, primals)
-        out, *grads = _once_differentiable(spec, lambda *ops: run.callback(vag, metas, ops))(*[p.value for p in primals])
+        out, *grads = _once_differentiable(spec, lambda *ops: run.apply(vag, metas, ops))(*[p.value for p in primals])
         return out, tuple(grads)
 
     def bwd_rule(grads, g):
