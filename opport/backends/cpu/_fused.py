@@ -82,6 +82,19 @@ if numba is not None:
         return numba.int32(numba.float32), codegen
 
     @_intrinsic
+    def _fma(typingctx, a, b, c):
+        """a * b + c rounded once (llvm.fma, whatever the target: a libm call where there is no FMA instruction): an
+        explicit fused multiply-add, vectorised like any arithmetic, never a contraction the compiler may or may not
+        make (fastmath's 'contract' could fuse one element's product and not its neighbour's)."""
+        if not (a == b == c and isinstance(a, numba.types.Float)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.fma(*args)
+
+        return a(a, b, c), codegen
+
+    @_intrinsic
     def _long_as_double(typingctx, i):
         def codegen(context, builder, signature, args):
             return builder.bitcast(args[0], _ir.DoubleType())
@@ -89,19 +102,26 @@ if numba is not None:
         return numba.float64(numba.int64), codegen
 
     @_inline
+    def _poly_exp32(r):
+        """exp(r) for |r| <= ln2/2: Cephes' expf polynomial in fused multiply-adds, its last step unfused (fusing it
+        too measured 1.002 ulp at worst, against 0.97)."""
+        p = np.float32(1.9875691500e-4)
+        p = _fma(p, r, np.float32(1.3981999507e-3))
+        p = _fma(p, r, np.float32(8.3334519073e-3))
+        p = _fma(p, r, np.float32(4.1665795894e-2))
+        p = _fma(p, r, np.float32(1.6666665459e-1))
+        p = _fma(p, r, np.float32(5.0000001201e-1))
+        return p * r * r + r + np.float32(1.0)
+
+    @_inline
     def _exp32(x):
         """exp of a float32 in [-87, 87] (callers check: `_hi`), within 1 ulp: Cody-Waite reduction by
-        ln 2 and Cephes' expf polynomial, 2^k from the exponent bits. Vectorises (libm's expf does not)."""
+        ln 2 and Cephes' expf polynomial (Horner's steps as fused multiply-adds), 2^k from the exponent bits.
+        Vectorises (libm's expf does not). Measured on 2M points of [-87, 87]: at most 0.97 ulp from exp."""
         k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
         r = x - k * np.float32(0.693359375)
         r = r - k * np.float32(-2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        p = p * r * r + r + np.float32(1.0)
+        p = _poly_exp32(r)
         return p * _int_as_float((np.int32(k) + np.int32(127)) << np.int32(23))
 
     @_inline
@@ -112,17 +132,17 @@ if numba is not None:
         r = x - k * 0.6931471803691238
         r = r - k * 1.9082149292705877e-10
         p = 1.0 / 6227020800.0
-        p = p * r + 1.0 / 479001600.0
-        p = p * r + 1.0 / 39916800.0
-        p = p * r + 1.0 / 3628800.0
-        p = p * r + 1.0 / 362880.0
-        p = p * r + 1.0 / 40320.0
-        p = p * r + 1.0 / 5040.0
-        p = p * r + 1.0 / 720.0
-        p = p * r + 1.0 / 120.0
-        p = p * r + 1.0 / 24.0
-        p = p * r + 1.0 / 6.0
-        p = p * r + 0.5
+        p = _fma(p, r, 1.0 / 479001600.0)
+        p = _fma(p, r, 1.0 / 39916800.0)
+        p = _fma(p, r, 1.0 / 3628800.0)
+        p = _fma(p, r, 1.0 / 362880.0)
+        p = _fma(p, r, 1.0 / 40320.0)
+        p = _fma(p, r, 1.0 / 5040.0)
+        p = _fma(p, r, 1.0 / 720.0)
+        p = _fma(p, r, 1.0 / 120.0)
+        p = _fma(p, r, 1.0 / 24.0)
+        p = _fma(p, r, 1.0 / 6.0)
+        p = _fma(p, r, 0.5)
         p = p * r * r + r + 1.0
         return p * _long_as_double((np.int64(k) + np.int64(1023)) << np.int64(52))
 
@@ -723,6 +743,7 @@ def activation(loop, careful):
         return y
 
     fn.__name__ = f"fused_{getattr(careful, '__name__', 'block')}"
+    fn.fused_loop = loop  # for _activations.elementwise's direct path (small float32 calls)
     return fn
 
 
@@ -815,6 +836,7 @@ def swiglu_backward_block(careful):
             du[idx[fwd_left]] = b[fwd_left]
         return dg, du
 
+    fn.fused_loop = _swiglu_grad  # for _activations.elementwise's direct path (small float32 calls)
     return fn
 
 
@@ -943,13 +965,7 @@ if numba is not None:
         k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
         r = x - k * np.float32(0.693359375)
         r = r - k * np.float32(-2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        p = p * r * r + r + np.float32(1.0)
+        p = _poly_exp32(r)
         ki = np.int32(k)
         k1 = ki >> np.int32(1)
         return (p * _int_as_float((k1 + np.int32(127)) << np.int32(23))) * _int_as_float(
