@@ -190,11 +190,11 @@ if numba is not None:
 
     @_inline
     def _lane_sum(v, x0, mean, square, acc):
-        """sum(d) or sum(d * d) over d = (v - x0) - mean in acc's dtype (v converted first): LANES interleaved partial sums in `acc` (lane k
-        takes the elements j = k mod LANES), then the lanes in order, then the tail. Each lane's update is a map over
-        k, which LLVM's loop vectoriser turns into SIMD without reassociating anything (numba leaves the SLP
-        vectoriser off, so partial sums in scalars stay scalar code); 64 lanes keep several vector registers of
-        independent additions in flight. x0 = mean = 0 gives sum(v) and sum(v * v) exactly."""
+        """sum(d) or sum(d * d) over d = (v - x0) - mean in acc's dtype (v converted first): LANES interleaved partial
+        sums in `acc` (lane k takes the elements j = k mod LANES), then the lanes in order, then the tail. Each lane's
+        update is a map over k, which LLVM's loop vectoriser turns into SIMD without reassociating anything (numba
+        leaves the SLP vectoriser off, so partial sums in scalars stayed scalar code); 64 lanes keep several vector
+        registers of independent additions in flight. x0 = mean = 0 gives sum(v) and sum(v * v) exactly."""
         n = v.size
         m = n - n % LANES
         acc[:] = 0
