@@ -236,3 +236,23 @@ def test_a_child_forked_during_a_limited_call_starts_with_the_callers_limit():
             common._blas.exit(1)
         assert p.exitcode == 0 and got == 2
         assert blas_limit() == 2
+
+
+def test_torch_tensors_run_blas_on_one_thread_while_torchs_pool_has_several(monkeypatch, spy):
+    """On torch tensors a BLAS kernel holds BLAS to 1 thread while torch's intra-op pool has several (their busy-waiting
+    workers fight for the same cores: docs/cpu.md, Threads); with torch on one thread BLAS gets the budget."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    a, b = (torch.from_numpy(m) for m in _ab())
+    before = torch.get_num_threads()
+    try:
+        with threadpool_limits(limits=2, user_api="blas"):
+            for torch_threads, want in ((2, 1), (1, 2)):
+                torch.set_num_threads(torch_threads)
+                spy.clear()
+                out = opport.matmul(a, b, backend="cpu")
+                assert [lim for _, lim in spy] == [want]
+                assert blas_limit() == 2
+    finally:
+        torch.set_num_threads(before)
+    np.testing.assert_allclose(out.numpy(), a.numpy() @ b.numpy(), rtol=1e-5, atol=1e-5)

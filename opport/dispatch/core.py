@@ -80,14 +80,17 @@ class Decision:
 class Plan:
     """A cached decision plus the conversions that run it."""
 
-    __slots__ = ("fn", "convert", "back", "direct", "first", "decision", "kernel", "lock", "writes", "check")
+    __slots__ = ("fn", "convert", "back", "direct", "first", "decision", "kernel", "lock", "writes", "check", "guest")
 
-    def __init__(self, kernel, convert, back, first, decision, lock=None, op=None, check=None):
+    def __init__(self, kernel, convert, back, first, decision, lock=None, op=None, check=None, guest=None):
         self.kernel, self.convert, self.back, self.lock = kernel, convert, back, lock
         self.check = check  # values validation cannot see (slot indices, scales, labels): on the caller's arrays
         # the kernel takes the caller's arrays and returns their kind, and nothing else runs
         self.direct = not convert and back is None and check is None
         self.fn = kernel.fn if lock is None else _serial(kernel.fn, lock)
+        self.guest = guest  # the backend's wrapper for a kernel run on another framework's arrays (Backend.guest)
+        if guest is not None:
+            self.fn = guest(self.fn)
         self.writes = getattr(op, "write_pos", ())  # arguments written in place: copied back where converted
         self.first, self.decision = first, decision
 
@@ -315,7 +318,8 @@ def _plan(op, bound: tuple, name: str | None, strict_now: bool, by_keyword: bool
     plan = _make_plan(op, bound, kernel, decision)
     changed = tuple((i, _as_python) for i in op.scalar_pos if scalars[i] is not bound[i])
     if changed:
-        plan = Plan(kernel, plan.convert + changed, plan.back, plan.first, decision, plan.lock, op, plan.check)
+        plan = Plan(kernel, plan.convert + changed, plan.back, plan.first, decision, plan.lock, op, plan.check,
+                    plan.guest)
     return plan
 
 
@@ -484,8 +488,9 @@ def _make_plan(op, bound: tuple, kernel, decision: Decision) -> Plan:
     back = None if same_kind else partial(_from_jax, src) if b.array_kind == "jax" else src.from_native
     convert += kernel_views(op, bound)  # after any conversion of the same argument
     lock = _backend_locks.setdefault(b.name, threading.Lock()) if b.serialized() else None
+    guest = b.guest(src.kind) if src is not None and src.kind != b.array_kind else None
     return Plan(kernel, tuple(convert), back, first if first is not None else 0, decision, lock, op,
-                value_check(op, bound))
+                value_check(op, bound), guest)
 
 
 def kernel_views(op, bound: tuple) -> list:

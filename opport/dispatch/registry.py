@@ -74,6 +74,9 @@ class Backend:
     # while a kernel runs): the dispatcher then runs them under one lock per backend
     serialized: Callable[[], bool] = field(default=lambda: False)
     capabilities: Capabilities = field(default_factory=Capabilities)
+    # guest(kind) -> a wrapper for its kernels when called on another framework's arrays converted to this backend's
+    # (kind "torch" for the cpu backend: its kernels then share the cores with torch's own thread pool), or None
+    guest: Callable[[str], Callable | None] = field(default=lambda kind: None)
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run here (None if it can); probed once, lazily."""

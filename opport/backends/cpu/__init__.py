@@ -22,4 +22,11 @@ BACKEND = Backend(
     mode=lambda: "numpy",
     versions=_versions,
     capabilities=Capabilities(bench=f"{__name__}.bench", batch_invariant=True),
+    guest=lambda kind: _guest(kind),
 )
+
+
+def _guest(kind: str):
+    from opport.backends.cpu._common import guest
+
+    return guest(kind)

@@ -45,6 +45,7 @@ _pool_lock = threading.Lock()
 class _Inside(threading.local):
     on = False  # a class default: getattr with a default on a thread-local costs 0.3 us, this 0.03
     pooled = False  # on while the share belongs to a call that split over the pool (inline calls: off)
+    guest = False  # on while a kernel runs on torch's tensors with torch's pool of several threads (`guest`)
 
 
 _inside = _Inside()  # on while a thread runs a share: a nested call must not wait on the pool
@@ -255,7 +256,7 @@ def uses_blas(work=None):
             n = num_threads()  # validated on every call, small ones too
             if work is not None and work(*args, **kwargs) <= BLAS_INLINE:
                 return fn(*args, **kwargs)
-            if _inside.pooled:
+            if _inside.pooled or _inside.guest:
                 n = 1
             _blas.enter(n)
             try:
@@ -264,6 +265,33 @@ def uses_blas(work=None):
                 _blas.exit(n)
 
         return kernel
+
+    return wrap
+
+
+def guest(kind: str):
+    """The cpu backend's `Backend.guest`: for kernels called on torch tensors, a wrapper that holds BLAS to 1 thread
+    while torch's intra-op pool has several (docs/cpu.md, Threads). torch's OpenMP workers busy-wait for a while
+    after each of torch's ops and OpenBLAS's after each of its calls (about 0.1 s), each set on the cores the other
+    needs next: with both at 2 threads a tiny Llama's training step took 140 ms against 59 ms with BLAS at 1."""
+    if kind != "torch":
+        return None
+    import torch
+
+    torch_threads = torch.get_num_threads
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args):
+            if _inside.guest or torch_threads() <= 1:
+                return fn(*args)
+            _inside.guest = True
+            try:
+                return fn(*args)
+            finally:
+                _inside.guest = False
+
+        return run
 
     return wrap
 
