@@ -32,7 +32,7 @@ Q_ROWS = 128  # new tokens per tile: the partitions of the score tile
 
 
 @nki.jit
-def _paged_varlen_kernel(q_hbm, kc_hbm, vc_hbm, bt_hbm, seqs, window, scale, softcap):
+def _paged_varlen_attention_kernel(q_hbm, kc_hbm, vc_hbm, bt_hbm, seqs, window, scale, softcap):
     """Attention of a mixed batch's new tokens over a paged KV cache (decodes and prefill chunks in one kernel).
 
     Dimensions:
@@ -146,4 +146,4 @@ def paged_varlen_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarr
     table = np.ascontiguousarray(block_tables, dtype=np.int32).reshape(-1, 1)
     args = (_host.contiguous(q), _host.contiguous(k_cache), _host.contiguous(v_cache), table, tuple(seqs),
             None if sliding_window is None else int(sliding_window), s, None if softcap is None else float(softcap))
-    return _host.as_dtype(_host.run(_paged_varlen_kernel, *args), q.dtype.name, out_shape)
+    return _host.as_dtype(_host.run(_paged_varlen_attention_kernel, *args), q.dtype.name, out_shape)
