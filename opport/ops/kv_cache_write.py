@@ -23,6 +23,8 @@ from opport.spec import (
 )
 
 NAME = "kv_cache_write"
+HOST_READ = (" (read on the host before any kernel: NumPy and CPU arrays always, device arrays under "
+             "OPPORT_CHECK_VALUES=1)")
 SLOTS = Domain("an int32 or int64 array", ("int32", "int64"))  # vLLM's slot_mapping is int64; 32-bit index paths
 
 
@@ -38,8 +40,8 @@ SLOTS = Domain("an int32 or int64 array", ("int32", "int64"))  # vLLM's slot_map
         "kv_cache_write.heads": "k_cache is [num_blocks, block_size, Hkv, D] and v_cache [num_blocks, block_size, "
                                 "Hkv, Dv], with key's Hkv, D and value's Hkv, Dv; block_size >= 1",
         "kv_cache_write.slot_dtype": "slot_mapping is int32 or int64",
-        "kv_cache_write.slot_range": "each slot is -1 (skipped) or in [0, num_blocks * block_size)",
-        "kv_cache_write.slot_unique": "no slot other than -1 appears twice",
+        "kv_cache_write.slot_range": "each slot is -1 (skipped) or in [0, num_blocks * block_size)" + HOST_READ,
+        "kv_cache_write.slot_unique": "no slot other than -1 appears twice" + HOST_READ,
     },
 )
 def kv_cache_write(key, value, k_cache, v_cache, slot_mapping):
@@ -80,6 +82,11 @@ def _check_slots(key, value, k_cache, v_cache, slot_mapping):
     dup = live[1:][live[1:] == live[:-1]]
     check(dup.size == 0, ArgumentError, NAME, "slot_mapping", f"{NAME}.slot_unique", "distinct slots (other than -1)",
           f"slot {int(dup[0]) if dup.size else 0} repeated")
+
+
+# on device arrays only under OPPORT_CHECK_VALUES=1 (a host read per call would break CUDA-graph capture); the cuda
+# kernels guard their memory accesses instead (docs/serving.md, "What each call checks")
+_check_slots.on_device = False
 
 
 def written_rows(slot_mapping, block_size: int) -> tuple:

@@ -10,6 +10,7 @@ from opport import casegen as cg
 from opport.arraymath import gather, visible
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops.attention import SCALE_RULE, check_scale
+from opport.ops.kv_cache_write import HOST_READ
 from opport.spec import (
     INT32,
     Case,
@@ -44,9 +45,9 @@ def constraints(name: str, q_rank: str) -> dict:
         f"{name}.scale": SCALE_RULE,
         f"{name}.softcap": "softcap is None or a finite number > 0",
         f"{name}.sliding_window": "sliding_window is None or an int >= 1",
-        f"{name}.context_range": "0 <= context_lens[b] <= max_blocks * block_size",
+        f"{name}.context_range": "0 <= context_lens[b] <= max_blocks * block_size" + HOST_READ,
         f"{name}.block_range": "the blocks a sequence reads (block_tables[b, :cdiv(context_lens[b], block_size)]) are in "
-                               "[0, num_blocks)",
+                               "[0, num_blocks)" + HOST_READ,
     }
 
 
@@ -112,6 +113,11 @@ def check_scalars(name: str, scale, softcap, sliding_window) -> None:
 @paged_attention.check_values(("block_tables", "context_lens"))
 def _check_tables(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
     check_tables(NAME, k_cache, block_tables, context_lens)
+
+
+# on device arrays only under OPPORT_CHECK_VALUES=1 (a host read per call would break CUDA-graph capture); the cuda
+# kernels guard their memory accesses instead (docs/serving.md, "What each call checks")
+_check_tables.on_device = False
 
 
 def check_tables(name: str, k_cache, block_tables, context_lens) -> None:

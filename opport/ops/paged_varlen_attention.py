@@ -8,6 +8,7 @@ from opport import casegen as cg
 from opport.arraymath import as_heads, cu, gather, paged_spans
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops import attention as dense
+from opport.ops.kv_cache_write import HOST_READ
 from opport.ops.paged_attention import check_cache, check_scalars, check_tables, constraints, visited_blocks
 from opport.ops.varlen_attention import check_cu_values
 from opport.spec import INT32, Case, Cost, ErrorCase, check, check_domain, op
@@ -23,8 +24,9 @@ NAME = "paged_varlen_attention"
                             "cu_seqlens_q [B + 1], context_lens [B]"),
         f"{NAME}.batch": "block_tables and context_lens have B rows, cu_seqlens_q B + 1 entries",
         f"{NAME}.index_dtype": "block_tables, cu_seqlens_q and context_lens are int32",
-        f"{NAME}.cu_values": "cu_seqlens_q starts at 0, never decreases and ends at T",
-        f"{NAME}.query_range": "each sequence's query count cu_seqlens_q[b + 1] - cu_seqlens_q[b] <= context_lens[b]",
+        f"{NAME}.cu_values": "cu_seqlens_q starts at 0, never decreases and ends at T" + HOST_READ,
+        f"{NAME}.query_range": "each sequence's query count cu_seqlens_q[b + 1] - cu_seqlens_q[b] <= context_lens[b]"
+                               + HOST_READ,
     },
 )
 def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float | None = None,
@@ -67,6 +69,11 @@ def _check_tables(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     check(not bad.any(), ArgumentError, NAME, "cu_seqlens_q", f"{NAME}.query_range",
           "at most context_lens[b] new tokens per sequence",
           f"{int(n[first])} tokens for sequence {first} of context {int(context_lens[first])}" if bad.any() else None)
+
+
+# on device arrays only under OPPORT_CHECK_VALUES=1 (a host read per call would break CUDA-graph capture); the cuda
+# kernels guard their memory accesses instead (docs/serving.md, "What each call checks")
+_check_tables.on_device = False
 
 
 @paged_varlen_attention.reference

@@ -72,3 +72,28 @@ def test_kernels_match_the_decode_steps(backend):
         got = opport.paged_varlen_attention(*args, sliding_window=100, backend="neuron")
     want = as_decodes(*(a.astype(np.float64) if a.dtype == np.float32 else a for a in args), sliding_window=100)
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_on_a_device_the_tables_are_not_read_back_and_the_cuda_kernels_stay_in_bounds():
+    """The serving ops' value checks run on host arrays only (OPPORT_CHECK_VALUES=1 adds device arrays: a host read
+    per call would break CUDA-graph capture), so the cuda kernels meet bad tables themselves: nothing outside the
+    caches and the output is touched, and the sequence that named a stray block or an impossible length is NaN."""
+    torch = pytest.importorskip("torch")
+    from opport.backends.cuda.kv_cache_write import kv_cache_write as write_kernel
+    from opport.backends.cuda.paged_attention import paged_attention as decode_kernel
+    from opport.backends.cuda.paged_varlen_attention import paged_varlen_attention as mixed_kernel
+
+    for op in ("kv_cache_write", "paged_attention", "paged_varlen_attention"):
+        assert opport.get_op(op)._value_check[1].on_device is False
+    q, kc, vc, bt, cuq, lens = (torch.from_numpy(a) for a in inputs([20, 40, 9], [3, 1, 9], dtype="float32"))
+    room = torch.full((kc.shape[0] + 2, *kc.shape[1:]), 7.0)  # the caches inside a larger buffer: its ends must stay
+    room[1:-1] = kc
+    kc = room[1:-1]
+    bt[1, 1], lens[2] = 10_000, 1_000  # a stray block for sequence 1, an impossible length for sequence 2
+    out = mixed_kernel(q, kc, vc, bt, cuq, lens, None, None, None)
+    assert torch.isnan(out[3]).all() and torch.isnan(out[4:]).all() and not torch.isnan(out[:3]).any()
+    decode = decode_kernel(q[[2, 3, 12]], kc, vc, bt, lens, None, None, None)
+    assert not torch.isnan(decode[0]).any() and torch.isnan(decode[1:]).all()
+    k_new, before = torch.ones(2, kc.shape[2], kc.shape[3]), room.clone()
+    write_kernel(k_new, k_new, kc, vc, torch.tensor([-5, kc.shape[0] * kc.shape[1] + 3]))  # both out of range: skipped
+    assert torch.equal(room.view(torch.int32), before.view(torch.int32))  # bitwise: NaN slots included

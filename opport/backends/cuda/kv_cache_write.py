@@ -14,7 +14,7 @@ def _kv_cache_write_kernel(
     # pointers
     key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr,
     # shapes, strides
-    n_tokens, block_size, hkv, d, dv, slot_s,
+    n_tokens, n_slots, block_size, hkv, d, dv, slot_s,
     key_st, key_sh, key_sd, val_st, val_sh, val_sd,
     kc_sb, kc_so, kc_sh, kc_sd, vc_sb, vc_so, vc_sh, vc_sd,
     # meta-parameters
@@ -23,7 +23,9 @@ def _kv_cache_write_kernel(
     """Copy BLOCK_T tokens' key and value rows into k_cache and v_cache at slots s = slot_mapping[t] (-1: skipped).
 
     Dimensions: key [T, Hkv, D], value [T, Hkv, Dv], caches [num_blocks, block_size, Hkv, D/Dv]; all strided.
-    Args: slot_ptr: int32 or int64 slots, checked (in range, distinct) before the launch.
+    Args: slot_ptr: int32 or int64 slots, checked (in range, distinct) before the launch on host arrays; on a GPU
+        only under OPPORT_CHECK_VALUES=1 (a host read would break CUDA-graph capture), so the kernel itself skips
+        a slot outside [0, n_slots) as it skips -1: nothing outside the caches is ever written.
     Returns: nothing; the caches are written in place.
     Notes: a plain load and store in the inputs' dtype: the rows arrive bit for bit (NaN payloads too, as
     integer-free moves keep them); a padding token's rows are masked off, neither read nor stored. Slots
@@ -32,7 +34,7 @@ def _kv_cache_write_kernel(
     """
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     slot = tl.load(slot_ptr + t * slot_s, mask=t < n_tokens, other=-1).to(tl.int64)
-    live = (slot >= 0)[:, None, None]
+    live = ((slot >= 0) & (slot < n_slots))[:, None, None]
     blk = (slot // block_size)[:, None, None]
     off = (slot % block_size)[:, None, None]
     tt = t[:, None, None]
@@ -65,7 +67,8 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     block_t = min(next_pow2(t), max(1, tile_elements() // (block_h * block_d)))
     warps = 4 if INTERPRET or block_t * block_h * block_d <= 2048 else 8
     _kv_cache_write_kernel[(cdiv(t, block_t),)](
-        key, value, k_cache, v_cache, slot_mapping, t, k_cache.shape[1], hkv, d, dv, slot_mapping.stride(0),
+        key, value, k_cache, v_cache, slot_mapping, t, k_cache.shape[0] * k_cache.shape[1], k_cache.shape[1], hkv, d,
+        dv, slot_mapping.stride(0),
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps)
     return None

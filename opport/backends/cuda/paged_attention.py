@@ -35,7 +35,7 @@ def _paged_attention_kernel(
     # pointers
     q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, part_ptr, ml_ptr,
     # shapes, strides
-    hkv, group, d, dv, block_size, window, n_parts,
+    hkv, group, d, dv, block_size, num_blocks, capacity, window, n_parts,
     q_sb, q_sh, q_sd, len_s,
     k_sb, k_so, k_sh, k_sd,
     v_sb, v_so, v_sh, v_sd,
@@ -53,7 +53,12 @@ def _paged_attention_kernel(
     ml [B * Hkv, n_parts, BLOCK_G, 2] float32.
     Args: window: sliding window W (WINDOW) — positions >= len - W; softcap: c (SOFTCAP) — s = c tanh(s / c).
     Returns: out (without SPLIT) or the partition's unnormalised accumulator, running max and sum (SPLIT).
-    Notes: only positions in [max(lo, p * PART), min(len, (p + 1) * PART)) are loaded (masked loads read no
+    Notes: tables and lengths are checked on the host before the launch, except on device arrays without
+    OPPORT_CHECK_VALUES=1 (a host read per call would break CUDA-graph capture): then a length outside
+    [0, capacity] or a visited block outside [0, num_blocks) is never followed (clamped; block 0 read instead)
+    and the sequence's rows come out NaN (a stray block's scores are NaN, an invalid length sets the denominator
+    to NaN; the reduce carries it).
+    Only positions in [max(lo, p * PART), min(len, (p + 1) * PART)) are loaded (masked loads read no
     memory): the tail of a sequence's last block, blocks outside its window and table entries past its last
     block are never touched, so NaN in unseen slots cannot reach the output. Scores are scaled (and
     softcapped) in float32, then taken to base 2 for exp2. A partition that sees nothing leaves m = -inf,
@@ -69,6 +74,8 @@ def _paged_attention_kernel(
     b = (bh // hkv).to(tl.int64)
     h = (bh % hkv).to(tl.int64)
     n = tl.load(len_ptr + b * len_s)
+    invalid = (n < 0) | (n > capacity)  # checked on the host except for device arrays (see the notes)
+    n = tl.minimum(tl.maximum(n, 0), capacity)
     lo = 0
     if WINDOW:
         lo = tl.maximum(n - window, 0)
@@ -89,6 +96,8 @@ def _paged_attention_kernel(
         pos = s0 + tl.arange(0, BLOCK_N)
         ok = pos < end
         blk = tl.load(bt_ptr + b * bt_sb + (pos // block_size) * bt_sm, mask=ok, other=0).to(tl.int64)
+        stray = ok & ((blk < 0) | (blk >= num_blocks))  # read block 0 instead; its scores NaN (below)
+        blk = tl.where(stray, 0, blk)
         off = (pos % block_size).to(tl.int64)
         k_rows = kc_ptr + blk * k_sb + off * k_so + h * k_sh
         kt = tl.load(k_rows[None, :] + offs_d[:, None] * k_sd, mask=ok[None, :] & (offs_d[:, None] < d), other=0.0)
@@ -96,6 +105,7 @@ def _paged_attention_kernel(
         if SOFTCAP:
             s = softcap * _tanh(s / softcap)
         s = tl.where(ok[None, :], s * 1.4426950408889634, float("-inf"))  # log2(e): exp2 from here on
+        s = tl.where(stray[None, :], float("nan"), s)  # a stray block: p, l and acc turn NaN (no loop-carried flag)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -106,6 +116,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None]
         acc = tl.dot(pr, f32(v), acc, input_precision=PRECISION)  # P kept in float32 (tf32 on 16-bit inputs)
         m = m_new
+    if invalid:  # an invalid length: the sequence's rows are NaN (as cross_entropy's unchecked device targets)
+        l_sum = tl.full((BLOCK_G,), float("nan"), tl.float32)
     if SPLIT:
         at = (bh.to(tl.int64) * n_parts + p) * BLOCK_G + g
         tl.store(ml_ptr + at * 2, m, mask=g_ok)
@@ -203,7 +215,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     _paged_attention_kernel[(bsz * hkv, n_parts)](
         q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
-        hkv, group, d, dv, k_cache.shape[1], sliding_window or 0, n_parts,
+        hkv, group, d, dv, k_cache.shape[1], k_cache.shape[0], block_tables.shape[1] * k_cache.shape[1],
+        sliding_window or 0, n_parts,
         *q.stride(), context_lens.stride(0), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         scale, float(softcap or 1.0),
         SOFTCAP=softcap is not None, WINDOW=sliding_window is not None, SPLIT=split,

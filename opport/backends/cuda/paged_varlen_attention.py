@@ -42,7 +42,7 @@ def _paged_varlen_kernel(
     # pointers
     q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, len_ptr, out_ptr, flag_ptr,
     # shapes, strides
-    n_seqs, n_steps, hkv, group, d, dv, block_size, window,
+    n_seqs, n_tokens, n_steps, hkv, group, d, dv, block_size, num_blocks, capacity, window,
     cu_s, len_s, q_st, q_sh, q_sd,
     k_sb, k_so, k_sh, k_sd,
     v_sb, v_so, v_sh, v_sd,
@@ -69,7 +69,12 @@ def _paged_varlen_kernel(
     the rows that see them (attention's `_nonfinite_part`), which keeps that path's registers out of the fast
     kernel. Scores are float32, taken to base 2 for exp2;
     P stays float32 for the second dot (tf32 on 16-bit inputs), as in paged_attention. A program past its
-    sequence's last tile (the grid's slack) exits after the search.
+    sequence's last tile (the grid's slack) exits after the search. Tables, lengths and cu_seqlens_q are checked
+    on the host before the launch, except on device arrays without OPPORT_CHECK_VALUES=1 (a host read per call
+    would break CUDA-graph capture): then nothing outside q, out, the tables or the caches is touched (lengths
+    clamped, stray blocks replaced by block 0, token rows outside [0, T) masked), the rows of a sequence with an
+    invalid length, query count, token range or block come out NaN, rows no program reaches keep out's initial
+    NaN (cu_seqlens_q that decrease can still leave two sequences' rows overlapping: those are unspecified).
     Pseudocode: b = sequence of this tile; for each BLOCK_N positions: blk = table[b, pos // bs];
                 k, v = cache[blk, pos % bs, h]; s = mask(q k^T); online softmax; out = acc / l
     """
@@ -85,15 +90,18 @@ def _paged_varlen_kernel(
         run = run & (tl.load(flag) != 0)
     if run:
         ctx = tl.load(len_ptr + b * len_s)
+        # checked on the host except for device arrays (see the notes)
+        invalid = (ctx < 0) | (ctx > capacity) | (n_new > ctx) | (i0 < 0) | (t_start < 0) | (t_start + n_new > n_tokens)
+        ctx = tl.minimum(tl.maximum(ctx, 0), capacity)
         rows = tl.arange(0, BLOCK_Q * BLOCK_G)
         tok = i0 + rows // BLOCK_G
         g = rows % BLOCK_G
-        row_ok = (tok < n_new) & (g < group)
+        t_row = (t_start + tok).to(tl.int64)
+        row_ok = (tok < n_new) & (g < group) & (t_row >= 0) & (t_row < n_tokens)
         pos = ctx - n_new + tok  # each row's own position
         head = h * group + g
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        t_row = (t_start + tok).to(tl.int64)
         q = tl.load(q_ptr + t_row[:, None] * q_st + head[:, None] * q_sh + offs_d[None, :] * q_sd,
                     mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
         q = dot_operand(q)
@@ -110,6 +118,9 @@ def _paged_varlen_kernel(
             kpos = s0 + tl.arange(0, BLOCK_N)
             ok = kpos < end
             blk = tl.load(bt_ptr + b * bt_sb + (kpos // block_size) * bt_sm, mask=ok, other=0).to(tl.int64)
+            stray = ok & ((blk < 0) | (blk >= num_blocks))
+            invalid = invalid | (tl.max(stray.to(tl.int32), 0) > 0)
+            blk = tl.where(stray, 0, blk)
             off = (kpos % block_size).to(tl.int64)
             kt = tl.load(kc_ptr + blk[None, :] * k_sb + off[None, :] * k_so + h * k_sh + offs_d[:, None] * k_sd,
                          mask=ok[None, :] & (offs_d[:, None] < d), other=0.0)
@@ -139,6 +150,8 @@ def _paged_varlen_kernel(
             acc = tl.dot(pr, vf, acc, input_precision=PRECISION)
             m = m_new
         out = tl.where(l_sum[:, None] == 0.0, 0.0, acc / l_sum[:, None])
+        if invalid:  # an invalid length, query count or block: the tile's rows are NaN
+            out = tl.full((BLOCK_Q * BLOCK_G, BLOCK_DV), float("nan"), tl.float32)
         ptrs = out_ptr + t_row[:, None] * o_st + head[:, None] * o_sh + offs_dv[None, :] * o_sd
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < dv))
         if not EXACT:
@@ -174,7 +187,7 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     t, hq, d = q.shape
     bsz = block_tables.shape[0]
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
-    out = torch.empty((t, hq, dv), dtype=q.dtype, device=q.device)
+    out = torch.full((t, hq, dv), float("nan"), dtype=q.dtype, device=q.device)  # rows bad cu_seqlens_q miss
     if out.numel() == 0:
         return out
     group = hq // hkv
@@ -185,7 +198,8 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for exact in (False, True):  # the exact launch's programs exit at once unless their tile was flagged
         _paged_varlen_kernel[(tiles, hkv)](
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, flags,
-            bsz, math.ceil(math.log2(bsz)) + 1, hkv, group, d, dv, k_cache.shape[1], sliding_window or 0,
+            bsz, t, math.ceil(math.log2(bsz)) + 1, hkv, group, d, dv, k_cache.shape[1], k_cache.shape[0],
+            block_tables.shape[1] * k_cache.shape[1], sliding_window or 0,
             cu_seqlens_q.stride(0), context_lens.stride(0), *q.stride(), *k_cache.stride(), *v_cache.stride(),
             *block_tables.stride(), *out.stride(), scale, float(softcap or 1.0),
             SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
