@@ -145,3 +145,16 @@ def test_what_the_engine_refuses():
     with pytest.raises(UnsupportedError) as e:  # the model's own attention cannot read the paged cache to take over
         Engine(model, num_blocks=8, block_size=4).generate([[5, 6, 7]], SamplingParams(max_tokens=2))
     assert e.value.constraint == "serving.non_causal"
+
+
+def test_the_example_runs():
+    """examples/serve.py: a tiny Gemma 2 served with a late arrival, a cached prefix, greedy (checked against
+    generate by the script itself) and seeded sampling."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "serve.py"
+    spec = importlib.util.spec_from_file_location("serve_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--backend", "cpu"]) == 0
