@@ -72,15 +72,16 @@ def test_greedy_tokens_equal_generate_for_every_family(family):
 @pytest.mark.parametrize("backend", ["cuda", "neuron"])
 @pytest.mark.parametrize("family", CONFIGS)
 def test_greedy_tokens_equal_generate_on_the_kernels(family, backend):
-    """Two prompts sharing a cached prefix, the second arriving a step later, chunked under the budget (the cpu
-    test above adds preemption and more requests: each step here is interpreted kernels, so it is kept short)."""
+    """Two prompts sharing a cached prefix, the second arriving a step later, chunked under the budget, in a cache
+    of 4 blocks of 4 that both cannot hold at once (preemption); the cpu test above has more requests: each step
+    here is interpreted kernels, so it is kept short."""
     _skip(backend)
     model = _model(family)
     want = [reference(model, p, 3) for p in PROMPTS[:2]]
-    engine = Engine(model, num_blocks=8, block_size=4, max_num_tokens=8, max_num_seqs=2)
+    engine = Engine(model, num_blocks=4, block_size=4, max_num_tokens=8, max_num_seqs=2)
     with opport.use_backend(backend), opport.strict():
         got = run(engine, PROMPTS[:2], SamplingParams(max_tokens=3), arrive_at=[0, 1])
-    assert got == want and engine.scheduler.prefix_hits > 0
+    assert got == want and engine.scheduler.prefix_hits > 0 and engine.scheduler.preempted > 0
 
 
 def test_eos_and_stop_tokens_end_a_request():
