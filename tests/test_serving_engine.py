@@ -134,6 +134,9 @@ def test_what_the_engine_refuses():
     with pytest.raises(UnsupportedError) as e:
         Engine(bert)
     assert e.value.constraint == "serving.model_type"
+    with pytest.raises(ArgumentError) as e:
+        Engine(_model("llama"), max_num_tokens=0)
+    assert e.value.constraint == "serving.max_num_tokens"
     engine = Engine(_model("llama"), num_blocks=4, block_size=4)
     with pytest.raises(ArgumentError) as e:
         engine.add_request(list(range(1, 15)), SamplingParams(max_tokens=4))  # 18 positions > 16

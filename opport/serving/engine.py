@@ -56,6 +56,11 @@ class Engine:
 
     def __init__(self, model, num_blocks: int = 256, block_size: int = 16, max_num_tokens: int = 256,
                  max_num_seqs: int = 64, prefix_caching: bool = True):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_num_tokens", max_num_tokens),
+                            ("max_num_seqs", max_num_seqs)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ArgumentError(op="serving.Engine", arg=name, constraint=f"serving.{name}", expected="an int >= 1",
+                                    got=repr(value))
         self.model = model
         self.config = model.config
         check_model(model)
