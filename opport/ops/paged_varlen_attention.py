@@ -11,7 +11,7 @@ from opport.ops import attention as dense
 from opport.ops.kv_cache_write import HOST_READ
 from opport.ops.paged_attention import check_cache, check_scalars, check_tables, constraints, visited_blocks
 from opport.ops.varlen_attention import check_cu_values
-from opport.spec import INT32, Case, Cost, ErrorCase, check, check_domain, op
+from opport.spec import INT32, Case, Cost, ErrorCase, check, check_domain, check_ndim, op
 
 NAME = "paged_varlen_attention"
 
@@ -44,7 +44,7 @@ def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     of its new tokens over its gathered context. Cache slots no query sees never reach the output, NaN or not.
     """
     check_cache(NAME, q, k_cache, v_cache, block_tables, context_lens)
-    check_ndim_cu(cu_seqlens_q)
+    check_ndim(NAME, "cu_seqlens_q", cu_seqlens_q, 1, constraint=f"{NAME}.rank")
     b = block_tables.shape[0]
     check(context_lens.shape[0] == b, ShapeError, NAME, "context_lens", f"{NAME}.batch",
           f"B = {b} (as block_tables)", context_lens.shape)
@@ -53,10 +53,6 @@ def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     for arg, m in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens)):
         check_domain(NAME, arg, m, INT32, f"{NAME}.index_dtype")
     check_scalars(NAME, scale, softcap, sliding_window)
-
-
-def check_ndim_cu(cu_seqlens_q) -> None:
-    check(cu_seqlens_q.ndim == 1, ShapeError, NAME, "cu_seqlens_q", f"{NAME}.rank", "1-d [B + 1]", cu_seqlens_q.shape)
 
 
 @paged_varlen_attention.check_values(("block_tables", "cu_seqlens_q", "context_lens"))

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from opport import casegen as cg
-from opport.arraymath import cu, sequences
+from opport.arraymath import as_heads, cu, sequences
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops import attention as dense
 from opport.spec import (
@@ -97,16 +97,11 @@ def check_cu_values(name: str, q, k, cu_seqlens_q, cu_seqlens_k) -> None:
               int(cuv[-1]))
 
 
-def _as_dense(x):
-    """[T, H, D] tokens of one sequence as attention's [1, H, T, D] (a view)."""
-    return x.transpose(1, 0, 2)[None]
-
-
 @varlen_attention.reference
 def _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window):
     out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
     for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
-        o = dense.attention._reference(_as_dense(q[qs]), _as_dense(k[ks]), _as_dense(v[ks]), causal,
+        o = dense.attention._reference(as_heads(q[qs]), as_heads(k[ks]), as_heads(v[ks]), causal,
                                        scale, softcap, sliding_window)
         out[qs] = o[0].transpose(1, 0, 2)
     return out

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 import opport
-from opport.errors import ArgumentError, UnsupportedError
-from opport.integrations.transformers import FAMILIES, is_patched, patch
+from opport.errors import ArgumentError
+from opport.integrations.transformers import family_of, is_patched, patch
 from opport.integrations.transformers.layout import KEY, PagedStep
 from opport.serving.blocks import BlockPool
 from opport.serving.scheduler import Request, SamplingParams, Scheduler
@@ -62,7 +62,6 @@ class Engine:
                 raise ArgumentError(op="serving.Engine", arg=name, constraint=f"serving.{name}", expected="an int >= 1",
                                     got=repr(value))
         self.model = model
-        self.config = model.config
         check_model(model)
         if not is_patched(model):
             patch(model)
@@ -188,7 +187,7 @@ class Engine:
             return torch.tensor(vals, dtype=dtype, device=logits.device)
 
         u = dev([float(r.rng.random(dtype=np.float32)) for r in reqs], torch.float32)
-        tokens = opport.sample(logits.float().contiguous(), u, dev([p.temperature for p in ps], torch.float32),
+        tokens = opport.sample(logits, u, dev([p.temperature for p in ps], torch.float32),
                                dev([p.top_k for p in ps], torch.int32), dev([p.top_p for p in ps], torch.float32),
                                dev([p.min_p for p in ps], torch.float32))
         return [int(t) for t in tokens.tolist()]
@@ -196,8 +195,4 @@ class Engine:
 
 def check_model(model) -> None:
     """Refuse, clearly, a model the engine would compute wrongly: a family the patcher does not know."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in FAMILIES:
-        raise UnsupportedError(op="serving.Engine", arg="model", constraint="serving.model_type",
-                               expected=f"a causal LM whose config.model_type is one of {tuple(FAMILIES)}",
-                               got=repr(model_type))
+    family_of(model, op="serving.Engine", constraint="serving.model_type")

@@ -63,8 +63,7 @@ class Request:
     blocks: list = field(default_factory=list)  # the cache blocks of positions 0, bs, 2 bs, ...
     names: list = field(default_factory=list)  # the chain hashes of its full blocks so far
     num_computed: int = 0  # positions whose K/V are in its blocks
-    finish_reason: str | None = None  # "length" or "stop" once finished
-    preemptions: int = 0
+    finish_reason: str | None = None  # "length", "stop" or "invalid_logits" once finished
 
     @property
     def output(self) -> list:
@@ -161,7 +160,6 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
-        req.preemptions += 1
         self.preempted += 1
         self.waiting.appendleft(req)
 

@@ -23,7 +23,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, blo
     Notes: `decode_rows` for all sequences at once (see there).
     """
     lens = np.asarray(context_lens, np.int64)
-    lo = lens - lens if sliding_window is None else np.maximum(lens - sliding_window, 0)
+    lo = np.zeros_like(lens) if sliding_window is None else np.maximum(lens - sliding_window, 0)
     out = np.empty((q.shape[0], q.shape[1], v_cache.shape[3]), q.dtype)
     decode_rows(out, q, k_cache, v_cache, np.asarray(block_tables), lo, lens, scale, softcap)
     return out

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from opport.arraymath import sequences
+from opport.arraymath import as_heads, sequences
 from opport.backends.cpu._common import uses_blas
 from opport.backends.cpu.attention import _attention
 from opport.dispatch import impl
@@ -37,12 +37,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, window,
         if qs.stop == qs.start:
             continue
         rows = None if lse is None else np.empty((1, q.shape[1], qs.stop - qs.start), lse.dtype)
-        o = _attention(_heads(q[qs]), _heads(k[ks]), _heads(v[ks]), causal, scale, rows, softcap, window)
+        o = _attention(as_heads(q[qs]), as_heads(k[ks]), as_heads(v[ks]), causal, scale, rows, softcap, window)
         out[qs] = o[0].transpose(1, 0, 2)
         if lse is not None:
             lse[:, qs] = rows[0]
     return out
-
-
-def _heads(x: np.ndarray) -> np.ndarray:
-    return x.transpose(1, 0, 2)[None]

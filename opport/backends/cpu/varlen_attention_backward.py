@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from opport.arraymath import sequences
+from opport.arraymath import as_heads, sequences
 from opport.backends.cpu._common import uses_blas
 from opport.backends.cpu.attention import attention_backward as dense_backward  # the dense kernel, per sequence
 from opport.dispatch import impl
@@ -27,12 +27,8 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
         if qs.stop == qs.start or ks.stop == ks.start:  # no query or no key: every sum is empty
             continue
-        views = (_heads(a) for a in (grad[qs], q[qs], k[ks], v[ks], out[qs]))
+        views = (as_heads(a) for a in (grad[qs], q[qs], k[ks], v[ks], out[qs]))
         grads = dense_backward(*views, lse[None, :, qs], causal, scale, softcap, sliding_window)
         for into, at, r in zip((dq, dk, dv), (qs, ks, ks), grads):
             into[at] = r[0].transpose(1, 0, 2)
     return dq, dk, dv
-
-
-def _heads(x: np.ndarray) -> np.ndarray:
-    return x.transpose(1, 0, 2)[None]

@@ -100,32 +100,35 @@ def _one(out_sb, q_hbm, kc_hbm, vc_hbm, bt_hbm, row0, b, h, G, D, Dv, bs, lo, hi
     """out_sb [G, Dv] = attention of sequence b's KV head h over positions lo .. hi - 1."""
     q_sb = nl.ndarray((G, D), dtype=q_hbm.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=q_sb, src=q_hbm[b, h * G:(h + 1) * G, 0:D])
-    qT_psum = nl.ndarray((D, G), dtype=q_hbm.dtype, buffer=nl.psum)
-    nisa.nc_transpose(dst=qT_psum, data=q_sb)
-    qT_sb = nl.ndarray((D, G), dtype=q_hbm.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=qT_sb, src=qT_psum)
-    o_sb = nl.ndarray((G, Dv), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=o_sb, value=0.0)
-    m_sb, l_sb = running_state(G)
+    qT_sb, o_sb, m_sb, l_sb = query_state(q_sb, Dv)
     for t0, n in spans(hi, KP, lo):
         k_sb, v_sb = gather_tile(kc_hbm, vc_hbm, bt_hbm, row0, t0, n, h)
         _tile(o_sb, m_sb, l_sb, qT_sb, k_sb, v_sb, G, n, D, Dv, scale, softcap)
     nisa.tensor_scalar(dst=out_sb, data=o_sb, op0=nl.multiply, operand0=inverse_sum(l_sb))
 
 
+def query_state(q_sb, Dv):
+    """(q^T [D, rows], o = 0 [rows, Dv], m, l) for query rows q [rows, D] in SBUF: an online softmax's start."""
+    rows = q_sb.shape[0]
+    o_sb = nl.ndarray((rows, Dv), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=o_sb, value=0.0)
+    m_sb, l_sb = running_state(rows)
+    return transposed(q_sb), o_sb, m_sb, l_sb
+
+
 def _tile(o_sb, m_sb, l_sb, qT_sb, k_sb, v_sb, G, n, D, Dv, scale, softcap):
     """One tile of n positions of the online softmax, in place on o, m, l."""
-    fold(o_sb, m_sb, l_sb, scores(qT_sb, transposed_k(k_sb), scale, softcap), widened_v(v_sb))
+    fold(o_sb, m_sb, l_sb, scores(qT_sb, transposed(k_sb), scale, softcap), widened_v(v_sb))
 
 
-def transposed_k(k_sb):
-    """k^T [D, n] in SBUF from k [n, D] (a TensorE transpose through PSUM)."""
-    n, D = k_sb.shape
-    kT_psum = nl.ndarray((D, n), dtype=k_sb.dtype, buffer=nl.psum)
-    nisa.nc_transpose(dst=kT_psum, data=k_sb)
-    kT_sb = nl.ndarray((D, n), dtype=k_sb.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=kT_sb, src=kT_psum)
-    return kT_sb
+def transposed(x_sb):
+    """x^T [D, n] in SBUF from x [n, D] (a TensorE transpose through PSUM): q's and k's, D on the partitions."""
+    n, D = x_sb.shape
+    xT_psum = nl.ndarray((D, n), dtype=x_sb.dtype, buffer=nl.psum)
+    nisa.nc_transpose(dst=xT_psum, data=x_sb)
+    xT_sb = nl.ndarray((D, n), dtype=x_sb.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=xT_sb, src=xT_psum)
+    return xT_sb
 
 
 def widened_v(v_sb):

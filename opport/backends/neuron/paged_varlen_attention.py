@@ -9,7 +9,7 @@ import numpy as np
 
 from opport.arraymath import gather, paged_spans
 from opport.backends.neuron import _host
-from opport.backends.neuron._softmax_steps import inverse_sum, running_state
+from opport.backends.neuron._softmax_steps import inverse_sum
 from opport.backends.neuron._tiles import spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.backends.neuron.paged_attention import (
@@ -18,12 +18,10 @@ from opport.backends.neuron.paged_attention import (
     KP,
     fold,
     gather_tile,
+    query_state,
     scores,
-    transposed_k,
+    transposed,
     widened_v,
-)
-from opport.backends.neuron.paged_attention import (
-    _supports as _paged_supports,
 )
 from opport.dispatch import impl
 from opport.ops.paged_varlen_attention import paged_varlen_attention as spec
@@ -83,7 +81,7 @@ def _paged_varlen_attention_kernel(q_hbm, kc_hbm, vc_hbm, bt_hbm, seqs, window, 
                     heads.append(_head_state(q_hbm, t_first + i0, p, h * G + g, D, Dv))
                 for k0, n in spans(first + p, KP, lo):
                     k_sb, v_sb = gather_tile(kc_hbm, vc_hbm, bt_hbm, b * max_blocks, k0, n, h)
-                    kT_sb = transposed_k(k_sb)
+                    kT_sb = transposed(k_sb)
                     v32_sb = widened_v(v_sb)
                     for g in range(G):
                         qT_sb, o_sb, m_sb, l_sb = heads[g]
@@ -99,17 +97,10 @@ def _paged_varlen_attention_kernel(q_hbm, kc_hbm, vc_hbm, bt_hbm, seqs, window, 
 
 
 def _head_state(q_hbm, t0, p, head, D, Dv):
-    """(q^T [D, p] of tokens t0 .. t0 + p - 1 of one query head, o = 0, m, l): one head's online softmax."""
+    """query_state of tokens t0 .. t0 + p - 1 of one query head: (q^T [D, p], o, m, l)."""
     q_sb = nl.ndarray((p, D), dtype=q_hbm.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=q_sb, src=q_hbm[t0:t0 + p, head, 0:D])
-    qT_psum = nl.ndarray((D, p), dtype=q_hbm.dtype, buffer=nl.psum)
-    nisa.nc_transpose(dst=qT_psum, data=q_sb)
-    qT_sb = nl.ndarray((D, p), dtype=q_hbm.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=qT_sb, src=qT_psum)
-    o_sb = nl.ndarray((p, Dv), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=o_sb, value=0.0)
-    m_sb, l_sb = running_state(p)
-    return qT_sb, o_sb, m_sb, l_sb
+    return query_state(q_sb, Dv)
 
 
 def _mask(s_sb, first, k0, p, n, window):
@@ -123,8 +114,11 @@ def _mask(s_sb, first, k0, p, n, window):
 
 
 def _supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window):
-    if q.shape[2] > D_MAX or v_cache.shape[3] > DV_MAX:
-        return _paged_supports(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window)
+    """paged_attention's head-size limits; its group limit does not apply (the rows of a tile are tokens)."""
+    if q.shape[2] > D_MAX:
+        return f"head dim {q.shape[2]} > {D_MAX}: q @ k^T contracts over the 128 partitions"
+    if v_cache.shape[3] > DV_MAX:
+        return f"value dim {v_cache.shape[3]} > {DV_MAX}: the P @ V accumulator is one 2 KiB PSUM bank of float32"
     return None
 
 

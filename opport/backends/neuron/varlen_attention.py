@@ -6,7 +6,7 @@ and runs the dense kernel on each sequence's [1, H, S, D] view, so a sequence on
 
 import numpy as np
 
-from opport.arraymath import sequences
+from opport.arraymath import as_heads, sequences
 from opport.backends.neuron.attention import D_MAX, DV_MAX
 from opport.backends.neuron.attention import attention as dense
 from opport.backends.neuron.attention import attention_forward as dense_forward
@@ -28,7 +28,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
     for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
         if qs.stop > qs.start:
-            o = dense(_heads(q[qs]), _heads(k[ks]), _heads(v[ks]), causal, scale, softcap, sliding_window)
+            o = dense(as_heads(q[qs]), as_heads(k[ks]), as_heads(v[ks]), causal, scale, softcap, sliding_window)
             out[qs] = o[0].transpose(1, 0, 2)
     return out
 
@@ -42,10 +42,6 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, 
     lse = np.empty((q.shape[1], q.shape[0]), np.float32)
     for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
         if qs.stop > qs.start:
-            o, rows = dense_forward(_heads(q[qs]), _heads(k[ks]), _heads(v[ks]), causal, scale, softcap, sliding_window)
+            o, rows = dense_forward(as_heads(q[qs]), as_heads(k[ks]), as_heads(v[ks]), causal, scale, softcap, sliding_window)
             out[qs], lse[:, qs] = o[0].transpose(1, 0, 2), rows[0]
     return out, lse
-
-
-def _heads(x: np.ndarray) -> np.ndarray:
-    return x.transpose(1, 0, 2)[None]

@@ -9,7 +9,7 @@ once and is cached after. Within a sequence the kernel is attention's FlashAtten
 
 import numpy as np
 
-from opport.arraymath import sequences
+from opport.arraymath import as_heads, sequences
 from opport.backends.neuron.attention_backward import attention_backward as dense_backward  # the dense kernel, per sequence
 from opport.backends.neuron.varlen_attention import _supports as _forward_supports
 from opport.dispatch import impl
@@ -34,12 +34,8 @@ def varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     for qs, ks in sequences(cu_seqlens_q, cu_seqlens_k):
         if qs.stop == qs.start or ks.stop == ks.start:
             continue
-        views = (_heads(a) for a in (grad[qs], q[qs], k[ks], v[ks], out[qs]))
+        views = (as_heads(a) for a in (grad[qs], q[qs], k[ks], v[ks], out[qs]))
         grads = dense_backward(*views, lse[None, :, qs], causal, scale, softcap, sliding_window)
         for into, at, r in zip((dq, dk, dv), (qs, ks, ks), grads):
             into[at] = r[0].transpose(1, 0, 2)
     return dq, dk, dv
-
-
-def _heads(x: np.ndarray) -> np.ndarray:
-    return x.transpose(1, 0, 2)[None]

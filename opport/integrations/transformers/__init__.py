@@ -34,7 +34,7 @@ from opport.integrations.transformers.families import FAMILIES, Family
 from opport.integrations.transformers.forwards import FAMILY, FORWARDS, SAVED, Bound
 from opport.integrations.transformers.handback import CAUSES, STATE, Counts, HandBackWarning, summary
 
-__all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "is_patched", "patch", "stats", "unpatch"]
+__all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "family_of", "is_patched", "patch", "stats", "unpatch"]
 
 OPS = ("rmsnorm", "layernorm", "swiglu", "gelu", "rope", "attention", "varlen_attention", "add_rmsnorm", "topk_router",
        "moe_experts", "linear_cross_entropy", "linear_logprobs", "kv_cache_write", "paged_varlen_attention")
@@ -49,7 +49,7 @@ def patch(model) -> dict:
     the base model, which reads the batch's layout). Patching an already patched model changes nothing.
     Raises UnsupportedError for other model types.
     """
-    family = _family(model)
+    family = family_of(model)
     counts = dict.fromkeys(FORWARDS, 0)
     shared = next((vars(m)[STATE] for m in model.modules() if STATE in vars(m)), None) or Counts()
     for module in model.modules():
@@ -102,10 +102,11 @@ def stats(model, reset: bool = False) -> dict:
     return summary(total, OPS)
 
 
-def _family(model) -> Family:
+def family_of(model, op: str = "transformers.patch", constraint: str = "transformers.model_type") -> Family:
+    """The model's entry in FAMILIES; UnsupportedError (`op`, `constraint`) for another model type."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
-        raise UnsupportedError(op="transformers.patch", arg="model", constraint="transformers.model_type",
+        raise UnsupportedError(op=op, arg="model", constraint=constraint,
                                expected=f"a model whose config.model_type is one of {tuple(FAMILIES)}",
                                got=repr(model_type))
     return FAMILIES[model_type]

@@ -158,7 +158,7 @@ def _paged(module, step, q, k, v, kwargs):
     """A serving step (layout.PagedStep): this layer's new K/V into its paged cache (kv_cache_write), then
     paged_varlen_attention of the new tokens; [1, T, Hq, Dv]. Nothing can be handed back here (the model's own
     attention does not know the paged cache): a call opport cannot run raises UnsupportedError."""
-    cause = _paged_refusal(module, kwargs)
+    cause = _refusal(module, kwargs)
     if cause is not None:
         raise UnsupportedError(op="serving", arg=CAUSES[cause][0], constraint=f"serving.{cause}",
                                expected="a call the paged attention computes", got=CAUSES[cause][1])
@@ -170,7 +170,9 @@ def _paged(module, step, q, k, v, kwargs):
     return out[None]
 
 
-def _paged_refusal(module, kwargs) -> str | None:
+def _refusal(module, kwargs) -> str | None:
+    """What no opport attention computes, whatever the layout: dropout while training, the probabilities asked for,
+    a non-causal layer (the cause, or None)."""
     if module.training and _dropout_p(module) > 0:
         return "dropout"
     if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
@@ -224,13 +226,9 @@ def _why_not(module, layout, attention_mask, q, k, v, cache, window, kwargs) -> 
     """(the op this call runs on, None) or (that op, the cause of handing it back)."""
     varlen = layout is not None and layout.varlen
     op = "varlen_attention" if varlen else "attention"
-    if module.training and _dropout_p(module) > 0:
-        return op, "dropout"
-    if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
-        return op, "output_attentions"
-    causal = (kwargs.get("is_causal"), getattr(module, "is_causal", True), getattr(module.config, "is_causal", True))
-    if False in causal:
-        return op, "non_causal"
+    cause = _refusal(module, kwargs)
+    if cause is not None:
+        return op, cause
     if (layout is None and attention_mask is not None) or (layout is not None and layout.kind == "custom"):
         return op, "custom_mask"
     if cache is not None and not layouts.in_token_order(cache, module.layer_idx):
