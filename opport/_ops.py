@@ -413,7 +413,7 @@ moe_unpermute.spec = _moe_unpermute
 _paged_attention = _get_op('paged_attention')
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, softcap=None, sliding_window=None, *, backend=None):
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, softcap=None, sliding_window=None, k_scale=None, v_scale=None, *, backend=None):
     """Decode attention over a paged KV cache, out [B, Hq, Dv].
 
     Sequence b's keys are positions 0 .. context_lens[b] - 1; position p lives in block
@@ -424,10 +424,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     A sequence of length 0 outputs 0, as does a row whose visible scores are all -inf; cache slots a
     sequence does not see (the tail of its last block, other blocks) never reach its output, NaN or not.
     Table entries past a sequence's last block are not read. Same numerics as `attention`.
+    An fp8 KV cache (float8_e4m3fn or float8_e5m2, as `kv_cache_write_fp8` writes it) is read as code x scale
+    with its float32 k_scale and v_scale: [1] per tensor or [num_blocks, block_size, Hkv] per token and head.
 
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
     """
-    b = (q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window)
+    b = (q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window, k_scale, v_scale)
     if q.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
         out = _route(_paged_attention, b, backend)
         if out is not NotImplemented:
@@ -441,7 +443,7 @@ paged_attention.spec = _paged_attention
 _paged_varlen_attention = _get_op('paged_varlen_attention')
 
 
-def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, softcap=None, sliding_window=None, *, backend=None):
+def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, softcap=None, sliding_window=None, k_scale=None, v_scale=None, *, backend=None):
     """Attention of a mixed batch's new tokens over a paged KV cache, out [T, Hq, Dv].
 
     Sequence b's new tokens are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]], n_b of them: a decode step (n_b = 1),
@@ -453,10 +455,11 @@ def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     p % block_size, and sequences may share blocks (a cached prefix). GQA, scale, soft cap and safe softmax
     as `paged_attention`, which is the case n_b = 1 for every b; per sequence this is `attention(causal=True)`
     of its new tokens over its gathered context. Cache slots no query sees never reach the output, NaN or not.
+    fp8 caches with k_scale and v_scale as `paged_attention`'s.
 
     backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
     """
-    b = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window)
+    b = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window, k_scale, v_scale)
     if q.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
         out = _route(_paged_varlen_attention, b, backend)
         if out is not NotImplemented:

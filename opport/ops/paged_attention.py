@@ -7,13 +7,16 @@ import math
 import numpy as np
 
 from opport import casegen as cg
-from opport.arraymath import gather, visible
+from opport.arraymath import FP8_MAX, SCALE_FLOOR, gather, visible
+from opport.dtypes import FLOATS, FP8
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops.attention import SCALE_RULE, check_scale
 from opport.ops.kv_cache_write import HOST_READ
 from opport.spec import (
+    FLOAT32,
     INT32,
     Case,
+    Domain,
     Cost,
     ErrorCase,
     Tolerance,
@@ -27,6 +30,8 @@ from opport.spec import (
 
 NAME = "paged_attention"
 INDEX_DTYPE = "int32"  # block tables and context lengths, as vLLM passes them
+KV_CACHE = Domain("q's dtype or an fp8 array", FLOATS + FP8)  # an fp8 cache comes with its scales (kv_cache_write_fp8)
+CACHE_DOMAINS = {"k_cache": KV_CACHE, "v_cache": KV_CACHE, "k_scale": FLOAT32, "v_scale": FLOAT32}
 
 
 def _positive(x) -> bool:
@@ -37,7 +42,11 @@ def constraints(name: str, q_rank: str) -> dict:
     """The constraints paged_attention and paged_varlen_attention share (q's rank and batch rules differ)."""
     return {
         f"{name}.dtype": "q is float32, float16, bfloat16 or float64",
-        f"{name}.dtype_mismatch": "k_cache and v_cache have q's dtype",
+        f"{name}.dtype_mismatch": "k_cache and v_cache have q's dtype, or both one fp8 format (float8_e4m3fn, "
+                                  "float8_e5m2) with scales",
+        f"{name}.kv_scale": "k_scale and v_scale are both None for caches in q's dtype; for fp8 caches both float32, "
+                            "[1] (per tensor) or [num_blocks, block_size, Hkv] (per token and head)",
+        f"{name}.scale_values": "per-tensor k_scale and v_scale are finite and > 0" + HOST_READ,
         f"{name}.rank": q_rank,
         f"{name}.gqa_ratio": "k_cache and v_cache have the same Hkv >= 1 and Hq % Hkv == 0",
         f"{name}.head_dim": "k_cache.shape[-1] == q.shape[-1] = D >= 1",
@@ -52,8 +61,8 @@ def constraints(name: str, q_rank: str) -> dict:
 
 
 @op(
-    arrays=("q", "k_cache", "v_cache", "block_tables", "context_lens"),
-    domains={"block_tables": INT32, "context_lens": INT32},
+    arrays=("q", "k_cache", "v_cache", "block_tables", "context_lens", "k_scale", "v_scale"),
+    domains={"block_tables": INT32, "context_lens": INT32, **CACHE_DOMAINS},
     constraints={
         **constraints(NAME, "q [B, Hq, D], caches [num_blocks, block_size, Hkv, D/Dv], block_tables [B, max_blocks], "
                             "context_lens [B]"),
@@ -62,7 +71,7 @@ def constraints(name: str, q_rank: str) -> dict:
     },
 )
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float | None = None,
-                    softcap: float | None = None, sliding_window: int | None = None):
+                    softcap: float | None = None, sliding_window: int | None = None, k_scale=None, v_scale=None):
     """Decode attention over a paged KV cache, out [B, Hq, Dv].
 
     Sequence b's keys are positions 0 .. context_lens[b] - 1; position p lives in block
@@ -73,8 +82,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: floa
     A sequence of length 0 outputs 0, as does a row whose visible scores are all -inf; cache slots a
     sequence does not see (the tail of its last block, other blocks) never reach its output, NaN or not.
     Table entries past a sequence's last block are not read. Same numerics as `attention`.
+    An fp8 KV cache (float8_e4m3fn or float8_e5m2, as `kv_cache_write_fp8` writes it) is read as code x scale
+    with its float32 k_scale and v_scale: [1] per tensor or [num_blocks, block_size, Hkv] per token and head.
     """
-    check_cache(NAME, q, k_cache, v_cache, block_tables, context_lens)
+    check_cache(NAME, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     b = q.shape[0]
     for arg, m in (("block_tables", block_tables), ("context_lens", context_lens)):
         check(m.shape[0] == b, ShapeError, NAME, arg, f"{NAME}.batch", f"B = {b} (as q)", m.shape)
@@ -83,10 +94,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: floa
     check_scalars(NAME, scale, softcap, sliding_window)
 
 
-def check_cache(name: str, q, k_cache, v_cache, block_tables, context_lens) -> None:
-    """q's dtype, the caches' dtype, ranks and shapes against q's heads (q [..., Hq, D] either way)."""
+def check_cache(name: str, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) -> None:
+    """q's dtype, the caches' dtype (and fp8 scales), ranks and shapes against q's heads (q [..., Hq, D] either way)."""
     check_float(name, "q", q)
-    check_same_dtype(name, "q", q, k_cache=k_cache, v_cache=v_cache)
+    if k_cache.dtype in FP8:
+        check_same_dtype(name, "k_cache", k_cache, v_cache=v_cache)
+    else:
+        check_same_dtype(name, "q", q, k_cache=k_cache, v_cache=v_cache)
     for arg, m, nd in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4), ("block_tables", block_tables, 2),
                        ("context_lens", context_lens, 1)):
         check_ndim(name, arg, m, nd, constraint=f"{name}.rank")
@@ -99,6 +113,44 @@ def check_cache(name: str, q, k_cache, v_cache, block_tables, context_lens) -> N
           f"head dim D = {q.shape[2]} (as q), >= 1", k_cache.shape)
     check(k_cache.shape[1] >= 1 and v_cache.shape[:2] == k_cache.shape[:2], ShapeError, name, "v_cache",
           f"{name}.cache_shape", f"[{k_cache.shape[0]}, {k_cache.shape[1]} >= 1, ...] (as k_cache)", v_cache.shape)
+    check_kv_scales(name, k_cache, k_scale, v_scale)
+
+
+def check_kv_scales(name: str, k_cache, k_scale, v_scale) -> None:
+    """`<name>.kv_scale`: no scales for a cache in q's dtype; both, float32 and one of the two shapes, for fp8."""
+    fp8 = k_cache.dtype in FP8
+    per_token = tuple(k_cache.shape[:3])
+    for arg, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not fp8:
+            check(s is None, ArgumentError, name, arg, f"{name}.kv_scale", "None (the caches are not fp8)",
+                  f"a {s.dtype} array" if s is not None else None)
+            continue
+        check(s is not None, ArgumentError, name, arg, f"{name}.kv_scale", "float32 scales for the fp8 cache", "None")
+        check(s.dtype == "float32", DTypeError, name, arg, f"{name}.kv_scale", "float32", s.dtype)
+        check(tuple(s.shape) in ((1,), per_token), ShapeError, name, arg, f"{name}.kv_scale",
+              f"[1] or {list(per_token)} (k_cache's [num_blocks, block_size, Hkv])", s.shape)
+    if fp8:
+        check(tuple(k_scale.shape) == tuple(v_scale.shape), ShapeError, name, "v_scale", f"{name}.kv_scale",
+              f"{tuple(k_scale.shape)} (as k_scale: one granularity)", v_scale.shape)
+
+
+def check_tensor_scales(name: str, k_scale, v_scale) -> None:
+    """`<name>.scale_values`: a per-tensor scale is finite and > 0 (per-token scales come from kv_cache_write_fp8,
+    which floors them at 2^-126; reading them all back would cost a pass over the cache's scales per call)."""
+    for arg, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is not None and s.size == 1:
+            v = float(np.asarray(s, np.float32).reshape(-1)[0])
+            check(math.isfinite(v) and v > 0, ArgumentError, name, arg, f"{name}.scale_values", "finite and > 0",
+                  repr(v))
+
+
+def kv_values(cache, scale):
+    """The cache's values as the reference reads them: float64, times its scales for an fp8 cache."""
+    c = np.asarray(cache, np.float64)
+    if scale is None:
+        return c
+    s = np.asarray(scale, np.float64)
+    return c * (s[..., None] if s.size > 1 else s.reshape(()))
 
 
 def check_scalars(name: str, scale, softcap, sliding_window) -> None:
@@ -110,9 +162,10 @@ def check_scalars(name: str, scale, softcap, sliding_window) -> None:
     check(ok, ArgumentError, name, "sliding_window", f"{name}.sliding_window", "None or an int >= 1", repr(sliding_window))
 
 
-@paged_attention.check_values(("block_tables", "context_lens"))
-def _check_tables(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
+@paged_attention.check_values(("block_tables", "context_lens", "k_scale", "v_scale"))
+def _check_tables(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window, k_scale, v_scale):
     check_tables(NAME, k_cache, block_tables, context_lens)
+    check_tensor_scales(NAME, k_scale, v_scale)
 
 
 # on device arrays only under OPPORT_CHECK_VALUES=1 (a host read per call would break CUDA-graph capture); the cuda
@@ -150,7 +203,8 @@ paged_attention.batched("q", "block_tables", "context_lens")  # sequences over o
 
 
 @paged_attention.reference
-def _reference(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
+def _reference(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window, k_scale, v_scale):
+    k_cache, v_cache = kv_values(k_cache, k_scale), kv_values(v_cache, v_scale)
     bsz, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     g = hq // hkv
@@ -214,6 +268,41 @@ def make_case(name, dtype, lens, hq, hkv, d, block_size, dv=None, scale=None, so
     return Case(name, args, {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}, tags)
 
 
+def fp8_scales(x: np.ndarray, fmt: str, per_token: bool) -> np.ndarray:
+    """float32 scales for a float cache [num_blocks, block_size, Hkv, D] as kv_cache_write_fp8 makes them: per token
+    and head max(amax / fp8_max, 2^-126) over the row's finite values; per tensor the same over the whole cache."""
+    a = np.where(np.isfinite(x), np.abs(np.asarray(x, np.float64)), 0.0)
+    amax = a.max(axis=-1) if per_token else np.array([a.max(initial=0.0)])
+    return np.maximum((amax / FP8_MAX[fmt]).astype(np.float32), np.float32(SCALE_FLOOR))
+
+
+def fp8_codes(x: np.ndarray, scale: np.ndarray, fmt: str) -> np.ndarray:
+    """x / scale, saturated to the format's range and rounded to nearest even (NaN stays NaN)."""
+    s = np.asarray(scale, np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.asarray(x, np.float64) / (s[..., None] if s.size > 1 else s.reshape(()))
+        return np.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt]).astype(cg.np_dtype(fmt))
+
+
+def as_fp8(c: Case, fmt: str, per_token: bool, cache_pos: tuple = (1, 2)) -> Case:
+    """The case with its caches (at `cache_pos`) quantised to `fmt` and their scales as k_scale, v_scale. Slots no
+    sequence sees hold NaN codes and, per token, NaN scales: a kernel that reads either shows in the output."""
+    args = list(c.args)
+    scales = []
+    for i in cache_pos:
+        x = np.asarray(args[i], np.float64)
+        unseen = ~np.isfinite(x).all(axis=(2, 3))  # the float case poisons whole unseen slots
+        s = fp8_scales(np.where(unseen[..., None, None], 0.0, x), fmt, per_token)
+        codes = fp8_codes(x, s, fmt)
+        codes[unseen] = cg.cast(np.nan, fmt)
+        if per_token:
+            s[unseen] = np.nan
+        args[i] = codes
+        scales.append(s)
+    tag = f"fp8-{fmt[6:10]}-{'token' if per_token else 'tensor'}"
+    return Case(f"{c.name}-{tag}", tuple(args), {**c.kwargs, "k_scale": scales[0], "v_scale": scales[1]}, c.tags)
+
+
 def _window_nan(dtype: str) -> Case:
     """Sliding window: NaN in the keys before the window (in the cache, in blocks the sequence owns) never
     reaches the output."""
@@ -246,6 +335,9 @@ def _cases(dtype):
     yield make_case("large-scores", dtype, [90, 17], 2, 1, 64, 16, qk_scale=5.0, tags=("edge",))
     yield make_case("head-dim-1", dtype, [7, 20], 1, 1, 1, 16)
     yield _window_nan(dtype)
+    # fp8 caches (kv_cache_write_fp8's): per token and head, and one static scale per tensor
+    yield as_fp8(make_case("decode", dtype, [1, 40, 63], 4, 2, 64, 16, tags=("llm",)), "float8_e4m3fn", True)
+    yield as_fp8(make_case("decode", dtype, [17, 30], 4, 1, 32, 16, softcap=5.0), "float8_e5m2", False)
 
 
 @paged_attention.strategy
@@ -304,10 +396,28 @@ def _error_cases():
     yield ErrorCase(f"{NAME}.context_range", ArgumentError, (q, kc, vc, bt, np.array([-1, 3], np.int32)))
     yield ErrorCase(f"{NAME}.block_range", ArgumentError, (q, kc, vc, np.array([[0, 5], [2, 3]], np.int32), lens))
     yield ErrorCase(f"{NAME}.block_range", ArgumentError, (q, kc, vc, np.array([[0, 1], [-1, 3]], np.int32), lens))
+    yield from kv_scale_errors(NAME, lambda kc, vc: (q, kc, vc, bt, lens))
+
+
+def kv_scale_errors(name: str, args):
+    """Bad fp8 caches and scales; `args(k_cache, v_cache)` gives the op's other arguments (caches [5, 16, 2, 16])."""
+    e4, e5 = np.zeros((5, 16, 2, 16), cg.np_dtype("float8_e4m3fn")), np.zeros((5, 16, 2, 16), cg.np_dtype("float8_e5m2"))
+    one, tok = np.ones(1, np.float32), np.ones((5, 16, 2), np.float32)
+    f32 = np.zeros((5, 16, 2, 16), np.float32)
+    yield ErrorCase(f"{name}.dtype_mismatch", DTypeError, args(e4, e5), {"k_scale": one, "v_scale": one})
+    yield ErrorCase(f"{name}.kv_scale", ArgumentError, args(e4, e4))  # fp8 without scales
+    yield ErrorCase(f"{name}.kv_scale", ArgumentError, args(e4, e4), {"k_scale": one})
+    yield ErrorCase(f"{name}.kv_scale", ArgumentError, args(f32, f32), {"k_scale": one, "v_scale": one})
+    yield ErrorCase(f"{name}.kv_scale", DTypeError, args(e4, e4), {"k_scale": one.astype(np.float16), "v_scale": one})
+    yield ErrorCase(f"{name}.kv_scale", ShapeError, args(e4, e4), {"k_scale": tok[:, :, :1], "v_scale": tok[:, :, :1]})
+    yield ErrorCase(f"{name}.kv_scale", ShapeError, args(e5, e5), {"k_scale": tok, "v_scale": one})  # mixed granularity
+    for bad in (0.0, -1.0, np.nan, np.inf):
+        yield ErrorCase(f"{name}.scale_values", ArgumentError, args(e4, e4),
+                        {"k_scale": one, "v_scale": np.array([bad], np.float32)})
 
 
 @paged_attention.shape
-def _shape(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
+def _shape(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window, *kv_scales):
     return (*q.shape[:2], v_cache.shape[3])
 
 
@@ -319,13 +429,22 @@ def visited_blocks(block_tables, block_size: int, sliding_window) -> int:
     return bsz * per
 
 
+def kv_bytes(k_cache, v_cache, k_scale, blocks: int) -> int:
+    """Bytes of `blocks` visited blocks of K and V in the caches' own dtype (1 byte for fp8), with their per-token
+    scales (4 bytes per slot and head, K and V) when the cache has them."""
+    _, bs, hkv, d = k_cache.shape
+    item = np.dtype(cg.np_dtype(k_cache.dtype)).itemsize
+    scales = 2 * 4 * hkv if k_scale is not None and k_scale.size > 1 else 0
+    return blocks * bs * (hkv * (d + v_cache.shape[3]) * item + scales)
+
+
 @paged_attention.cost
-def _cost(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window):
+def _cost(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, sliding_window, k_scale, v_scale):
     bsz, hq, d = q.shape
     _, bs, hkv, dv = v_cache.shape
     item = np.dtype(cg.np_dtype(q.dtype)).itemsize
     blocks = visited_blocks(block_tables, bs, sliding_window)
-    kv = blocks * bs * hkv * (d + dv) * item
+    kv = kv_bytes(k_cache, v_cache, k_scale, blocks)
     keys = blocks * bs
     io = (q.size + bsz * hq * dv) * item + 4 * (block_tables.size + context_lens.size)
     return Cost(bytes=kv + io, flops=2 * (hq // hkv) * hkv * keys * (d + dv))

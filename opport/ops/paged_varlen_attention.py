@@ -9,7 +9,19 @@ from opport.arraymath import as_heads, cu, gather, paged_spans
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops import attention as dense
 from opport.ops.kv_cache_write import HOST_READ
-from opport.ops.paged_attention import check_cache, check_scalars, check_tables, constraints, visited_blocks
+from opport.ops.paged_attention import (
+    CACHE_DOMAINS,
+    as_fp8,
+    check_cache,
+    check_scalars,
+    check_tables,
+    check_tensor_scales,
+    constraints,
+    kv_bytes,
+    kv_scale_errors,
+    kv_values,
+    visited_blocks,
+)
 from opport.ops.varlen_attention import check_cu_values
 from opport.spec import INT32, Case, Cost, ErrorCase, check, check_domain, check_ndim, op
 
@@ -17,8 +29,8 @@ NAME = "paged_varlen_attention"
 
 
 @op(
-    arrays=("q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens"),
-    domains={"block_tables": INT32, "cu_seqlens_q": INT32, "context_lens": INT32},
+    arrays=("q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "k_scale", "v_scale"),
+    domains={"block_tables": INT32, "cu_seqlens_q": INT32, "context_lens": INT32, **CACHE_DOMAINS},
     constraints={
         **constraints(NAME, "q [T, Hq, D], caches [num_blocks, block_size, Hkv, D/Dv], block_tables [B, max_blocks], "
                             "cu_seqlens_q [B + 1], context_lens [B]"),
@@ -30,7 +42,8 @@ NAME = "paged_varlen_attention"
     },
 )
 def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float | None = None,
-                           softcap: float | None = None, sliding_window: int | None = None):
+                           softcap: float | None = None, sliding_window: int | None = None, k_scale=None,
+                           v_scale=None):
     """Attention of a mixed batch's new tokens over a paged KV cache, out [T, Hq, Dv].
 
     Sequence b's new tokens are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]], n_b of them: a decode step (n_b = 1),
@@ -42,8 +55,9 @@ def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     p % block_size, and sequences may share blocks (a cached prefix). GQA, scale, soft cap and safe softmax
     as `paged_attention`, which is the case n_b = 1 for every b; per sequence this is `attention(causal=True)`
     of its new tokens over its gathered context. Cache slots no query sees never reach the output, NaN or not.
+    fp8 caches with k_scale and v_scale as `paged_attention`'s.
     """
-    check_cache(NAME, q, k_cache, v_cache, block_tables, context_lens)
+    check_cache(NAME, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     check_ndim(NAME, "cu_seqlens_q", cu_seqlens_q, 1, constraint=f"{NAME}.rank")
     b = block_tables.shape[0]
     check(context_lens.shape[0] == b, ShapeError, NAME, "context_lens", f"{NAME}.batch",
@@ -55,8 +69,10 @@ def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     check_scalars(NAME, scale, softcap, sliding_window)
 
 
-@paged_varlen_attention.check_values(("block_tables", "cu_seqlens_q", "context_lens"))
-def _check_tables(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *scalars):
+@paged_varlen_attention.check_values(("block_tables", "cu_seqlens_q", "context_lens", "k_scale", "v_scale"))
+def _check_tables(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, window, k_scale,
+                  v_scale):
+    check_tensor_scales(NAME, k_scale, v_scale)
     check_cu_values(NAME, q, q, cu_seqlens_q, cu_seqlens_q)
     check_tables(NAME, k_cache, block_tables, context_lens)
     n = np.diff(np.asarray(cu_seqlens_q, np.int64))
@@ -73,7 +89,9 @@ _check_tables.on_device = False
 
 
 @paged_varlen_attention.reference
-def _reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window):
+def _reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window, k_scale,
+               v_scale):
+    k_cache, v_cache = kv_values(k_cache, k_scale), kv_values(v_cache, v_scale)
     out = np.zeros((q.shape[0], q.shape[1], v_cache.shape[3]))
     for b, (ts, lo, ctx) in enumerate(paged_spans(cu_seqlens_q, context_lens, sliding_window)):
         if ts.stop > ts.start:  # bottom-right causal over the keys lo .. ctx - 1: token i sees positions <= its own
@@ -162,6 +180,10 @@ def _cases(dtype):
     yield make_case("large-scores", dtype, [50, 17], [7, 17], 2, 1, 64, 16, qk_scale=5.0, tags=("edge",))
     yield _window_nan(dtype)
     yield _nonfinite_v_in_chunk(dtype)
+    # fp8 caches (kv_cache_write_fp8's): per token and head, and one static scale per tensor
+    yield as_fp8(make_case("mixed", dtype, [17, 40, 33], [1, 16, 3], 4, 2, 32, 16, shared=((2, 1, 2),),
+                           tags=("llm",)), "float8_e4m3fn", True)
+    yield as_fp8(make_case("mixed", dtype, [30, 9], [5, 1], 4, 1, 32, 16, sliding_window=12), "float8_e5m2", False)
 
 
 @paged_varlen_attention.strategy
@@ -222,21 +244,23 @@ def _error_cases():
     yield ErrorCase(f"{NAME}.context_range", ArgumentError, with_(context_lens=np.array([33, 3], np.int32)))
     yield ErrorCase(f"{NAME}.block_range", ArgumentError, with_(block_tables=np.array([[0, 5], [2, 3]], np.int32)))
     yield ErrorCase(f"{NAME}.query_range", ArgumentError, with_(context_lens=np.array([3, 3], np.int32)))
+    yield from kv_scale_errors(NAME, lambda kc, vc: with_(k_cache=kc, v_cache=vc))
 
 
 @paged_varlen_attention.shape
-def _shape(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window):
+def _shape(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window, *kv_scales):
     return (*q.shape[:2], v_cache.shape[3])
 
 
 @paged_varlen_attention.cost
-def _cost(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window):
+def _cost(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, softcap, sliding_window, k_scale,
+          v_scale):
     """Bytes: the visited blocks' K and V once (from the tables' shape, as paged_attention's), q, out and the
     indices. FLOPs: each new token against at most a table's capacity (a window's) of keys."""
     t, hq, d = q.shape
     _, bs, hkv, dv = v_cache.shape
     item = np.dtype(cg.np_dtype(q.dtype)).itemsize
-    kv = visited_blocks(block_tables, bs, sliding_window) * bs * hkv * (d + dv) * item
+    kv = kv_bytes(k_cache, v_cache, k_scale, visited_blocks(block_tables, bs, sliding_window))
     keys = block_tables.shape[1] * bs if sliding_window is None else min(block_tables.shape[1] * bs, sliding_window)
     io = (q.size + t * hq * dv) * item + 4 * (block_tables.size + cu_seqlens_q.size + context_lens.size)
     return Cost(bytes=kv + io, flops=2 * hq * t * keys * (d + dv))

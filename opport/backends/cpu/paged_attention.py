@@ -16,20 +16,38 @@ ROWS = 16  # sequences per group: [ROWS, CHUNK_KEYS, Hkv, D + Dv] float32 tempor
 @impl(spec, "cpu")
 @uses_blas()
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                    context_lens: np.ndarray, scale, softcap, sliding_window) -> np.ndarray:
+                    context_lens: np.ndarray, scale, softcap, sliding_window, k_scale=None, v_scale=None) -> np.ndarray:
     """out[b] = softmax(q[b] k_b^T · scale, softcapped) v_b over sequence b's visible positions.
 
     Dimensions: q [B, Hq, D], caches [num_blocks, bs, Hkv, D/Dv], block_tables [B, max_blocks], out [B, Hq, Dv].
-    Notes: `decode_rows` for all sequences at once (see there).
+    Notes: `decode_rows` for all sequences at once (see there). An fp8 cache is read as codes x scales
+    (`kv_rows`), in the accumulation dtype.
     """
     lens = np.asarray(context_lens, np.int64)
     lo = np.zeros_like(lens) if sliding_window is None else np.maximum(lens - sliding_window, 0)
     out = np.empty((q.shape[0], q.shape[1], v_cache.shape[3]), q.dtype)
-    decode_rows(out, q, k_cache, v_cache, np.asarray(block_tables), lo, lens, scale, softcap)
+    decode_rows(out, q, k_cache, v_cache, np.asarray(block_tables), lo, lens, scale, softcap, k_scale, v_scale)
     return out
 
 
-def decode_rows(out, q, k_cache, v_cache, tables, lo, hi, scale, softcap) -> None:
+def kv_rows(cache, scale, blk, off, dt):
+    """The cache's rows at slots (blk, off) in the accumulation dtype `dt`; an fp8 cache's codes times their float32
+    scales (per tensor, or per slot and head), one rounding to dt."""
+    rows = cache[blk, off]
+    if scale is None:
+        return upcast(rows)
+    s = scale[blk, off][..., None] if scale.size > 1 else np.asarray(scale).reshape(())
+    return rows.astype(dt) * s.astype(dt)
+
+
+def gather_kv(cache, scale, table, lo: int, hi: int, dt):
+    """Positions lo .. hi - 1 of one sequence, [hi - lo, Hkv, D] in `dt` (arraymath.gather, scales applied)."""
+    pos = np.arange(lo, hi)
+    bs = cache.shape[1]
+    return kv_rows(cache, scale, np.asarray(table)[pos // bs].astype(np.int64), pos % bs, dt)
+
+
+def decode_rows(out, q, k_cache, v_cache, tables, lo, hi, scale, softcap, k_scale=None, v_scale=None) -> None:
     """out[b] (stored in out's dtype) = attention of one query token q[b] [Hq, D] over positions lo[b] .. hi[b] - 1
     of its table tables[b], ROWS sequences at a time, CHUNK_KEYS positions per step of an online softmax.
 
@@ -48,12 +66,13 @@ def decode_rows(out, q, k_cache, v_cache, tables, lo, hi, scale, softcap) -> Non
     for r0 in range(0, bsz, ROWS):
         rows = slice(r0, min(bsz, r0 + ROWS))
         qb = upcast(q[rows]).reshape(-1, hkv, hq // hkv, d)
-        o = _rows(qb, k_cache, v_cache, tables[rows], lo[rows], hi[rows], scale, softcap)
+        o = _rows(qb, (k_cache, k_scale), (v_cache, v_scale), tables[rows], lo[rows], hi[rows], scale, softcap)
         store(out[rows], o.reshape(-1, hq, dv))
 
 
-def _rows(qb, k_cache, v_cache, tables, lo, hi, scale, softcap):
-    """[R, Hkv, g, Dv] (accumulation dtype) for R query rows qb [R, Hkv, g, D]."""
+def _rows(qb, k_kv, v_kv, tables, lo, hi, scale, softcap):
+    """[R, Hkv, g, Dv] (accumulation dtype) for R query rows qb [R, Hkv, g, D]; k_kv and v_kv: (cache, scale)."""
+    (k_cache, k_scale), (v_cache, v_scale) = k_kv, v_kv
     n_rows, hkv, g, _ = qb.shape
     bs = k_cache.shape[1]
     dt = qb.dtype.type
@@ -68,8 +87,8 @@ def _rows(qb, k_cache, v_cache, tables, lo, hi, scale, softcap):
             pos = np.arange(c0, min(int(hi.max()), c0 + CHUNK_KEYS))
             seen = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])  # [R, n]
             blk = np.where(seen, tables[:, np.minimum(pos // bs, tables.shape[1] - 1)], 0).astype(np.int64)
-            k = upcast(k_cache[blk, pos % bs]).transpose(0, 2, 3, 1)  # [R, Hkv, D, n]
-            v = np.where(seen[:, :, None, None], upcast(v_cache[blk, pos % bs]), 0).transpose(0, 2, 1, 3)
+            k = kv_rows(k_cache, k_scale, blk, pos % bs, dt).transpose(0, 2, 3, 1)  # [R, Hkv, D, n]
+            v = np.where(seen[:, :, None, None], kv_rows(v_cache, v_scale, blk, pos % bs, dt), 0).transpose(0, 2, 1, 3)
             s = (qb @ k) * dt(scale)
             if softcap is not None:
                 s = dt(softcap) * np.tanh(s / dt(softcap))
