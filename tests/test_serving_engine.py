@@ -97,7 +97,7 @@ def _fp8_run(model, fmt, backend="cpu") -> tuple:
 def test_fp8_kv_cache_is_written_and_read_at_every_step(family, fmt):
     """kv_cache_dtype: every layer writes its fp8 cache (kv_cache_write_fp8) and reads it back with its scales at
     every step, nothing handed back, with a shared prefix and a preemption. Its tokens against generate's (a
-    different cache precision) are measured in docs/numerics.md 3.8, not asserted."""
+    different cache precision) are measured in docs/numerics.md 3.12, not asserted."""
     model = _model(family)
     _, engine = _fp8_run(model, fmt)
     assert engine.scheduler.prefix_hits > 0 and engine.scheduler.preempted > 0
