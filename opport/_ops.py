@@ -212,6 +212,34 @@ def kv_cache_write(key, value, k_cache, v_cache, slot_mapping, *, backend=None):
 kv_cache_write.spec = _kv_cache_write
 
 
+_kv_cache_write_fp8 = _get_op('kv_cache_write_fp8')
+
+
+def kv_cache_write_fp8(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, *, backend=None):
+    """Quantise each token's key and value rows to the caches' fp8 format at their slots, in place; returns None.
+
+    Slots as `kv_cache_write` (slot s: block s // block_size, offset s % block_size; -1 skipped). The scales
+    decide the granularity: [1] is one static scale per tensor (vLLM's k_scale / v_scale from calibration),
+    read: code = saturate(x / scale); [num_blocks, block_size, Hkv] is one scale per token and head, computed
+    and written next to its row: scale = max(amax / fp8_max, 2^-126) in float32, amax over the row's finite
+    |x| (fp8_max 448 for e4m3fn, 57344 for e5m2), code = saturate(x / scale). Codes round to nearest even;
+    finite values saturate at ±fp8_max, ±inf becomes ±fp8_max, NaN stays NaN (quantize_fp8's rules).
+    `paged_attention` and `paged_varlen_attention` read the cache back as code x scale. Every other byte of the
+    caches and scales is left unchanged; slots out of range or repeated raise before anything is written.
+
+    backend: run on this backend ("cpu", "cuda", "neuron"); None chooses by the inputs' device.
+    """
+    b = (key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if key.__class__ is not _NP:  # torch/JAX arrays may be traced or differentiated
+        out = _route(_kv_cache_write_fp8, b, backend)
+        if out is not NotImplemented:
+            return out
+    return _call(_kv_cache_write_fp8, b, backend)
+
+
+kv_cache_write_fp8.spec = _kv_cache_write_fp8
+
+
 _layernorm = _get_op('layernorm')
 
 
@@ -774,4 +802,4 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
 varlen_attention.spec = _varlen_attention
 
 
-__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "grouped_matmul", "kv_cache_write", "layernorm", "linear_cross_entropy", "linear_logprobs", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "paged_varlen_attention", "quantize_fp8", "rmsnorm", "rope", "sample", "sampling_probs", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]
+__all__ = ["add_rmsnorm", "attention", "cross_entropy", "dequantize_fp8", "gelu", "grouped_matmul", "kv_cache_write", "kv_cache_write_fp8", "layernorm", "linear_cross_entropy", "linear_logprobs", "matmul", "moe_experts", "moe_permute", "moe_unpermute", "paged_attention", "paged_varlen_attention", "quantize_fp8", "rmsnorm", "rope", "sample", "sampling_probs", "scaled_matmul", "silu", "softmax", "swiglu", "topk_router", "varlen_attention"]

@@ -168,9 +168,10 @@ def test_array_dtypes_come_from_the_declared_domains():
     assert get_op("cross_entropy").domain("target") is INDEX
     assert get_op("cross_entropy_backward").domain("target") is INDEX  # derived specs read the forward's
     odd = {n for n, s in all_ops().items() if s.domains}
-    assert odd == {"cross_entropy", "linear_cross_entropy", "linear_logprobs", "kv_cache_write", "paged_attention",
-                   "paged_varlen_attention", "varlen_attention", "dequantize_fp8", "scaled_matmul", "rope", "topk_router",
-                   "moe_permute", "moe_unpermute", "grouped_matmul", "moe_experts", "sample", "sampling_probs"}
+    assert odd == {"cross_entropy", "linear_cross_entropy", "linear_logprobs", "kv_cache_write", "kv_cache_write_fp8",
+                   "paged_attention", "paged_varlen_attention", "varlen_attention", "dequantize_fp8", "scaled_matmul",
+                   "rope", "topk_router", "moe_permute", "moe_unpermute", "grouped_matmul", "moe_experts", "sample",
+                   "sampling_probs"}
 
 
 def test_explain_gives_integer_arrays_an_integer_dtype(capsys):

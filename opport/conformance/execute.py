@@ -426,8 +426,8 @@ def _write_case(spec, b, case, dtype: str, laid, kernel, res: dict):
         after = [np.array(_host(bound[i]), copy=True) for i in spec.write_pos]
         if firsts is None:
             firsts = after
-            for name, got, old, ref, region in zip(spec.writes, after, before, refs, regions):
-                problems += [f"{name}: {p}" for p in _judge_written(spec, case, dtype, got, old, ref, region, res)]
+            for i, (name, got, old, ref, region) in enumerate(zip(spec.writes, after, before, refs, regions)):
+                problems += [f"{name}: {p}" for p in _judge_written(spec, case, dtype, i, got, old, ref, region, res)]
         else:
             diff = [n for n, x, y in zip(spec.writes, firsts, after) if x.tobytes() != y.tobytes()]
             if diff:
@@ -448,10 +448,11 @@ def _laid_out(laid, bound: list, positions: tuple) -> bool:
     return all(any(bound[i] is v for v in laid.views) for i in positions)
 
 
-def _judge_written(spec, case, dtype: str, got, old, ref, region, res: dict) -> list:
-    """The region against the reference; everything else bitwise as it was."""
-    tol = spec.tolerance_for(dtype, 0, case)
-    verdict = cmp.compare(got[region], np.asarray(ref, np.float64), tol, dtype, case.tolerance is not None)
+def _judge_written(spec, case, dtype: str, index: int, got, old, ref, region, res: dict) -> list:
+    """Written array `index`'s region against the reference (its own tolerance, in its own dtype: an fp8 cache's
+    codes by fp8 ulps); everything else bitwise as it was."""
+    tol = spec.tolerance_for(dtype, index, case)
+    verdict = cmp.compare(got[region], np.asarray(ref, np.float64), tol, str(got.dtype), case.tolerance is not None)
     res["metrics"] = {**res["metrics"], **verdict.metrics} if res["metrics"] else dict(verdict.metrics)
     out = [] if verdict.ok else [f"written region: {verdict.message}"]
     keep = np.ones(got.shape, bool)

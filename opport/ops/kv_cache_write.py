@@ -73,14 +73,19 @@ def kv_cache_write(key, value, k_cache, v_cache, slot_mapping):
 
 @kv_cache_write.check_values(("slot_mapping",))
 def _check_slots(key, value, k_cache, v_cache, slot_mapping):
+    check_slot_values(NAME, k_cache, slot_mapping)
+
+
+def check_slot_values(name: str, k_cache, slot_mapping) -> None:
+    """`<name>.slot_range` and `<name>.slot_unique` (kv_cache_write and kv_cache_write_fp8)."""
     n = k_cache.shape[0] * k_cache.shape[1]
     s = np.asarray(slot_mapping).astype(np.int64)
     bad = (s != PAD) & ((s < 0) | (s >= n))
-    check(not bad.any(), ArgumentError, NAME, "slot_mapping", f"{NAME}.slot_range", f"-1 or in [0, {n})",
+    check(not bad.any(), ArgumentError, name, "slot_mapping", f"{name}.slot_range", f"-1 or in [0, {n})",
           f"slot {int(s[bad][0]) if bad.any() else 0} at token {int(np.flatnonzero(bad)[0]) if bad.any() else 0}")
     live = np.sort(s[s != PAD])
     dup = live[1:][live[1:] == live[:-1]]
-    check(dup.size == 0, ArgumentError, NAME, "slot_mapping", f"{NAME}.slot_unique", "distinct slots (other than -1)",
+    check(dup.size == 0, ArgumentError, name, "slot_mapping", f"{name}.slot_unique", "distinct slots (other than -1)",
           f"slot {int(dup[0]) if dup.size else 0} repeated")
 
 

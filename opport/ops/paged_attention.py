@@ -299,7 +299,7 @@ def as_fp8(c: Case, fmt: str, per_token: bool, cache_pos: tuple = (1, 2)) -> Cas
             s[unseen] = np.nan
         args[i] = codes
         scales.append(s)
-    tag = f"fp8-{fmt[6:10]}-{'token' if per_token else 'tensor'}"
+    tag = f"fp8-{fmt[7:11]}-{'token' if per_token else 'tensor'}"
     return Case(f"{c.name}-{tag}", tuple(args), {**c.kwargs, "k_scale": scales[0], "v_scale": scales[1]}, c.tags)
 
 

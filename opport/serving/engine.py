@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 import opport
+from opport.dtypes import FP8
 from opport.errors import ArgumentError
 from opport.integrations.transformers import family_of, is_patched, patch
 from opport.integrations.transformers.layout import KEY, PagedStep
@@ -18,18 +19,24 @@ from opport.serving.scheduler import Request, SamplingParams, Scheduler
 
 class PagedCache:
     """Per layer, k and v caches [num_blocks, block_size, Hkv, D], made at the layer's first step from its own K/V
-    (their heads, head size, dtype and device: no config attribute to trust)."""
+    (their heads, head size and device: no config attribute to trust), in the K/V's dtype or in `dtype`, an fp8
+    format, with per-(token, head) float32 scales [num_blocks, block_size, Hkv] (kv_cache_write_fp8's)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, dtype: str | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.k: dict = {}
-        self.v: dict = {}
+        self.dtype = None if dtype is None else getattr(torch, dtype)
+        self.layers: dict = {}
 
     def layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
-        if i not in self.k:
-            self.k[i] = k.new_zeros((self.num_blocks, self.block_size, *k.shape[1:]))
-            self.v[i] = v.new_zeros((self.num_blocks, self.block_size, *v.shape[1:]))
-        return self.k[i], self.v[i]
+        """(k_cache, v_cache, k_scale, v_scale) of layer i; the scales are None for a cache in the K/V's dtype."""
+        if i not in self.layers:
+            shape = (self.num_blocks, self.block_size)
+            kc = k.new_zeros((*shape, *k.shape[1:]), dtype=self.dtype or k.dtype)
+            vc = v.new_zeros((*shape, *v.shape[1:]), dtype=self.dtype or v.dtype)
+            scales = (None, None) if self.dtype is None else (k.new_ones((*shape, k.shape[1]), dtype=torch.float32),
+                                                              v.new_ones((*shape, v.shape[1]), dtype=torch.float32))
+            self.layers[i] = (kc, vc, *scales)
+        return self.layers[i]
 
 
 @dataclass(frozen=True)
@@ -51,22 +58,27 @@ class Engine:
     if it is not already. num_blocks x block_size positions of cache per layer, in the dtype and on the device of
     the layer's K/V. max_num_tokens: the step's token budget (decodes count 1 each, prefills as many as they get);
     max_num_seqs: requests running at once. prefix_caching: share full blocks between requests with the same
-    prefix.
+    prefix. kv_cache_dtype: "float8_e4m3fn" or "float8_e5m2" stores the cache in fp8 with a scale per token and
+    head (half a bf16 cache's bytes, a quarter of float32's; docs/numerics.md 3.8 for its accuracy); None keeps
+    the model's dtype.
     """
 
     def __init__(self, model, num_blocks: int = 256, block_size: int = 16, max_num_tokens: int = 256,
-                 max_num_seqs: int = 64, prefix_caching: bool = True):
+                 max_num_seqs: int = 64, prefix_caching: bool = True, kv_cache_dtype: str | None = None):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_num_tokens", max_num_tokens),
                             ("max_num_seqs", max_num_seqs)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ArgumentError(op="serving.Engine", arg=name, constraint=f"serving.{name}", expected="an int >= 1",
                                     got=repr(value))
+        if kv_cache_dtype not in (None, *FP8):
+            raise ArgumentError(op="serving.Engine", arg="kv_cache_dtype", constraint="serving.kv_cache_dtype",
+                                expected=f"None or one of {FP8}", got=repr(kv_cache_dtype))
         self.model = model
         check_model(model)
         if not is_patched(model):
             patch(model)
         param = next(model.parameters())
-        self.cache = PagedCache(num_blocks, block_size)
+        self.cache = PagedCache(num_blocks, block_size, kv_cache_dtype)
         self.device, self.block_size, self.capacity = param.device, block_size, num_blocks * block_size
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(self.pool, block_size, max_num_tokens, max_num_seqs, prefix_caching)

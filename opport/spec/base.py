@@ -56,6 +56,7 @@ class Spec:
         self._bind = _make_binder(fn)
         self._reference = self._cases = self._strategy = self._errors = self._cost = None
         self.reference_takes_dtype = False  # set by @<op>.reference: its reference is told the dtype under test
+        self.reference_takes_dtypes = False  # ... or its arrays' dtypes
         self._tolerances: dict[str, Tolerance] = {}  # this spec's own overrides (see `tolerances`)
         self.invariants: list[Callable] = []
         self._shape: Callable | None = None
@@ -89,9 +90,12 @@ class Spec:
     def reference(self, fn):
         """The float64 reference. A reference with a keyword-only `input_dtype` parameter also gets the name of the dtype under
         test (inputs still arrive as float64 copies): for ops that define a rounding to that dtype part-way
-        (add_rmsnorm's sum); it defaults to the inputs' own dtype when called directly."""
+        (add_rmsnorm's sum); it defaults to the inputs' own dtype when called directly. One with a keyword-only
+        `dtypes` gets the array arguments' dtypes before the upcast, by name (kv_cache_write_fp8: its caches' fp8
+        format)."""
         self._reference = fn
         self.reference_takes_dtype = "input_dtype" in inspect.signature(fn).parameters
+        self.reference_takes_dtypes = "dtypes" in inspect.signature(fn).parameters
         return fn
 
     def magnitude(self, fn):
@@ -180,18 +184,25 @@ class Spec:
         """The float64 reference on the given (already rounded) inputs, upcast to float64."""
         bound = list(self.bind(*args, **kwargs))
         dtype = getattr(self.dtype_of(bound), "name", None) if self.array_pos else None
+        dtypes = self._dtypes(bound)
         for i in self.array_pos:
             a = bound[i]
             if a is not None and getattr(a, "dtype", None) is not None and a.dtype.kind in "fV":
                 with np.errstate(invalid="ignore"):  # NaN payloads of 16-bit inputs
                     bound[i] = a.astype("float64")
-        return self.call_reference(bound, dtype)
+        return self.call_reference(bound, dtype, dtypes)
 
-    def call_reference(self, bound, dtype: str | None):
-        """The reference on bound arguments as they are, told the dtype under test if it asks for it."""
-        if self.reference_takes_dtype and dtype is not None:
-            return self._reference(*bound, input_dtype=dtype)
-        return self._reference(*bound)
+    def call_reference(self, bound, dtype: str | None, dtypes: dict | None = None):
+        """The reference on bound arguments as they are, told the dtype under test (and the arrays' dtypes before
+        any upcast: `dtypes`, else as they are) if it asks for them."""
+        kw = {"input_dtype": dtype} if self.reference_takes_dtype and dtype is not None else {}
+        if self.reference_takes_dtypes:
+            kw["dtypes"] = self._dtypes(bound) if dtypes is None else dtypes
+        return self._reference(*bound, **kw)
+
+    def _dtypes(self, bound) -> dict:
+        return {self.params[i]: str(bound[i].dtype).removeprefix("torch.") for i in self.array_pos
+                if getattr(bound[i], "dtype", None) is not None}
 
     def get_cases(self, dtype: str) -> Iterable[Case]:
         return self._cases(dtype) if self._cases else ()

@@ -70,7 +70,8 @@ class OpSpec(Spec):
     def written(self, fn):
         """The region an op declared with `writes=` writes: `fn(*bound) -> one NumPy index per name in `writes``
         (e.g. `(blocks, offsets)` for rows picked by fancy indexing; bound integer arrays as NumPy). The
-        reference returns the values written there, one float64 array per name, shaped like `arg[index]`.
+        reference returns the values written there, one float64 array per name, shaped like `arg[index]`. Written
+        array i is judged with `tolerance(index=i, ...)` where declared (else the op's), in its own dtype.
         Everything outside the region must stay bitwise unchanged (the conformance suite checks it)."""
         self._written = fn
         return fn

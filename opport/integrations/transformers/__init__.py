@@ -37,7 +37,8 @@ from opport.integrations.transformers.handback import CAUSES, STATE, Counts, Han
 __all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "family_of", "is_patched", "patch", "stats", "unpatch"]
 
 OPS = ("rmsnorm", "layernorm", "swiglu", "gelu", "rope", "attention", "varlen_attention", "add_rmsnorm", "topk_router",
-       "moe_experts", "linear_cross_entropy", "linear_logprobs", "kv_cache_write", "paged_varlen_attention")
+       "moe_experts", "linear_cross_entropy", "linear_logprobs", "kv_cache_write", "kv_cache_write_fp8",
+       "paged_varlen_attention")
 
 
 def patch(model) -> dict:

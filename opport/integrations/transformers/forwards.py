@@ -155,18 +155,22 @@ def _output(module, out):
 
 
 def _paged(module, step, q, k, v, kwargs):
-    """A serving step (layout.PagedStep): this layer's new K/V into its paged cache (kv_cache_write), then
-    paged_varlen_attention of the new tokens; [1, T, Hq, Dv]. Nothing can be handed back here (the model's own
-    attention does not know the paged cache): a call opport cannot run raises UnsupportedError."""
+    """A serving step (layout.PagedStep): this layer's new K/V into its paged cache (kv_cache_write, or
+    kv_cache_write_fp8 for an fp8 cache with its scales), then paged_varlen_attention of the new tokens;
+    [1, T, Hq, Dv]. Nothing can be handed back here (the model's own attention does not know the paged cache): a
+    call opport cannot run raises UnsupportedError."""
     cause = _refusal(module, kwargs)
     if cause is not None:
         raise UnsupportedError(op="serving", arg=CAUSES[cause][0], constraint=f"serving.{cause}",
                                expected="a call the paged attention computes", got=CAUSES[cause][1])
     qt, kt, vt = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # [T, H, D]: the batch is one packed row
-    kc, vc = step.cache.layer(module.layer_idx, kt, vt)
-    _op("kv_cache_write", module, kt, vt, kc, vc, step.slots)
+    kc, vc, ks, vs = step.cache.layer(module.layer_idx, kt, vt)
+    if ks is None:
+        _op("kv_cache_write", module, kt, vt, kc, vc, step.slots)
+    else:
+        _op("kv_cache_write_fp8", module, kt, vt, kc, vc, step.slots, ks, vs)
     out = _op("paged_varlen_attention", module, qt, kc, vc, step.block_tables, step.cu_seqlens_q, step.context_lens,
-              scale=module.scaling, softcap=_softcap(module), sliding_window=_window(module))
+              scale=module.scaling, softcap=_softcap(module), sliding_window=_window(module), k_scale=ks, v_scale=vs)
     return out[None]
 
 

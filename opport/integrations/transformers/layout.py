@@ -50,8 +50,9 @@ class Layout:
 class PagedStep(Layout):
     """A serving step (opport.serving): the new tokens of a mixed batch packed in one row [1, T], each layer's K/V
     written to its paged cache at `slots` and attended with paged_varlen_attention (tables, cu_seqlens_q and context
-    lengths as that op takes them). `cache.layer(layer_idx, k, v)` gives the layer's (k_cache, v_cache), made on
-    first use from the layer's own K/V heads, head size and dtype."""
+    lengths as that op takes them). `cache.layer(layer_idx, k, v)` gives the layer's (k_cache, v_cache, k_scale,
+    v_scale), made on first use from the layer's own K/V heads, head size and dtype (the scales: None, or an fp8
+    cache's per-token ones)."""
 
     def __init__(self, cache, slots, block_tables, cu_seqlens_q, context_lens):
         super().__init__("paged")
