@@ -146,20 +146,26 @@ def gather_tile(kc_hbm, vc_hbm, bt_hbm, kv, row0, t0, n, h, k_dtype):
 
 
 def dequantised(codes_sb, s_sb, dtype, bits):
-    """codes [n, f] * s [n, 1] in dtype: one VectorE tensor_scalar (float32 math, the fp8 codes widened exactly),
-    after `e4m3fn_bits` when the codes come as e4m3fn bytes."""
-    src_sb = e4m3fn_bits(codes_sb) if bits else codes_sb
+    """codes [n, f] * s [n, 1] in dtype: one VectorE tensor_scalar (float32 math, the fp8 codes widened exactly);
+    e4m3fn bytes (bits) are decoded first (`e4m3fn_bits`), their 2^120 folded into the same instruction, and
+    NaN codes set after it."""
     out_sb = nl.ndarray(codes_sb.shape, dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=out_sb, data=src_sb, op0=nl.multiply, operand0=s_sb)
+    if bits:
+        x_sb, nan_sb = e4m3fn_bits(codes_sb)
+        nisa.tensor_scalar(dst=out_sb, data=x_sb, op0=nl.multiply, operand0=E4M3FN_SCALE, op1=nl.multiply,
+                           operand1=s_sb)
+        nisa.tensor_copy_predicated(dst=out_sb, src=float("nan"), predicate=nan_sb)
+    else:
+        nisa.tensor_scalar(dst=out_sb, data=codes_sb, op0=nl.multiply, operand0=s_sb)
     return out_sb
 
 
 def e4m3fn_bits(b_sb):
-    """float32 values of float8_e4m3fn codes given as uint8 bytes b [n, f], for NeuronCore-v2/v3, which have no
-    e4m3fn operands: the 7 magnitude bits shifted to a float32's exponent and mantissa (bits 20-26) and the
-    sign to bit 31 (integer VectorE ops on uint32), read as float32 and times 2^120, exact for normal codes
-    (2^(e-7) (1 + m/8)) and subnormal ones (m 2^-9 from a float32 subnormal); the NaN code (0x7F) is set to NaN
-    by a predicated copy. 7 instructions where an e4m3fn operand needs 1."""
+    """(x [n, f] float32, nan [n, f] uint8) for float8_e4m3fn codes given as uint8 bytes b [n, f], for
+    NeuronCore-v2/v3, which have no e4m3fn operands: the 7 magnitude bits shifted to a float32's exponent and
+    mantissa (bits 20-26) and the sign to bit 31 (integer VectorE ops on uint32) make x = code * 2^-120 exactly,
+    for normal codes (2^(e-7) (1 + m/8)) and subnormal ones (m 2^-9, a float32 subnormal); nan marks the NaN
+    code (0x7F), which x does not represent. 5 instructions, then `dequantised`'s multiply and NaN copy."""
     n, f = b_sb.shape
     w_sb = nl.ndarray((n, f), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=w_sb, src=b_sb)
@@ -169,12 +175,9 @@ def e4m3fn_bits(b_sb):
     nisa.tensor_scalar(dst=sign_sb, data=w_sb, op0=nl.bitwise_and, operand0=0x80, op1=nl.left_shift, operand1=24)
     bits_sb = nl.ndarray((n, f), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=bits_sb, data1=mag_sb, data2=sign_sb, op=nl.bitwise_or)
-    x_sb = nl.ndarray((n, f), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=x_sb, data=bits_sb.view(nl.float32), op0=nl.multiply, operand0=E4M3FN_SCALE)
     nan_sb = nl.ndarray((n, f), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=nan_sb, data=mag_sb, op0=nl.equal, operand0=float(E4M3FN_NAN_BITS))
-    nisa.tensor_copy_predicated(dst=x_sb, src=float("nan"), predicate=nan_sb)
-    return x_sb
+    return bits_sb.view(nl.float32), nan_sb
 
 
 def _one(out_sb, q_hbm, kc_hbm, vc_hbm, bt_hbm, kv, row0, b, h, G, Dv, lo, hi, scale, softcap):
