@@ -84,6 +84,41 @@ def test_greedy_tokens_equal_generate_on_the_kernels(family, backend):
     assert got == want and engine.scheduler.prefix_hits > 0 and engine.scheduler.preempted > 0
 
 
+FP8_ENGINE = {"num_blocks": 4, "block_size": 4, "max_num_tokens": 8, "max_num_seqs": 2}
+
+
+def _fp8_run(model, fmt, backend="cpu") -> tuple:
+    engine = Engine(model, kv_cache_dtype=fmt, **FP8_ENGINE)
+    with opport.use_backend(backend), opport.strict():
+        return run(engine, PROMPTS[:2], SamplingParams(max_tokens=3), arrive_at=[0, 1]), engine
+
+
+@pytest.mark.parametrize("family,fmt", [("llama", "float8_e4m3fn"), ("gemma2", "float8_e5m2")])
+def test_fp8_kv_cache_is_written_and_read_at_every_step(family, fmt):
+    """kv_cache_dtype: every layer writes its fp8 cache (kv_cache_write_fp8) and reads it back with its scales at
+    every step, nothing handed back, with a shared prefix and a preemption. Its tokens against generate's (a
+    different cache precision) are measured in docs/numerics.md 3.12, not asserted."""
+    model = _model(family)
+    _, engine = _fp8_run(model, fmt)
+    assert engine.scheduler.prefix_hits > 0 and engine.scheduler.preempted > 0
+    counts = stats(model, reset=True)
+    assert counts["kv_cache_write_fp8"]["opport"] == engine.steps * _layers(family), counts
+    assert counts["kv_cache_write"]["opport"] == 0 and not any(c["handed_back"] for c in counts.values()), counts
+    kc, vc, ks, vs = engine.cache.layers[0]
+    assert str(kc.dtype) == f"torch.{fmt}" and ks.dtype == torch.float32 and ks.shape == kc.shape[:3]
+
+
+@pytest.mark.parametrize("backend", ["cuda", "neuron"])
+def test_fp8_kv_cache_kernels_give_cpus_tokens(backend):
+    """The same codes and scales (round to nearest even of the same quotient), the same attention up to float32
+    rounding: token for token."""
+    why = backend_skip(backend, (*SERVING_OPS, "kv_cache_write_fp8"))
+    if why:
+        pytest.skip(why)
+    model = _model("llama")
+    assert _fp8_run(model, "float8_e4m3fn", backend)[0] == _fp8_run(model, "float8_e4m3fn")[0]
+
+
 def test_eos_and_stop_tokens_end_a_request():
     model = _model("llama")
     free = reference(model, PROMPTS[2], 8, eos=False)
@@ -137,6 +172,9 @@ def test_what_the_engine_refuses():
     with pytest.raises(ArgumentError) as e:
         Engine(_model("llama"), max_num_tokens=0)
     assert e.value.constraint == "serving.max_num_tokens"
+    with pytest.raises(ArgumentError) as e:
+        Engine(_model("llama"), kv_cache_dtype="int8")
+    assert e.value.constraint == "serving.kv_cache_dtype"
     engine = Engine(_model("llama"), num_blocks=4, block_size=4)
     with pytest.raises(ArgumentError) as e:
         engine.add_request(list(range(1, 15)), SamplingParams(max_tokens=4))  # 18 positions > 16

@@ -59,7 +59,7 @@ class Engine:
     the layer's K/V. max_num_tokens: the step's token budget (decodes count 1 each, prefills as many as they get);
     max_num_seqs: requests running at once. prefix_caching: share full blocks between requests with the same
     prefix. kv_cache_dtype: "float8_e4m3fn" or "float8_e5m2" stores the cache in fp8 with a scale per token and
-    head (half a bf16 cache's bytes, a quarter of float32's; docs/numerics.md 3.8 for its accuracy); None keeps
+    head (half a bf16 cache's bytes, a quarter of float32's; docs/numerics.md 3.12 for its accuracy); None keeps
     the model's dtype.
     """
 

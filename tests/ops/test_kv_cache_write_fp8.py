@@ -1,5 +1,5 @@
 """kv_cache_write_fp8 and the paged attention ops over an fp8 cache: codes against an independent rounding, the
-accuracy policy of docs/numerics.md 3.8 (the quantisation's error against the unquantised cache), the conformance
+accuracy policy of docs/numerics.md 3.12 (the quantisation's error against the unquantised cache), the conformance
 suite catching wrong conversions, and bad scales raising before anything is written."""
 
 import math
@@ -84,7 +84,7 @@ def _policy_error(fmt, token):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("token", [True, False])
 def test_attention_over_an_fp8_cache_is_within_the_accuracy_policy(fmt, token):
-    """docs/numerics.md 3.8: each cached value is off by at most u |x| (u, the format's unit roundoff: 2^-4 for
+    """docs/numerics.md 3.12: each cached value is off by at most u |x| (u, the format's unit roundoff: 2^-4 for
     e4m3fn, 2^-3 for e5m2, 2^-8 for bfloat16), about 0.41 u RMS; through the scores (K) and the weighted sum (V)
     the output's RMS error is about u / sqrt(3) of its RMS: the policy is at most u RMS and 2u norm-wise."""
     u = FORMATS[fmt][2]
