@@ -400,9 +400,13 @@ def _count_forward(prof, spec, wl, bound, cost, dtype: str, base: dict) -> dict:
     out_dtype = spec.out_dtype(metas_of(spec, bound))
 
     def check(out) -> dict:
+        if spec.writes:  # returns None: judged by the region it wrote, as the timed path judges it
+            out = _written(spec, bound, poison=False)
         v = _verdict(spec, out, ref, dtype, out_dtype)
         return {"correct": v.ok, **v.metrics}
 
+    if spec.writes:
+        _written(spec, bound, poison=True)
     return _counted(prof, partial(function(spec), *bound, backend=backend), check, cost, decision.kernel, base)
 
 
