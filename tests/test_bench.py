@@ -469,6 +469,18 @@ def test_neuron_emulator_reports_counts_not_times(tmp_path):
         assert row["hbm_bytes_vs_min"] == pytest.approx(row["counts"]["hbm_bytes"] / row["bytes"])
 
 
+def test_neuron_emulator_judges_an_op_that_writes_in_place(tmp_path):
+    """kv_cache_write_fp8 returns None: its row is judged by the codes and scales it wrote."""
+    from opport.dispatch import get_backend
+
+    if get_backend("neuron").unavailable() or get_backend("neuron").mode() != "emulator":
+        pytest.skip("neuron backend not in emulator mode")
+    out = tmp_path / "n.json"
+    assert main(["bench", "--backend", "neuron", "--op", "kv_cache_write_fp8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["correct"] is True and r["counts"]["instructions"]["dma"] > 0 for r in rows), rows
+
+
 def test_neuron_emulator_counts_a_backward_kernel_when_there_is_one(tmp_path):
     """The counting path is generic: an op with a backward kernel on the emulated backend gets counted fwd+bwd and
     bwd rows (here a temporary kernel that runs the cpu one, so only the NKI forward's DMA is counted)."""

@@ -262,10 +262,11 @@ def _written(spec, bound, poison: bool):
 def _verdict(spec, out, ref, dtype: str, out_dtype: str):
     """The output judged against the reference; an op with several outputs (quantize_fp8's q and scales,
     add_rmsnorm's normed and sum) has each judged with its own tolerance and dtype, and the row shows the first
-    that fails (else the one closest to its tolerance)."""
+    that fails (else the one closest to its tolerance); an op that writes in place has its written arrays judged in
+    their own dtypes (an fp8 cache's codes by fp8 ulps)."""
     if not isinstance(ref, tuple):
         return accuracy.compare(accuracy.like(out, ref), ref, spec.tolerances[dtype], out_dtype)
-    dtypes = [out_dtype] + [accuracy.dtype_name(o) for o in out[1:]]
+    dtypes = [accuracy.dtype_name(out[0]) if spec.writes else out_dtype] + [accuracy.dtype_name(o) for o in out[1:]]
     verdicts = [accuracy.compare(accuracy.like(o, r), r, spec.tolerance_for(dtype, i), d)
                 for i, (o, r, d) in enumerate(zip(out, ref, dtypes))]
     return next((v for v in verdicts if not v.ok), max(verdicts, key=lambda v: v.metrics.get("tol_ratio") or 0.0))
@@ -399,9 +400,13 @@ def _count_forward(prof, spec, wl, bound, cost, dtype: str, base: dict) -> dict:
     out_dtype = spec.out_dtype(metas_of(spec, bound))
 
     def check(out) -> dict:
+        if spec.writes:  # returns None: judged by the region it wrote, as the timed path judges it
+            out = _written(spec, bound, poison=False)
         v = _verdict(spec, out, ref, dtype, out_dtype)
         return {"correct": v.ok, **v.metrics}
 
+    if spec.writes:
+        _written(spec, bound, poison=True)
     return _counted(prof, partial(function(spec), *bound, backend=backend), check, cost, decision.kernel, base)
 
 

@@ -149,7 +149,6 @@ def make_case(name, dtype, fmt, token, t, hkv, d, num_blocks, block_size, dv=Non
     static scale per tensor (`static`, default one that makes the rows span the format: amax / fp8_max)."""
     c = float_case(name, dtype, t, hkv, d, num_blocks, block_size, dv, pad, slot_dtype, dist, tags)
     key, value, kc, vc, slots = c.args
-    rng = cg.rng_for(NAME, name, dtype, fmt)
     caches, scales = [], []
     for x, cache in ((key, kc), (value, vc)):
         old = np.where(np.isfinite(np.asarray(cache, np.float64)), cache, 0.0)

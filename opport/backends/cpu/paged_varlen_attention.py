@@ -7,8 +7,8 @@ from opport.arraymath import as_heads, paged_spans
 from opport.backends.cpu._common import uses_blas
 from opport.backends.cpu.attention import _attention
 from opport.backends.cpu.paged_attention import decode_rows, gather_kv
-from opport.dtypes import acc_dtype
 from opport.dispatch import impl
+from opport.dtypes import acc_dtype
 from opport.ops.paged_varlen_attention import paged_varlen_attention as spec
 
 
