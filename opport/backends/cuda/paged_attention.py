@@ -273,12 +273,14 @@ def _supports(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, s
     return None
 
 
-def _config(d: int, dv: int, group: int, dtype: torch.dtype) -> dict:
+def _config(d: int, dv: int, group: int, dtype: torch.dtype, fp8: bool = False) -> dict:
     """Tile shape: the group padded to a tl.dot's 16 rows; 64 positions per step (32 in float32, whose ieee
     dots run on the FMA units). Checked for sm_90 spills by `python tools/cuda_aot.py`; not yet timed on hardware."""
     fp32 = dtype == torch.float32 and not INTERPRET
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
-    warps = 8 if fp32 and max(block_d, block_dv) >= 128 else 4  # float32 D = 128 spilled ~800 B at 4 warps (sm_90)
+    # float32 D = 128 spilled ~800 B at 4 warps (sm_90); an fp8 cache's bf16 D = 128 (the codes widened, the scales)
+    # spilled 12 B at 4 warps
+    warps = 8 if (fp32 or fp8) and max(block_d, block_dv) >= 128 else 4
     return {"BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": 32 if fp32 else 64, "BLOCK_D": block_d,
             "BLOCK_DV": block_dv, "num_warps": warps, "num_stages": 2}
 
@@ -293,7 +295,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if out.numel() == 0:
         return out
     group = hq // hkv
-    cfg = _config(d, dv, group, q.dtype)
+    cfg = _config(d, dv, group, q.dtype, k_scale is not None)
     # partitions from the tables' capacity, not the longest context: no device-to-host read of context_lens;
     # programs past a sequence's end (or before its window) exit after one load
     n_parts = max(1, cdiv(block_tables.shape[1] * k_cache.shape[1], PART))
