@@ -140,7 +140,8 @@ def _run_write_case(spec, dtype, case, args):
     refs = spec.run_reference(*before, **case.kwargs)
     for j, (i, region, ref) in enumerate(zip(spec.write_pos, regions, refs)):
         got, old = to_numpy(args[i]), before[i]
-        v = accuracy.compare(got[region], np.asarray(ref, np.float64), spec.tolerances[dtype], dtype)
+        v = accuracy.compare(got[region], np.asarray(ref, np.float64), spec.tolerance_for(dtype, j, case),
+                             str(got.dtype))  # each written array: its own tolerance, in its own dtype
         assert v.ok, f"{spec.name}/cuda/{dtype}/{case.name}/{spec.writes[j]}: {v.message}"
         keep = np.ones(got.shape, bool)
         keep[region] = False
