@@ -85,6 +85,12 @@ def expand_b(scale_b: np.ndarray, k: int, n: int) -> np.ndarray:
 PAD = -1  # a slot of -1 is skipped: a padding token (vLLM's convention)
 
 
+def per_token_scales(scale) -> bool:
+    """An fp8 cache's scales are per (token, head), [num_blocks, block_size, Hkv] (written by kv_cache_write_fp8),
+    not one per tensor, [1] (read)."""
+    return tuple(scale.shape) != (1,)
+
+
 def sequences(cu_seqlens_q, cu_seqlens_k):
     """(q token slice, k token slice) per sequence."""
     cq, ck = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)

@@ -75,17 +75,17 @@ def test_opcheck_passes_on_cpu(name):
 def test_compiled_call_is_one_graph_node_and_matches_eager(name):
     spec = opport.get_op(name)
     case = small_cases(spec)[0]
-    args = ot.to_torch(case)
+    args, kw = ot.to_torch(case), ot.torch_kwargs(case)
     torch._dynamo.reset()  # every parametrization compiles the same lambda
     graphs = []
-    compiled = torch.compile(lambda *a: function(spec)(*a, **case.kwargs), fullgraph=True, backend=_graph_recorder(graphs))
+    compiled = torch.compile(lambda *a: function(spec)(*a, **kw), fullgraph=True, backend=_graph_recorder(graphs))
     if spec.writes:  # returns None: compare what the compiled and the eager call wrote (each into its own copies)
         again = ot.to_torch(case)
-        assert compiled(*args) is None and function(spec)(*again, **case.kwargs) is None
+        assert compiled(*args) is None and function(spec)(*again, **kw) is None
         for i in spec.write_pos:
             _assert_same(args[i], again[i])
     else:
-        _assert_same(compiled(*args), function(spec)(*args, **case.kwargs))
+        _assert_same(compiled(*args), function(spec)(*args, **kw))
     assert _opport_nodes(graphs) == [getattr(torch.ops.opport, name).default]
 
 

@@ -410,6 +410,11 @@ def to_torch(case) -> tuple:
     return tuple(NumpyAdapter.to_torch(a, "cpu") if isinstance(a, np.ndarray) else a for a in case.args)
 
 
+def torch_kwargs(case) -> dict:
+    """A conformance case's keyword arguments, its arrays (an fp8 cache's scales) as CPU tensors."""
+    return {k: NumpyAdapter.to_torch(a, "cpu") if isinstance(a, np.ndarray) else a for k, a in case.kwargs.items()}
+
+
 def opcheck(spec, dtypes=("float32", "bfloat16")) -> dict:
     """`torch.library.opcheck` of `torch.ops.opport.<spec.name>` on a few of the op's small cases.
 
@@ -426,7 +431,9 @@ def opcheck(spec, dtypes=("float32", "bfloat16")) -> dict:
         for case in small_cases(spec, dtype):
             args = tuple(a.requires_grad_() if spec.params[i] in wrt and isinstance(a, torch.Tensor) else a
                          for i, a in enumerate(to_torch(case)))
-            found = torch.library.opcheck(op, args, case.kwargs, test_utils=_test_utils(args), raise_exception=False)
+            kwargs = torch_kwargs(case)
+            found = torch.library.opcheck(op, args, kwargs, test_utils=_test_utils((*args, *kwargs.values())),
+                                          raise_exception=False)
             results[f"{spec.name}/{dtype}/{case.name}"] = {k: v if v == "SUCCESS" else repr(v) for k, v in found.items()}
     return results
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from opport import casegen as cg
-from opport.arraymath import FP8_MAX
+from opport.arraymath import FP8_MAX, per_token_scales
 from opport.dtypes import FP8
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops.kv_cache_write import HOST_READ, SLOTS, check_slot_values, written_rows
@@ -89,15 +89,10 @@ def kv_cache_write_fp8(key, value, k_cache, v_cache, slot_mapping, k_scale, v_sc
           f"{tuple(k_scale.shape)} (as k_scale: one granularity)", v_scale.shape)
 
 
-def per_token(k_scale) -> bool:
-    """Scales [num_blocks, block_size, Hkv] (written), not [1] (read)."""
-    return tuple(k_scale.shape) != (1,)
-
-
 @kv_cache_write_fp8.check_values(("slot_mapping", "k_scale", "v_scale"))
 def _check_values(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     check_slot_values(NAME, k_cache, slot_mapping)
-    if not per_token(k_scale):
+    if not per_token_scales(k_scale):
         check_tensor_scales(NAME, k_scale, v_scale)
 
 
@@ -110,7 +105,7 @@ def _written(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     _, blocks, offsets = written_rows(slot_mapping, k_cache.shape[1])
     at = (blocks, offsets)
     none = (np.zeros(0, np.int64),)  # a per-tensor scale is read, not written
-    return at, at, *((at, at) if per_token(k_scale) else (none, none))
+    return at, at, *((at, at) if per_token_scales(k_scale) else (none, none))
 
 
 @kv_cache_write_fp8.reference
@@ -118,7 +113,7 @@ def _reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, *, 
     """Codes as the exact saturated quotients x / scale in float64 (judged by nearest rounding, quantize_fp8's
     Q_TOLERANCE), per-token scales in float32."""
     tokens, _, _ = written_rows(slot_mapping, k_cache.shape[1])
-    fmt, token = dtypes["k_cache"], per_token(k_scale)
+    fmt, token = dtypes["k_cache"], per_token_scales(k_scale)
     codes, scales = [], []
     for x, s in ((key[tokens], k_scale), (value[tokens], v_scale)):
         s = fp8_scales(x, fmt, True) if token else np.asarray(s, np.float32)

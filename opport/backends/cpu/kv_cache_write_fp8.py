@@ -3,13 +3,12 @@ slots."""
 
 import numpy as np
 
-from opport.arraymath import FP8_MAX, PAD, SCALE_FLOOR
+from opport.arraymath import FP8_MAX, PAD, SCALE_FLOOR, per_token_scales
 from opport.backends.cpu.kv_cache_write import _scatter
 from opport.backends.cpu.quantize_fp8 import encode
 from opport.dispatch import impl
 from opport.dtypes import np_dtype
 from opport.ops.kv_cache_write_fp8 import kv_cache_write_fp8 as spec
-from opport.ops.kv_cache_write_fp8 import per_token
 
 
 @impl(spec, "cpu")
@@ -33,7 +32,7 @@ def kv_cache_write_fp8(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, 
     for rows, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         codes, s = quantise(rows, scale, fmt)
         _scatter(cache, slots, codes)
-        if per_token(scale):
+        if per_token_scales(scale):
             _scatter(scale, slots, s)
     return None
 
@@ -44,7 +43,7 @@ def quantise(rows: np.ndarray, scale: np.ndarray, fmt: str) -> tuple:
     fmax = FP8_MAX[fmt]
     v = rows.astype(acc)
     with np.errstate(invalid="ignore", over="ignore"):
-        if per_token(scale):
+        if per_token_scales(scale):
             amax = np.where(np.isfinite(v), np.abs(v), acc(0)).max(axis=-1, initial=acc(0))
             s = np.maximum((amax / acc(fmax)).astype(np.float32), np.float32(SCALE_FLOOR))
             v /= s[..., None].astype(acc)

@@ -8,13 +8,12 @@ cvt (round-to-nearest-even). docs/cuda.md lists both.
 
 import torch
 
-from opport.arraymath import FP8_MAX
+from opport.arraymath import FP8_MAX, per_token_scales
 from opport.backends.cuda._launch import INTERPRET, INTERPRETED, cdiv, f32, is_finite, next_pow2, tile_elements, tl, triton
 from opport.backends.cuda.kv_cache_write import MAX_ROW
 from opport.backends.cuda.quantize_fp8 import FORMAT, SCALE_MIN, fp8_bits
 from opport.dispatch import impl
 from opport.ops.kv_cache_write_fp8 import kv_cache_write_fp8 as spec
-from opport.ops.kv_cache_write_fp8 import per_token
 
 
 @triton.jit
@@ -105,7 +104,7 @@ def kv_cache_write_fp8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         return None
     fmt = str(k_cache.dtype).removeprefix("torch.")
     mant, bias, nan_code = FORMAT[fmt]
-    token = per_token(k_scale)
+    token = per_token_scales(k_scale)
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if INTERPRET else (k_cache, v_cache)
     ks_strides = k_scale.stride() if token else (0, 0, 0)
     vs_strides = v_scale.stride() if token else (0, 0, 0)

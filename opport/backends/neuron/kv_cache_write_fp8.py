@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from opport.arraymath import FP8_MAX, SCALE_FLOOR
+from opport.arraymath import FP8_MAX, SCALE_FLOOR, per_token_scales
 from opport.backends.neuron import _host
 from opport.backends.neuron._tiles import load_row_broadcast, spans
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.backends.neuron.quantize_fp8 import target_version
 from opport.dispatch import impl
 from opport.ops.kv_cache_write_fp8 import kv_cache_write_fp8 as spec
-from opport.ops.kv_cache_write_fp8 import per_token
 
 P = _host.P  # tokens per tile: the slot indices sit one per partition
 FMAX = 4096  # elements per partition per chunk (whole heads): x, |x|, a predicate and the quotient <= 56 KiB (fp32)
@@ -184,7 +183,7 @@ def kv_cache_write_fp8(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, 
         return None
     fmt = k_cache.dtype.name
     kc, vc = _host.contiguous(k_cache), _host.contiguous(v_cache)
-    token = per_token(k_scale)
+    token = per_token_scales(k_scale)
     if token:
         ks, vs = _host.contiguous(k_scale), _host.contiguous(v_scale)
         ks_arg, vs_arg = ks.reshape(-1, ks.shape[2]), vs.reshape(-1, vs.shape[2])
