@@ -55,20 +55,26 @@ def kv_cache_write(key, value, k_cache, v_cache, slot_mapping):
     """
     check_float(NAME, "key", key)
     check_same_dtype(NAME, "key", key, value=value, k_cache=k_cache, v_cache=v_cache)
+    check_rows(NAME, key, value, k_cache, v_cache, slot_mapping)
+
+
+def check_rows(name: str, key, value, k_cache, v_cache, slot_mapping) -> None:
+    """`<name>.rank`, `.tokens`, `.heads` and `.slot_dtype`: the rows, caches and slots' shapes agree (kv_cache_write
+    and kv_cache_write_fp8)."""
     for arg, m, nd in (("key", key, 3), ("value", value, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4),
                        ("slot_mapping", slot_mapping, 1)):
-        check_ndim(NAME, arg, m, nd, constraint=f"{NAME}.rank")
+        check_ndim(name, arg, m, nd, constraint=f"{name}.rank")
     t = key.shape[0]
     for arg, m in (("value", value), ("slot_mapping", slot_mapping)):
-        check(m.shape[0] == t, ShapeError, NAME, arg, f"{NAME}.tokens", f"T = {t} (as key)", m.shape)
-    check(k_cache.shape[1] >= 1 and k_cache.shape[2:] == key.shape[1:], ShapeError, NAME, "k_cache", f"{NAME}.heads",
+        check(m.shape[0] == t, ShapeError, name, arg, f"{name}.tokens", f"T = {t} (as key)", m.shape)
+    check(k_cache.shape[1] >= 1 and k_cache.shape[2:] == key.shape[1:], ShapeError, name, "k_cache", f"{name}.heads",
           f"[num_blocks, block_size >= 1, {key.shape[1]}, {key.shape[2]}] (key's Hkv, D)", k_cache.shape)
-    check(v_cache.shape[:2] == k_cache.shape[:2] and v_cache.shape[2:] == value.shape[1:], ShapeError, NAME, "v_cache",
-          f"{NAME}.heads", f"[{k_cache.shape[0]}, {k_cache.shape[1]}, {value.shape[1]}, {value.shape[2]}] "
+    check(v_cache.shape[:2] == k_cache.shape[:2] and v_cache.shape[2:] == value.shape[1:], ShapeError, name, "v_cache",
+          f"{name}.heads", f"[{k_cache.shape[0]}, {k_cache.shape[1]}, {value.shape[1]}, {value.shape[2]}] "
           "(k_cache's blocks, value's Hkv, Dv)", v_cache.shape)
-    check(value.shape[1] == key.shape[1], ShapeError, NAME, "value", f"{NAME}.heads", f"Hkv = {key.shape[1]} (as key)",
+    check(value.shape[1] == key.shape[1], ShapeError, name, "value", f"{name}.heads", f"Hkv = {key.shape[1]} (as key)",
           value.shape)
-    check_domain(NAME, "slot_mapping", slot_mapping, SLOTS, f"{NAME}.slot_dtype")
+    check_domain(name, "slot_mapping", slot_mapping, SLOTS, f"{name}.slot_dtype")
 
 
 @kv_cache_write.check_values(("slot_mapping",))

@@ -9,7 +9,7 @@ from opport import casegen as cg
 from opport.arraymath import FP8_MAX, per_token_scales
 from opport.dtypes import FP8
 from opport.errors import ArgumentError, DTypeError, ShapeError
-from opport.ops.kv_cache_write import HOST_READ, SLOTS, check_slot_values, written_rows
+from opport.ops.kv_cache_write import HOST_READ, SLOTS, check_rows, check_slot_values, written_rows
 from opport.ops.kv_cache_write import make_case as float_case
 from opport.ops.paged_attention import check_tensor_scales, fp8_codes, fp8_scales
 from opport.ops.quantize_fp8 import Q_TOLERANCE, SCALE_TOLERANCE
@@ -22,7 +22,6 @@ from opport.spec import (
     check,
     check_domain,
     check_float,
-    check_ndim,
     op,
 )
 
@@ -66,20 +65,7 @@ def kv_cache_write_fp8(key, value, k_cache, v_cache, slot_mapping, k_scale, v_sc
     check_domain(NAME, "k_cache", k_cache, FP8_CODES, f"{NAME}.cache_dtype")
     check(v_cache.dtype == k_cache.dtype, DTypeError, NAME, "v_cache", f"{NAME}.cache_dtype",
           f"{k_cache.dtype} (as k_cache)", v_cache.dtype)
-    for arg, m, nd in (("key", key, 3), ("value", value, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4),
-                       ("slot_mapping", slot_mapping, 1)):
-        check_ndim(NAME, arg, m, nd, constraint=f"{NAME}.rank")
-    t = key.shape[0]
-    for arg, m in (("value", value), ("slot_mapping", slot_mapping)):
-        check(m.shape[0] == t, ShapeError, NAME, arg, f"{NAME}.tokens", f"T = {t} (as key)", m.shape)
-    check(k_cache.shape[1] >= 1 and k_cache.shape[2:] == key.shape[1:], ShapeError, NAME, "k_cache", f"{NAME}.heads",
-          f"[num_blocks, block_size >= 1, {key.shape[1]}, {key.shape[2]}] (key's Hkv, D)", k_cache.shape)
-    check(v_cache.shape[:2] == k_cache.shape[:2] and v_cache.shape[2:] == value.shape[1:], ShapeError, NAME, "v_cache",
-          f"{NAME}.heads", f"[{k_cache.shape[0]}, {k_cache.shape[1]}, {value.shape[1]}, {value.shape[2]}] "
-          "(k_cache's blocks, value's Hkv, Dv)", v_cache.shape)
-    check(value.shape[1] == key.shape[1], ShapeError, NAME, "value", f"{NAME}.heads", f"Hkv = {key.shape[1]} (as key)",
-          value.shape)
-    check_domain(NAME, "slot_mapping", slot_mapping, SLOTS, f"{NAME}.slot_dtype")
+    check_rows(NAME, key, value, k_cache, v_cache, slot_mapping)
     per_token = tuple(k_cache.shape[:3])
     for arg, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         check_domain(NAME, arg, s, FLOAT32, f"{NAME}.kv_scale")
