@@ -91,6 +91,12 @@ def per_token_scales(scale) -> bool:
     return tuple(scale.shape) != (1,)
 
 
+def scale_rows(scale):
+    """fp8 scales ready to multiply rows [..., D]: per (token, head) scales [..., Hkv] gain a trailing axis, a
+    per-tensor [1] becomes a scalar."""
+    return scale[..., None] if per_token_scales(scale) else scale.reshape(())
+
+
 def sequences(cu_seqlens_q, cu_seqlens_k):
     """(q token slice, k token slice) per sequence."""
     cq, ck = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)

@@ -11,7 +11,7 @@ from opport.dtypes import FP8
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops.kv_cache_write import HOST_READ, SLOTS, check_rows, check_slot_values, written_rows
 from opport.ops.kv_cache_write import make_case as float_case
-from opport.ops.paged_attention import check_tensor_scales, fp8_codes, fp8_scales
+from opport.ops.paged_attention import check_tensor_scales, fp8_codes, fp8_quotients, fp8_scales
 from opport.ops.quantize_fp8 import Q_TOLERANCE, SCALE_TOLERANCE
 from opport.spec import (
     FLOAT32,
@@ -78,8 +78,7 @@ def kv_cache_write_fp8(key, value, k_cache, v_cache, slot_mapping, k_scale, v_sc
 @kv_cache_write_fp8.check_values(("slot_mapping", "k_scale", "v_scale"))
 def _check_values(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     check_slot_values(NAME, k_cache, slot_mapping)
-    if not per_token_scales(k_scale):
-        check_tensor_scales(NAME, k_scale, v_scale)
+    check_tensor_scales(NAME, k_scale, v_scale)
 
 
 # on device arrays only under OPPORT_CHECK_VALUES=1, as kv_cache_write's (the cuda kernel skips bad slots)
@@ -103,17 +102,9 @@ def _reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, *, 
     codes, scales = [], []
     for x, s in ((key[tokens], k_scale), (value[tokens], v_scale)):
         s = fp8_scales(x, fmt, True) if token else np.asarray(s, np.float32)
-        codes.append(quotients(x, s, fmt))
+        codes.append(fp8_quotients(x, s, fmt))
         scales.append(s.astype(np.float64) if token else np.zeros(0))
     return (*codes, *scales)
-
-
-def quotients(x, scale, fmt: str) -> np.ndarray:
-    """x / scale (per row and head, or one scale), clipped to ±fp8_max: NaN stays NaN, ±inf saturates."""
-    s = np.asarray(scale, np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        q = np.asarray(x, np.float64) / (s[..., None] if s.size > 1 or s.ndim > 1 else s.reshape(()))
-        return np.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt])
 
 
 # codes: the fp8 value nearest the exact quotient; scales: one float32 rounding of amax / fp8_max (quantize_fp8's)
@@ -225,6 +216,6 @@ def _cost(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     item = np.dtype(cg.np_dtype(key.dtype)).itemsize
     slot_item = 8 if slot_mapping.dtype == "int64" else 4
     rows = key.size + value.size
-    scales = 2 * 4 * key.shape[0] * key.shape[1] if k_scale.size > 1 else 8
+    scales = 2 * 4 * key.shape[0] * key.shape[1] if per_token_scales(k_scale) else 8
     # rows read once in key's dtype and written once as 1-byte codes, their scales written (or read), slots read
     return Cost(bytes=rows * (item + 1) + scales + slot_mapping.size * slot_item, flops=3 * rows)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from opport import casegen as cg
-from opport.arraymath import FP8_MAX, SCALE_FLOOR, gather, visible
+from opport.arraymath import FP8_MAX, SCALE_FLOOR, gather, per_token_scales, scale_rows, visible
 from opport.dtypes import FLOATS, FP8
 from opport.errors import ArgumentError, DTypeError, ShapeError
 from opport.ops.attention import SCALE_RULE, check_scale
@@ -135,10 +135,10 @@ def check_kv_scales(name: str, k_cache, k_scale, v_scale) -> None:
 
 
 def check_tensor_scales(name: str, k_scale, v_scale) -> None:
-    """`<name>.scale_values`: a per-tensor scale is finite and > 0 (per-token scales come from kv_cache_write_fp8,
+    """`<name>.scale_values`: a per-tensor scale is finite and > 0 (per-token ones come from kv_cache_write_fp8,
     which floors them at 2^-126; reading them all back would cost a pass over the cache's scales per call)."""
     for arg, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is not None and s.size == 1:
+        if s is not None and not per_token_scales(s):
             v = float(np.asarray(s, np.float32).reshape(-1)[0])
             check(math.isfinite(v) and v > 0, ArgumentError, name, arg, f"{name}.scale_values", "finite and > 0",
                   repr(v))
@@ -149,8 +149,7 @@ def kv_values(cache, scale):
     c = np.asarray(cache, np.float64)
     if scale is None:
         return c
-    s = np.asarray(scale, np.float64)
-    return c * (s[..., None] if s.size > 1 else s.reshape(()))
+    return c * scale_rows(np.asarray(scale, np.float64))
 
 
 def check_scalars(name: str, scale, softcap, sliding_window) -> None:
@@ -276,12 +275,17 @@ def fp8_scales(x: np.ndarray, fmt: str, per_token: bool) -> np.ndarray:
     return np.maximum((amax / FP8_MAX[fmt]).astype(np.float32), np.float32(SCALE_FLOOR))
 
 
+def fp8_quotients(x, scale, fmt: str) -> np.ndarray:
+    """x / scale in float64 (per token and head, or one scale), clipped to ±fp8_max: NaN stays NaN, ±inf saturates
+    (kv_cache_write_fp8's reference: the codes are judged as the fp8 values nearest these)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.asarray(x, np.float64) / scale_rows(np.asarray(scale, np.float64))
+        return np.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt])
+
+
 def fp8_codes(x: np.ndarray, scale: np.ndarray, fmt: str) -> np.ndarray:
     """x / scale, saturated to the format's range and rounded to nearest even (NaN stays NaN)."""
-    s = np.asarray(scale, np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        q = np.asarray(x, np.float64) / (s[..., None] if s.size > 1 else s.reshape(()))
-        return np.clip(q, -FP8_MAX[fmt], FP8_MAX[fmt]).astype(cg.np_dtype(fmt))
+    return fp8_quotients(x, scale, fmt).astype(cg.np_dtype(fmt))
 
 
 def as_fp8(c: Case, fmt: str, per_token: bool, cache_pos: tuple = (1, 2)) -> Case:
@@ -434,7 +438,7 @@ def kv_bytes(k_cache, v_cache, k_scale, blocks: int) -> int:
     scales (4 bytes per slot and head, K and V) when the cache has them."""
     _, bs, hkv, d = k_cache.shape
     item = np.dtype(cg.np_dtype(k_cache.dtype)).itemsize
-    scales = 2 * 4 * hkv if k_scale is not None and k_scale.size > 1 else 0
+    scales = 2 * 4 * hkv if k_scale is not None and per_token_scales(k_scale) else 0
     return blocks * bs * (hkv * (d + v_cache.shape[3]) * item + scales)
 
 

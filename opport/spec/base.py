@@ -184,7 +184,7 @@ class Spec:
         """The float64 reference on the given (already rounded) inputs, upcast to float64."""
         bound = list(self.bind(*args, **kwargs))
         dtype = getattr(self.dtype_of(bound), "name", None) if self.array_pos else None
-        dtypes = self._dtypes(bound)
+        dtypes = self._dtypes(bound) if self.reference_takes_dtypes else None
         for i in self.array_pos:
             a = bound[i]
             if a is not None and getattr(a, "dtype", None) is not None and a.dtype.kind in "fV":

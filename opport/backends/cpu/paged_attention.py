@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 
+from opport.arraymath import per_token_scales, scale_rows
 from opport.backends.cpu._common import store, upcast, uses_blas
 from opport.dispatch import impl
 from opport.ops.paged_attention import paged_attention as spec
@@ -36,8 +37,7 @@ def kv_rows(cache, scale, blk, off, dt):
     rows = cache[blk, off]
     if scale is None:
         return upcast(rows)
-    s = scale[blk, off][..., None] if scale.size > 1 else np.asarray(scale).reshape(())
-    return rows.astype(dt) * s.astype(dt)
+    return rows.astype(dt) * scale_rows(scale[blk, off] if per_token_scales(scale) else scale).astype(dt)
 
 
 def gather_kv(cache, scale, table, lo: int, hi: int, dt):
