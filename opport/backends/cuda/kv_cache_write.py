@@ -48,6 +48,14 @@ def _kv_cache_write_kernel(
     tl.store(vc_ptr + blk * vc_sb + off * vc_so + h * vc_sh + c * vc_sd, v, mask=vm)
 
 
+def row_tiles(t: int, hkv: int, width: int) -> tuple:
+    """(BLOCK_T, BLOCK_H, BLOCK_D, warps) of a program storing whole token rows (kv_cache_write, kv_cache_write_fp8):
+    tokens per program make a tile of about tile_elements() (GPU: loads in flight; interpreter: few NumPy ops)."""
+    block_h, block_d = next_pow2(hkv), next_pow2(width)
+    block_t = min(next_pow2(t), max(1, tile_elements() // (block_h * block_d)))
+    return block_t, block_h, block_d, 4 if INTERPRET or block_t * block_h * block_d <= 2048 else 8
+
+
 def _supports(key, value, k_cache, v_cache, slot_mapping):
     row = next_pow2(key.shape[1]) * next_pow2(max(key.shape[2], value.shape[2]))
     if row > MAX_ROW:
@@ -62,10 +70,7 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     dv = value.shape[2]
     if t == 0:
         return None
-    block_h, block_d = next_pow2(hkv), next_pow2(max(d, dv))
-    # tokens per program: a tile of about tile_elements() (GPU: loads in flight; interpreter: few NumPy ops)
-    block_t = min(next_pow2(t), max(1, tile_elements() // (block_h * block_d)))
-    warps = 4 if INTERPRET or block_t * block_h * block_d <= 2048 else 8
+    block_t, block_h, block_d, warps = row_tiles(t, hkv, max(d, dv))
     _kv_cache_write_kernel[(cdiv(t, block_t),)](
         key, value, k_cache, v_cache, slot_mapping, t, k_cache.shape[0] * k_cache.shape[1], k_cache.shape[1], hkv, d,
         dv, slot_mapping.stride(0),

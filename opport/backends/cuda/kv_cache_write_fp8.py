@@ -9,8 +9,9 @@ cvt (round-to-nearest-even). docs/cuda.md lists both.
 import torch
 
 from opport.arraymath import FP8_MAX, per_token_scales
-from opport.backends.cuda._launch import INTERPRET, INTERPRETED, cdiv, f32, is_finite, next_pow2, tile_elements, tl, triton
-from opport.backends.cuda.kv_cache_write import MAX_ROW
+from opport.backends.cuda._launch import INTERPRET, INTERPRETED, cdiv, f32, is_finite, tl, triton
+from opport.backends.cuda.kv_cache_write import _supports as float_supports
+from opport.backends.cuda.kv_cache_write import row_tiles
 from opport.backends.cuda.quantize_fp8 import FORMAT, SCALE_MIN, fp8_bits
 from opport.dispatch import impl
 from opport.ops.kv_cache_write_fp8 import kv_cache_write_fp8 as spec
@@ -89,10 +90,7 @@ def _kv_cache_write_fp8_kernel(
 
 
 def _supports(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
-    row = next_pow2(key.shape[1]) * next_pow2(max(key.shape[2], value.shape[2]))
-    if row > MAX_ROW:
-        return f"Hkv x max(D, Dv) padded to {row} elements exceeds one program's tile ({MAX_ROW})"
-    return None
+    return float_supports(key, value, k_cache, v_cache, slot_mapping)  # the same rows in one program's tile
 
 
 @impl(spec, "cuda", supports=_supports)
@@ -108,10 +106,7 @@ def kv_cache_write_fp8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if INTERPRET else (k_cache, v_cache)
     ks_strides = k_scale.stride() if token else (0, 0, 0)
     vs_strides = v_scale.stride() if token else (0, 0, 0)
-    block_h, block_d = next_pow2(hkv), next_pow2(max(d, dv))
-    # tokens per program: a tile of about tile_elements() (GPU: loads in flight; interpreter: few NumPy ops)
-    block_t = min(next_pow2(t), max(1, tile_elements() // (block_h * block_d)))
-    warps = 4 if INTERPRET or block_t * block_h * block_d <= 2048 else 8
+    block_t, block_h, block_d, warps = row_tiles(t, hkv, max(d, dv))
     _kv_cache_write_fp8_kernel[(cdiv(t, block_t),)](
         key, value, kc, vc, slot_mapping, k_scale, v_scale, t, k_cache.shape[0] * k_cache.shape[1], k_cache.shape[1],
         hkv, d, dv, slot_mapping.stride(0),
