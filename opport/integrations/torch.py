@@ -36,7 +36,6 @@ from opport.autodiff import (
     fused_op,
     saved_values,
     scale_unit_grads,
-    training_forward,
 )
 from opport.dispatch import call
 from opport.dispatch.adapters import NumpyAdapter, metas_of
@@ -199,7 +198,7 @@ def autograd_call(spec, bound: tuple, backend: str | None):
                                       message=f"{spec.name}: not differentiable; call it under torch.no_grad()")
     _refuse_constant_grads(spec, bound)
     if not torch.compiler.is_compiling():
-        return _Eager.apply(spec, backend, *bound)
+        return _eager(spec, backend, bound)
     if spec.value_and_grad_op is not None and _fused_when_traced(spec.name, _described(spec, bound), backend):
         # the fused value-and-grad, whose autograd formula scales its saved gradients
         return OPS[spec.value_and_grad_op.name](*bound, backend=backend)[0]
@@ -237,37 +236,123 @@ class _Eager(torch.autograd.Function):
     """An op's forward (its training forward where it keeps statistics) and backward, both through the
     dispatcher: what the registered formula does, without the custom ops. Where the op's fused value-and-grad
     runs (opport.autodiff.fused_op), the forward keeps its unit gradients and the backward scales them in place
-    (a second backward through the same graph then fails torch's saved-tensor version check, as it should)."""
+    (a second backward through the same graph then fails torch's saved-tensor version check, as it should).
+
+    The per-op bookkeeping (which arguments the backward reads, where each gradient goes) is worked out once per
+    op (`_Recipe`): a decode step's forward + backward of a 1 x 4096 norm costs less than torch's own fixed cost
+    per Python Function, and every microsecond of ours adds to it."""
 
     @staticmethod
     def forward(ctx, spec, backend, *bound):
-        ctx.spec, ctx.backend = spec, backend
-        ctx.present = tuple(bound[spec.params.index(n)] is not None for n in spec.backward_op.wrt)
-        ctx.fused = fused_op(spec, bound, backend) is not None
+        r = _RECIPES.get(spec) or _recipe(spec)
+        ctx.r, ctx.backend = r, backend
+        ctx.present = tuple(bound[i] is not None for i in r.wrt_pos)
+        ctx.fused = r.may_fuse and fused_op(spec, bound, backend) is not None
         if ctx.fused:
             out, grads = fused_forward(spec, bound, backend)
-            _keep(ctx, spec, grads)
+            _keep(ctx, grads)
             return out
-        out, stats = training_forward(spec, bound, backend)
-        _keep(ctx, spec, saved_values(spec, bound, out, stats))
-        _integers_not_differentiable(ctx, spec, out)
+        if r.stats:
+            outs = call(spec.train_forward, bound, backend)
+            out, stats = (outs[0], outs[1:]) if r.single else (tuple(outs[:r.n_out]), outs[r.n_out:])
+        else:
+            out, stats = call(spec, bound, backend), ()
+        _keep(ctx, r.saved(bound, out, stats))
+        if r.integer_outputs:
+            _integers_not_differentiable(ctx, spec, out)
         return out
 
     @staticmethod
     def backward(ctx, *grad):
-        spec = ctx.spec
-        grad = floating_grads(spec, grad) if len(grad) > 1 else grad  # one upstream gradient per floating output
+        r = ctx.r
+        spec = r.spec
+        if len(grad) > 1:
+            grad = floating_grads(spec, grad)  # one upstream gradient per floating output
         grad = grad[0] if len(grad) == 1 else grad
-        with torch.no_grad():
-            if ctx.fused:
-                grads = iter(scale_unit_grads(_kept(ctx), grad, in_place=True))
+        if _grad_enabled():  # create_graph=True
+            return _backward_recorded(ctx, grad)
+        grads = _gradients(ctx, grad)
+        return (None, None, *(grads[j] if j is not None else None for j in r.grad_of_param))
+
+
+def _gradients(ctx, grad) -> tuple:
+    """One gradient per name in the backward's `wrt` (None where the input was absent)."""
+    r = ctx.r
+    if ctx.fused:
+        grads = scale_unit_grads(_kept(ctx), grad, in_place=True)
+    else:
+        grads = backward(r.spec, grad, _kept(ctx), ctx.backend)
+    return tuple(g if here else None for g, here in zip(grads, ctx.present))
+
+
+def _backward_recorded(ctx, grad) -> tuple:
+    """create_graph=True: the gradients, computed without recording, refuse to be differentiated again."""
+    r = ctx.r
+    with torch.no_grad():
+        grads = _gradients(ctx, grad)
+    anchor = torch.zeros((), requires_grad=True)  # makes them part of the graph, whatever they came from
+    grads = tuple(None if g is None else _FirstOrder.apply(r.spec, g, anchor) for g in grads)
+    return (None, None, *(grads[j] if j is not None else None for j in r.grad_of_param))
+
+
+class _Recipe:
+    """What `_Eager` needs to know about an op, worked out once: the positions of its `wrt` arguments, where each
+    of the backward's saved arguments comes from (an argument, an output, a statistic), which gradient each of the
+    op's parameters receives."""
+
+    def __init__(self, spec):
+        bwd = spec.backward_op
+        self.spec, self.n_out = spec, spec.n_outputs
+        self.single = spec.n_outputs == 1
+        self.stats = spec.train_forward.stats if spec.train_forward is not None else ()
+        self.may_fuse = spec.value_and_grad_op is not None
+        self.integer_outputs = bool(spec.integer_outputs)
+        self.wrt_pos = tuple(spec.params.index(n) for n in bwd.wrt)
+        self.grad_of_param = tuple(bwd.wrt.index(p) if p in bwd.wrt else None for p in spec.params)
+        outputs = ("out",) if self.single else bwd.saved_outputs
+        sources = []  # as saved_values decides: a statistic, else an output, else an argument, by name
+        for p in bwd.params[len(bwd.grads):]:
+            if p in self.stats:
+                sources.append(("s", self.stats.index(p)))
+            elif p in outputs:
+                sources.append(("o", None if self.single else outputs.index(p)))
             else:
-                grads = iter(backward(spec, grad, _kept(ctx), ctx.backend))
-        by_name = {n: g for n, here, g in zip(spec.backward_op.wrt, ctx.present, grads) if here}
-        if torch.is_grad_enabled():  # create_graph=True: the gradients refuse to be differentiated again
-            anchor = torch.zeros((), requires_grad=True)  # makes them part of the graph, whatever they came from
-            by_name = {n: _FirstOrder.apply(spec, g, anchor) for n, g in by_name.items()}
-        return (None, None, *(by_name.get(p) for p in spec.params))
+                sources.append(("b", spec.params.index(p)))
+        self.sources = tuple(sources)
+
+    def saved(self, bound: tuple, out, stats) -> tuple:
+        """`opport.autodiff.saved_values`, from the positions worked out once."""
+        pick = {"b": bound, "s": stats}
+        return tuple((out if i is None else out[i]) if k == "o" else pick[k][i] for k, i in self.sources)
+
+
+_RECIPES: dict = {}
+
+
+def _recipe(spec) -> _Recipe:
+    r = _RECIPES[spec] = _Recipe(spec)
+    return r
+
+
+def _eager_apply():
+    """`_Eager.apply` without torch's Python wrapper where no functorch transform is active (what the wrapper
+    itself then does: unwrap dead functorch wrappers, then the C++ apply); under torch.func transforms, torch's
+    own `apply` (which refuses a Function without setup_context, as before)."""
+    base = super(torch.autograd.Function, _Eager).apply
+    active = torch._C._are_functorch_transforms_active
+    unwrap = torch._C._functorch.unwrap_if_dead
+    tensor = torch.Tensor
+
+    def apply(spec, backend, bound):
+        if active():
+            return _Eager.apply(spec, backend, *bound)
+        return base(spec, backend, *(unwrap(a) if isinstance(a, tensor) else a for a in bound))
+
+    return apply
+
+
+_eager = _eager_apply()
+_grad_enabled = torch.is_grad_enabled
 
 
 class _FirstOrder(torch.autograd.Function):
@@ -289,10 +374,12 @@ def _integers_not_differentiable(ctx, spec, out):
         ctx.mark_non_differentiable(*(o for n, o in zip(spec.output_labels, out) if n in spec.integer_outputs))
 
 
-def _keep(ctx, spec, saved: tuple):
-    ctx.tensor_slots = [i for i, v in enumerate(saved) if isinstance(v, torch.Tensor)]
-    ctx.save_for_backward(*(saved[i] for i in ctx.tensor_slots))
-    ctx.others = tuple(None if i in ctx.tensor_slots else v for i, v in enumerate(saved))
+def _keep(ctx, saved: tuple):
+    """Tensors through save_for_backward (torch checks they were not modified in place meanwhile), the rest as is."""
+    slots = ctx.tensor_slots = tuple(i for i, v in enumerate(saved) if isinstance(v, torch.Tensor))
+    ctx.save_for_backward(*(saved[i] for i in slots))
+    ctx.others = tuple(None if i in slots else v for i, v in enumerate(saved))  # no tensor here: an output kept
+    # as an attribute would hold its own graph alive (a reference cycle through ctx)
 
 
 def _kept(ctx) -> tuple:
@@ -326,7 +413,7 @@ def register_autograd(spec):
         if stats:
             ctx.mark_non_differentiable(*rest)
         _integers_not_differentiable(ctx, spec, out)
-        _keep(ctx, spec, saved_values(spec, bound, out, rest))
+        _keep(ctx, saved_values(spec, bound, out, rest))
         ctx.present = tuple(bound[spec.params.index(n)] is not None for n in bwd.wrt)
         ctx.backend = keyword_only_inputs.get("backend")
 

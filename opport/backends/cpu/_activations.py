@@ -25,9 +25,9 @@ def elementwise(fn, *arrays: np.ndarray, outputs: int = 1):
     float32/float64 outputs are written in place, 16-bit ones through a float32 block rounded once.
     `reshape(-1)` copies a non-contiguous input (never writes it); a 0-d array is one element.
     """
-    loop = getattr(fn, "fused_loop", None)  # a fused block function (_fused.activation) names its numba loop
+    loop = getattr(fn, "fused_loop", None)  # a fused block function (_fused.activation) gives its numba loop
     if loop is not None and arrays[0].size < PARALLEL_MIN:
-        done = _direct(loop, arrays, outputs)
+        done = _direct(loop(), arrays, outputs)
         if done is not None:
             return done
     outs = [np.empty(arrays[0].shape, arrays[0].dtype) for _ in range(outputs)]
@@ -48,20 +48,28 @@ def elementwise(fn, *arrays: np.ndarray, outputs: int = 1):
 _NO_FLAGS = np.zeros(1, np.uint8)
 
 
+_F32 = np.dtype(np.float32)
+
+
 def _direct(loop, arrays: tuple, outputs: int):
     """A small float32 call (one block, run inline by `parallel_rows` anyway) straight through the fused loop: the
     outputs, or None where an input is not contiguous float32 of the first one's shape or the loop left elements to
     the careful formula (the block path then runs). Saves the block machinery's fixed cost (about 5 us a call,
     more than the loop itself on a decode step's 14336 elements); the results are the block path's bits."""
-    x0 = arrays[0]
-    for a in arrays:
-        if a.dtype != np.float32 or a.shape != x0.shape or not a.flags.c_contiguous:
+    shape = arrays[0].shape
+    for a in arrays:  # `is`: NumPy's float32 descriptor is one object (a byte-swapped one is not, and goes the long way)
+        if a.dtype is not _F32 or a.shape != shape or not a.flags.c_contiguous:
             return None
     num_threads()  # validated on every call, as parallel_rows does
-    outs = [np.empty(x0.shape, np.float32) for _ in range(outputs)]
+    if outputs == 1:
+        out = np.empty(shape, _F32)
+        if loop(*[a.reshape(-1) for a in arrays], out.reshape(-1), False, _NO_FLAGS):
+            return None
+        return out
+    outs = [np.empty(shape, _F32) for _ in range(outputs)]
     if loop(*[a.reshape(-1) for a in arrays], *[o.reshape(-1) for o in outs], False, _NO_FLAGS):
         return None
-    return tuple(outs) if outputs > 1 else outs[0]
+    return tuple(outs)
 
 
 def denominator(y: np.ndarray, x: np.ndarray):

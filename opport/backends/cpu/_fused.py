@@ -729,12 +729,17 @@ def softmax_backward(gf, yf, dst):
 _NO_FLAGS = np.zeros(1, np.uint8)
 
 
-def activation(loop, careful):
-    """A block function `fn(y, *xs)` for `_activations.elementwise`: the fused loop, then the NumPy block function
-    `careful` on the elements the loop reports it did not handle (NaN, inf, exp arguments out of range). Both
-    decide element by element, so no element's result depends on its block (or the thread count)."""
+_HERE = globals()  # the loops are looked up when a block function runs, not when it is made (the op files make
+# theirs once, at import; tests swap a loop for a spy)
+
+
+def activation(name: str, careful):
+    """A block function `fn(y, *xs)` for `_activations.elementwise`: the fused loop `name`, then the NumPy block
+    function `careful` on the elements the loop reports it did not handle (NaN, inf, exp arguments out of range).
+    Both decide element by element, so no element's result depends on its block (or the thread count)."""
 
     def fn(y, *xs):
+        loop = _HERE[name]
         if loop(*xs, y, False, _NO_FLAGS):  # the rare case: run again, marking the elements left
             flags = np.zeros(y.size, np.uint8)
             loop(*xs, y, True, flags)
@@ -743,36 +748,36 @@ def activation(loop, careful):
         return y
 
     fn.__name__ = f"fused_{getattr(careful, '__name__', 'block')}"
-    fn.fused_loop = loop  # for _activations.elementwise's direct path (small float32 calls)
+    fn.fused_loop = lambda: _HERE[name]  # for _activations.elementwise's direct path (small float32 calls)
     return fn
 
 
 def silu_block(careful):
-    return activation(_silu, careful)
+    return activation("_silu", careful)
 
 
 def silu_grad_block(careful):
-    return activation(_silu_grad, careful)
+    return activation("_silu_grad", careful)
 
 
 def gelu_tanh_block(careful):
-    return activation(_gelu_tanh, careful)
+    return activation("_gelu_tanh", careful)
 
 
 def gelu_tanh_grad_block(careful):
-    return activation(_gelu_tanh_grad, careful)
+    return activation("_gelu_tanh_grad", careful)
 
 
 def swiglu_block(careful):
-    return activation(_swiglu, careful)
+    return activation("_swiglu", careful)
 
 
 def gelu_erf_block(careful):
-    return activation(_gelu_erf, careful)
+    return activation("_gelu_erf", careful)
 
 
 def gelu_erf_grad_block(careful):
-    return activation(_gelu_erf_grad, careful)
+    return activation("_gelu_erf_grad", careful)
 
 
 if numba is not None:
@@ -836,7 +841,7 @@ def swiglu_backward_block(careful):
             du[idx[fwd_left]] = b[fwd_left]
         return dg, du
 
-    fn.fused_loop = _swiglu_grad  # for _activations.elementwise's direct path (small float32 calls)
+    fn.fused_loop = lambda: _HERE["_swiglu_grad"]  # for _activations.elementwise's direct path (small float32 calls)
     return fn
 
 
@@ -916,8 +921,9 @@ def ln_backward(xf, gf, w, eps: float, dx, dw, db):
     the float64 `dw` and `db`. Returns the indices of the rows left for the NumPy kernel (not in dx, dw, db), or None."""
     wt, has_w = _weight(w, np.float64)
     bad = _flags(xf.shape[0])
-    n = xf.shape[1]
-    if _ln_bwd(xf, gf, wt, has_w, float(eps), dx, dw, db, bad, _lanes(np.float64), _lanes(np.float64), np.zeros(n)):
+    scratch = np.zeros(2 * LANES + xf.shape[1])  # one allocation (a decode row's call is microseconds): lanes, xhat
+    if _ln_bwd(xf, gf, wt, has_w, float(eps), dx, dw, db, bad, scratch[:LANES], scratch[LANES:2 * LANES],
+               scratch[2 * LANES:]):
         return np.flatnonzero(bad)
     return None
 

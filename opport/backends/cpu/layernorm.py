@@ -123,18 +123,18 @@ def layernorm_backward(grad: np.ndarray, x: np.ndarray, weight, bias, eps: float
     x2, g2, d2 = x.reshape(rows, n), grad.reshape(rows, n), dx.reshape(rows, n)
     ct = np.float64 if x.dtype in (np.float32, np.float64) else np.float32  # compute dtype
     w = None if weight is None else upcast(weight).astype(ct)
-    step = block_rows(n)
-    blocks = max(-(-rows // step), 1)
-    pw = None if weight is None else np.zeros((blocks, n), ct)
-    pb = None if bias is None else np.zeros((blocks, n), ct)
-
-    local = threading.local()
     fused = _fused.enabled(x.dtype)
     if fused and _one_block(x2) and g2.dtype == np.float32 and g2.flags.c_contiguous:
+        # one block on the calling thread: the fused loop on it directly, before the block path's allocations
         dw64, db64 = np.zeros(n), np.zeros(n)
         if _fused.ln_backward(x2, g2, w, eps, d2, dw64, db64) is None:  # else the block path redoes it all
             return (dx, None if weight is None else dw64.astype(weight.dtype),
                     None if bias is None else db64.astype(bias.dtype))
+    step = block_rows(n)
+    blocks = max(-(-rows // step), 1)
+    pw = None if weight is None else np.zeros((blocks, n), ct)
+    pb = None if bias is None else np.zeros((blocks, n), ct)
+    local = threading.local()
 
     def body(block):
         if fused:

@@ -9,12 +9,16 @@ from opport.dispatch import impl
 from opport.ops.silu import silu as spec
 
 
+_careful_grad = act.times_grad(act.silu_grad)
+if _fused.numba is not None:  # the block functions, made once (a decode step's call is a few microseconds)
+    _fast, _fast_grad = _fused.silu_block(act.silu), _fused.silu_grad_block(_careful_grad)
+
+
 @impl(spec, "cpu")
 def silu(x: np.ndarray) -> np.ndarray:
-    return act.elementwise(_fused.silu_block(act.silu) if _fused.enabled(x.dtype) else act.silu, x)
+    return act.elementwise(_fast if _fused.enabled(x.dtype) else act.silu, x)
 
 
 @impl(spec.backward_op, "cpu")
 def silu_backward(grad: np.ndarray, x: np.ndarray):
-    careful = act.times_grad(act.silu_grad)
-    return (act.elementwise(_fused.silu_grad_block(careful) if _fused.enabled(x.dtype) else careful, x, grad),)
+    return (act.elementwise(_fast_grad if _fused.enabled(x.dtype) else _careful_grad, x, grad),)

@@ -38,7 +38,7 @@ def _swiglu(y: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 @impl(spec, "cpu")
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    return act.elementwise(_fused.swiglu_block(_swiglu) if _fused.enabled(gate.dtype) else _swiglu, gate, up)
+    return act.elementwise(_fast if _fused.enabled(gate.dtype) else _swiglu, gate, up)
 
 
 def _swiglu_backward(dg: np.ndarray, du: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray) -> tuple:
@@ -81,9 +81,15 @@ def _redo_deep(dg: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray, 
         dg[r] = (g[r] * act.silu_grad(np.empty_like(g64), g64)) * up[r]
 
 
+if _fused.numba is not None:  # the block functions, made once (a decode step's call is a few microseconds)
+    _fast = _fused.swiglu_block(_swiglu)
+    # dgate in float64 for every float32 block: 16-bit inputs gain precision
+    _fast_grad = {f: _fused.swiglu_backward_block(f) for f in (_swiglu_backward32, _swiglu_backward)}
+
+
 @impl(spec.backward_op, "cpu")
 def swiglu_backward(grad: np.ndarray, gate: np.ndarray, up: np.ndarray):
     fn = _swiglu_backward32 if gate.dtype == np.float32 else _swiglu_backward
-    if _fused.enabled(gate.dtype):  # dgate in float64 for every float32 block: 16-bit inputs gain precision
-        fn = _fused.swiglu_backward_block(fn)
+    if _fused.enabled(gate.dtype):
+        fn = _fast_grad[fn]
     return act.elementwise(fn, gate, up, grad, outputs=2)
