@@ -210,11 +210,12 @@ def autograd_call(spec, bound: tuple, backend: str | None):
 
 
 def _described(spec, bound: tuple) -> tuple:
-    """Each array argument as (dtype, ndim, device), None elsewhere: constants while torch.compile traces, even
-    under dynamic shapes, where sizes and int scalars are symbolic (below every size stands as 2 and every scalar
-    as its default: the choice rests on kernel presence and dtypes; the call itself is validated when it runs)."""
+    """Each array argument as (dtype, ndim, device), each str or bool argument as ("=", value), None elsewhere:
+    constants while torch.compile traces, even under dynamic shapes, where sizes and int scalars are symbolic (below
+    every size stands as 2 and every other scalar as its default: the choice rests on kernel presence, dtypes and
+    such choices as a reduction's name; the call itself is validated when it runs)."""
     return tuple((str(a.dtype).removeprefix("torch."), a.dim(), str(a.device)) if i in spec.array_pos and a is not None
-                 else None for i, a in enumerate(bound))
+                 else ("=", a) if isinstance(a, (str, bool)) else None for i, a in enumerate(bound))
 
 
 @torch._dynamo.assume_constant_result
@@ -227,8 +228,8 @@ def _fused_when_traced(name: str, described: tuple, backend) -> bool:
 
     vag = get_op(name).value_and_grad_op
     defaults = [p.default for p in vag.signature.parameters.values()]
-    metas = [Meta("torch", a[0], (2,) * a[1], None, a[2]) if a is not None else (None if i in vag.array_pos else d)
-             for i, (a, d) in enumerate(zip(described, defaults))]
+    metas = [(None if i in vag.array_pos else d) if a is None else a[1] if a[0] == "="
+             else Meta("torch", a[0], (2,) * a[1], None, a[2]) for i, (a, d) in enumerate(zip(described, defaults))]
     return decide(vag, metas, context.requested_backend(backend), True, backend is not None)[1] is not None
 
 

@@ -391,6 +391,43 @@ def _mutant_dweight_last(grad, hidden, weight, target, lse, bias, ignore_index, 
     return dh, dw, db
 
 
+# --------------------------------------------------------------------------- forward fused with the backward
+
+
+@linear_cross_entropy.value_and_grad()
+def linear_cross_entropy_value_and_grad(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                                        label_smoothing=0.0, softcap: float | None = None):
+    """The loss and dhidden, dweight, dbias for a unit upstream gradient, from logits computed once.
+
+    What training runs where the backend has a kernel that takes the call (as Liger-Kernel's fused linear
+    cross-entropy): each block of rows forms its logits against the whole vocabulary, reduces them to the rows'
+    losses, turns the same logits (still in memory) into dlogits and runs the two gradient GEMMs, so the logits'
+    GEMM runs once instead of twice (`linear_cross_entropy_forward` + the backward, which recomputes them). The
+    backward is then only `upstream * gradients`, skipped where the upstream is exactly 1. A scalar upstream only:
+    a per-row one ("none") would have to enter dweight's sum over rows, so kernels decline reduction "none" (the
+    training forward and backward run). Validation, cases and error cases are the forward's.
+    """
+    linear_cross_entropy.validate(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
+
+
+@linear_cross_entropy_value_and_grad.cost
+def _value_and_grad_cost(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
+    """Inputs read once, the loss and the three gradients written; FLOPs: the logits' GEMM and the two gradients'."""
+    item = _item(hidden.dtype)
+    written = (hidden.size + weight.size + (bias.size if bias is not None else 0)) * item
+    return Cost(bytes=_bytes_in(hidden, weight, target, bias) + written + 4,
+                flops=6 * hidden.shape[0] * weight.shape[0] * hidden.shape[1])
+
+
+@linear_cross_entropy_value_and_grad.mutant("mean-not-divided")
+def _vag_mutant_mean_not_divided(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
+    """The loss right, the gradients of "mean" not divided by the count of kept rows (of "sum": scaled by 1.5)."""
+    loss, dh, dw, db = linear_cross_entropy_value_and_grad._reference(hidden, weight, target, bias, ignore_index,
+                                                                      reduction, label_smoothing, softcap)
+    k = max(int(np.count_nonzero(target != ignore_index)), 2) if reduction == "mean" else 1.5
+    return loss, dh * k, dw * k, None if db is None else db * k
+
+
 # --------------------------------------------------------------------------- class labels, checked on their values
 
 

@@ -12,6 +12,7 @@ import opport.backends.cpu.linear_cross_entropy as cpu_lce
 from opport.backends.cpu.linear_cross_entropy import linear_cross_entropy as kernel
 from opport.backends.cpu.linear_cross_entropy import linear_cross_entropy_backward as bwd_kernel
 from opport.backends.cpu.linear_cross_entropy import linear_cross_entropy_forward as train_kernel
+from opport.backends.cpu.linear_cross_entropy import linear_cross_entropy_value_and_grad as vag_kernel
 from opport.casegen import cast
 from opport.ops.cross_entropy import cross_entropy as ce_spec
 from opport.ops.linear_cross_entropy import linear_cross_entropy as spec
@@ -130,9 +131,43 @@ def test_vjp_through_opport():
     out, pullback = opport.vjp("linear_cross_entropy", x, w, t, backend="cpu")
     dx, dw, db = pullback(np.asarray(2.0, np.float32))
     assert db is None and dx.shape == x.shape and dw.shape == w.shape
-    loss, lse = train_kernel(*spec.bind(x, w, t))
-    ref = bwd_kernel(*BWD.bind(np.asarray(np.float32(2.0)), x, w, t, lse))
-    assert np.array_equal(out, loss) and np.array_equal(dx, ref[0]) and np.array_equal(dw, ref[1])
+    # a scalar loss on cpu: the fused value-and-grad, its unit gradients doubled (exact)
+    assert opport.dispatch.takes(spec.value_and_grad_op, spec.bind(x, w, t), "cpu")
+    loss, udx, udw, _ = vag_kernel(*spec.bind(x, w, t))
+    assert np.array_equal(out, loss) and np.array_equal(dx, udx * 2) and np.array_equal(dw, udw * 2)
+
+
+def test_value_and_grad_is_the_forward_and_backward_kernels_at_unit_grad():
+    """The fused kernel against the training forward + backward kernels (logits formed twice) at grad = 1: the same
+    loss and gradients to float32's rounding, whatever the blocks (rows per block from FUSED_LOGITS, vocabulary
+    tiles, the target entries of every tile); where the one-pass layout does not pay it runs those kernels itself."""
+    x, w, t, b = _inputs(13, 10, 45, seed=6)
+    t[4] = -100
+    x, w, b = x.astype(np.float32), w.astype(np.float32), b.astype(np.float32)
+    kw = {"reduction": "mean", "label_smoothing": 0.1, "softcap": 3.0}
+    loss, lse = train_kernel(*spec.bind(x, w, t, b, **kw))
+    two_pass = (loss, *bwd_kernel(*BWD.bind(np.ones((), np.float32), x, w, t, lse, b, **kw)))
+    for logits, chunk in ((1 << 23, 4096), (45 * 4, 7), (45, 20)):  # one block; 4 rows, 7-wide tiles; 1 row
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_lce, "FUSED_LOGITS", logits)
+            mp.setattr(cpu_lce, "FUSED_ROWS_MIN", 1)
+            mp.setattr(cpu_lce, "VOCAB_CHUNK", chunk)
+            fused = vag_kernel(*spec.bind(x, w, t, b, **kw))
+        for f, u in zip(fused, two_pass):
+            np.testing.assert_allclose(f, u, rtol=2e-6, atol=1e-7)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_lce, "FUSED_ROWS_MIN", 1 << 30)  # no block layout pays: the two kernels, bit for bit
+        for f, u in zip(vag_kernel(*spec.bind(x, w, t, b, **kw)), two_pass):
+            np.testing.assert_array_equal(f, u)
+
+
+def test_value_and_grad_declines_a_per_row_loss():
+    """reduction "none": the per-row upstream would have to enter dweight's sum, so the fused kernel declines and
+    autograd runs the training forward and backward (the choice is data: opport.dispatch.takes)."""
+    x, w, t, _ = _inputs(6, 8, 30, seed=7)
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    assert not opport.dispatch.takes(spec.value_and_grad_op, spec.bind(x, w, t, reduction="none"), "cpu")
+    assert opport.dispatch.takes(spec.value_and_grad_op, spec.bind(x, w, t, reduction="sum"), "cpu")
 
 
 def test_peak_memory_is_bounded_by_the_tiles(monkeypatch):

@@ -184,3 +184,138 @@ def _dlogits(x, weight, bias, c0, c1, softcap, t, lse, coef, ignored, valid, eps
     if dcap is not None:
         y *= dcap
     return y
+
+
+# --------------------------------------------------------------------------- forward fused with the backward
+
+FUSED_LOGITS = 1 << 23  # elements of a row block's logits kept from its loss to its gradient: 32 MiB of float32
+FUSED_ROWS_MIN = 64  # fewer rows per block and dweight's update per block (a pass over V x H) outweighs its GEMM
+FUSED_DWEIGHT = 1 << 26  # elements of the float32 dweight accumulator 16-bit inputs need (256 MiB)
+
+
+def _fused_rows(v: int) -> int:
+    """Rows per block of the fused kernel: ROW_BLOCK, fewer where a block's logits would pass FUSED_LOGITS."""
+    return min(ROW_BLOCK, FUSED_LOGITS // max(v, 1))
+
+
+def _vag_supports(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
+    """None where the fused kernel takes the call, else why not (the training forward and backward then run). Decided
+    on dtypes and the reduction only (torch.compile fixes the choice when it traces, before sizes are known)."""
+    if reduction == "none":
+        return "reduction 'none': a per-row upstream gradient has to enter dweight's sum over rows"
+    return None
+
+
+def _one_pass(v: int, h: int, dtype: np.dtype) -> bool:
+    """Whether the block layout pays: at least FUSED_ROWS_MIN rows per block, and for 16-bit inputs a float32
+    dweight accumulator of at most FUSED_DWEIGHT elements."""
+    return _fused_rows(v) >= FUSED_ROWS_MIN and (dtype in (np.float32, np.float64) or v * h <= FUSED_DWEIGHT)
+
+
+@impl(spec.value_and_grad_op, "cpu", supports=_vag_supports)
+@uses_blas()
+def linear_cross_entropy_value_and_grad(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                                        softcap):
+    """(loss, dhidden, dweight, dbias) at a unit upstream gradient, the logits' GEMM run once.
+
+    Dimensions: as the forward. Per block of rows (ROW_BLOCK, fewer for a large vocabulary: FUSED_LOGITS) the
+    logits against every vocabulary entry are formed once (by VOCAB_CHUNK tiles for 16-bit weights) and kept: the
+    rows' losses come from them, then dlogits = c (p - eps/V - (1 - eps) onehot) in place of their exponentials
+    (p = exp(z - m) / s, the target's entry through expm1 as cross_entropy's), then dhidden = dlogits @ weight and
+    dweight, dbias += dlogits^T @ x, column sums, with the target entries added after the GEMMs (_take_targets).
+    dweight and dbias accumulate in float32 (float64 for float64 inputs) over the blocks, rounded once.
+    Where that layout does not pay (`_one_pass`: a vocabulary above 131072, a 16-bit dweight above 2^26 elements)
+    the forward and backward kernels' tiles run instead, the logits formed twice, as without this op.
+    """
+    n, h = hidden.shape
+    v = weight.shape[0]
+    args = (hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
+    if not _one_pass(v, h, hidden.dtype):
+        loss, lse = _forward(*args)
+        unit = np.ones((), np.float32)
+        return (loss, *linear_cross_entropy_backward.__wrapped__(unit, hidden, weight, target, lse, *args[3:]))
+    acc = acc_dtype(hidden.dtype.name)
+    t = target.astype(np.int64)
+    ignored, valid = t == ignore_index, (t >= 0) & (t < v)
+    coef = _coefficients(np.ones((), acc), ignored, reduction)
+    eps = acc.type(label_smoothing)
+    loss, dh = np.empty(n, acc), np.empty((n, h), hidden.dtype)
+    dw, db = np.zeros((v, h), acc), None if bias is None else np.zeros(v, acc)
+    step = _fused_rows(v)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for r0 in range(0, n, step):
+            rows = slice(r0, min(r0 + step, n))
+            x = upcast(hidden[rows])
+            z, dcap = _block_logits(x, weight, bias, softcap)
+            loss[rows], d = _loss_and_dlogits(z, t[rows], eps, coef[rows], ignored[rows], valid[rows])
+            if dcap is not None:
+                d *= dcap
+            dh[rows] = _block_gradients(x, d, weight, t[rows], dw, db)
+        loss = np.where(ignored, acc.type(0), np.where(valid, loss, acc.type(np.nan)))
+        out = reduce_losses(loss, ignored, reduction).astype(np.float32)
+    return (out, dh, dw.astype(weight.dtype, copy=False),
+            None if db is None else db.astype(bias.dtype, copy=False))
+
+
+def _block_logits(x, weight, bias, softcap) -> tuple:
+    """(z [rows, V], 1 - tanh² or None) of the block's rows against the whole vocabulary, by VOCAB_CHUNK tiles."""
+    v = weight.shape[0]
+    if v <= VOCAB_CHUNK:
+        return _tile_logits(x, weight, bias, 0, v, softcap)
+    z = np.empty((x.shape[0], v), x.dtype)
+    dcap = None if softcap is None else np.empty_like(z)
+    for c0 in range(0, v, VOCAB_CHUNK):
+        c1 = min(c0 + VOCAB_CHUNK, v)
+        z[:, c0:c1], dc = _tile_logits(x, weight, bias, c0, c1, softcap)
+        if dcap is not None:
+            dcap[:, c0:c1] = dc
+    return z, dcap
+
+
+def _loss_and_dlogits(z, t, eps, coef, ignored, valid) -> tuple:
+    """(the rows' losses, dlogits written over z's exponentials) for one block: _block_loss's formulas on the whole
+    row at once, then cross_entropy's gradient from p = exp(z - m) / s."""
+    rows, v = z.shape
+    acc = z.dtype
+    m = z.max(axis=1, initial=-np.inf)
+    m_ref = np.where(m == -np.inf, acc.type(0), m)  # an all -inf row: exp() gives 0, not NaN
+    tc = np.clip(t, 0, v - 1)
+    zt = z[np.arange(rows), tc]
+    total = z.sum(axis=1) if eps else None
+    p = np.exp(z - m_ref[:, None])
+    s = p.sum(axis=1)
+    log_s = np.log(s)
+    nll = (m - zt) + log_s
+    if eps:
+        nll = (1 - eps) * nll + eps * ((m - total / acc.type(v)) + log_s)
+    p /= s[:, None]
+    if eps:
+        p -= eps / acc.type(v)
+    hit = np.flatnonzero(valid & ~ignored)
+    if hit.size:
+        col = t[hit]
+        p[hit, col] = _at_target(p[hit, col], (z[hit, col] - m_ref[hit]) - log_s[hit], eps, v)
+    p *= coef[:, None]
+    _fix_rows(p, ignored, valid)
+    return nll, p
+
+
+def _block_gradients(x, d, weight, t, dw, db) -> np.ndarray:
+    """dhidden of the block's rows (returned, accumulation dtype); dweight and dbias added into dw, db. The target
+    entries leave d before the GEMMs and are added after them (_take_targets: why)."""
+    v = weight.shape[0]
+    hit, col, dt = _take_targets(d, t, 0, v)
+    dh = np.zeros((x.shape[0], weight.shape[1]), x.dtype)
+    for c0 in range(0, v, VOCAB_CHUNK):
+        c1 = min(c0 + VOCAB_CHUNK, v)
+        wc, dc = upcast(weight[c0:c1]), d[:, c0:c1]
+        dh += dc @ wc
+        dw[c0:c1] += dc.T @ x
+        if db is not None:
+            db[c0:c1] += dc.sum(axis=0)
+    if hit.size:
+        dh[hit] += dt[:, None] * upcast(weight[col])
+        np.add.at(dw, col, dt[:, None] * x[hit])  # in row order: deterministic
+        if db is not None:
+            np.add.at(db, col, dt)
+    return dh
