@@ -3,7 +3,7 @@
 import numpy as np
 
 from opport.backends.cpu import _fused
-from opport.backends.cpu._common import block_rows, parallel_rows, result_block, store, upcast
+from opport.backends.cpu._common import block_rows, one_block, parallel_rows, result_block, store, upcast
 from opport.backends.cpu.rmsnorm import backward_fused, backward_rows, normalize, wide
 from opport.dispatch import impl
 from opport.ops.add_rmsnorm import add_rmsnorm as spec
@@ -21,6 +21,10 @@ def add_rmsnorm(x: np.ndarray, residual: np.ndarray, weight, eps: float):
     o2, s2 = normed.reshape(-1, n), total.reshape(-1, n)
     w = upcast(weight) if weight is not None else None
     fused = _fused.enabled(x.dtype)
+    if fused and one_block(x2) and r2.dtype == x2.dtype:  # float32, one block: the body's steps without parallel_rows
+        np.add(x2, r2, out=s2)
+        if _fused.rms_forward(s2, w, eps, o2) is None:
+            return normed, total  # (rows it leaves: the block path below, from the start)
 
     def body(rows):
         xf = upcast(x2[rows])

@@ -7,7 +7,6 @@ from opport.backends.cpu import _fused
 from opport.dispatch import impl
 from opport.ops.gelu import gelu as spec
 
-
 # (forward, backward) block functions per form: the NumPy ones, and the fused loops' (made once) where numba is
 _NUMPY = {"none": (act.gelu_erf, act.times_grad(act.gelu_erf_grad)),
           "tanh": (act.gelu_tanh, act.times_grad(act.gelu_tanh_grad))}

@@ -15,9 +15,8 @@ import numpy as np
 from opport.arraymath import row_scale
 from opport.backends.cpu import _fused
 from opport.backends.cpu._common import (
-    PARALLEL_MIN,
     block_rows,
-    num_threads,
+    one_block,
     parallel_rows,
     result_block,
     row_mean,
@@ -80,7 +79,7 @@ def layernorm(x: np.ndarray, weight, bias, eps: float) -> np.ndarray:
     w = upcast(weight) if weight is not None else None
     b = upcast(bias) if bias is not None else None
     fused = _fused.enabled(x.dtype)
-    if fused and _one_block(x2) and _fused.ln_forward(x2, w, b, eps, o2) is None:
+    if fused and one_block(x2) and _fused.ln_forward(x2, w, b, eps, o2) is None:
         return out  # the block path's one block, without its machinery (rows it leaves: the block path below)
 
     def affine(y):
@@ -124,7 +123,7 @@ def layernorm_backward(grad: np.ndarray, x: np.ndarray, weight, bias, eps: float
     ct = np.float64 if x.dtype in (np.float32, np.float64) else np.float32  # compute dtype
     w = None if weight is None else upcast(weight).astype(ct)
     fused = _fused.enabled(x.dtype)
-    if fused and _one_block(x2) and g2.dtype == np.float32 and g2.flags.c_contiguous:
+    if fused and one_block(x2) and g2.dtype == np.float32 and g2.flags.c_contiguous:
         # one block on the calling thread: the fused loop on it directly, before the block path's allocations
         dw64, db64 = np.zeros(n), np.zeros(n)
         if _fused.ln_backward(x2, g2, w, eps, d2, dw64, db64) is None:  # else the block path redoes it all
@@ -206,17 +205,6 @@ def layernorm_backward(grad: np.ndarray, x: np.ndarray, weight, bias, eps: float
     dw = None if pw is None else np.add.reduce(pw, axis=0).astype(weight.dtype)
     db = None if pb is None else np.add.reduce(pb, axis=0).astype(bias.dtype)
     return dx, dw, db
-
-
-def _one_block(x2: np.ndarray) -> bool:
-    """Whether `parallel_rows` would run the float32 rows `x2` as one block on the calling thread: the fused loop then
-    runs on them directly, the same call on the same rows (the budget validated as parallel_rows does). Saves the
-    block machinery's fixed cost, which is most of a decode step's time (1 x 4096: about 7 of 13 us backward)."""
-    rows, n = x2.shape
-    if x2.dtype != np.float32 or not x2.flags.c_contiguous or x2.size >= PARALLEL_MIN or rows > block_rows(n):
-        return False
-    num_threads()
-    return True
 
 
 def _scratch(local: threading.local, shape: tuple, dtype, k: int) -> list:

@@ -4,7 +4,7 @@ is formed once per call in the accumulation dtype (float32 for 16-bit inputs), n
 import numpy as np
 
 from opport.backends.cpu import _fused
-from opport.backends.cpu._common import block_rows, parallel_rows, result_block, row_mean, store, upcast
+from opport.backends.cpu._common import block_rows, one_block, parallel_rows, result_block, row_mean, store, upcast
 from opport.dispatch import impl
 from opport.ops.rmsnorm import rmsnorm as spec
 
@@ -18,6 +18,8 @@ def rmsnorm(x: np.ndarray, weight, eps: float, offset: float = 0.0) -> np.ndarra
     x2, o2 = x.reshape(-1, n), out.reshape(-1, n)  # reshape copies a non-contiguous x, never writes it
     w = offset_weight(upcast(weight), offset) if weight is not None else None
     fused = _fused.enabled(x.dtype)
+    if fused and one_block(x2) and _fused.rms_forward(x2, w, eps, o2) is None:
+        return out  # the block path's one block, without its machinery (rows it leaves: the block path below)
 
     def body(rows):
         xf = upcast(x2[rows])

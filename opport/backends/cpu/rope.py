@@ -4,7 +4,7 @@ import numpy as np
 
 from opport.arraymath import pair_views
 from opport.backends.cpu import _fused
-from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
+from opport.backends.cpu._common import one_block, parallel_rows, result_block, store, upcast
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
 from opport.ops.rope import rope as spec
@@ -32,6 +32,9 @@ def _rotate(x: np.ndarray, c: np.ndarray, sn: np.ndarray, interleaved: bool) -> 
     fused = _fused.enabled(x.dtype)
     if fused:
         c, sn = np.ascontiguousarray(c), np.ascontiguousarray(sn)
+        if x.flags.c_contiguous and x.size and one_block(x.reshape(b * h, s * d)):
+            _fused.rope(x, c, sn, interleaved, out)  # one block: `rotate` on all of it, without parallel_rows
+            return out
 
     def rotate(bs: slice, hs: slice) -> None:
         xb, dst = upcast(x[bs, hs]), out[bs, hs]  # a strided x is copied a block at a time

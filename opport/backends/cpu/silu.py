@@ -8,7 +8,6 @@ from opport.backends.cpu import _fused
 from opport.dispatch import impl
 from opport.ops.silu import silu as spec
 
-
 _careful_grad = act.times_grad(act.silu_grad)
 if _fused.numba is not None:  # the block functions, made once (a decode step's call is a few microseconds)
     _fast, _fast_grad = _fused.silu_block(act.silu), _fused.silu_grad_block(_careful_grad)
