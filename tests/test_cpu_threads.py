@@ -58,10 +58,10 @@ def test_a_whole_problem_blas_kernel_gives_blas_the_budget_and_restores_the_call
         matmul_backward_kernel(np.ones((96, 64), np.float32), a, b, None)
         assert blas_limit() == 2  # back after each call
     assert [lim for _, lim in spy] == [budget] * 3  # forward: 1 product; backward: 2
-    q = np.ones((1, 2, 8, 16), np.float32)
+    q = np.ones((1, 2, 128, 16), np.float32)  # 2 x 128 x 128 x 32 multiply-adds: above BLAS_INLINE, limited
     spy.clear()
     with threadpool_limits(limits=2, user_api="blas"):
-        attention_kernel(q, q, q, False, None)  # no size rule: always limited
+        attention_kernel(q, q, q, False, None)
         assert blas_limit() == 2
     assert spy and {lim for _, lim in spy} == {budget}
 
@@ -141,7 +141,7 @@ def test_one_thread_in_all(monkeypatch, spy):
     opport.rmsnorm(x, None, backend="cpu")
     opport.softmax(x, backend="cpu")
     a, b = _ab()
-    q = np.ones((1, 2, 8, 16), np.float32)
+    q = np.ones((1, 2, 128, 16), np.float32)  # above BLAS_INLINE
     with threadpool_limits(limits=2, user_api="blas"):
         matmul_kernel(a, b, None)
         attention_kernel(q, q, q, True, None)
@@ -160,6 +160,9 @@ def test_small_calls_run_inline_and_leave_blas_alone(monkeypatch):
     a = np.ones((64, 64), np.float32)  # 262,144 multiply-adds = BLAS_INLINE
     np.testing.assert_array_equal(opport.matmul(a, a, backend="cpu"), np.full((64, 64), 64, np.float32))
     opport.rmsnorm(np.ones((8, 64), np.float32), None, backend="cpu")
+    q = np.ones((1, 4, 1, 64), np.float32)  # a decode step: 4 x 1 x 512 x 128 = 262,144 multiply-adds
+    kv = np.ones((1, 2, 512, 64), np.float32)
+    np.testing.assert_allclose(opport.attention(q, kv, kv, causal=True, backend="cpu"), np.ones((1, 4, 1, 64)))
 
 
 def test_a_bad_budget_fails_small_matmuls_too(monkeypatch):

@@ -252,3 +252,36 @@ def test_scale_is_a_scalar_not_an_array_or_tensor(op):
         with pytest.raises(opport.ArgumentError) as info:
             fn(*case.args, **{**case.kwargs, "scale": bad})
         assert info.value.constraint == f"{op}.scale" and info.value.arg == "scale"
+
+
+@pytest.mark.parametrize("causal,window,softcap,hkv", [(True, None, None, 2), (False, None, None, 4), (True, 5, None, 1),
+                                                       (True, None, 7.0, 2)])
+def test_decode_rows_take_the_fused_loop_and_agree_with_the_blocks(monkeypatch, causal, window, softcap, hkv):
+    """One query row per head (decode), float32: the kernel runs `_fused.attention_decode` (checked by a spy), within
+    float32's tolerance of the block path (OPPORT_NUMBA=0) and of the float64 reference; GQA, a window, a soft cap."""
+    from opport.backends.cpu import _fused
+
+    q, k, v = qkv(2, 4, hkv, 1, 37, 16, seed=3, dtype=np.float32)
+    args = (q, k, v, causal, None, softcap, window)
+    calls = []
+    real = _fused.attention_decode
+    monkeypatch.setattr(_fused, "attention_decode", lambda *a: calls.append(1) or real(*a))
+    fused = kernel(*args)
+    assert calls, "decode loop not taken"
+    monkeypatch.setenv("OPPORT_NUMBA", "0")
+    blocks = kernel(*args)
+    np.testing.assert_allclose(fused, blocks, rtol=2e-6, atol=2e-6)
+    ref = spec.run_reference(*(a.astype(np.float64) if isinstance(a, np.ndarray) else a for a in args))
+    np.testing.assert_allclose(fused, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_loop_leaves_non_finite_rows_to_the_blocks():
+    """A non-finite score (an inf or NaN in q or a visible k) makes the loop decline: the call is the block path's,
+    bit for bit (its rules for inf, NaN and masked values)."""
+    q, k, v = qkv(1, 2, 1, 1, 9, 8, seed=4, dtype=np.float32)
+    k[0, 0, 3, 2] = np.inf
+    from opport.backends.cpu import _fused
+
+    assert _fused.attention_decode(q, k, v, 0.3, None, 0, 9) is None
+    got = kernel(q, k, v, True, None)
+    np.testing.assert_array_equal(got, cpu_attention._attention(q, k, v, True, None, None))

@@ -1059,3 +1059,78 @@ def ce_grad(xf, a, b, epsv, c, y) -> np.ndarray | None:
     if _ce_grad(xf, a.astype(np.float32), b.astype(np.float32), np.float32(epsv), c.astype(np.float32), y, bad):
         return np.flatnonzero(bad)
     return None
+
+
+# --------------------------------------------------------------------------- attention, one query row per head
+
+DOT_LANES = 16  # partial sums of a q.k dot product: one vector register of float32 lanes, added in order
+
+if numba is not None:
+
+    @_jit
+    def _attn_decode(q, k, v, scale, softcap, kstart, kend, lanes, s, out):
+        """One query row per head: out[b, h, j] = softmax(scale q.k_t, t in [kstart, kend)) . v for q [B, Hkv, g, D],
+        k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (float32, any strides), softcap > 0 or 0 for none. Each dot product
+        in DOT_LANES partial sums (d = lane mod DOT_LANES) added in order, the scores' max, exp(s - max) by _exp32
+        and the weighted sum of v rows in key order, divided once by their sum. Returns 1 where a head's scores or
+        output are not all finite (the NumPy kernel then runs the whole call), else 0."""
+        nb, nh, g, d = q.shape
+        dv = v.shape[3]
+        m_d = d - d % DOT_LANES
+        for b in range(nb):
+            for h in range(nh):
+                kb, vb = k[b, h], v[b, h]
+                for j in range(g):
+                    qr, o = q[b, h, j], out[b, h, j]
+                    m = np.float32(-np.inf)
+                    for t in range(kstart, kend):
+                        kr = kb[t]
+                        lanes[:] = 0
+                        for d0 in range(0, m_d, DOT_LANES):
+                            for x in range(DOT_LANES):
+                                lanes[x] += qr[d0 + x] * kr[d0 + x]
+                        dot = np.float32(0)
+                        for x in range(DOT_LANES):
+                            dot += lanes[x]
+                        for x in range(m_d, d):
+                            dot += qr[x] * kr[x]
+                        sc = dot * scale
+                        if softcap > 0:
+                            sc = np.float32(np.tanh(sc / softcap)) * softcap
+                        if not np.isfinite(sc):
+                            return 1
+                        s[t] = sc
+                        m = max(m, sc)
+                    o[:] = 0
+                    den = np.float32(0)
+                    for t in range(kstart, kend):
+                        p = _exp32(max(s[t] - m, np.float32(-87.0)))  # below: exp(s - m) / den is below float32's
+                        den += p  # normal range and is 0 in the NumPy kernel too only if it underflows: see caller
+                        vr = vb[t]
+                        for x in range(dv):
+                            o[x] += p * vr[x]
+                    for x in range(dv):
+                        o[x] /= den
+                        if not np.isfinite(o[x]):
+                            return 1
+        return 0
+
+
+DECODE_MAX = 1 << 22  # multiply-adds (B Hq Sk (D + Dv)) up to which one query row per head runs the loop above
+
+
+def attention_decode(q, k, v, scale, softcap, kstart: int, kend: int):
+    """attention of q [B, Hq, 1, D] (float32 q, k, v) over keys [kstart, kend) by `_attn_decode`, or None
+    where it does not take the call (no visible key, too large, a non-finite score or output)."""
+    b, hq, _, d = q.shape
+    hkv, dv = k.shape[1], v.shape[3]
+    if kend <= kstart or b * hq * (kend - kstart) * (d + dv) > DECODE_MAX:
+        return None
+    out = np.zeros((b, hq, 1, dv), np.float32)
+    qg = np.ascontiguousarray(q).reshape(b, hkv, hq // hkv, d)  # one row per head: small, copied if strided
+    og = out.reshape(b, hkv, hq // hkv, dv)
+    cap = np.float32(0 if softcap is None else softcap)
+    if _attn_decode(qg, k, v, np.float32(scale), cap, kstart, kend, np.zeros(DOT_LANES, np.float32),
+                    np.zeros(k.shape[2], np.float32), og):
+        return None
+    return out

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from opport.backends.cpu import _fused
 from opport.backends.cpu._common import store, upcast, uses_blas
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
@@ -38,8 +39,14 @@ def _batch_heads_merge(*arrays) -> bool:
     return all(a.shape[0] == 1 or a.shape[1] == 1 or a.strides[0] == a.shape[1] * a.strides[1] for a in arrays)
 
 
+def _work(q, k, v, *_) -> int:
+    """Multiply-adds of the two products, B Hq Sq Sk (D + Dv): at most BLAS_INLINE, BLAS's limit is left alone (as
+    matmul's: OpenBLAS runs products that small on the calling thread; a decode step's are)."""
+    return q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
+
+
 @impl(spec, "cpu")
-@uses_blas()
+@uses_blas(work=_work)
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, softcap=None,
               sliding_window=None) -> np.ndarray:
     """softmax(q k^T · scale, bottom-right causal mask) v, out [B, Hq, Sq, Dv] in q's dtype.
@@ -54,7 +61,21 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, 
     Pseudocode, per (query block, key block): s = q k^T·scale; m' = max(m, rowmax s);
     p = exp(s - m'); l = l·exp(m - m') + rowsum p; acc = acc·exp(m - m') + p v; out = acc / l.
     """
+    if q.shape[2] == 1 and _fused.enabled(q.dtype):  # decode: one query row per head, through one loop
+        out = _decode(q, k, v, causal, scale, softcap, sliding_window)
+        if out is not None:
+            return out
     return _attention(q, k, v, causal, scale, None, softcap, sliding_window)
+
+
+def _decode(q, k, v, causal: bool, scale, softcap, window):
+    """The fused loop's output for one query row per head (float32, any layout: a [B, S, H, D] cache's views give the
+    contiguous copy's bits), or None (the blocks below run)."""
+    if not all(a.dtype == np.float32 for a in (q, k, v)):
+        return None
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    kstart, kend = _Mask(1, k.shape[2], causal, window, softcap).keys(0, 1)
+    return _fused.attention_decode(q, k, v, scale, softcap, kstart, kend)
 
 
 @impl(spec.train_forward, "cpu")
