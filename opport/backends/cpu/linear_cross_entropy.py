@@ -10,7 +10,7 @@ import numpy as np
 from opport.arraymath import reduce_losses
 from opport.backends.cpu import _invariant
 from opport.backends.cpu._common import upcast, uses_blas
-from opport.backends.cpu.cross_entropy import _at_target, _coefficients, _fix_rows
+from opport.backends.cpu.cross_entropy import _at_target, _coefficients, _fix_rows, _row_losses, _write_grad
 from opport.dispatch import impl
 from opport.dtypes import acc_dtype
 from opport.ops.linear_cross_entropy import linear_cross_entropy as spec
@@ -273,31 +273,12 @@ def _block_logits(x, weight, bias, softcap) -> tuple:
 
 
 def _loss_and_dlogits(z, t, eps, coef, ignored, valid) -> tuple:
-    """(the rows' losses, dlogits written over z's exponentials) for one block: _block_loss's formulas on the whole
-    row at once, then cross_entropy's gradient from p = exp(z - m) / s."""
-    rows, v = z.shape
-    acc = z.dtype
-    m = z.max(axis=1, initial=-np.inf)
-    m_ref = np.where(m == -np.inf, acc.type(0), m)  # an all -inf row: exp() gives 0, not NaN
-    tc = np.clip(t, 0, v - 1)
-    zt = z[np.arange(rows), tc]
-    total = z.sum(axis=1) if eps else None
-    p = np.exp(z - m_ref[:, None])
-    s = p.sum(axis=1)
-    log_s = np.log(s)
-    nll = (m - zt) + log_s
-    if eps:
-        nll = (1 - eps) * nll + eps * ((m - total / acc.type(v)) + log_s)
-    p /= s[:, None]
-    if eps:
-        p -= eps / acc.type(v)
-    hit = np.flatnonzero(valid & ~ignored)
-    if hit.size:
-        col = t[hit]
-        p[hit, col] = _at_target(p[hit, col], (z[hit, col] - m_ref[hit]) - log_s[hit], eps, v)
-    p *= coef[:, None]
-    _fix_rows(p, ignored, valid)
-    return nll, p
+    """(the rows' losses, dlogits) of one block's logits z [rows, V]: cross_entropy's value-and-grad kernel on them (its
+    row statistics and gradient rows, fused loops included), so the head's loss is cross_entropy's of its logits."""
+    nll, m, log_s = _row_losses(z, np.clip(t, 0, z.shape[1] - 1), eps)
+    d = np.empty_like(z)
+    _write_grad(d, z, slice(0, z.shape[0]), t, (m, log_s), coef, ignored, valid, eps)
+    return nll, d
 
 
 def _block_gradients(x, d, weight, t, dw, db) -> np.ndarray:
