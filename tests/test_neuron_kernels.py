@@ -351,9 +351,12 @@ TRAINED = tuple(name for name, spec in all_ops().items()
 
 def _derived(name: str) -> list:
     """The op's derived specs with neuron kernels: its training forward (if it saves statistics), its backward and
-    its fused value-and-grad (cross_entropy)."""
+    its fused value-and-grad where neuron has one (cross_entropy's; linear_cross_entropy's is cpu's only: autograd
+    takes a value-and-grad only where the backend has it, never through a fallback, so neuron trains without it)."""
     spec = get_op(name)
-    return [s for s in (spec.train_forward, spec.backward_op, spec.value_and_grad_op) if s is not None]
+    vag = spec.value_and_grad_op
+    vag = vag if vag is not None and kernels(vag, get_backend("neuron")) else None
+    return [s for s in (spec.train_forward, spec.backward_op, vag) if s is not None]
 
 
 def _judge_outputs(spec, case, dtype: str) -> list:

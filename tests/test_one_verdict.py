@@ -16,7 +16,7 @@ import pytest
 
 from opport.backends.cpu._common import PARALLEL_MIN
 from opport.conformance.cases import elements
-from opport.dispatch import get_backend, kernels
+from opport.dispatch import get_backend, kernels, takes
 from opport.ops import all_ops, with_derived
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,8 @@ def _parallel_cases() -> list:
     for spec in with_derived(all_ops().values()):
         if not any("float32" in k.dtypes for k in kernels(spec, cpu)):
             continue
-        sized = [(elements(c), c.name) for c in spec.get_cases("float32") if elements(c) <= 1 << 22]
+        sized = [(elements(c), c.name) for c in spec.get_cases("float32")
+                 if elements(c) <= 1 << 22 and takes(spec, spec.bind(*c.args, **c.kwargs), "cpu")]  # not declined
         if sized:
             out.append(f"{spec.name}/float32/{max(sized)[1]}")
     return out

@@ -1068,12 +1068,12 @@ DOT_LANES = 16  # partial sums of a q.k dot product: one vector register of floa
 if numba is not None:
 
     @_jit
-    def _attn_decode(q, k, v, scale, softcap, kstart, kend, lanes, s, out):
+    def _attn_decode(q, k, v, scale, softcap, kstart, kend, lanes, s, out, lse):
         """One query row per head: out[b, h, j] = softmax(scale q.k_t, t in [kstart, kend)) . v for q [B, Hkv, g, D],
         k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (float32, any strides), softcap > 0 or 0 for none. Each dot product
         in DOT_LANES partial sums (d = lane mod DOT_LANES) added in order, the scores' max, exp(s - max) by _exp32
-        and the weighted sum of v rows in key order, divided once by their sum. Returns 1 where a head's scores or
-        output are not all finite (the NumPy kernel then runs the whole call), else 0."""
+        and the weighted sum of v rows in key order, divided once by their sum; lse [B, Hkv, g] = max + log(sum).
+        Returns 1 where a head's scores or output are not all finite (the NumPy kernel then runs the whole call)."""
         nb, nh, g, d = q.shape
         dv = v.shape[3]
         m_d = d - d % DOT_LANES
@@ -1113,6 +1113,7 @@ if numba is not None:
                         o[x] /= den
                         if not np.isfinite(o[x]):
                             return 1
+                    lse[b, h, j] = m + np.log(den)
         return 0
 
 
@@ -1120,17 +1121,17 @@ DECODE_MAX = 1 << 22  # multiply-adds (B Hq Sk (D + Dv)) up to which one query r
 
 
 def attention_decode(q, k, v, scale, softcap, kstart: int, kend: int):
-    """attention of q [B, Hq, 1, D] (float32 q, k, v) over keys [kstart, kend) by `_attn_decode`, or None
-    where it does not take the call (no visible key, too large, a non-finite score or output)."""
+    """(out [B, Hq, 1, Dv], lse [B, Hq, 1]) of q [B, Hq, 1, D] (float32 q, k, v) over keys [kstart, kend) by
+    `_attn_decode`, or None where it does not take the call (no visible key, too large, a non-finite score or output)."""
     b, hq, _, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
     if kend <= kstart or b * hq * (kend - kstart) * (d + dv) > DECODE_MAX:
         return None
-    out = np.zeros((b, hq, 1, dv), np.float32)
+    out, lse = np.zeros((b, hq, 1, dv), np.float32), np.zeros((b, hq, 1), np.float32)
     qg = np.ascontiguousarray(q).reshape(b, hkv, hq // hkv, d)  # one row per head: small, copied if strided
     og = out.reshape(b, hkv, hq // hkv, dv)
     cap = np.float32(0 if softcap is None else softcap)
     if _attn_decode(qg, k, v, np.float32(scale), cap, kstart, kend, np.zeros(DOT_LANES, np.float32),
-                    np.zeros(k.shape[2], np.float32), og):
+                    np.zeros(k.shape[2], np.float32), og, lse.reshape(b, hkv, hq // hkv)):
         return None
-    return out
+    return out, lse
