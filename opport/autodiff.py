@@ -56,16 +56,32 @@ def training_forward(spec, bound: tuple, backend: str | None):
 
 def saved_values(spec, bound: tuple, out, stats: tuple) -> tuple:
     """What the backward receives after `grad`, in its parameter order: forward arguments by name, `out`,
-    statistics; everything else the forward had is dropped (and can be freed)."""
+    statistics; everything else the forward had is dropped (and can be freed). Where each comes from is worked
+    out once per op (`_sources`): this runs on every training call, a decode step's included."""
+    sources = _SOURCES.get(spec) or _sources(spec)
+    picked = (bound, out, stats)
+    return tuple(out if i is None else picked[k][i] for k, i in sources)
+
+
+_SOURCES: dict = {}
+
+
+def _sources(spec) -> tuple:
+    """Per saved backward argument, (0, argument position), (1, output index; None for a single output) or (2,
+    statistic index): by name, a statistic first, then an output ("out", or a saved output's name), then an argument."""
     bwd = spec.backward_op
-    by_name = dict(zip(spec.params, bound))
-    if spec.n_outputs == 1:
-        by_name["out"] = out
-    else:  # several outputs, saved by their names
-        by_name.update(zip(bwd.saved_outputs, out))
-    if spec.train_forward is not None:
-        by_name.update(zip(spec.train_forward.stats, stats))
-    return tuple(by_name[p] for p in bwd.params[len(bwd.grads):])
+    stats = spec.train_forward.stats if spec.train_forward is not None else ()
+    outputs = ("out",) if spec.n_outputs == 1 else bwd.saved_outputs
+    found = []
+    for p in bwd.params[len(bwd.grads):]:
+        if p in stats:
+            found.append((2, stats.index(p)))
+        elif p in outputs:
+            found.append((1, None if spec.n_outputs == 1 else outputs.index(p)))
+        else:
+            found.append((0, spec.params.index(p)))
+    _SOURCES[spec] = found = tuple(found)
+    return found
 
 
 def floating_grads(spec, grads: tuple) -> tuple:

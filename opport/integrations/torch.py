@@ -36,6 +36,7 @@ from opport.autodiff import (
     fused_op,
     saved_values,
     scale_unit_grads,
+    training_forward,
 )
 from opport.dispatch import call
 from opport.dispatch.adapters import NumpyAdapter, metas_of
@@ -239,28 +240,23 @@ class _Eager(torch.autograd.Function):
     runs (opport.autodiff.fused_op), the forward keeps its unit gradients and the backward scales them in place
     (a second backward through the same graph then fails torch's saved-tensor version check, as it should).
 
-    The per-op bookkeeping (which arguments the backward reads, where each gradient goes) is worked out once per
-    op (`_Recipe`): a decode step's forward + backward of a 1 x 4096 norm costs less than torch's own fixed cost
-    per Python Function, and every microsecond of ours adds to it."""
+    The per-op bookkeeping (which arguments the backward reads: autodiff.saved_values; where each gradient goes:
+    `_Recipe`) is worked out once per op: a decode step's forward + backward of a 1 x 4096 norm costs less than
+    torch's own fixed cost per Python Function, and every microsecond of ours adds to it."""
 
     @staticmethod
     def forward(ctx, spec, backend, *bound):
         r = _RECIPES.get(spec) or _recipe(spec)
         ctx.r, ctx.backend = r, backend
         ctx.present = tuple(bound[i] is not None for i in r.wrt_pos)
-        ctx.fused = r.may_fuse and fused_op(spec, bound, backend) is not None
+        ctx.fused = spec.value_and_grad_op is not None and fused_op(spec, bound, backend) is not None
         if ctx.fused:
             out, grads = fused_forward(spec, bound, backend)
             _keep(ctx, grads)
             return out
-        if r.stats:
-            outs = call(spec.train_forward, bound, backend)
-            out, stats = (outs[0], outs[1:]) if r.single else (tuple(outs[:r.n_out]), outs[r.n_out:])
-        else:
-            out, stats = call(spec, bound, backend), ()
-        _keep(ctx, r.saved(bound, out, stats))
-        if r.integer_outputs:
-            _integers_not_differentiable(ctx, spec, out)
+        out, stats = training_forward(spec, bound, backend)
+        _keep(ctx, saved_values(spec, bound, out, stats))
+        _integers_not_differentiable(ctx, spec, out)
         return out
 
     @staticmethod
@@ -297,34 +293,14 @@ def _backward_recorded(ctx, grad) -> tuple:
 
 
 class _Recipe:
-    """What `_Eager` needs to know about an op, worked out once: the positions of its `wrt` arguments, where each
-    of the backward's saved arguments comes from (an argument, an output, a statistic), which gradient each of the
-    op's parameters receives."""
+    """Where `_Eager`'s gradients go, worked out once per op: the positions of the backward's `wrt` arguments among
+    the op's parameters, and per parameter the index of its gradient (None for a parameter without one)."""
 
     def __init__(self, spec):
-        bwd = spec.backward_op
-        self.spec, self.n_out = spec, spec.n_outputs
-        self.single = spec.n_outputs == 1
-        self.stats = spec.train_forward.stats if spec.train_forward is not None else ()
-        self.may_fuse = spec.value_and_grad_op is not None
-        self.integer_outputs = bool(spec.integer_outputs)
-        self.wrt_pos = tuple(spec.params.index(n) for n in bwd.wrt)
-        self.grad_of_param = tuple(bwd.wrt.index(p) if p in bwd.wrt else None for p in spec.params)
-        outputs = ("out",) if self.single else bwd.saved_outputs
-        sources = []  # as saved_values decides: a statistic, else an output, else an argument, by name
-        for p in bwd.params[len(bwd.grads):]:
-            if p in self.stats:
-                sources.append(("s", self.stats.index(p)))
-            elif p in outputs:
-                sources.append(("o", None if self.single else outputs.index(p)))
-            else:
-                sources.append(("b", spec.params.index(p)))
-        self.sources = tuple(sources)
-
-    def saved(self, bound: tuple, out, stats) -> tuple:
-        """`opport.autodiff.saved_values`, from the positions worked out once."""
-        pick = {"b": bound, "s": stats}
-        return tuple((out if i is None else out[i]) if k == "o" else pick[k][i] for k, i in self.sources)
+        wrt = spec.backward_op.wrt
+        self.spec = spec
+        self.wrt_pos = tuple(spec.params.index(n) for n in wrt)
+        self.grad_of_param = tuple(wrt.index(p) if p in wrt else None for p in spec.params)
 
 
 _RECIPES: dict = {}

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from opport.backends.cpu._common import PARALLEL_MIN, num_threads, parallel_rows, result_block, store, upcast
+from opport.backends.cpu._common import _F32, PARALLEL_MIN, num_threads, parallel_rows, result_block, store, upcast
 
 
 def elementwise(fn, *arrays: np.ndarray, outputs: int = 1):
@@ -46,9 +46,6 @@ def elementwise(fn, *arrays: np.ndarray, outputs: int = 1):
 
 
 _NO_FLAGS = np.zeros(1, np.uint8)
-
-
-_F32 = np.dtype(np.float32)
 
 
 def _direct(loop, arrays: tuple, outputs: int):

@@ -1104,8 +1104,10 @@ if numba is not None:
                     o[:] = 0
                     den = np.float32(0)
                     for t in range(kstart, kend):
-                        p = _exp32(max(s[t] - m, np.float32(-87.0)))  # below: exp(s - m) / den is below float32's
-                        den += p  # normal range and is 0 in the NumPy kernel too only if it underflows: see caller
+                        # _exp32's range ends at -87 (exp = 1.6e-38): a key further below the max weighs at most
+                        # that instead of a subnormal or 0, against den >= 1 (the max's own term): invisible in float32
+                        p = _exp32(max(s[t] - m, np.float32(-87.0)))
+                        den += p
                         vr = vb[t]
                         for x in range(dv):
                             o[x] += p * vr[x]

@@ -61,10 +61,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale, 
     Pseudocode, per (query block, key block): s = q k^T·scale; m' = max(m, rowmax s);
     p = exp(s - m'); l = l·exp(m - m') + rowsum p; acc = acc·exp(m - m') + p v; out = acc / l.
     """
-    if q.shape[2] == 1 and _fused.enabled(q.dtype):  # decode: one query row per head, through one loop
-        done = _decode(q, k, v, causal, scale, softcap, sliding_window)
-        if done is not None:
-            return done[0]
+    done = _decode(q, k, v, causal, scale, softcap, sliding_window)  # decode: one query row per head, one loop
+    if done is not None:
+        return done[0]
     return _attention(q, k, v, causal, scale, None, softcap, sliding_window)
 
 
@@ -72,7 +71,7 @@ def _decode(q, k, v, causal: bool, scale, softcap, window):
     """The fused loop's (output, lse) for one query row per head (float32, any layout: a [B, S, H, D] cache's views
     give the contiguous copy's bits), or None (the blocks run). The forward and the training forward both take it:
     their outputs stay the same bits."""
-    if not all(a.dtype == np.float32 for a in (q, k, v)):
+    if q.shape[2] != 1 or not _fused.enabled(q.dtype) or not all(a.dtype == np.float32 for a in (q, k, v)):
         return None
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
     kstart, kend = _Mask(1, k.shape[2], causal, window, softcap).keys(0, 1)
@@ -85,10 +84,9 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool,
                       sliding_window=None) -> tuple:
     """The forward plus each row's log-sum-exp m + log(l) [B, Hq, Sq] (float32; float64 for float64 inputs),
     from the online softmax's running max and sum: -inf for rows that see no key or only -inf scores."""
-    if q.shape[2] == 1 and _fused.enabled(q.dtype):  # as the forward: the same loop, the same bits
-        done = _decode(q, k, v, causal, scale, softcap, sliding_window)
-        if done is not None:
-            return done
+    done = _decode(q, k, v, causal, scale, softcap, sliding_window)  # as the forward: the same loop, the same bits
+    if done is not None:
+        return done
     lse = np.empty(q.shape[:3], acc_dtype(q.dtype.name))
     return _attention(q, k, v, causal, scale, lse, softcap, sliding_window), lse
 
