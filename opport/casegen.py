@@ -6,6 +6,9 @@ value distributions, so it explores and shrinks over those instead of over milli
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
 import zlib
 
 import numpy as np
@@ -13,6 +16,52 @@ import numpy as np
 from opport.dtypes import finfo, np_dtype
 
 DISTRIBUTIONS = ("normal", "uniform", "loguniform", "heavy", "specials")
+
+
+# the elements a draw may still make (conformance/cases.py sets it per draw): a Hypothesis draw bigger than its
+# tier's cap is dropped anyway, so it stops at its first array past the cap instead of making it (and the reference
+# of it) first. None: no cap.
+_BUDGET: contextvars.ContextVar = contextvars.ContextVar("opport_casegen_budget", default=None)
+
+
+class OverBudget(Exception):
+    """The arrays a draw asked for exceed the element budget set by `element_budget`; `name` is the draw's."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+class _Budget:
+    def __init__(self, n: int):
+        self.left, self.name = n, None
+
+
+@contextlib.contextmanager
+def element_budget(n: int | None):
+    """Within it, `array` raises OverBudget once the arrays made (with the one asked for) exceed n elements, if the
+    draw's name is known by then: `hyp-<seed>`, noted when `seeds()` draws the seed (opport's strategies name their
+    cases so; a draw named otherwise is made in full and judged by its size after)."""
+    token = _BUDGET.set(None if n is None else _Budget(n))
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
+def _spend(shape) -> None:
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.left -= math.prod(shape)
+        if budget.left < 0 and budget.name is not None:
+            raise OverBudget(budget.name)
+
+
+def _note_seed(seed: int) -> int:
+    budget = _BUDGET.get()
+    if budget is not None and budget.name is None:
+        budget.name = f"hyp-{seed}"
+    return seed
 
 
 def rng_for(*parts) -> np.random.Generator:
@@ -23,6 +72,7 @@ def rng_for(*parts) -> np.random.Generator:
 def array(shape, dtype: str, rng: np.random.Generator, dist: str = "normal", scale: float = 1.0) -> np.ndarray:
     """Random values of `dist`, rounded to `dtype` (bfloat16 via ml_dtypes)."""
     shape = tuple(shape)
+    _spend(shape)
     if dist == "normal":
         a = rng.standard_normal(shape) * scale
     elif dist == "uniform":
@@ -78,7 +128,7 @@ def dims(min_value=1, max_value=300):
 def seeds():
     from hypothesis import strategies as st
 
-    return st.integers(0, 2**32 - 1)
+    return st.integers(0, 2**32 - 1).map(_note_seed)  # a strategy's first seed names its draw: hyp-<seed>
 
 
 def dists(specials: bool = True):

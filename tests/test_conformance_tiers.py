@@ -55,6 +55,29 @@ def test_smoke_hypothesis_examples_are_among_the_gates(op, emulated):
         assert smoke and set(smoke) <= fast
 
 
+@pytest.mark.parametrize("op", ["rmsnorm", "rmsnorm_backward"])
+def test_a_draw_over_the_cap_stops_before_its_arrays_and_keeps_the_others_names(op, monkeypatch):
+    """The cap applied during a draw keeps the draws (and names, repeats included) the cap applied after it keeps,
+    and never makes an array past it."""
+    from opport import casegen
+    from opport.conformance.cases import elements
+
+    strategy, cap = get_op(op).get_strategy("float32"), 1 << 12
+    after = [c for c in draw_examples(strategy, 60, 0) if elements(c) <= cap]
+    made, array = [], casegen.array
+
+    def spy(shape, *a, **k):
+        out = array(shape, *a, **k)
+        made.append(out.size)
+        return out
+
+    monkeypatch.setattr(casegen, "array", spy)
+    during = draw_examples(strategy, 60, 0, keep=lambda c: elements(c) <= cap, budget=cap)
+    assert [c.name for c in during] == [c.name for c in after] and len(after) >= 10
+    assert made and max(made) <= cap
+    assert any("~" in c.name for c in after) or op == "rmsnorm_backward"  # a repeated seed, renamed in both
+
+
 def test_example_i_does_not_depend_on_how_many_are_drawn():
     strategy = get_op("softmax").get_strategy("float32")
     few, many = draw_examples(strategy, 5, 0), draw_examples(strategy, 40, 0)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from opport import casegen
 from opport.spec import Case, ErrorCase, OpSpec
 
 LAYOUTS = ("transposed", "sliced", "expanded", "offset")
@@ -209,10 +210,11 @@ def hypothesis_cases(spec: OpSpec, dtype: str, sel: Selection) -> list[Case]:
         return []
     cap = sel.knob("hyp_max")
     return draw_examples(strategy, 2 * n if cap else n, sel.seed, keep=lambda c: cap is None or elements(c) <= cap,
-                         stop=n)
+                         stop=n, budget=cap)
 
 
-def draw_examples(strategy, n: int, seed: int, keep=lambda case: True, stop: int | None = None) -> list:
+def draw_examples(strategy, n: int, seed: int, keep=lambda case: True, stop: int | None = None,
+                  budget: int | None = None) -> list:
     """Examples 0..n-1 of `strategy`: 0 is its simplest example, i > 0 a random draw from Random(f"{seed}:{i}").
 
     Each draw is independent of n and of the others (Hypothesis's engine, by contrast, adapts what it
@@ -220,7 +222,10 @@ def draw_examples(strategy, n: int, seed: int, keep=lambda case: True, stop: int
     Hypothesis mixes constants found in the importing code's modules into its draws (`_get_local_constants`),
     which made the gate draw different examples on different machines; here that pool is empty. A draw
     the strategy rejects (filter, assume) or `keep` refuses is left out; drawing ends once `stop` are kept.
-    Names repeated by earlier draws get `~<i>`.
+    Names repeated by earlier draws get `~<i>`. A draw whose `casegen.array` calls ask for more than `budget`
+    elements in all is left out at the first array past it, before that array (or the reference of the draw) is
+    made: the tier's cap applied during the draw, not after it (a draw's arrays can outnumber its case's: a
+    backward case keeps the forward's sum, not its two inputs); monotone in the cap, so tiers still nest.
     """
     from random import Random
 
@@ -239,9 +244,12 @@ def draw_examples(strategy, n: int, seed: int, keep=lambda case: True, stop: int
             prefix = [ChoiceTemplate("simplest", count=None)] if i == 0 else None
             data = ConjectureData(random=Random(f"{seed}:{i}"), prefix=prefix)
             try:
-                with BuildContext(data, wrapped_test=None):
+                with BuildContext(data, wrapped_test=None), casegen.element_budget(budget):
                     case = data.draw(strategy)
             except (StopTest, UnsatisfiedAssumption):  # rejected by a filter or assume()
+                continue
+            except casegen.OverBudget as over:  # over the cap: its name still counts for the names after it
+                seen.add(over.name)
                 continue
             if case.name in seen:  # named before `keep`: a draw's name is the same in every tier
                 case.name = f"{case.name}~{i}"
