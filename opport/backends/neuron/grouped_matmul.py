@@ -113,8 +113,13 @@ def _weight_tile(w_hbm, e, k0, kt, n0, nt, trans_w):
 
 
 def _nki_args(x: np.ndarray, w: np.ndarray, offsets: np.ndarray) -> tuple:
-    """x as [1, M, K] and w, contiguous (copies only of strided views); the offsets as compile-time ints."""
-    return _host.contiguous(x)[None], _host.contiguous(w), tuple(int(v) for v in offsets)
+    """x as [1, M, K] and w, contiguous (copies only of strided views); the offsets as compile-time ints, which
+    must be what the op validated (0 first, never decreasing, M last): the kernel unrolls over them at trace time,
+    and garbage offsets (a host reading a strided offsets view wrongly) would trace an unbounded kernel."""
+    offs = tuple(int(v) for v in offsets)
+    if offs[0] != 0 or offs[-1] != x.shape[0] or any(b < a for a, b in zip(offs, offs[1:])):
+        raise ValueError(f"grouped_matmul (neuron): offsets {offs[:8]}... are not 0 ... {x.shape[0]}, nondecreasing")
+    return _host.contiguous(x)[None], _host.contiguous(w), offs
 
 
 @impl(spec, "neuron")
