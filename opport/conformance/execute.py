@@ -207,7 +207,7 @@ def _contract(spec, outs: list, refs: list, metas: list) -> str | None:
 def _judge_outputs(spec, case, dtype, bound, calls: list, refs: list, metas: list, kernel, res: dict) -> list:
     """`_judge` for each output; one output's metrics are the result's, several keep the worst one's and all."""
     names, problems, per = list(spec.output_labels), [], {}
-    plain = functools.cache(lambda out_dtype: plain_numpy(spec, bound, out_dtype, None))  # once for all outputs
+    plain = functools.cache(lambda out_dtype: plain_numpy(spec, bound, out_dtype))  # once for all outputs
     for j, (name, ref, m) in enumerate(zip(names, refs, metas)):
         if m is None:
             continue
@@ -236,7 +236,7 @@ def _chosen_kernel(spec, b, laid, res: dict):
     return next(k for k in kernels(spec, b) if k.name == decision.kernel)
 
 
-def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict, index: int = 0, plain=None) -> list:
+def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict, index: int, plain) -> list:
     """Values, repeated calls, invariants and the noise floor of output `index`; fills res metrics/worst,
     returns the problems. `plain(out_dtype)`: plain_numpy's outputs (every one), shared by a case's outputs."""
     override = case.tolerance is not None
@@ -255,8 +255,7 @@ def _judge(spec, case, dtype, bound, arrays, ref, out_dtype, kernel, res: dict, 
         if msg:
             problems.append(f"invariant {getattr(inv, '__name__', 'invariant')}: {msg}")
     if verdict.ok:
-        plain_out = plain_numpy(spec, bound, out_dtype, index) if plain is None else plain(_dtype_name(out_dtype))[index]
-        floor = cmp.noise_floor(arrays[0], ref, plain_out, tol, out_dtype, cancel)
+        floor = cmp.noise_floor(arrays[0], ref, plain(_dtype_name(out_dtype))[index], tol, out_dtype, cancel)
         res["metrics"].update(floor.metrics)
         if not floor.ok:
             problems.append(floor.message)
@@ -380,10 +379,9 @@ def _dtype_name(dt) -> str:
     return getattr(dt, "name", dt)
 
 
-def plain_numpy(spec, bound: tuple, out_dtype: str, index: int | None = 0):
-    """The reference evaluated in the accumulation dtype (float32 for 16-bit) on the same inputs, rounded
-    to the output dtype: the noise floor a plain same-dtype NumPy implementation reaches (output `index`;
-    None: a tuple of every output, each rounded to `out_dtype`)."""
+def plain_numpy(spec, bound: tuple, out_dtype: str) -> tuple:
+    """The reference evaluated in the accumulation dtype (float32 for 16-bit) on the same inputs, each output
+    rounded to `out_dtype`: the noise floor a plain same-dtype NumPy implementation reaches."""
     args = list(bound)
     for i in spec.array_pos:
         a = args[i]
@@ -391,10 +389,8 @@ def plain_numpy(spec, bound: tuple, out_dtype: str, index: int | None = 0):
             args[i] = a.astype(acc_dtype(a.dtype.name))
     with np.errstate(all="ignore"):
         r = spec.call_reference(args, _dtype_name(out_dtype))  # ops that round part-way: to the output dtype
-        outs = r if isinstance(r, tuple) else (r,)
-        if index is None:
-            return tuple(None if o is None else np.asarray(o).astype(np_dtype(out_dtype)) for o in outs)
-        return np.asarray(outs[index]).astype(np_dtype(out_dtype))
+        return tuple(None if o is None else np.asarray(o).astype(np_dtype(out_dtype))
+                     for o in (r if isinstance(r, tuple) else (r,)))
 
 
 def checksum(buf) -> bytes:
