@@ -27,7 +27,6 @@ from opport.backends.neuron.matmul import (
 from opport.backends.neuron.nki_compat import nisa, nki, nl
 from opport.dispatch import impl
 from opport.dtypes import np_dtype
-from opport.ops.grouped_matmul import check_offsets
 from opport.ops.grouped_matmul import grouped_matmul as spec
 
 
@@ -113,12 +112,16 @@ def _weight_tile(w_hbm, e, k0, kt, n0, nt, trans_w):
     return w_sb
 
 
-def _nki_args(x: np.ndarray, w: np.ndarray, offsets: np.ndarray, op: str) -> tuple:
-    """x as [1, M, K] and w, contiguous (copies only of strided views); the offsets as compile-time ints, checked
-    again as the op checks them (`check_offsets`): the kernel unrolls over them at trace time, so offsets read wrongly
-    (a host ignoring a strided view's strides) would trace an unbounded kernel instead of failing."""
-    check_offsets(op, x, offsets)
-    return _host.contiguous(x)[None], _host.contiguous(w), tuple(int(v) for v in offsets)
+def _nki_args(x: np.ndarray, w: np.ndarray, offsets: np.ndarray) -> tuple:
+    """x as [1, M, K] and w, contiguous (copies only of strided views); the offsets as compile-time ints, which
+    must be what the op validated (0 first, never decreasing, M last): the kernel unrolls over them at trace time,
+    and garbage offsets (a host reading a strided offsets view wrongly) would trace an unbounded kernel. The op's
+    check_offsets says the same with its typed error; a kernel file takes only its op's spec from opport.ops
+    (tests/test_layers.py), so this guard is the kernel's own assertion of it."""
+    offs = tuple(int(v) for v in offsets)
+    if offs[0] != 0 or offs[-1] != x.shape[0] or any(b < a for a, b in zip(offs, offs[1:])):
+        raise ValueError(f"grouped_matmul (neuron): offsets {offs[:8]}... are not 0 ... {x.shape[0]}, nondecreasing")
+    return _host.contiguous(x)[None], _host.contiguous(w), offs
 
 
 @impl(spec, "neuron")
@@ -129,7 +132,7 @@ def grouped_matmul(x: np.ndarray, w: np.ndarray, offsets: np.ndarray, trans_w: b
     n = w.shape[1] if trans_w else w.shape[2]
     if m * n == 0 or k == 0:
         return np.zeros((m, n), np_dtype(x.dtype.name))
-    out = _host.run(_grouped_matmul_kernel, *_nki_args(x, w, offsets, spec.name), bool(trans_w))
+    out = _host.run(_grouped_matmul_kernel, *_nki_args(x, w, offsets), bool(trans_w))
     return _host.as_dtype(out, x.dtype.name, (m, n))
 
 
@@ -272,6 +275,6 @@ def grouped_matmul_backward(grad: np.ndarray, x: np.ndarray, w: np.ndarray, offs
     dt = np_dtype(x.dtype.name)
     if grad.size == 0 or x.size == 0:
         return np.zeros(x.shape, dt), np.zeros(w.shape, dt)
-    x3, w3, offs = _nki_args(x, w, offsets, spec.backward_op.name)
+    x3, w3, offs = _nki_args(x, w, offsets)
     dx, dw = _host.run(_grouped_matmul_backward_kernel, _host.contiguous(grad)[None], x3, w3, offs, bool(trans_w))
     return _host.as_dtype(dx, x.dtype.name, x.shape), _host.as_dtype(dw, x.dtype.name, w.shape)
