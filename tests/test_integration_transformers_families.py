@@ -116,7 +116,7 @@ def test_logits_match_and_every_call_runs_opport(family, backend):
     fused = "add_rmsnorm" if FAMILIES[family].pre_norm_layer else None
     n = _layers(family)
     mlp = {"topk_router": n, "moe_experts": n} if family in MOE else {MLP_OP.get(family, "swiglu"): n}
-    rope = {} if family in LEARNED_POSITIONS else {"rope": 2 * n}
+    rope = {} if family in LEARNED_POSITIONS else {"rope": n}  # no gradients: q and k in one call
     want_ran = {NORM_OP.get(family, "rmsnorm"): NORMS[family] * n + 1, **mlp, **rope, "attention": n,
                 **({fused: n} if fused else {})}
     assert ran == want_ran

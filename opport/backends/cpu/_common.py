@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import threadpoolctl
 
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.errors import ArgumentError
 
 BLOCK_ELEMS = 1 << 18  # elements per block: 1 MiB per float32 temporary, a few MiB per block
@@ -62,7 +62,7 @@ def upcast(a: np.ndarray) -> np.ndarray:
         return a
     if a.dtype == _F16:
         return _F16_TO_F32.take(a.view(np.uint16), mode="clip")  # C-contiguous, shaped like a
-    return np.asarray(a, dtype=acc_dtype(a.dtype.name), order="C")
+    return np.asarray(a, dtype=acc_of(a.dtype), order="C")
 
 
 def f16_bits(y: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 
 
 def _ordered(x: np.ndarray) -> np.ndarray:
@@ -16,7 +16,7 @@ def _ordered(x: np.ndarray) -> np.ndarray:
 def filtered(logits: np.ndarray, temperature, top_k, top_p, min_p):
     """(w [B, V] kept weights, zero elsewhere, in the accumulation dtype; status [B]: 0 sampled, 1 greedy (w is
     one-hot at the argmax), -1 invalid (NaN, +inf, or all -inf))."""
-    acc = acc_dtype(logits.dtype.name)
+    acc = acc_of(logits.dtype)
     x = logits.astype(acc)
     b, v = x.shape
     status = np.zeros(b, np.int64)

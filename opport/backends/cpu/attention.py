@@ -14,7 +14,7 @@ import numpy as np
 from opport.backends.cpu import _fused
 from opport.backends.cpu._common import store, upcast, uses_blas
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.attention import attention as spec
 
 BLOCK_Q = 128  # query rows per block (per query head); 128 x 256 measured 10-25% faster than 64 x 128
@@ -87,7 +87,7 @@ def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool,
     done = _decode(q, k, v, causal, scale, softcap, sliding_window)  # as the forward: the same loop, the same bits
     if done is not None:
         return done
-    lse = np.empty(q.shape[:3], acc_dtype(q.dtype.name))
+    lse = np.empty(q.shape[:3], acc_of(q.dtype))
     return _attention(q, k, v, causal, scale, lse, softcap, sliding_window), lse
 
 
@@ -97,7 +97,7 @@ def _attention(q, k, v, causal: bool, scale, lse, softcap=None, window=None):
     hkv, dv = k.shape[1], v.shape[3]
     g = hq // hkv
     out = np.empty((b, hq, sq, dv), q.dtype)
-    acc_t = acc_dtype(q.dtype.name)
+    acc_t = acc_of(q.dtype)
     scale = acc_t.type(1.0 / math.sqrt(d) if scale is None else scale)
     mask = _Mask(sq, k.shape[2], causal, window, None if softcap is None else acc_t.type(softcap))
     if b > 1 and _batch_heads_merge(q, k, v):  # batch entries are independent: one [1, B*H] problem, as views
@@ -244,7 +244,7 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=Non
     dQ += dS K; dK += dS^T Q; finally dQ and dK times scale.
     """
     hkv, g = k.shape[1], q.shape[1] // k.shape[1]
-    acc_t = acc_dtype(q.dtype.name)
+    acc_t = acc_of(q.dtype)
     scale = acc_t.type(1.0 / math.sqrt(q.shape[3]) if scale is None else scale)
     mask = _Mask(q.shape[2], k.shape[2], causal, sliding_window, None if softcap is None else acc_t.type(softcap))
     result = np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)

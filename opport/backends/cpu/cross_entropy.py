@@ -6,7 +6,7 @@ from opport.arraymath import reduce_losses
 from opport.backends.cpu import _fused
 from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.cross_entropy import cross_entropy as spec
 
 VOCAB_CHUNK = 32768  # columns per step: a [rows, VOCAB_CHUNK] float32 block, never [N, V]; 4x fewer
@@ -36,7 +36,7 @@ def cross_entropy_forward(logits: np.ndarray, target: np.ndarray, ignore_index: 
 def _forward(logits, target, ignore_index, reduction, label_smoothing) -> tuple:
     """(reduced float32 loss, lse [N] in the accumulation dtype: float32, float64 for float64 logits)."""
     n, v = logits.shape
-    acc = acc_dtype(logits.dtype.name)
+    acc = acc_of(logits.dtype)
     t = target.astype(np.int64)
     ignored = t == ignore_index
     valid = (t >= 0) & (t < v)
@@ -110,7 +110,7 @@ def cross_entropy_backward(grad: np.ndarray, logits: np.ndarray, target: np.ndar
     range NaN; the result is computed in float32 (float64 for float64 logits) and rounded once.
     """
     n, v = logits.shape
-    acc = acc_dtype(logits.dtype.name)
+    acc = acc_of(logits.dtype)
     t = target.astype(np.int64)
     ignored, valid = t == ignore_index, (t >= 0) & (t < v)
     coef = _coefficients(np.asarray(grad, acc), ignored, reduction)
@@ -141,7 +141,7 @@ def cross_entropy_value_and_grad(logits: np.ndarray, target: np.ndarray, ignore_
     float32 would carry an ulp of |m| (0.002 at 3e4: the lse path's p is then 0.2% off).
     """
     n, v = logits.shape
-    acc = acc_dtype(logits.dtype.name)
+    acc = acc_of(logits.dtype)
     t = target.astype(np.int64)
     ignored, valid = t == ignore_index, (t >= 0) & (t < v)
     coef = _coefficients(np.ones((), acc), ignored, reduction)

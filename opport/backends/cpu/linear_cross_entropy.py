@@ -12,7 +12,7 @@ from opport.backends.cpu import _invariant
 from opport.backends.cpu._common import upcast, uses_blas
 from opport.backends.cpu.cross_entropy import _at_target, _coefficients, _fix_rows, _row_losses, _write_grad
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.linear_cross_entropy import linear_cross_entropy as spec
 
 ROW_BLOCK = 256  # tokens per tile
@@ -55,7 +55,7 @@ def _tile_logits(x, weight, bias, c0, c1, softcap) -> tuple:
 def _forward(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, softcap) -> tuple:
     """(reduced float32 loss, lse [N] in the accumulation dtype)."""
     n, v = hidden.shape[0], weight.shape[0]
-    acc = acc_dtype(hidden.dtype.name)
+    acc = acc_of(hidden.dtype)
     t = target.astype(np.int64)
     ignored, valid = t == ignore_index, (t >= 0) & (t < v)
     eps = acc.type(label_smoothing)
@@ -105,7 +105,7 @@ def linear_cross_entropy_backward(grad, hidden, weight, target, lse, bias, ignor
     Notes: ignored rows are 0, rows with a target outside [0, V) NaN (spreading to every dweight/dbias entry).
     """
     v = weight.shape[0]
-    acc = acc_dtype(hidden.dtype.name)
+    acc = acc_of(hidden.dtype)
     t = target.astype(np.int64)
     ignored, valid = t == ignore_index, (t >= 0) & (t < v)
     coef = _coefficients(np.asarray(grad, acc), ignored, reduction)
@@ -127,7 +127,7 @@ def head_gradients(hidden, weight, bias, t, dlogits) -> tuple:
     entries are added after the GEMMs (`_take_targets`)."""
     n, h = hidden.shape
     v = weight.shape[0]
-    acc = acc_dtype(hidden.dtype.name)
+    acc = acc_of(hidden.dtype)
     dh = np.zeros((n, h), acc)
     dw = np.empty((v, h), weight.dtype)
     db = None if bias is None else np.empty(v, bias.dtype)
@@ -234,7 +234,7 @@ def linear_cross_entropy_value_and_grad(hidden, weight, target, bias, ignore_ind
         loss, lse = _forward(*args)
         unit = np.ones((), np.float32)
         return (loss, *linear_cross_entropy_backward.__wrapped__(unit, hidden, weight, target, lse, *args[3:]))
-    acc = acc_dtype(hidden.dtype.name)
+    acc = acc_of(hidden.dtype)
     t = target.astype(np.int64)
     ignored, valid = t == ignore_index, (t >= 0) & (t < v)
     coef = _coefficients(np.ones((), acc), ignored, reduction)

@@ -11,7 +11,7 @@ from opport.backends.cpu import _invariant
 from opport.backends.cpu._common import upcast, uses_blas
 from opport.backends.cpu.linear_cross_entropy import ROW_BLOCK, VOCAB_CHUNK, head_gradients
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.linear_logprobs import linear_logprobs as spec
 
 
@@ -46,7 +46,7 @@ def linear_logprobs_forward(hidden, weight, target, bias, temperature, softcap, 
 
 def _forward(hidden, weight, target, bias, temperature, softcap, ignore_index) -> tuple:
     n, v = hidden.shape[0], weight.shape[0]
-    acc = acc_dtype(hidden.dtype.name)
+    acc = acc_of(hidden.dtype)
     t = target.astype(np.int64)
     ignored, valid = t == ignore_index, (t >= 0) & (t < v)
     logps, entropy, lse = np.empty(n, acc), np.empty(n, acc), np.empty(n, acc)
@@ -97,7 +97,7 @@ def linear_logprobs_backward(grad_logps, grad_entropy, hidden, weight, target, e
     the GEMMs (linear_cross_entropy's `_take_targets`: the verdict must not depend on BLAS's summation order).
     """
     v = weight.shape[0]
-    acc = acc_dtype(hidden.dtype.name)
+    acc = acc_of(hidden.dtype)
     t = target.astype(np.int64)
     ignored, valid = t == ignore_index, (t >= 0) & (t < v)
     keep = ~ignored

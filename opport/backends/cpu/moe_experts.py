@@ -11,7 +11,7 @@ from opport.backends.cpu import _invariant
 from opport.backends.cpu._common import upcast, uses_blas
 from opport.backends.cpu.swiglu import _swiglu, _swiglu_backward, _swiglu_backward32
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.moe_experts import moe_experts as spec
 
 
@@ -59,7 +59,7 @@ def moe_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights) -> np.nd
     """
     t, h = x.shape
     k = top_k_index.shape[1]
-    acc = acc_dtype(x.dtype.name)
+    acc = acc_of(x.dtype)
     order, offsets = _sorted_picks(top_k_index, gate_up_proj.shape[0])
     xs = upcast(x)[order // k]
     ws = upcast(top_k_weights).reshape(-1)[order]
@@ -85,7 +85,7 @@ def moe_experts_backward(grad, x, gate_up_proj, down_proj, top_k_index, top_k_we
     """
     t, h = x.shape
     k = top_k_index.shape[1]
-    acc = acc_dtype(x.dtype.name)
+    acc = acc_of(x.dtype)
     order, offsets = _sorted_picks(top_k_index, gate_up_proj.shape[0])
     tokens = order // k
     xs, gs = upcast(x)[tokens], upcast(grad)[tokens]

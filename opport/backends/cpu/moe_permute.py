@@ -3,7 +3,7 @@
 import numpy as np
 
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.moe_permute import moe_permute as spec
 
 
@@ -28,7 +28,7 @@ def moe_permute_backward(grad_permuted: np.ndarray, x: np.ndarray, top_k_index: 
     row = np.empty(s.size, np.intp)
     row[s] = np.arange(s.size)  # the inverse permutation: slot -> row of grad_permuted
     rows = grad_permuted[row].reshape(t, k, grad_permuted.shape[1])
-    acc = acc_dtype(x.dtype.name)
+    acc = acc_of(x.dtype)
     dx = np.zeros((t, grad_permuted.shape[1]), acc)
     with np.errstate(invalid="ignore", over="ignore"):
         for j in range(k):

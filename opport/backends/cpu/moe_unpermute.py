@@ -3,7 +3,7 @@
 import numpy as np
 
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.moe_unpermute import moe_unpermute as spec
 
 
@@ -16,7 +16,7 @@ def moe_unpermute(y: np.ndarray, source: np.ndarray, weights: np.ndarray) -> np.
     other backends'.
     """
     t, k = weights.shape
-    acc = acc_dtype(y.dtype.name)
+    acc = acc_of(y.dtype)
     s = np.asarray(source).astype(np.intp)
     row = np.empty(s.size, np.intp)
     row[s] = np.arange(s.size)  # the inverse permutation: slot t*k + j's row of y
@@ -34,7 +34,7 @@ def moe_unpermute_backward(grad: np.ndarray, y: np.ndarray, source: np.ndarray, 
     """Row r of y belongs to slot s = source[r] = t*k + j: dy[r] = w[t, j] * grad[t] and dweights[t, j] = grad[t] . y[r]
     (float32 products and sums, float64 for float64), each written to its own place (no accumulation across rows)."""
     k = weights.shape[1]
-    acc = acc_dtype(y.dtype.name)
+    acc = acc_of(y.dtype)
     s = np.asarray(source).astype(np.int64)
     g = grad[s // k].astype(acc)
     with np.errstate(invalid="ignore", over="ignore"):

@@ -8,7 +8,7 @@ from opport.backends.cpu._common import uses_blas
 from opport.backends.cpu.attention import _attention
 from opport.backends.cpu.paged_attention import decode_rows, gather_kv
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.paged_varlen_attention import paged_varlen_attention as spec
 
 
@@ -25,7 +25,7 @@ def paged_varlen_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     exactly "token i sees positions <= ctx - n + i" (and its window), in its 128-query x 256-key blocks. An fp8
     cache is gathered as codes x scales in the accumulation dtype.
     """
-    dt = acc_dtype(q.dtype.name)
+    dt = acc_of(q.dtype)
     out = np.empty((q.shape[0], q.shape[1], v_cache.shape[3]), q.dtype)
     decodes = []  # (token, sequence, first position, context) of the sequences with one new token
     for b, (ts, lo, ctx) in enumerate(paged_spans(cu_seqlens_q, context_lens, sliding_window)):

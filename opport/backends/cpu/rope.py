@@ -6,7 +6,7 @@ from opport.arraymath import pair_views
 from opport.backends.cpu import _fused
 from opport.backends.cpu._common import one_block, parallel_rows, result_block, store, upcast
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.rope import rope as spec
 
 
@@ -18,7 +18,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> 
     float64 table is rounded to float32 before use, as a GPU kernel would. The B*H heads are shared
     out over the cpu threads in bounded blocks; strided x is copied a block at a time, never whole.
     """
-    acc = acc_dtype(x.dtype.name)
+    acc = acc_of(x.dtype)
     return _rotate(x, cos.astype(acc, copy=False), sin.astype(acc, copy=False), interleaved)
 
 
@@ -73,5 +73,5 @@ def _rotate(x: np.ndarray, c: np.ndarray, sn: np.ndarray, interleaved: bool) -> 
 def rope_backward(grad: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool):
     """dx is grad rotated back: the forward's rotation by -angle, i.e. with -sin (negation is exact, so
     (g1 c + g2 s, g2 c - g1 s) comes out bit for bit as written)."""
-    acc = acc_dtype(grad.dtype.name)
+    acc = acc_of(grad.dtype)
     return (_rotate(grad, cos.astype(acc, copy=False), -sin.astype(acc, copy=False), interleaved),)

@@ -3,7 +3,7 @@
 import numpy as np
 
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.topk_router import topk_router as spec
 
 
@@ -29,7 +29,7 @@ def _order(keys: np.ndarray, k: int) -> np.ndarray:
 @impl(spec, "cpu")
 def topk_router(logits: np.ndarray, k: int, renormalize: bool, scoring: str, bias):
     t, e = logits.shape
-    acc = acc_dtype(logits.dtype.name)
+    acc = acc_of(logits.dtype)
     x = logits.astype(acc)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         score = _sigmoid(x) if scoring == "sigmoid" else None

@@ -6,7 +6,7 @@ from opport.arraymath import as_heads, sequences
 from opport.backends.cpu._common import uses_blas
 from opport.backends.cpu.attention import _attention
 from opport.dispatch import impl
-from opport.dtypes import acc_dtype
+from opport.dtypes import acc_of
 from opport.ops.varlen_attention import varlen_attention as spec
 
 
@@ -27,7 +27,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, s
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale, softcap, sliding_window) -> tuple:
     """The forward plus each token's log-sum-exp per query head, lse [Hq, Tq] (float32; float64 for float64 inputs),
     from the dense kernel's online softmax: -inf for tokens that see no key or only -inf scores."""
-    lse = np.full((q.shape[1], q.shape[0]), -np.inf, acc_dtype(q.dtype.name))
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf, acc_of(q.dtype))
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap, sliding_window, lse), lse
 
 

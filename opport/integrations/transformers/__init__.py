@@ -31,7 +31,7 @@ import torch
 from opport.errors import UnsupportedError
 from opport.integrations.transformers import trl_head
 from opport.integrations.transformers.families import FAMILIES, Family
-from opport.integrations.transformers.forwards import FAMILY, FORWARDS, SAVED, Bound
+from opport.integrations.transformers.forwards import FAMILY, FORWARDS, PARTS, SAVED, Bound, Parts
 from opport.integrations.transformers.handback import CAUSES, STATE, Counts, HandBackWarning, summary
 
 __all__ = ["CAUSES", "FAMILIES", "HandBackWarning", "OPS", "family_of", "is_patched", "patch", "stats", "unpatch"]
@@ -60,6 +60,7 @@ def patch(model) -> dict:
         vars(module)[SAVED] = (vars(module).get("forward"),)
         vars(module)[STATE] = shared
         vars(module)[FAMILY] = family
+        vars(module)[PARTS] = Parts(module)
         vars(module)["forward"] = Bound(FORWARDS[kind], module)
         counts[kind] += 1
     # TRL's fused LM head (log-probs without logits) through opport.linear_logprobs
@@ -77,6 +78,7 @@ def unpatch(model) -> int:
             continue
         vars(module).pop(STATE, None)
         vars(module).pop(FAMILY, None)
+        vars(module).pop(PARTS, None)
         if saved[0] is None:
             del vars(module)["forward"]  # the class's forward shows through again
         else:

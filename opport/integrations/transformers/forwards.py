@@ -8,6 +8,7 @@ and accounts for every call it hands back to the model's own code (`handback.han
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from functools import partial
@@ -24,6 +25,7 @@ from opport.ops import get_op
 
 SAVED = "_opport_saved_forward"  # on a patched module: (the forward it had in its __dict__, or None,)
 FAMILY = "_opport_family"  # on a patched module: its model's families.Family
+PARTS = "_opport_parts"  # on a patched module: which of its optional parts it has (Parts), read by `patch`
 
 
 class Bound:
@@ -39,7 +41,15 @@ class Bound:
     @property
     def __signature__(self):  # the original's (generate and Trainer read forward's parameter names)
         saved = vars(self.module)[SAVED][0]
-        return inspect.signature(saved if saved is not None else partial(type(self.module).forward, self.module))
+        return inspect.signature(saved) if saved is not None else _method_signature(type(self.module).forward)
+
+
+@functools.cache
+def _method_signature(fn) -> inspect.Signature:
+    """The signature of `fn` bound to an instance (its first parameter dropped), worked out once per function:
+    generate reads the forward's signature on every step (inspect.signature of a partial: about 35 us)."""
+    sig = inspect.signature(fn)
+    return sig.replace(parameters=tuple(sig.parameters.values())[1:])
 
 
 def call_original(module, *args, **kwargs):
@@ -50,6 +60,37 @@ def call_original(module, *args, **kwargs):
     if saved is not None:
         return saved(*args, **kwargs)
     return type(module).forward(module, *args, **kwargs)
+
+
+class Parts:
+    """What a patched forward reads of its module's structure: the names of the projections, norms and dropouts
+    it has, read once per module when `patch` patches it. A failed attribute lookup on an nn.Module raises and catches an
+    AttributeError (1-5 us each); a decode step's attention made a dozen. Values (weights, the window, the soft
+    cap) are still read on every call; only which attributes exist is kept."""
+
+    def __init__(self, module):
+        def has(name):
+            return hasattr(module, name)
+
+        self.head_dim = "head_dim" if has("head_dim") else "head_size"  # GPT-NeoX: head_size
+        self.qkv = next((n for n in ("qkv_proj", "c_attn", "query_key_value") if has(n)), "q_proj")
+        norm = getattr(module, "q_norm", None)  # Qwen3, Gemma3: over each head; OLMo2: over the whole projection
+        self.q_norm = None if norm is None else "heads" if norm.weight.shape[-1] == getattr(module, self.head_dim) \
+            else "whole"
+        self.out = next((n for n in ("o_proj", "c_proj", "dense") if has(n)), None)
+        self.softcap = has("attn_logit_softcapping")  # Gemma2
+        self.window = has("sliding_window")  # Qwen2: per layer; else the config's (Mistral)
+        self.resid_dropouts = has("resid_attn_dropout")  # Phi3
+        # MLPs: the activation's attribute; GPT-NeoX's / GPT-2's plain MLP (up, down) or a gated one (gate_up_proj: Phi3)
+        self.act = next((a for a in ("act_fn", "activation_fn", "act") if has(a)), None)
+        self.plain = ("dense_h_to_4h", "dense_4h_to_h") if has("dense_h_to_4h") else ("c_fc", "c_proj") if has("c_fc") \
+            else None
+        self.mlp_dropout = has("dropout")
+        self.gate_up = has("gate_up_proj")
+
+
+def parts(module) -> Parts:
+    return vars(module)[PARTS]
 
 
 def _op(name: str, module, *args, **kwargs):
@@ -82,18 +123,17 @@ def mlp(module, x):
     """A gated MLP, down(act(gate(x)) · up(x)), gate and up from two projections or one fused gate_up_proj (Phi3),
     SiLU as opport.swiglu, GELU as opport.gelu on the gate; or GPT-NeoX's plain one, down(gelu(up(x))). Another
     activation is handed back."""
-    act = next((getattr(module, a) for a in ("act_fn", "activation_fn", "act") if hasattr(module, a)), None)
+    p = parts(module)
+    act = None if p.act is None else getattr(module, p.act)
     op, kwargs = MLP_ACTIVATIONS.get(type(act).__name__, ("swiglu", None))
-    plain = hasattr(module, "dense_h_to_4h") or hasattr(module, "c_fc")
-    if kwargs is None or (plain and op != "gelu"):
+    if kwargs is None or (p.plain and op != "gelu"):
         hand_back(module, op, "activation")
         return call_original(module, x)
-    if plain:  # GPT-NeoX's dense_h_to_4h / dense_4h_to_h, GPT-2's Conv1D c_fc / c_proj and dropout
-        up, down = (module.dense_h_to_4h, module.dense_4h_to_h) if hasattr(module, "dense_h_to_4h") else (
-            module.c_fc, module.c_proj)
+    if p.plain:  # GPT-NeoX's dense_h_to_4h / dense_4h_to_h, GPT-2's Conv1D c_fc / c_proj and dropout
+        up, down = (getattr(module, n) for n in p.plain)
         out = down(_op("gelu", module, up(x), **kwargs))
-        return module.dropout(out) if hasattr(module, "dropout") else out
-    if hasattr(module, "gate_up_proj"):
+        return module.dropout(out) if p.mlp_dropout else out
+    if p.gate_up:
         gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
     else:
         gate, up = module.gate_proj(x), module.up_proj(x)
@@ -119,13 +159,14 @@ def attention(module, hidden_states, position_embeddings=None, attention_mask=No
     layout = kwargs.pop(layouts.KEY, None)
     cache = next((c for c in (cache, past_key_values, kwargs.pop("layer_past", None)) if c is not None), None)
     input_shape = hidden_states.shape[:-1]
-    head_dim = _head_dim(module)
-    q, k, v = (x.view(*input_shape, -1, head_dim) for x in _qkv(module, hidden_states))
-    if getattr(module, "q_norm", None) is not None and module.q_norm.weight.shape[-1] == head_dim:
+    p = parts(module)
+    head_dim = getattr(module, p.head_dim)
+    q, k, v = (x.view(*input_shape, -1, head_dim) for x in _qkv(module, p, hidden_states))
+    if p.q_norm == "heads":
         q, k = module.q_norm(q), module.k_norm(k)  # Qwen3, Gemma3: RMSNorm over each head's dimension, before rope
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if position_embeddings is not None:  # GPT-2's positions are learned embeddings, added before the layers
-        q, k = _rope(module, q, position_embeddings), _rope(module, k, position_embeddings)
+        q, k = _rope(module, q, k, position_embeddings)
     if layout is not None and layout.kind == "paged":
         out = _paged(module, layout, q, k, v, kwargs).reshape(*input_shape, -1).contiguous()
         return _output(module, out), None
@@ -147,11 +188,10 @@ def attention(module, hidden_states, position_embeddings=None, attention_mask=No
 
 def _output(module, out):
     """The attention's output projection of out [..., Hq * Dv]."""
-    if hasattr(module, "o_proj"):
-        return module.o_proj(out)
-    if hasattr(module, "c_proj"):  # GPT-2: Conv1D output projection, then its residual dropout
+    name = parts(module).out
+    if name == "c_proj":  # GPT-2: Conv1D output projection, then its residual dropout
         return module.resid_dropout(module.c_proj(out))
-    return module.dense(out)
+    return getattr(module, name)(out)
 
 
 def _paged(module, step, q, k, v, kwargs):
@@ -191,39 +231,46 @@ def _dropout_p(module) -> float:
     return module.attn_dropout.p if p is None else p
 
 
-def _head_dim(module) -> int:
-    return module.head_dim if hasattr(module, "head_dim") else module.head_size  # GPT-NeoX: head_size
-
-
-def _qkv(module, hidden_states) -> tuple:
+def _qkv(module, p: Parts, hidden_states) -> tuple:
     """The q, k, v projections [..., heads * head_dim]: three Linears, or one fused qkv_proj split (Phi3); OLMo2's
     q/k norms span the whole projection and come here, before the split into heads."""
-    if hasattr(module, "qkv_proj"):
+    if p.qkv == "qkv_proj":
         nq, nkv = module.config.num_attention_heads * module.head_dim, module.num_key_value_heads * module.head_dim
         return module.qkv_proj(hidden_states).split((nq, nkv, nkv), dim=-1)
-    if hasattr(module, "c_attn"):  # GPT-2: one Conv1D, [q | k | v] over the whole width
+    if p.qkv == "c_attn":  # GPT-2: one Conv1D, [q | k | v] over the whole width
         return module.c_attn(hidden_states).split(module.split_size, dim=-1)
-    if hasattr(module, "query_key_value"):  # GPT-NeoX: [q | k | v] within each head
+    if p.qkv == "query_key_value":  # GPT-NeoX: [q | k | v] within each head
         qkv = module.query_key_value(hidden_states).view(*hidden_states.shape[:-1], -1, 3 * module.head_size)
         return (x.flatten(-2) for x in qkv.chunk(3, dim=-1))
     q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
-    if getattr(module, "q_norm", None) is not None and module.q_norm.weight.shape[-1] != module.head_dim:
+    if p.q_norm == "whole":
         q, k = module.q_norm(q), module.k_norm(k)
     return q, k, v
 
 
-def _rope(module, x, position_embeddings):
-    """opport.rope on the rotary part of each head: HF's tables repeat the half-angle table and may cover only the
-    first `rotary` dimensions (partial rotary: the rest pass through unchanged)."""
+def _rope(module, q, k, position_embeddings) -> tuple:
+    """opport.rope on q and k [B, H, S, D]. Without gradients they go as one call on their heads side by side (rope
+    acts on each head alone: the same bits as two calls), since a decode step's rope is mostly a call's fixed cost;
+    with gradients, two calls (the joined copy and its backward would cost more than the call they save)."""
     rotary = position_embeddings[0].shape[-1]
     cos, sin = (t[..., : rotary // 2] for t in position_embeddings)
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or q.dtype != k.dtype:
+        return _rope_heads(module, q, cos, sin), _rope_heads(module, k, cos, sin)
+    qk = _rope_heads(module, torch.cat((q, k), dim=1), cos, sin)
+    return qk[:, : q.shape[1]], qk[:, q.shape[1]:]
+
+
+def _rope_heads(module, x, cos, sin):
+    """opport.rope on the rotary part of each head: HF's tables repeat the half-angle table and may cover only the
+    first 2 * cos.shape[-1] dimensions (partial rotary: the rest pass through unchanged)."""
+    rotary = 2 * cos.shape[-1]
     if rotary == x.shape[-1]:
         return _op("rope", module, x, cos, sin)
     return torch.cat([_op("rope", module, x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
 
 
 def _softcap(module):
-    return getattr(module, "attn_logit_softcapping", None)  # Gemma2: cap · tanh(scores / cap)
+    return module.attn_logit_softcapping if parts(module).softcap else None  # Gemma2: cap · tanh(scores / cap)
 
 
 def _why_not(module, layout, attention_mask, q, k, v, cache, window, kwargs) -> tuple:
@@ -275,7 +322,7 @@ def _fallback(module, q, k, v, attention_mask, window, kwargs):
 
 
 def _window(module):
-    if hasattr(module, "sliding_window"):  # Qwen2: per layer (None on full-attention layers)
+    if parts(module).window:  # Qwen2: per layer (None on full-attention layers)
         return module.sliding_window
     return getattr(module.config, "sliding_window", None)  # Mistral: every layer
 
@@ -300,18 +347,17 @@ def _decoder_body(module, hidden_states, **kwargs):
     norm = module.post_attention_layernorm
     residual = hidden_states
     h, _ = module.self_attn(hidden_states=module.input_layernorm(hidden_states), **kwargs)
-    h = _dropout(module, "resid_attn_dropout", h)  # Phi3's residual dropouts (identity unless training with p > 0)
+    drops = parts(module).resid_dropouts  # Phi3's residual dropouts (identity unless training with p > 0)
+    if drops:
+        h = module.resid_attn_dropout(h)
     if not h.dtype == residual.dtype == norm.weight.dtype:
         hand_back(module, "add_rmsnorm", "dtype_mismatch")
         hidden = residual + h
-        return hidden + _dropout(module, "resid_mlp_dropout", module.mlp(norm(hidden)))
+        out = module.mlp(norm(hidden))
+        return hidden + (module.resid_mlp_dropout(out) if drops else out)
     normed, hidden = _op("add_rmsnorm", module, h, residual, norm.weight, norm.variance_epsilon)
-    return hidden + _dropout(module, "resid_mlp_dropout", module.mlp(normed))
-
-
-def _dropout(module, name: str, x):
-    drop = getattr(module, name, None)
-    return x if drop is None else drop(x)
+    out = module.mlp(normed)
+    return hidden + (module.resid_mlp_dropout(out) if drops else out)
 
 
 def router(module, hidden_states):
