@@ -67,6 +67,32 @@ def test_patched_forward_keeps_the_original_signature():
     assert {m: list(inspect.signature(m.forward).parameters) for m in model.modules()} == want
 
 
+@pytest.mark.parametrize("rotary", [16, 8])
+@pytest.mark.parametrize("grad", [False, True])
+def test_rope_of_q_and_k_gives_each_ones_own_bits(rotary, grad):
+    """Without gradients the patched attention ropes q and k in one call on their heads side by side (with them, in
+    two): either way each gets exactly opport.rope of itself alone; partial rotary leaves the rest as it was."""
+    from opport.integrations.transformers import forwards
+
+    model = _model()
+    patch(model)
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    angles = torch.randn(2, 5, rotary // 2, generator=g)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1) for f in (torch.cos, torch.sin))  # HF's repeated half table
+    q.requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        got = forwards._rope(attn, q, k, (cos, sin))
+    calls = stats(model, reset=True)["rope"]["opport"]
+    assert calls == (2 if grad else 1)
+    for x, y in zip((q, k), got):
+        x = x.detach()
+        want = torch.cat([opport.rope(x[..., :rotary], cos[..., : rotary // 2], sin[..., : rotary // 2]),
+                          x[..., rotary:]], dim=-1)
+        assert torch.equal(y.detach(), want)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_loss_with_labels_is_the_fused_linear_cross_entropy(family):
     """model.train() with labels: the loss from opport.linear_cross_entropy on the hidden states, logits None;

@@ -275,6 +275,23 @@ def test_decode_rows_take_the_fused_loop_and_agree_with_the_blocks(monkeypatch, 
     np.testing.assert_allclose(fused, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("d", [16, 40])
+def test_decode_loop_bits_do_not_depend_on_its_key_chunks(monkeypatch, d):
+    """The decode loop forms the scores of KEY_CHUNK keys at a time, vectorised over the keys; each key's dot product
+    is still its 16 lanes in order, so the chunk size never shows in the bits (3 keys a chunk against one chunk of
+    all 37; a head dim with a tail after its lanes; a [B, S, H, D] cache's strided view; a window)."""
+    from opport.backends.cpu import _fused
+
+    q, k, v = qkv(2, 4, 2, 1, 37, d, seed=5, dtype=np.float32)
+    k = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    whole = _fused.attention_decode(q, k, v, 0.3, None, 2, 37)
+    monkeypatch.setattr(_fused, "KEY_CHUNK", 3)
+    chunked = _fused.attention_decode(q, k, v, 0.3, None, 2, 37)
+    assert whole is not None and chunked is not None
+    for a, b in zip(whole, chunked):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_decode_loop_leaves_non_finite_rows_to_the_blocks():
     """A non-finite score (an inf or NaN in q or a visible k) makes the loop decline: the call is the block path's,
     bit for bit (its rules for inf, NaN and masked values)."""

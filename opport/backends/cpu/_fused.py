@@ -1064,49 +1064,72 @@ def ce_grad(xf, a, b, epsv, c, y) -> np.ndarray | None:
 # --------------------------------------------------------------------------- attention, one query row per head
 
 DOT_LANES = 16  # partial sums of a q.k dot product: one vector register of float32 lanes, added in order
+KEY_CHUNK = 256  # keys whose scores one pass forms together (a [D, KEY_CHUNK] transposed copy of their k rows)
 
 if numba is not None:
 
     @_jit
-    def _attn_decode(q, k, v, scale, softcap, kstart, kend, lanes, s, out, lse):
+    def _attn_decode(q, k, v, scale, softcap, kstart, kend, lanes, s, out, lse, kt):
         """One query row per head: out[b, h, j] = softmax(scale q.k_t, t in [kstart, kend)) . v for q [B, Hkv, g, D],
         k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (float32, any strides), softcap > 0 or 0 for none. Each dot product
         in DOT_LANES partial sums (d = lane mod DOT_LANES) added in order, the scores' max, exp(s - max) by _exp32
         and the weighted sum of v rows in key order, divided once by their sum; lse [B, Hkv, g] = max + log(sum).
-        Returns 1 where a head's scores or output are not all finite (the NumPy kernel then runs the whole call)."""
+        Returns 1 where a head's scores or output are not all finite (the NumPy kernel then runs the whole call).
+
+        The scores of a chunk of keys are formed together, vectorised over the keys: the chunk's k rows are copied
+        transposed into kt [D, KEY_CHUNK] once per KV head (its g query rows share them), lane x of every key is
+        lanes[x, t] += q[d] k[t, d] over d = x, x + 16, ... in order, then s[j, t] = 0 + lane 0 + lane 1 + ...:
+        each key's arithmetic exactly as one dot product at a time (the loop before, 2026-12-03: the same bits),
+        in loops over keys that LLVM vectorises (a loop over 16 lanes is unrolled into scalar code first).
+        Scratch: lanes [DOT_LANES, KEY_CHUNK], s [g, Sk], kt [D, KEY_CHUNK]."""
         nb, nh, g, d = q.shape
         dv = v.shape[3]
         m_d = d - d % DOT_LANES
+        ck = kt.shape[1]
         for b in range(nb):
             for h in range(nh):
                 kb, vb = k[b, h], v[b, h]
-                for j in range(g):
-                    qr, o = q[b, h, j], out[b, h, j]
-                    m = np.float32(-np.inf)
-                    for t in range(kstart, kend):
-                        kr = kb[t]
-                        lanes[:] = 0
+                for c0 in range(kstart, kend, ck):
+                    n = min(ck, kend - c0)
+                    for t in range(n):
+                        kr = kb[c0 + t]
+                        for x in range(d):
+                            kt[x, t] = kr[x]
+                    for j in range(g):
+                        qr, sj = q[b, h, j], s[j, c0:c0 + n]
+                        for x in range(DOT_LANES):
+                            lanes[x, :n] = 0
                         for d0 in range(0, m_d, DOT_LANES):
                             for x in range(DOT_LANES):
-                                lanes[x] += qr[d0 + x] * kr[d0 + x]
-                        dot = np.float32(0)
+                                qv, kx, lx = qr[d0 + x], kt[d0 + x], lanes[x]
+                                for t in range(n):
+                                    lx[t] += qv * kx[t]
+                        sj[:] = 0
                         for x in range(DOT_LANES):
-                            dot += lanes[x]
+                            lx = lanes[x]
+                            for t in range(n):
+                                sj[t] += lx[t]
                         for x in range(m_d, d):
-                            dot += qr[x] * kr[x]
-                        sc = dot * scale
+                            qv, kx = qr[x], kt[x]
+                            for t in range(n):
+                                sj[t] += qv * kx[t]
+                for j in range(g):
+                    sj, o = s[j], out[b, h, j]
+                    m = np.float32(-np.inf)
+                    for t in range(kstart, kend):
+                        sc = sj[t] * scale
                         if softcap > 0:
                             sc = np.float32(np.tanh(sc / softcap)) * softcap
                         if not np.isfinite(sc):
                             return 1
-                        s[t] = sc
+                        sj[t] = sc
                         m = max(m, sc)
                     o[:] = 0
                     den = np.float32(0)
                     for t in range(kstart, kend):
                         # _exp32's range ends at -87 (exp = 1.6e-38): a key further below the max weighs at most
                         # that instead of a subnormal or 0, against den >= 1 (the max's own term): invisible in float32
-                        p = _exp32(max(s[t] - m, np.float32(-87.0)))
+                        p = _exp32(max(sj[t] - m, np.float32(-87.0)))
                         den += p
                         vr = vb[t]
                         for x in range(dv):
@@ -1133,7 +1156,9 @@ def attention_decode(q, k, v, scale, softcap, kstart: int, kend: int):
     qg = np.ascontiguousarray(q).reshape(b, hkv, hq // hkv, d)  # one row per head: small, copied if strided
     og = out.reshape(b, hkv, hq // hkv, dv)
     cap = np.float32(0 if softcap is None else softcap)
-    if _attn_decode(qg, k, v, np.float32(scale), cap, kstart, kend, np.zeros(DOT_LANES, np.float32),
-                    np.zeros(k.shape[2], np.float32), og, lse.reshape(b, hkv, hq // hkv)):
+    ck = min(KEY_CHUNK, kend - kstart)
+    if _attn_decode(qg, k, v, np.float32(scale), cap, kstart, kend, np.empty((DOT_LANES, ck), np.float32),
+                    np.empty((hq // hkv, k.shape[2]), np.float32), og, lse.reshape(b, hkv, hq // hkv),
+                    np.empty((d, ck), np.float32)):
         return None
     return out, lse
