@@ -1152,7 +1152,7 @@ def attention_decode(q, k, v, scale, softcap, kstart: int, kend: int):
     hkv, dv = k.shape[1], v.shape[3]
     if kend <= kstart or b * hq * (kend - kstart) * (d + dv) > DECODE_MAX:
         return None
-    out, lse = np.zeros((b, hq, 1, dv), np.float32), np.zeros((b, hq, 1), np.float32)
+    out, lse = np.empty((b, hq, 1, dv), np.float32), np.empty((b, hq, 1), np.float32)  # all written, or None
     qg = np.ascontiguousarray(q).reshape(b, hkv, hq // hkv, d)  # one row per head: small, copied if strided
     og = out.reshape(b, hkv, hq // hkv, dv)
     cap = np.float32(0 if softcap is None else softcap)

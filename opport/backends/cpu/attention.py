@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from opport.backends.cpu import _fused
-from opport.backends.cpu._common import store, upcast, uses_blas
+from opport.backends.cpu._common import _F32, store, upcast, uses_blas
 from opport.dispatch import impl
 from opport.dtypes import acc_of
 from opport.ops.attention import attention as spec
@@ -71,7 +71,7 @@ def _decode(q, k, v, causal: bool, scale, softcap, window):
     """The fused loop's (output, lse) for one query row per head (float32, any layout: a [B, S, H, D] cache's views
     give the contiguous copy's bits), or None (the blocks run). The forward and the training forward both take it:
     their outputs stay the same bits."""
-    if q.shape[2] != 1 or not _fused.enabled(q.dtype) or not all(a.dtype == np.float32 for a in (q, k, v)):
+    if q.shape[2] != 1 or not (q.dtype is k.dtype is v.dtype is _F32) or not _fused.enabled(_F32):  # `is`: one object
         return None
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
     kstart, kend = _Mask(1, k.shape[2], causal, window, softcap).keys(0, 1)
