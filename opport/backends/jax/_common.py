@@ -8,12 +8,15 @@ from opport.dispatch import impl
 _SIXTEEN = (jnp.float16, jnp.bfloat16)
 
 
-def kernel(spec):
+def kernel(spec, traced: tuple = ()):
     """Register the decorated jnp function as the jax backend's kernel for `spec`, jitted with the op's scalar
-    arguments static (eps, offset: constants of the compiled computation). Under a trace it is inlined."""
+    arguments static (offset: a constant of the compiled computation, which Python code may branch on), except those
+    named in `traced` (eps: only ever arithmetic, so one compilation per shape serves every value; XLA compiles
+    take ~0.2 s each). Under a trace it is inlined."""
 
     def register(fn):
-        impl(spec, "jax", supports=_x64, name=f"jax.{fn.__name__}")(jax.jit(fn, static_argnums=spec.scalar_pos))
+        static = tuple(i for i in spec.scalar_pos if spec.params[i] not in traced)
+        impl(spec, "jax", supports=_x64, name=f"jax.{fn.__name__}")(jax.jit(fn, static_argnums=static))
         return fn
 
     return register

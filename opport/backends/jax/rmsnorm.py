@@ -7,7 +7,7 @@ from opport.backends.jax._common import kernel, overflow_scale, row_mean, upcast
 from opport.ops.rmsnorm import rmsnorm as spec
 
 
-@kernel(spec)
+@kernel(spec, traced=("eps",))
 def rmsnorm(x, weight, eps, offset=0.0):
     xf = upcast(x)
     s = overflow_scale(xf)
@@ -22,7 +22,7 @@ def scale(weight, offset: float):
     return w + offset if offset else w
 
 
-@kernel(spec.backward_op)
+@kernel(spec.backward_op, traced=("eps",))
 def rmsnorm_backward(grad, x, weight, eps, offset=0.0):
     """dx = s r (g - xhat mean(g xhat)) with g = grad (offset + weight); dweight = sum over rows of grad xhat.
     A one-element row's dx is g eps r^2 exactly (the general form cancels to noise)."""
