@@ -8,10 +8,9 @@ and accounts for every call it hands back to the model's own code (`handback.han
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +43,7 @@ class Bound:
         return inspect.signature(saved) if saved is not None else _method_signature(type(self.module).forward)
 
 
-@functools.cache
+@cache
 def _method_signature(fn) -> inspect.Signature:
     """The signature of `fn` bound to an instance (its first parameter dropped), worked out once per function:
     generate reads the forward's signature on every step (inspect.signature of a partial: about 35 us)."""
