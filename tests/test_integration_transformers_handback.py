@@ -247,3 +247,17 @@ def test_hand_back_warns_once_is_counted_and_gives_the_models_result(op_cause, m
     assert counts["reasons"] == {cause: counts["handed_back"]} and counts["handed_back"] >= 2
     if op_cause not in NOT_COMPARED:
         _same(got, want)
+
+
+def test_output_attentions_set_on_the_config_after_patching_is_seen():
+    """The patched attention reads config.output_attentions on every call (past the config's own __getattribute__,
+    `forwards._output_attentions`): set after `patch`, the model's eager code forms the weights it asks for."""
+    m = model(attn_implementation="eager")
+    patch(m)
+    assert m(ids()).attentions is None
+    m.config.output_attentions = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HandBackWarning)
+        out = m(ids())
+    assert out.attentions is not None and len(out.attentions) == m.config.num_hidden_layers
+    assert stats(m)["attention"]["handed_back"] == m.config.num_hidden_layers

@@ -275,21 +275,53 @@ def test_decode_rows_take_the_fused_loop_and_agree_with_the_blocks(monkeypatch, 
     np.testing.assert_allclose(fused, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("d", [16, 40])
-def test_decode_loop_bits_do_not_depend_on_its_key_chunks(monkeypatch, d):
-    """The decode loop forms the scores of KEY_CHUNK keys at a time, vectorised over the keys; each key's dot product
-    is still its 16 lanes in order, so the chunk size never shows in the bits (3 keys a chunk against one chunk of
-    all 37; a head dim with a tail after its lanes; a [B, S, H, D] cache's strided view; a window)."""
+@pytest.mark.parametrize("d", [8, 16, 40])
+def test_decode_loop_bits_do_not_depend_on_layout_batch_or_key_offset(d):
+    """Each q.k of the decode loop is its 16 lanes over the head dim, added as a tree, then the tail: a row's bits
+    depend on its own q, keys and values only. A [B, S, H, D] cache's strided view against a contiguous copy, one
+    batch entry alone against the batch, the visible keys [2, 37) of a longer buffer against those keys alone (a
+    window's offset): all the same bits (a head dim of 8 has no lanes, 40 a tail after them)."""
     from opport.backends.cpu import _fused
 
     q, k, v = qkv(2, 4, 2, 1, 37, d, seed=5, dtype=np.float32)
-    k = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-    whole = _fused.attention_decode(q, k, v, 0.3, None, 2, 37)
-    monkeypatch.setattr(_fused, "KEY_CHUNK", 3)
-    chunked = _fused.attention_decode(q, k, v, 0.3, None, 2, 37)
-    assert whole is not None and chunked is not None
-    for a, b in zip(whole, chunked):
-        np.testing.assert_array_equal(a, b)
+    ks = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    whole = _fused.attention_decode(q, ks, v, 0.3, None, 2, 37)
+    assert whole is not None
+    for got in (_fused.attention_decode(q, k, v, 0.3, None, 2, 37),
+                _fused.attention_decode(q, k[:, :, 2:].copy(), v[:, :, 2:].copy(), 0.3, None, 0, 35)):
+        for a, b in zip(whole, got):
+            np.testing.assert_array_equal(a, b)
+    alone = _fused.attention_decode(q[1:], k[1:], v[1:], 0.3, None, 2, 37)
+    for a, b in zip(whole, alone):
+        np.testing.assert_array_equal(a[1:], b)
+
+
+def test_decode_loop_sums_each_score_in_its_documented_order():
+    """The scores' order, checked through lse (max + log(sum of exp)): with one visible key lse is that key's scaled
+    score itself, which must be the 16 lanes in order over the head dim, the tree of lanes, then the tail, in
+    float32: a NumPy emulation of that order gives the same bits (and a plain sum would differ for these values)."""
+    from opport.backends.cpu import _fused
+
+    rng = np.random.default_rng(11)
+    d = 72
+    q = (rng.standard_normal((1, 1, 1, d)) * 10).astype(np.float32)
+    k = (rng.standard_normal((1, 1, 1, d)) * 10).astype(np.float32)
+    v = rng.standard_normal((1, 1, 1, 4)).astype(np.float32)
+    _, lse = _fused.attention_decode(q, k, v, 1.0, None, 0, 1)
+    p = q[0, 0, 0] * k[0, 0, 0]  # float32 products
+    lanes = p[:16].copy()
+    for d0 in range(16, 64, 16):
+        lanes = lanes + p[d0:d0 + 16]
+    for w in (8, 4, 2):
+        lanes = lanes[:w] + lanes[w:2 * w]
+    s = lanes[0] + lanes[1]
+    for x in range(64, d):
+        s = s + p[x]
+    assert lse[0, 0, 0] == s  # m + log(1): the score itself
+    plain = np.float32(0)
+    for x in p:
+        plain = plain + x
+    assert plain != s  # the values tell the orders apart
 
 
 def test_decode_loop_leaves_non_finite_rows_to_the_blocks():

@@ -1063,82 +1063,116 @@ def ce_grad(xf, a, b, epsv, c, y) -> np.ndarray | None:
 
 # --------------------------------------------------------------------------- attention, one query row per head
 
-DOT_LANES = 16  # partial sums of a q.k dot product: one vector register of float32 lanes, added in order
-KEY_CHUNK = 256  # keys whose scores one pass forms together (a [D, KEY_CHUNK] transposed copy of their k rows)
+DOT_LANES = 16  # partial sums of a q.k dot product: one vector register of float32 lanes
+
+
+def _slp(dispatcher):
+    """`dispatcher` (numba.njit) compiled with LLVM's SLP vectoriser on: numba leaves it off (NUMBA_SLP_VECTORIZE=0),
+    so 16 partial sums kept in scalars stay 16 scalar chains; with it, one vector register. The flag is numba's
+    global setting, read when a function's LLVM passes are built: set for this compile only, under numba's compiler
+    lock (any compile it overlaps would only vectorise more: SLP does not reorder floating-point arithmetic)."""
+    from numba.core import config
+    from numba.core.compiler_lock import global_compiler_lock
+
+    compile_ = dispatcher.compile
+
+    def compile(sig):
+        with global_compiler_lock:
+            old, config.SLP_VECTORIZE = config.SLP_VECTORIZE, 1
+            try:
+                return compile_(sig)
+            finally:
+                config.SLP_VECTORIZE = old
+
+    dispatcher.compile = compile
+    return dispatcher
+
 
 if numba is not None:
 
-    @_jit
-    def _attn_decode(q, k, v, scale, softcap, kstart, kend, lanes, s, out, lse, kt):
-        """One query row per head: out[b, h, j] = softmax(scale q.k_t, t in [kstart, kend)) . v for q [B, Hkv, g, D],
-        k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (float32, any strides), softcap > 0 or 0 for none. Each dot product
-        in DOT_LANES partial sums (d = lane mod DOT_LANES) added in order, the scores' max, exp(s - max) by _exp32
-        and the weighted sum of v rows in key order, divided once by their sum; lse [B, Hkv, g] = max + log(sum).
-        Returns 1 where a head's scores or output are not all finite (the NumPy kernel then runs the whole call).
+    @_inline
+    def _dot_lanes(a, b, m_d):
+        """a.b over the first m_d (a multiple of DOT_LANES) elements: lane x = a[x] b[x] + a[x + 16] b[x + 16] + ... in
+        order, the 16 lanes then added as a tree (x + 8, x + 4, x + 2, then lane 0 + lane 1). The lanes are scalars
+        (l0 .. lf: lane 15), which the SLP vectoriser (`_slp`) keeps in vector registers; 0 where m_d is 0."""
+        if m_d == 0:
+            return np.float32(0)
+        l0, l1, l2, l3 = a[0] * b[0], a[1] * b[1], a[2] * b[2], a[3] * b[3]
+        l4, l5, l6, l7 = a[4] * b[4], a[5] * b[5], a[6] * b[6], a[7] * b[7]
+        l8, l9, la, lb = a[8] * b[8], a[9] * b[9], a[10] * b[10], a[11] * b[11]
+        lc, ld, le, lf = a[12] * b[12], a[13] * b[13], a[14] * b[14], a[15] * b[15]
+        for i in range(DOT_LANES, m_d, DOT_LANES):
+            l0, l1 = l0 + a[i + 0] * b[i + 0], l1 + a[i + 1] * b[i + 1]
+            l2, l3 = l2 + a[i + 2] * b[i + 2], l3 + a[i + 3] * b[i + 3]
+            l4, l5 = l4 + a[i + 4] * b[i + 4], l5 + a[i + 5] * b[i + 5]
+            l6, l7 = l6 + a[i + 6] * b[i + 6], l7 + a[i + 7] * b[i + 7]
+            l8, l9 = l8 + a[i + 8] * b[i + 8], l9 + a[i + 9] * b[i + 9]
+            la, lb = la + a[i + 10] * b[i + 10], lb + a[i + 11] * b[i + 11]
+            lc, ld = lc + a[i + 12] * b[i + 12], ld + a[i + 13] * b[i + 13]
+            le, lf = le + a[i + 14] * b[i + 14], lf + a[i + 15] * b[i + 15]
+        l0, l1, l2, l3 = l0 + l8, l1 + l9, l2 + la, l3 + lb
+        l4, l5, l6, l7 = l4 + lc, l5 + ld, l6 + le, l7 + lf
+        l0, l1, l2, l3 = l0 + l4, l1 + l5, l2 + l6, l3 + l7
+        l0, l1 = l0 + l2, l1 + l3
+        return l0 + l1
 
-        The scores of a chunk of keys are formed together, vectorised over the keys: the chunk's k rows are copied
-        transposed into kt [D, KEY_CHUNK] once per KV head (its g query rows share them), lane x of every key is
-        lanes[x, t] += q[d] k[t, d] over d = x, x + 16, ... in order, then s[j, t] = 0 + lane 0 + lane 1 + ...:
-        each key's arithmetic exactly as one dot product at a time (the loop before, 2026-12-03: the same bits),
-        in loops over keys that LLVM vectorises (a loop over 16 lanes is unrolled into scalar code first).
-        Scratch: lanes [DOT_LANES, KEY_CHUNK], s [g, Sk], kt [D, KEY_CHUNK]."""
-        nb, nh, g, d = q.shape
-        dv = v.shape[3]
+    @_slp
+    @_jit
+    def _attn_decode(q, k, v, scale, softcap, kstart, kend, out, lse, s):
+        """One query row per head: out[b, i, 0] = softmax(scale q[b, i, 0].k_t, t in [kstart, kend)) . v for q
+        [B, Hq, 1, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (float32, any strides; query head i reads KV head
+        i // (Hq / Hkv)), softcap > 0 or 0 for none; lse[b, i, 0] = max + log(sum). Returns 1 where a head's scores or
+        output are not all finite (the NumPy kernel then runs the whole call). Scratch: s [Hq / Hkv, Sk].
+
+        Each q.k in DOT_LANES lanes, lane x = q[x] k[x] + q[x + 16] k[x + 16] + ... in order, the lanes then added as
+        a tree (x + 8, x + 4, x + 2, then lane 0 + lane 1) and the last D mod 16 products in order: the lanes are 16
+        scalars, which the SLP vectoriser (`_slp`) keeps in one vector register, so nothing is transposed and every
+        key costs the same, whatever the keys around it. Then the scores' max, exp(s - max) by _exp32 (a loop over
+        the keys, vectorised), their sum and the weighted sum of v rows in key order, divided once by the sum."""
+        nb, hq, _, d = q.shape
+        nh, dv = k.shape[1], v.shape[3]
+        g = hq // nh
         m_d = d - d % DOT_LANES
-        ck = kt.shape[1]
+        sc_t, cap = np.float32(scale), np.float32(softcap)
         for b in range(nb):
             for h in range(nh):
                 kb, vb = k[b, h], v[b, h]
-                for c0 in range(kstart, kend, ck):
-                    n = min(ck, kend - c0)
-                    for t in range(n):
-                        kr = kb[c0 + t]
-                        for x in range(d):
-                            kt[x, t] = kr[x]
-                    for j in range(g):
-                        qr, sj = q[b, h, j], s[j, c0:c0 + n]
-                        for x in range(DOT_LANES):
-                            lanes[x, :n] = 0
-                        for d0 in range(0, m_d, DOT_LANES):
-                            for x in range(DOT_LANES):
-                                qv, kx, lx = qr[d0 + x], kt[d0 + x], lanes[x]
-                                for t in range(n):
-                                    lx[t] += qv * kx[t]
-                        sj[:] = 0
-                        for x in range(DOT_LANES):
-                            lx = lanes[x]
-                            for t in range(n):
-                                sj[t] += lx[t]
-                        for x in range(m_d, d):
-                            qv, kx = qr[x], kt[x]
-                            for t in range(n):
-                                sj[t] += qv * kx[t]
                 for j in range(g):
-                    sj, o = s[j], out[b, h, j]
+                    qr, sj = q[b, h * g + j, 0], s[j]
+                    for t in range(kstart, kend):
+                        kr = kb[t]
+                        acc = _dot_lanes(qr, kr, m_d)
+                        for x in range(m_d, d):
+                            acc += qr[x] * kr[x]
+                        sj[t] = acc
+                for j in range(g):
+                    sj, o = s[j], out[b, h * g + j, 0]
                     m = np.float32(-np.inf)
                     for t in range(kstart, kend):
-                        sc = sj[t] * scale
-                        if softcap > 0:
-                            sc = np.float32(np.tanh(sc / softcap)) * softcap
+                        sc = sj[t] * sc_t
+                        if cap > 0:
+                            sc = np.float32(np.tanh(sc / cap)) * cap
                         if not np.isfinite(sc):
                             return 1
                         sj[t] = sc
                         m = max(m, sc)
-                    o[:] = 0
-                    den = np.float32(0)
                     for t in range(kstart, kend):
                         # _exp32's range ends at -87 (exp = 1.6e-38): a key further below the max weighs at most
                         # that instead of a subnormal or 0, against den >= 1 (the max's own term): invisible in float32
-                        p = _exp32(max(sj[t] - m, np.float32(-87.0)))
-                        den += p
-                        vr = vb[t]
+                        sj[t] = _exp32(max(sj[t] - m, np.float32(-87.0)))
+                    den = np.float32(0)
+                    for t in range(kstart, kend):
+                        den += sj[t]
+                    o[:] = 0
+                    for t in range(kstart, kend):
+                        p = sj[t]
                         for x in range(dv):
-                            o[x] += p * vr[x]
+                            o[x] += p * vb[t, x]
                     for x in range(dv):
                         o[x] /= den
                         if not np.isfinite(o[x]):
                             return 1
-                    lse[b, h, j] = m + np.log(den)
+                    lse[b, h * g + j, 0] = m + np.log(den)
         return 0
 
 
@@ -1149,16 +1183,12 @@ def attention_decode(q, k, v, scale, softcap, kstart: int, kend: int):
     """(out [B, Hq, 1, Dv], lse [B, Hq, 1]) of q [B, Hq, 1, D] (float32 q, k, v) over keys [kstart, kend) by
     `_attn_decode`, or None where it does not take the call (no visible key, too large, a non-finite score or output)."""
     b, hq, _, d = q.shape
-    hkv, dv = k.shape[1], v.shape[3]
+    dv = v.shape[3]
     if kend <= kstart or b * hq * (kend - kstart) * (d + dv) > DECODE_MAX:
         return None
     out, lse = np.empty((b, hq, 1, dv), np.float32), np.empty((b, hq, 1), np.float32)  # all written, or None
-    qg = np.ascontiguousarray(q).reshape(b, hkv, hq // hkv, d)  # one row per head: small, copied if strided
-    og = out.reshape(b, hkv, hq // hkv, dv)
-    cap = np.float32(0 if softcap is None else softcap)
-    ck = min(KEY_CHUNK, kend - kstart)
-    if _attn_decode(qg, k, v, np.float32(scale), cap, kstart, kend, np.empty((DOT_LANES, ck), np.float32),
-                    np.empty((hq // hkv, k.shape[2]), np.float32), og, lse.reshape(b, hkv, hq // hkv),
-                    np.empty((d, ck), np.float32)):
+    s = np.empty((hq // k.shape[1], k.shape[2]), np.float32)  # scratch from here: numba's own allocations would not
+    # compile while the conformance suite's poisoning np.empty stands in for NumPy's
+    if _attn_decode(q, k, v, float(scale), 0.0 if softcap is None else float(softcap), kstart, kend, out, lse, s):
         return None
     return out, lse

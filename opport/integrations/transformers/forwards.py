@@ -14,6 +14,7 @@ from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
+from transformers import configuration_utils
 
 from opport.errors import UnsupportedError
 from opport.integrations import apply
@@ -79,6 +80,11 @@ class Parts:
         self.out = next((n for n in ("o_proj", "c_proj", "dense") if has(n)), None)
         self.softcap = has("attn_logit_softcapping")  # Gemma2
         self.window = has("sliding_window")  # Qwen2: per layer; else the config's (Mistral)
+        # the config's optional settings: a config's own __getattribute__ (attribute_map, per-layer checks) makes a
+        # failed lookup cost ~2 us; Llama's has neither
+        config = getattr(module, "config", None)
+        self.config_window = hasattr(config, "sliding_window")
+        self.config_causal = hasattr(config, "is_causal")
         self.resid_dropouts = has("resid_attn_dropout")  # Phi3
         # MLPs: the activation's attribute; GPT-NeoX's / GPT-2's plain MLP (up, down) or a gated one (gate_up_proj: Phi3)
         self.act = next((a for a in ("act_fn", "activation_fn", "act") if has(a)), None)
@@ -218,10 +224,28 @@ def _refusal(module, kwargs) -> str | None:
     a non-causal layer (the cause, or None)."""
     if module.training and _dropout_p(module) > 0:
         return "dropout"
-    if kwargs.get("output_attentions") or getattr(module.config, "output_attentions", False):
+    if kwargs.get("output_attentions") or _output_attentions(module.config):
         return "output_attentions"
-    causal = (kwargs.get("is_causal"), getattr(module, "is_causal", True), getattr(module.config, "is_causal", True))
+    config_causal = getattr(module.config, "is_causal", True) if parts(module).config_causal else True
+    causal = (kwargs.get("is_causal"), getattr(module, "is_causal", True), config_causal)
     return "non_causal" if False in causal else None
+
+
+_CONFIG = getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig  # 5.x, 4.x
+_OUTPUT_ATTENTIONS = vars(_CONFIG).get("output_attentions")  # transformers' property, which returns `_output_attentions`
+
+
+def _output_attentions(config) -> bool:
+    """config.output_attentions, read past the config's own __getattribute__ (attribute_map, per-layer checks: 3 us
+    a read, on every attention call) where it is transformers' property, which returns `_output_attentions`; while
+    torch.compile traces, as written (dynamo does not trace object.__getattribute__; the graph fixes the value anyway)."""
+    if (_OUTPUT_ATTENTIONS is not None and type(config).output_attentions is _OUTPUT_ATTENTIONS
+            and not torch.compiler.is_compiling()):
+        try:
+            return object.__getattribute__(config, "_output_attentions")
+        except AttributeError:
+            pass
+    return getattr(config, "output_attentions", False)
 
 
 def _dropout_p(module) -> float:
@@ -323,7 +347,7 @@ def _fallback(module, q, k, v, attention_mask, window, kwargs):
 def _window(module):
     if parts(module).window:  # Qwen2: per layer (None on full-attention layers)
         return module.sliding_window
-    return getattr(module.config, "sliding_window", None)  # Mistral: every layer
+    return module.config.sliding_window if parts(module).config_window else None  # Mistral: every layer
 
 
 def decoder_layer(module, hidden_states, *args, **kwargs):
