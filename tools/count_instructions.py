@@ -1,7 +1,8 @@
 """Instructions one tiny-Llama greedy decode or training step executes on the cpu backend, patched with opport against
 unpatched torch eager, counted by valgrind's callgrind: a measure the machine's load does not move (wall-clock
 ratios on the 2-core VMs swing by 20% from one minute to the next; instruction counts repeat to a few parts in a
-thousand). Cache misses are not counted: confirm a change with tools/bench_tiny_llama.py before calling it faster.
+thousand). Cache misses are not counted, and valgrind has no AVX-512 (every library, numba's loops included, takes its
+AVX2 path under it): confirm a change with tools/bench_tiny_llama.py before calling it faster.
 
     .venv/bin/python tools/count_instructions.py [--what decode|train] [--repo PATH]
 
