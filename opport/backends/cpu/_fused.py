@@ -1061,6 +1061,30 @@ def ce_grad(xf, a, b, epsv, c, y) -> np.ndarray | None:
     return None
 
 
+# --------------------------------------------------------------------------- scattered row updates
+
+if numba is not None:
+
+    @_jit
+    def _add_scaled_rows(dst, col, dt, x, hit):
+        """dst[col[i]] += dt[i] * x[hit[i]] for i in order: np.add.at's order and roundings (the product rounded,
+        then added), without its per-element dispatch."""
+        for i in range(col.size):
+            r, xr, d = dst[col[i]], x[hit[i]], dt[i]
+            for j in range(r.size):
+                r[j] += d * xr[j]
+
+
+def add_scaled_rows(dst: np.ndarray, col: np.ndarray, dt: np.ndarray, x: np.ndarray, hit: np.ndarray) -> None:
+    """`np.add.at(dst, col, dt[:, None] * x[hit])`, the same bits: the LM heads' target terms of dweight, rows of dst
+    that several targets may share, added in row order. The loop for float32 (1.6 ms -> 18 us for 512 rows of 256 into
+    2048 x 256, 2026-12-03); NumPy's ufunc.at otherwise."""
+    if dst.dtype == x.dtype == dt.dtype == np.float32 and enabled(np.float32):
+        _add_scaled_rows(dst, col, dt, x, hit)
+    else:
+        np.add.at(dst, col, dt[:, None] * x[hit])
+
+
 # --------------------------------------------------------------------------- attention, one query row per head
 
 DOT_LANES = 16  # partial sums of a q.k dot product: one vector register of float32 lanes

@@ -8,7 +8,7 @@ accumulator [N, H] (the output itself for float32/float64) and the upcast 16-bit
 import numpy as np
 
 from opport.arraymath import reduce_losses
-from opport.backends.cpu import _invariant
+from opport.backends.cpu import _fused, _invariant
 from opport.backends.cpu._common import upcast, uses_blas
 from opport.backends.cpu.cross_entropy import _at_target, _coefficients, _fix_rows, _row_losses, _write_grad
 from opport.dispatch import impl
@@ -145,7 +145,7 @@ def head_gradients(hidden, weight, bias, t, dlogits) -> tuple:
                 dh_tile[hit] += dt[:, None] * wc[col]
                 dh[rows] += dh_tile
                 dw_acc += d.T @ x
-                np.add.at(dw_acc, col, dt[:, None] * x[hit])  # in row order: deterministic
+                _fused.add_scaled_rows(dw_acc, col, dt, x, hit)  # in row order: deterministic
                 db_acc += d.sum(axis=0)
                 np.add.at(db_acc, col, dt)
             dw[c0:c1] = dw_acc
@@ -296,7 +296,7 @@ def _block_gradients(x, d, weight, t, dw, db) -> np.ndarray:
             db[c0:c1] += dc.sum(axis=0)
     if hit.size:
         dh[hit] += dt[:, None] * upcast(weight[col])
-        np.add.at(dw, col, dt[:, None] * x[hit])  # in row order: deterministic
+        _fused.add_scaled_rows(dw, col, dt, x, hit)  # in row order: deterministic
         if db is not None:
             np.add.at(db, col, dt)
     return dh
