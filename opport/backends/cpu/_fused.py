@@ -1092,7 +1092,7 @@ DOT_LANES = 16  # partial sums of a q.k dot product: one vector register of floa
 
 def _slp(dispatcher):
     """`dispatcher` (numba.njit) compiled with LLVM's SLP vectoriser on: numba leaves it off (NUMBA_SLP_VECTORIZE=0),
-    so 16 partial sums kept in scalars stay 16 scalar chains; with it, one vector register. The flag is numba's
+    so 16 partial sums kept in scalars stay 16 scalar chains; with it, vector registers. The flag is numba's
     global setting, read when a function's LLVM passes are built: set for this compile only, under numba's compiler
     lock (any compile it overlaps would only vectorise more: SLP does not reorder floating-point arithmetic)."""
     from numba.core import config
@@ -1150,7 +1150,7 @@ if numba is not None:
 
         Each q.k in DOT_LANES lanes, lane x = q[x] k[x] + q[x + 16] k[x + 16] + ... in order, the lanes then added as
         a tree (x + 8, x + 4, x + 2, then lane 0 + lane 1) and the last D mod 16 products in order: the lanes are 16
-        scalars, which the SLP vectoriser (`_slp`) keeps in one vector register, so nothing is transposed and every
+        scalars, which the SLP vectoriser (`_slp`) keeps in vector registers, so nothing is transposed and every
         key costs the same, whatever the keys around it. Then the scores' max, exp(s - max) by _exp32 (a loop over
         the keys, vectorised), their sum and the weighted sum of v rows in key order, divided once by the sum."""
         nb, hq, _, d = q.shape
