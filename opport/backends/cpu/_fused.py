@@ -1087,7 +1087,7 @@ def add_scaled_rows(dst: np.ndarray, col: np.ndarray, dt: np.ndarray, x: np.ndar
 
 # --------------------------------------------------------------------------- attention, one query row per head
 
-DOT_LANES = 16  # partial sums of a q.k dot product: one vector register of float32 lanes
+DOT_LANES = 16  # partial sums of a q.k dot product (float32 lanes: the vector registers of one or a few SIMD ops)
 
 
 def _slp(dispatcher):
@@ -1151,8 +1151,8 @@ if numba is not None:
         Each q.k in DOT_LANES lanes, lane x = q[x] k[x] + q[x + 16] k[x + 16] + ... in order, the lanes then added as
         a tree (x + 8, x + 4, x + 2, then lane 0 + lane 1) and the last D mod 16 products in order: the lanes are 16
         scalars, which the SLP vectoriser (`_slp`) keeps in vector registers, so nothing is transposed and every
-        key costs the same, whatever the keys around it. Then the scores' max, exp(s - max) by _exp32 (a loop over
-        the keys, vectorised), their sum and the weighted sum of v rows in key order, divided once by the sum."""
+        key costs the same, whatever the keys around it. Then the scores' max, exp(s - max) by _exp32 (a loop of its
+        own over the keys), their sum and the weighted sum of v rows in key order, divided once by the sum."""
         nb, hq, _, d = q.shape
         nh, dv = k.shape[1], v.shape[3]
         g = hq // nh
