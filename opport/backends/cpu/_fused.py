@@ -126,7 +126,7 @@ if numba is not None:
 
     @_inline
     def _exp32_sum(h, rest):
-        """exp(h + rest) of two float32s, h + rest in [-87, 87], without rounding h + l: Cody-Waite's reduction takes h
+        """exp(h + rest) of two float32s, h + rest in [-87, 87], without rounding h + rest: Cody-Waite's reduction takes h
         (h - k ln2_hi is exact for |h| >= 2, where its ulp is at least 2^-22), then rest, so a large h (gelu's -a*a/2,
         down to -85) costs no more than a small one (exp(float32(h + rest)) would err by |h| 2^-24 relative).
         One polynomial where exp(h) exp(rest) takes two."""
