@@ -259,3 +259,25 @@ def test_torch_tensors_run_blas_on_one_thread_while_torchs_pool_has_several(monk
     finally:
         torch.set_num_threads(before)
     np.testing.assert_allclose(out.numpy(), a.numpy() @ b.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_budget_the_affinity_is_read_at_most_once_a_second(monkeypatch):
+    """os.sched_getaffinity is a system call: num_threads() reuses its count for a second, then sees a change."""
+    monkeypatch.delenv("OPPORT_NUM_THREADS", raising=False)
+    cpus, reads, now = [{0, 1, 2}], [], [1000.0]
+
+    def affinity(pid):
+        reads.append(pid)
+        return cpus[0]
+
+    monkeypatch.setattr(common.os, "sched_getaffinity", affinity, raising=False)
+    monkeypatch.setattr(common, "_clock", lambda: now[0])
+    monkeypatch.setattr(common, "_affinity", [float("-inf"), 1])
+    assert common.num_threads() == 3 and len(reads) == 1
+    cpus[0] = {0}
+    now[0] += 0.5
+    assert common.num_threads() == 3 and len(reads) == 1, "read again within the second"
+    now[0] += 0.6
+    assert common.num_threads() == 1 and len(reads) == 2, "a changed affinity not seen after a second"
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    assert common.num_threads() == 2 and len(reads) == 2, "the budget decides where it is set"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -136,9 +137,22 @@ def num_threads() -> int:
                                     expected="a positive integer (unset it to use every CPU)", got=repr(env))
             _parsed[raw] = int(env)
             return _parsed[raw]
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return _cpus()
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on, read again at most once a second: os.sched_getaffinity is a system call
+    (2-6 us on the 2-core VM, more than a decode-sized kernel), so reading it on every kernel call cost users without
+    OPPORT_NUM_THREADS most of a small call's time. An affinity changed at run time (taskset, os.sched_setaffinity)
+    is seen within a second; a forked child starts with its parent's count, which is its own affinity too."""
+    now = _clock()
+    if now - _affinity[0] >= 1.0:
+        _affinity[:] = now, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return _affinity[1]
+
+
+_affinity = [float("-inf"), 1]  # [when read (_clock), count]; one slice assignment replaces both
+_clock = time.monotonic
 # num_threads runs on every kernel call: os.environ.get of an unset variable costs 1.1 us (two KeyErrors inside),
 # a look-up in os.environ's own dict 0.03 us (CPython keeps it in sync with os.environ; plain get elsewhere)
 _ENV = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") and hasattr(os.environ, "decodevalue") else None
