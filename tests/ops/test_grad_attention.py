@@ -105,9 +105,25 @@ def test_many_blocks_and_head_chunks(monkeypatch, dtype):
     monkeypatch.setattr(cpu_attention, "BLOCK_Q", 4)
     monkeypatch.setattr(cpu_attention, "BLOCK_K", 5)
     monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 1)
+    monkeypatch.setattr(cpu_attention, "BACKWARD_SCORE_BUDGET", 1)
     for case in BWD.get_cases(dtype):
         if case.args[1].size <= 20000:
             check_backward_kernel(spec, case, dtype)
+
+
+@pytest.mark.parametrize("causal,window,softcap", ((True, None, None), (False, None, None), (True, 5, 30.0)))
+def test_heads_per_step_do_not_change_the_bits(monkeypatch, causal, window, softcap):
+    """BACKWARD_SCORE_BUDGET only groups KV heads into steps: one head a step, some, or all give the same bits."""
+    q, k, v = qkv(2, 6, 3, 37, 37, 16, seed=8, dtype="float32")
+    g = cast(np.random.default_rng(9).standard_normal((2, 6, 37, 16)), "float32")
+    out, lse = cpu_attention.attention_forward(q, k, v, causal, None, softcap, window)
+    runs = []
+    for budget in (1, 2 * 37 * 37 * 4 * 2, 1 << 30):  # one head a step, two, all six (batches merged)
+        monkeypatch.setattr(cpu_attention, "BACKWARD_SCORE_BUDGET", budget)
+        runs.append(kernel(g, q, k, v, out, lse, causal, None, softcap, window))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_merged_batches_and_strided_inputs_agree_bitwise():

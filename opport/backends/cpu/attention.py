@@ -20,18 +20,22 @@ from opport.ops.attention import attention as spec
 BLOCK_Q = 128  # query rows per block (per query head); 128 x 256 measured 10-25% faster than 64 x 128
 BLOCK_K = 256  # keys per block, for full query blocks; fewer query rows take proportionally more keys
 SCORE_BUDGET = 4 << 20  # bytes of one float32 score block; bounds n, the KV heads done at once
+# the backward's: its block holds four score-sized arrays (P, dP in float64, dS) where the forward's holds one or two;
+# at 4 MB they left L2 (1 MB a core here) and the backward ran 1.3-1.8x slower (docs/cpu.md). It sets the heads per
+# step only: each head's arithmetic, and so its bits, do not depend on it.
+BACKWARD_SCORE_BUDGET = 256 << 10
 
 
-def _blocks(sq: int, sk: int, g: int, itemsize: int) -> tuple:
+def _blocks(sq: int, sk: int, g: int, itemsize: int, budget: int = 0) -> tuple:
     """(keys per block, KV heads per step) for query blocks of min(sq, BLOCK_Q) rows.
 
     A query block of fewer rows (decode: one) takes BLOCK_Q / rows times the keys, so that a score block
     holds about as many elements as a full one and a decode step is a few large NumPy calls instead of
-    many small ones; the heads per step then fill SCORE_BUDGET.
+    many small ones; the heads per step then fill `budget` bytes (SCORE_BUDGET by default).
     """
     rows = max(1, min(sq, BLOCK_Q))
     bk = max(1, min(sk, BLOCK_K * max(1, BLOCK_Q // rows)))
-    return bk, max(1, SCORE_BUDGET // (g * rows * bk * itemsize))
+    return bk, max(1, (budget or SCORE_BUDGET) // (g * rows * bk * itemsize))
 
 
 def _batch_heads_merge(*arrays) -> bool:
@@ -254,7 +258,7 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=Non
     q, k, v, grad, out, lse, dq, dk, dv = arrays
     b, sq = q.shape[0], q.shape[2]
     qg, gg, og, lg, dqg = (a.reshape(b, hkv, g, *a.shape[2:]) for a in (q, grad, out, lse, dq))
-    bk, step = _blocks(sq, k.shape[2], g, acc_t.itemsize)
+    bk, step = _blocks(sq, k.shape[2], g, acc_t.itemsize, BACKWARD_SCORE_BUDGET)
     with np.errstate(over="ignore", invalid="ignore"):
         for bi in range(b):
             for h0 in range(0, hkv, step):
