@@ -21,7 +21,7 @@ BLOCK_Q = 128  # query rows per block (per query head); 128 x 256 measured 10-25
 BLOCK_K = 256  # keys per block, for full query blocks; fewer query rows take proportionally more keys
 SCORE_BUDGET = 4 << 20  # bytes of one float32 score block; bounds n, the KV heads done at once
 # the backward's: its block holds four score-sized arrays (P, dP in float64, dS) where the forward's holds one or two;
-# at 4 MB they left L2 (1 MB a core here) and the backward ran 1.3-1.8x slower (docs/cpu.md). It sets the heads per
+# at 4 MB they left L2 (1 MB a core here) and the backward ran 1.5-1.8x slower (docs/cpu.md). It sets the heads per
 # step only: each head's arithmetic, and so its bits, do not depend on it.
 BACKWARD_SCORE_BUDGET = 256 << 10
 
