@@ -163,8 +163,78 @@ def _lazy_tuple_type_names():
     cls._opport_lazy = True
 
 
+def _lighter_types():
+    """Every op the interpreter runs builds its result's Triton types anew: a block_type (shape unwrapped and checked
+    element by element, its name formatted), a tensor whose shape is a fresh tl.tuple of constexprs, and on the way
+    millions of `_unwrap_if_constexpr` and `dtype ==` calls: ~40% of an attention conformance run in the
+    interpreter. The same objects and answers, with less work: a shape of plain ints is checked once per shape, a
+    block_type's name is spelled out when read, a tensor takes its shape and numel from its type (built once per
+    shape: shapes are never mutated), the two helpers answer their common cases first, and operands of one shape skip
+    the broadcast's element-by-element comparison."""
+    core = tl.core
+    if getattr(core.block_type, "_opport_light", False):
+        return
+    constexpr, unwrap, tl_tuple = core.constexpr, core._unwrap_if_constexpr, core.tuple
+    leaves = {int, float, bool, str, type(None), core.tensor, core.dtype, core.pointer_type, core.block_type}
+    shapes: dict = {}  # a shape of ints -> (its tl.tuple, numel), checked once; shapes are never mutated
+
+    def unwrap_if_constexpr(o):
+        kind = type(o)
+        if kind is constexpr:
+            return o.value
+        return o if kind in leaves else unwrap(o)
+
+    def block_init(self, element_ty, shape):
+        self.element_ty = element_ty
+        dims = shape.values if type(shape) is tl_tuple else shape
+        key = tuple(dims) if type(dims) is list and all(type(d) is int for d in dims) else None
+        known = shapes.get(key) if key is not None else None
+        if known is None:  # constexprs or a new shape: Triton's own unwrapping and checks
+            assert isinstance(shape, (list, tl_tuple))
+            ints = tl_tuple(core._unwrap_shape(shape))
+            if not ints:
+                raise TypeError("0d block_type is forbidden")
+            numel = triton._utils.validate_block_shape(ints)
+            known = (ints, numel, (tl_tuple([constexpr(d) for d in ints]), constexpr(numel)))
+            if key is not None:
+                shapes[key] = known
+        self.shape, self.numel, self._opport_shaped = known
+
+    scalar = (tl_tuple([]), constexpr(1))  # a scalar tensor's shape and numel
+
+    def tensor_init(self, handle, type):
+        self.handle, self.type, self.dtype = handle, type, type.scalar
+        self.shape, self.numel = type._opport_shaped if type.is_block() else scalar
+
+    def dtype_eq(self, other):
+        if other is self:
+            return True
+        if type(other) is constexpr:
+            other = other.value
+        return isinstance(other, core.dtype) and self.name == other.name
+
+    from triton.language.semantic import TritonSemantic
+
+    broadcast = TritonSemantic.broadcast_impl_value
+
+    def broadcast_impl_value(self, lhs, rhs):
+        a, b = lhs.type, rhs.type  # one type, or blocks of one shape (shared per shape above): nothing to broadcast
+        if a is b or (a.is_block() and b.is_block() and a.shape is b.shape):
+            return lhs, rhs
+        return broadcast(self, lhs, rhs)
+
+    TritonSemantic.broadcast_impl_value = broadcast_impl_value
+    core._unwrap_if_constexpr = unwrap_if_constexpr
+    core.block_type.__init__ = block_init
+    core.block_type.name = property(lambda self: f"<{self.shape}, {self.element_ty}>")
+    core.tensor.__init__ = tensor_init
+    core.dtype.__eq__ = dtype_eq
+    core.block_type._opport_light = True
+
+
 if INTERPRET:
     _fix_interpreter_index()
+    _lighter_types()
     _lazy_tuple_type_names()
     _list_builtins_once()
     _patch_lang_once_per_launch()
