@@ -328,6 +328,29 @@ def test_interpreter_patches_are_undone_after_each_launch():
     assert {n: getattr(tl, n) for n in before} == before
 
 
+
+def test_the_interpreters_lighter_types_keep_tritons_answers():
+    """_launch._lighter_types builds a block_type's shape once per shape: the same kinds of objects, names and
+    errors as Triton's own, and a bad shape still refused."""
+    if CUDA.mode() != "interpreter":
+        pytest.skip("the interpreter's patching only")
+    import triton.language as tl
+
+    a, b = tl.block_type(tl.float32, [16, 32]), tl.block_type(tl.float16, tl.tuple([tl.constexpr(16), 32]))
+    assert type(a.shape) is tl.tuple and a.shape.values == [16, 32] and a.numel == 512
+    assert a.name == "<['16', '32'], fp32>" and b.shape.values == [16, 32] and a != b
+    assert a == tl.block_type(tl.float32, [16, 32]) and a.with_element_ty(tl.float16) == b
+    t = tl.tensor(None, a)
+    assert [type(s) for s in t.shape] == [tl.constexpr] * 2 and t.numel.value == 512 and t.dtype == tl.float32
+    s = tl.tensor(None, tl.float32)
+    assert len(s.shape) == 0 and s.numel.value == 1 and tl.core._unwrap_if_constexpr(tl.constexpr(3)) == 3
+    with pytest.raises(ValueError, match="power of 2"):
+        tl.block_type(tl.float32, [16, 24])
+    with pytest.raises(TypeError, match="0d"):
+        tl.block_type(tl.float32, [])
+    x = torch.randn(4, 1, device=CUDA.torch_device())  # a kernel broadcasting a column against a tile still does
+    torch.testing.assert_close(opport.softmax(x.expand(4, 96), backend="cuda"), torch.full((4, 96), 1 / 96))
+
 # --------------------------------------------------------------------------- dispatch
 
 
