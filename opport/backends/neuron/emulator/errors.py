@@ -23,5 +23,10 @@ def check(cond, op: str, message: str):
         raise NkiValidationError(f"{op}: {message}")
 
 
+def fail(op: str, message: str):
+    """Raise NkiValidationError('<op>: <message>'): for hot paths, which build the message only when it is needed."""
+    raise NkiValidationError(f"{op}: {message}")
+
+
 def warn(op: str, message: str, category=NkiWarning):
     warnings.warn(f"{op}: {message}", category, stacklevel=4)

@@ -10,7 +10,7 @@ import numpy as np
 from opport.backends.neuron.emulator import dtypes as dt
 from opport.backends.neuron.emulator import runtime
 from opport.backends.neuron.emulator.constants import engine, enum_arg, matmul_perf_mode
-from opport.backends.neuron.emulator.errors import check, warn
+from opport.backends.neuron.emulator.errors import check, fail, warn
 from opport.backends.neuron.emulator.operands import _engine, _tile
 from opport.backends.neuron.emulator.target import PMAX, PSUM_BANK_BYTES
 from opport.backends.neuron.emulator.tensor import NkiTensor, psum, sbuf
@@ -68,15 +68,16 @@ def _matmul_dtypes(stationary, moving, op, run):
         if dt.is_packed(t.dtype):
             raise NotImplementedError(f"{op}: {role} is {dt.name(t.dtype)}; packed x4 MX types feed nisa.nc_matmul_mx "
                                       "(NeuronCore-v4), which the opport emulator does not emulate")
-        check(t.dtype in dt.MATMUL_INPUTS, op, f"{role} dtype {t.dtype} is not a matmul input type (fp8, bf16, fp16, fp32)")
-        check(t.dtype != dt.float8_e4m3fn or run.target.version >= 4, op,
-              f"{role} is float8_e4m3fn (OCP FP8), a matmul input only from NeuronCore-v4 (trn3); {run.target.name} "
-              "takes float8_e4m3 / float8_e5m2")
+        if t.dtype not in dt.MATMUL_INPUTS:  # messages built only on failure: every matmul checks these
+            fail(op, f"{role} dtype {t.dtype} is not a matmul input type (fp8, bf16, fp16, fp32)")
+        if t.dtype == dt.float8_e4m3fn and run.target.version < 4:
+            fail(op, f"{role} is float8_e4m3fn (OCP FP8), a matmul input only from NeuronCore-v4 (trn3); "
+                     f"{run.target.name} takes float8_e4m3 / float8_e5m2")
     kinds = {stationary.dtype, moving.dtype}
     check(not {dt.float8_e4m3, dt.float8_e4m3fn} <= kinds, op,
           "legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed in one matmul")
-    fp32 = [t.dtype == dt.float32 for t in (stationary, moving)]
-    check(all(fp32) or not any(fp32), op, f"float32 may only pair with float32, got {stationary.dtype} x {moving.dtype}")
+    if (stationary.dtype == dt.float32) != (moving.dtype == dt.float32):
+        fail(op, f"float32 may only pair with float32, got {stationary.dtype} x {moving.dtype}")
 
 
 def _tiling(tile_position, tile_size, op) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 from opport.backends.neuron.emulator import dtypes as dt
 from opport.backends.neuron.emulator import runtime
 from opport.backends.neuron.emulator.constants import dge_mode, engine, enum_arg, oob_mode, reduce_cmd
-from opport.backends.neuron.emulator.errors import NkiValidationError, check, warn
+from opport.backends.neuron.emulator.errors import NkiValidationError, check, fail, warn
 from opport.backends.neuron.emulator.ops import ALU_UNARY, OPS, Op
 from opport.backends.neuron.emulator.target import PMAX
 from opport.backends.neuron.emulator.tensor import NkiTensor, psum, sbuf
@@ -26,17 +26,22 @@ def _tensor(t, op, role) -> NkiTensor:
 
 
 def _tile(t, op, role, eng=None) -> NkiTensor:
-    """An on-chip operand of a compute instruction, legal for engine `eng`."""
+    """An on-chip operand of a compute instruction, legal for engine `eng` (messages built only on failure: this
+    runs for every operand of every instruction)."""
     _tensor(t, op, role)
-    check(t.onchip, op, f"{role} must be in SBUF or PSUM, got {t.buffer} (only DMA instructions access HBM)")
-    check(t.shape[0] <= PMAX, op, f"{role} partition dimension {t.shape[0]} exceeds maximum {PMAX}")
-    if eng == "gpsimd":
-        check(t.buffer is not psum, op, f"the GpSimd engine cannot access PSUM ({role} is in PSUM)")
-    check(_free_dims(t) <= 4, op, f"{role} access pattern has {_free_dims(t)} free dims; instructions take at most 4")
+    if not t.onchip:
+        fail(op, f"{role} must be in SBUF or PSUM, got {t.buffer} (only DMA instructions access HBM)")
+    if t.shape[0] > PMAX:
+        fail(op, f"{role} partition dimension {t.shape[0]} exceeds maximum {PMAX}")
+    if eng == "gpsimd" and t.buffer is psum:
+        fail(op, f"the GpSimd engine cannot access PSUM ({role} is in PSUM)")
+    if (free := _free_dims(t)) > 4:
+        fail(op, f"{role} access pattern has {free} free dims; instructions take at most 4")
     if eng in ("vector", "scalar"):
         limit = 65535 if t.buffer is sbuf else 4096
-        check(t.per_partition() <= limit, op, f"{role} has {t.per_partition()} elements per partition; the {eng} engine "
-              f"takes at most {limit} from {t.buffer.name.upper()}")
+        if t.per_partition() > limit:
+            fail(op, f"{role} has {t.per_partition()} elements per partition; the {eng} engine takes at most {limit} "
+                     f"from {t.buffer.name.upper()}")
     _check_start_partition(t, op, role)
     return t
 
@@ -65,8 +70,8 @@ def _free_dims(t: NkiTensor) -> int:
 
 def _same_partitions(op, **tiles):
     ps = {k: v.shape[0] for k, v in tiles.items() if v is not None}
-    check(len(set(ps.values())) <= 1, op, "operands must use the same number of partitions, got "
-          + ", ".join(f"{k} {p}" for k, p in ps.items()))
+    if len(set(ps.values())) > 1:
+        fail(op, "operands must use the same number of partitions, got " + ", ".join(f"{k} {p}" for k, p in ps.items()))
 
 
 def _same_count(op, **tiles):

@@ -64,7 +64,10 @@ class Run:
     """One kernel invocation (one LNC program)."""
 
     def __init__(self, name: str = "", program_id: int = 0, num_programs: int = 1, grid_ndim: int = 0):
-        self.stats = KernelStats(kernel=name, target=_target.current().name, calls=1)
+        # the environment's generation read once per kernel (not per instruction: os.environ is slow); eager code
+        # outside a kernel (one run per thread for good) reads it each time; use_target/set_target win in both
+        self._env_target = None if name == EAGER else _target.from_env()
+        self.stats = KernelStats(kernel=name, target=self.target.name, calls=1)
         self.program_id, self.num_programs, self.grid_ndim = program_id, num_programs, grid_ndim
         # ScalarE / VectorE accumulation registers, one fp32 per lane; NaN until reset so stale reads show
         self.act_regs = np.full(PMAX, np.nan, np.float32)
@@ -81,7 +84,7 @@ class Run:
 
     @property
     def target(self):
-        return _target.current()
+        return _target.current(self._env_target)
 
     # -- accounting ------------------------------------------------------------------------------
     def count(self, engine: str, n: int = 1):
@@ -161,10 +164,13 @@ def _claimed_bytes(rects) -> int:
 _local = threading.local()
 
 
+EAGER = "<eager>"  # the run of instructions called outside any kernel
+
+
 def current() -> Run:
     run = getattr(_local, "run", None)
     if run is None:
-        run = _local.run = Run("<eager>")
+        run = _local.run = Run(EAGER)
     return run
 
 

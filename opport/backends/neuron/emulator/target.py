@@ -47,10 +47,16 @@ def resolve(name: str) -> Target:
     return TARGETS[key]
 
 
-def current() -> Target:
+def from_env() -> Target:
+    """The generation NEURON_PLATFORM_TARGET_OVERRIDE names (trn2 when unset)."""
+    return resolve(os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE") or DEFAULT)
+
+
+def current(env: Target | None = None) -> Target:
+    """This thread's set_target/use_target choice, else `env` (from_env() read earlier), else from_env()."""
     t = getattr(_local, "target", None)
     if t is None:
-        t = resolve(os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE") or DEFAULT)
+        t = env or from_env()
     return t
 
 

@@ -13,7 +13,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from opport.backends.neuron.emulator import dtypes as dt
 from opport.backends.neuron.emulator import runtime
-from opport.backends.neuron.emulator.errors import NkiValidationError, check
+from opport.backends.neuron.emulator.errors import NkiValidationError, check, fail
 from opport.backends.neuron.emulator.target import PMAX, PSUM_MIN_ALIGN
 
 
@@ -112,20 +112,25 @@ def allocate(shape, dtype, buffer=None, name="", fill=None, op="nl.ndarray", add
     dtype = dt.as_dtype(dtype, op)
     shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
     # NkiTensor docs: "shape: tuple of positive integers" (empty views come from slicing, never allocation)
-    check(all(n > 0 for n in shape), op, f"every dimension must be positive, got shape {shape}")
+    if not all(n > 0 for n in shape):  # messages built only on failure: this runs for every tile
+        fail(op, f"every dimension must be positive, got shape {shape}")
     if not buffer.onchip:
         if address is not None:
             raise NotImplementedError(f"{op}: address={address!r} on {buffer}: explicit HBM placement is not emulated")
         st = Storage(_filled_array(math.prod(shape), dtype, fill), buffer, None, shape[0] if shape else 1, name)
         return NkiTensor(st, 0, shape, _row_major(shape), dtype)
-    check(len(shape) >= 2, op, f"on-chip tiles are at least 2-D (partition, free...), got shape {shape}")
-    check(len(shape) <= 5, op, f"on-chip tiles have at most 4 free dims, got shape {shape}")
-    check(shape[0] <= PMAX, op, f"partition dimension {shape[0]} exceeds maximum {PMAX}")
+    if len(shape) < 2:
+        fail(op, f"on-chip tiles are at least 2-D (partition, free...), got shape {shape}")
+    if len(shape) > 5:
+        fail(op, f"on-chip tiles have at most 4 free dims, got shape {shape}")
+    if shape[0] > PMAX:
+        fail(op, f"partition dimension {shape[0]} exceeds maximum {PMAX}")
     pfree = math.prod(shape[1:])
     per_partition = pfree * dtype.itemsize
     cap = _capacity(buffer)
-    check(per_partition <= cap, op, f"a {buffer.name.upper()} tile of {per_partition} bytes per partition "
-                                    f"exceeds the {cap} bytes a partition has")
+    if per_partition > cap:
+        fail(op, f"a {buffer.name.upper()} tile of {per_partition} bytes per partition exceeds the {cap} bytes a "
+                 "partition has")
     if address is None:
         st = Storage(_filled_array(math.prod(shape), dtype, fill), buffer, pfree, shape[0], name)
         runtime.current().allocate(st, buffer.name, per_partition)
