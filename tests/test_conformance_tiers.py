@@ -24,14 +24,32 @@ def _ids(spec, backend, dtype, tier, emulated, examples=0):
     return [it.id for it in items_for(spec, backend, dtype, Selection(tier, examples, 0, emulated=emulated))]
 
 
-@functools.cache
 def _tiers(backend: str) -> dict:
     """{(spec, dtype): (smoke items, fast items)} without Hypothesis examples, for every op the backend runs."""
-    b = get_backend(backend)
-    emulated = b.capabilities.emulated()
-    return {(spec, dtype): tuple(items_for(spec, backend, dtype, Selection(tier, 0, 0, emulated=emulated))
-                                 for tier in ("smoke", "fast"))
-            for spec in SPECS if kernels(spec, b) for dtype in _dtypes(spec, b)}
+    return _all_tiers()[backend]
+
+
+def _built(get_cases, dtype, cases, d):
+    return iter(cases) if d == dtype else get_cases(d)
+
+
+@functools.cache
+def _all_tiers() -> dict:
+    """_tiers of cpu, cuda and neuron, each op's declared cases built once for all six selections."""
+    found = {name: {} for name in ("cpu", "cuda", "neuron")}
+    for spec in SPECS:
+        for dtype in sorted({d for name in found for d in _dtypes(spec, get_backend(name))}):
+            cases = tuple(spec.get_cases(dtype))
+            spec.get_cases = functools.partial(_built, type(spec).get_cases.__get__(spec), dtype, cases)  # del below
+            try:
+                for name, tiers in found.items():
+                    b = get_backend(name)
+                    if kernels(spec, b) and dtype in _dtypes(spec, b):
+                        tiers[spec, dtype] = tuple(items_for(spec, name, dtype, Selection(
+                            tier, 0, 0, emulated=b.capabilities.emulated())) for tier in ("smoke", "fast"))
+            finally:
+                del spec.get_cases
+    return found
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda", "neuron"])
