@@ -45,6 +45,20 @@ def pytest_configure(config):
         b.unavailable()
 
 
+# Files that take the most worker time (a run's --junitxml), first. xdist hands out whole files (--dist loadfile) in
+# collection order (the Makefile turns off its reordering by test count, which sent these few-test files last): a
+# long file started last keeps one worker busy while the other idles.
+SLOWEST_FILES = ("test_fleet.py", "test_recipes.py", "test_integration_transformers_families.py", "test_bench.py",
+                 "test_cuda_backend.py", "test_conformance_tiers.py", "test_neuron_kernels.py", "test_cuda_aot.py",
+                 "test_integration_transformers_batches.py", "test_training.py", "test_one_verdict.py",
+                 "test_serving_engine.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name if item.path.parent.name == "tests" else "", len(rank)))
+
+
 @pytest.fixture(scope="session")
 def stored_runs(tmp_path_factory):
     """Three real runs in one results store (tests/store_runs.py): conformance, conformance with rmsnorm broken, bench."""
