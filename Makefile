@@ -12,11 +12,13 @@ TORCH ?= torch==2.13.0
 
 venv: $(STAMP)
 
+# pip takes torch (pip's configuration may point at a local CPU wheel; uv reads no pip.conf), uv the rest: it
+# downloads in parallel (the rest of the venv 55-60 s with pip against 24 s, uv's cache cold, bytecode compiled);
+# torch already there satisfies what the extras ask of it, so uv keeps it.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[cuda,jax,transformers,bench,fleet,test]"
+	$(BIN)/pip install -q uv "$(TORCH)"
+	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install -q --compile-bytecode -e ".[cuda,jax,transformers,bench,fleet,test]"
 	touch $(STAMP)
 
 run: venv

@@ -104,6 +104,24 @@ def test_input_mutation_is_caught(ctest):
     assert "wrote into its input" in report.cases[0]["message"]
 
 
+def test_shared_cases_are_built_once_and_no_kernel_writes_into_them():
+    """--covered-by builds every backend's items of an op from one list of its declared cases; what a kernel
+    gets (layout None included) is a copy, so a kernel writing into its input leaves the shared case as declared."""
+    from opport.conformance.cases import declared_cases, lay_out, shared_cases
+
+    spec = get_op("rmsnorm")
+    with shared_cases():
+        cases = declared_cases(spec, "float32")
+        assert declared_cases(spec, "float32") is cases and declared_cases(spec, "float16") is not cases
+        case = cases[0]
+        before = case.args[0].copy()
+        laid = lay_out(case, None, None)
+        laid.args[0][...] = 7  # a kernel using its input as scratch
+        assert laid.args[0] is not case.args[0] and np.array_equal(case.args[0], before)
+        assert laid.ref_args[0] is case.args[0] and laid.buffers[0] is laid.args[0]
+    assert declared_cases(spec, "float32") is not cases  # outside: built afresh, as before
+
+
 def test_nondeterminism_is_caught_unless_declared(ctest):
     install, cpu = ctest
     rng = np.random.default_rng()

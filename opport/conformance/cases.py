@@ -10,6 +10,7 @@ examples keep the strategy's name (`hyp-<seed>`, de-duplicated with `~2`, `~3`);
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from dataclasses import dataclass, field
 
@@ -95,7 +96,7 @@ def items_for(spec: OpSpec, backend: str, dtype: str, sel: Selection) -> list[It
     """Fixed cases, then their layout variants, then Hypothesis examples, filtered by `sel`."""
     explicit = bool(sel.cases)
     skip_tags, case_max = sel.knob("skip_tags"), sel.knob("case_max")
-    declared = [c for c in spec.get_cases(dtype) if explicit or not set(c.tags) & set(skip_tags)]
+    declared = [c for c in declared_cases(spec, dtype) if explicit or not set(c.tags) & set(skip_tags)]
     fixed = [c for c in declared if explicit or case_max is None or elements(c) <= case_max]
     out = [Item(spec.name, backend, dtype, c.name, c, tags=tuple(c.tags)) for c in fixed if sel.wants(c.name)]
     if sel.layouts:
@@ -106,6 +107,33 @@ def items_for(spec: OpSpec, backend: str, dtype: str, sel: Selection) -> list[It
     out += [Item(spec.name, backend, dtype, c.name, c, source="hypothesis", tags=tuple(c.tags))
             for c in hypothesis_cases(spec, dtype, sel) if sel.wants(c.name)]
     return out
+
+
+_SHARED: dict | None = None  # (spec id, dtype) -> (spec, its declared cases), the latest few, inside shared_cases()
+_SHARED_KEEP = 2
+
+
+@contextlib.contextmanager
+def shared_cases():
+    """Within: the declared cases of the latest (op, dtype)s are kept and shared by every backend's items (their
+    arrays never reach a kernel: `lay_out` copies them). For runs that build one op's batches in a row."""
+    global _SHARED
+    outer, _SHARED = _SHARED, {}
+    try:
+        yield
+    finally:
+        _SHARED = outer
+
+
+def declared_cases(spec: OpSpec, dtype: str) -> list[Case]:
+    if _SHARED is None:
+        return list(spec.get_cases(dtype))
+    key = (id(spec), dtype)
+    if key not in _SHARED:
+        while len(_SHARED) >= _SHARED_KEEP:
+            del _SHARED[next(iter(_SHARED))]
+        _SHARED[key] = (spec, list(spec.get_cases(dtype)))  # the spec kept alive: its id is not reused meanwhile
+    return _SHARED[key][1]
 
 
 def _layout_items(spec, backend, dtype, declared, fixed, sel) -> list[Item]:
@@ -365,9 +393,10 @@ def lay_out(case: Case, layout: str | None, torch_device: str | None) -> Laid:
     viewed there, so strides survive); otherwise NumPy views. `expanded` replaces an array by its
     first entry broadcast along axis 0 (stride 0), so the reference sees those values.
     """
-    if layout is None:
-        arrs = _arrays(case)
-        return Laid(case.args, case.kwargs, case.args, case.kwargs, arrs)
+    if layout is None:  # copies: a kernel that writes into its input changes neither the case nor the reference's
+        args = tuple(a.copy(order="K") if isinstance(a, np.ndarray) else a for a in case.args)
+        kwargs = {k: v.copy(order="K") if isinstance(v, np.ndarray) else v for k, v in case.kwargs.items()}
+        return Laid(args, kwargs, case.args, case.kwargs, [a for a in (*args, *kwargs.values()) if isinstance(a, np.ndarray)])
     buffers, views = [], []
 
     def one(a):

@@ -245,30 +245,37 @@ def covered(path: str):
     larger tier's run); a case that report lacks is an error. `--covered-by`: the smoke tier judged from the gate."""
     import json
 
-    from opport.conformance.execute import new_result
+    from opport.conformance.cases import shared_cases
     from opport.conformance.worker import build_items
 
     with open(path) as f:
         ran = {c["id"]: c for c in json.load(f)["cases"]}
 
     def execute(batches, sink, on_count, on_done) -> Executed:
-        for batch in batches:
-            items = build_items(batch)
-            on_count(len(items))
-            for i, it in enumerate(items):
-                found = ran.get(it.id)
-                res = dict(new_result(it), index=i)
-                if found is None:
-                    res.update(status="error", message=f"not run by {path}: the covered-by run lacks this case")
-                else:
-                    res.update({k: found[k] for k in ("status", "kernel", "metrics", "message", "worst") if k in found})
-                    # as it ran, before known failures: the sink applies them again (a known failure stays xfail)
-                    res["status"] = {"xfail": "fail", "xpass": "pass"}.get(found["status"], found["status"])
-                sink(res)
-            on_done(batch)
+        with shared_cases():  # an op's batches in a row: each dtype's declared cases built once for all backends
+            for batch in sorted(batches, key=lambda b: (b.op, b.dtype)):
+                _judge(build_items(batch), ran, path, sink, on_count)
+                on_done(batch)
         return Executed({})
 
     return execute
+
+
+def _judge(items: list, ran: dict, path: str, sink, on_count):
+    """Each item's result taken from the covering report's case of the same id."""
+    from opport.conformance.execute import new_result
+
+    on_count(len(items))
+    for i, it in enumerate(items):
+        found = ran.get(it.id)
+        res = dict(new_result(it), index=i)
+        if found is None:
+            res.update(status="error", message=f"not run by {path}: the covered-by run lacks this case")
+        else:
+            res.update({k: found[k] for k in ("status", "kernel", "metrics", "message", "worst") if k in found})
+            # as it ran, before known failures: the sink applies them again (a known failure stays xfail)
+            res["status"] = {"xfail": "fail", "xpass": "pass"}.get(found["status"], found["status"])
+        sink(res)
 
 
 def _in_process(batches: list, sink, on_count, on_done=lambda batch: None):
