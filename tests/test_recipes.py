@@ -87,10 +87,16 @@ def ruff(site: Path, files: list[Path], first_party: list[str]):
               *map(str, files)), "ruff check")
 
 
-def pytest_selected(site: Path, files: tuple, word: str):
-    """Run `-k word` over `files`: every test must pass, and each file must have run at least one for `word`."""
-    proc = run(site, "-m", "pytest", "-q", "-rfEsp", "-p", "no:cacheprovider", "-k", word, *files)
+def pytest_selected(site: Path, files: tuple, word: str, whole: tuple = ()):
+    """Run `-k word` over `files`, and every test of `whole` (files, or `file::test` ids) in the same run (one
+    interpreter start): every test must pass, and each of `files` must have run at least one for `word`."""
+    names = [w.rsplit("::", 1)[-1].rsplit("/", 1)[-1] for w in whole]  # -k matches a test's file and its own name
+    files_run = [*files, *(w.split("::")[0] for w in whole if w.split("::")[0] not in files)]
+    proc = run(site, "-m", "pytest", "-q", "-rfEsp", "-p", "no:cacheprovider", "-k", " or ".join([word, *names]),
+               *dict.fromkeys(files_run))
     check(proc, f"pytest -k {word}")
+    for name in names:
+        assert re.search(rf"^PASSED \S*{re.escape(name)}", proc.stdout, re.M), f"{name} did not run\n{proc.stdout[-4000:]}"
     passed = re.findall(r"^PASSED (\S+)", proc.stdout, re.M)
     empty = [f for f in files if not any(p.startswith(f + "::") and word in p for p in passed)]
     assert not empty, f"no test for {word} ran in {empty}\n{proc.stdout[-4000:]}"
@@ -133,8 +139,7 @@ def test_adding_an_op_with_a_cpu_kernel_only(tmp_path):
     found = run(site, "-c", "import opport; print(sorted(opport.all_ops())); print(opport.square.__doc__)")
     check(found, "discovery")
     assert "'square'" in found.stdout and "x * x, elementwise." in found.stdout, found.stdout
-    pytest_selected(site, OP_TESTS, "square")
-    check(run(site, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cli.py"), "pytest tests/test_cli.py")
+    pytest_selected(site, OP_TESTS, "square", whole=("tests/test_cli.py",))
     assert "cpu.square" in listed(site)
     assert "cpu.square" in conformance_kernels(site, tmp_path, "--backend", "cpu", "--op", "square")
     rows = bench_rows(site, tmp_path, "--op", "square")  # its case tagged llm, forward and forward+backward
@@ -188,9 +193,7 @@ def test_adding_a_backend_with_one_kernel(tmp_path):
     check(doctor, "opport doctor")
     assert re.search(rf"^\W*{name}\W+ok\W", doctor.stdout, re.M), doctor.stdout
     assert f"{name}.{op}" in listed(site)
-    pytest_selected(site, BACKEND_TESTS, name)
-    check(run(site, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cli.py", "tests/test_conformance_runner.py",
-              "tests/test_bench.py::test_bench_and_conformance_name_no_backend_and_read_no_mode"),
-          "pytest tests/test_cli.py tests/test_conformance_runner.py tests/test_bench.py")
+    pytest_selected(site, BACKEND_TESTS, name, whole=("tests/test_cli.py", "tests/test_conformance_runner.py",
+                    "tests/test_bench.py::test_bench_and_conformance_name_no_backend_and_read_no_mode"))
     assert f"{name}.{op}" in conformance_kernels(site, tmp_path, "--backend", name)
     assert {r["call"].rsplit("-> ", 1)[-1] for r in bench_rows(site, tmp_path, "--backend", name, "--op", op)} == {f"{name}.{op}"}
