@@ -351,6 +351,32 @@ def test_the_interpreters_lighter_types_keep_tritons_answers():
     x = torch.randn(4, 1, device=CUDA.torch_device())  # a kernel broadcasting a column against a tile still does
     torch.testing.assert_close(opport.softmax(x.expand(4, 96), backend="cuda"), torch.full((4, 96), 1 / 96))
 
+
+def test_the_interpreter_skips_overflow_checks_only_where_their_assert_is_dropped():
+    """_launch._no_dead_overflow_checks: without debug Triton's int overflow check ends in a device_assert that is
+    nothing (the compiler deletes the check); the interpreter skips it then, and runs Triton's own with debug on."""
+    if CUDA.mode() != "interpreter":
+        pytest.skip("the interpreter's patching only")
+    from types import SimpleNamespace
+
+    import triton.language as tl
+    from triton.language.semantic import TritonSemantic
+
+    asserted, ops = [], []
+    options = SimpleNamespace(debug=False, sanitize_overflow=True)
+    fake = SimpleNamespace(builder=SimpleNamespace(options=options), device_assert=lambda c, msg, m: asserted.append(msg))
+    for name in ("cast", "less_equal", "greater_equal", "and_", "scalar_constant"):
+        setattr(fake, name, lambda *a, name=name: ops.append(name))
+    lhs = SimpleNamespace(type=SimpleNamespace(scalar=tl.int32))
+    check = TritonSemantic.binary_op_sanitize_overflow_impl
+    check(fake, lhs, lhs, lambda *a: None)
+    assert asserted == ops == []  # debug off: nothing to assert, nothing computed
+    options.debug = True
+    check(fake, lhs, lhs, lambda *a: None)
+    assert asserted == ["int32 overflow detected for operation <lambda>"] and "cast" in ops  # Triton's own ran
+    x = torch.arange(-3, 5, dtype=torch.float32, device=CUDA.torch_device()).reshape(2, 4)
+    torch.testing.assert_close(opport.softmax(x, backend="cuda"), torch.softmax(x, -1))  # index arithmetic still right
+
 # --------------------------------------------------------------------------- dispatch
 
 

@@ -232,9 +232,28 @@ def _lighter_types():
     core.block_type._opport_light = True
 
 
+def _no_dead_overflow_checks():
+    """Triton widens every int add, sub and mul to int64, redoes it and compares against the type's range (one
+    add becomes six ops), all for a device_assert that without debug is nothing: the compiler deletes that work as
+    dead code, the interpreter ran it (~20% of a varlen_attention run). Skipped where the assert would be dropped."""
+    from triton.language.semantic import TritonSemantic
+
+    checks = TritonSemantic.binary_op_sanitize_overflow_impl
+    if getattr(checks, "_opport", False):
+        return
+
+    def binary_op_sanitize_overflow_impl(self, lhs, rhs, binary_op):
+        if self.builder.options.debug:
+            return checks(self, lhs, rhs, binary_op)
+
+    binary_op_sanitize_overflow_impl._opport = True
+    TritonSemantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
+
+
 if INTERPRET:
     _fix_interpreter_index()
     _lighter_types()
+    _no_dead_overflow_checks()
     _lazy_tuple_type_names()
     _list_builtins_once()
     _patch_lang_once_per_launch()
