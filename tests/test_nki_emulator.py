@@ -1754,3 +1754,23 @@ def test_view_queries_and_tensor_indirection():
     assert h.ap([[4, 2], [1, 4]], vector_offset=sb((2, 1), nl.int32)).is_indirect()
     with pytest.raises(NotImplementedError, match="Tensor Indirection"):
         t.indirect(sb((4, 1), nl.uint32))
+
+
+def test_strided_views_write_through_for_every_base():
+    """emulator/tensor.py _strided: an ndarray over a contiguous base's buffer, as_strided otherwise (a caller's
+    transposed array, fp8 bytes): each a view of the same memory, writes reaching it."""
+    from opport.backends.neuron.emulator.tensor import _strided
+
+    flat = np.arange(32, dtype=np.float32)
+    v = _strided(flat[4:], (3, 4), (32, 4))
+    assert v.tolist() == [[4, 5, 6, 7], [12, 13, 14, 15], [20, 21, 22, 23]]
+    v[1, 0] = -1
+    assert flat[12] == -1
+    caller = np.arange(12, dtype=np.float32).reshape(3, 4).T  # not contiguous: no buffer, the as_strided path
+    span = _strided(caller, (12,), (4,))
+    span[1] = 99
+    assert np.shares_memory(span, caller) and caller[1, 0] == 99  # memory order: the untransposed [0, 1]
+    e5 = np.zeros(8, ml_dtypes.float8_e5m2)
+    w = _strided(e5[2:], (2, 2), (2, 1))
+    w[...] = 1.5
+    assert w.dtype == e5.dtype and e5.astype(np.float32).tolist() == [0, 0, 1.5, 1.5, 1.5, 1.5, 0, 0]
