@@ -132,18 +132,44 @@ def _reference(q, k, v, causal, scale, softcap=None, sliding_window=None):
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     lo, hi = visible_range(sq, sk, causal, sliding_window)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for i in range(sq):  # each row over its visible keys only, so masked k/v values never enter
-            keys = slice(lo[i], hi[i])
-            if hi[i] == lo[i]:
-                continue
-            s = capped(np.einsum("bhd,bhkd->bhk", q[:, :, i], k[:, :, keys]) * scale, softcap)
+        for rows, keys, seen in row_blocks(lo, hi, b * hq, q, k, v):  # masked k/v values never enter: see there
+            s = capped(np.einsum("bhqd,bhkd->bhqk", q[:, :, rows], k[:, :, keys]) * scale, softcap)
+            s = s if seen is None else np.where(seen, s, -np.inf)
             m = s.max(axis=-1, keepdims=True)
             m = np.where(m == -np.inf, 0.0, m)  # all -inf: weights 0, row stays 0
             p = np.exp(s - m)
             den = p.sum(axis=-1)[..., None]
-            row = np.einsum("bhk,bhkd->bhd", p, v[:, :, keys])
-            out[:, :, i] = np.where(den == 0, 0.0, row / np.where(den == 0, 1.0, den))
+            row = np.einsum("bhqk,bhkd->bhqd", p, v[:, :, keys])
+            out[:, :, rows] = np.where(den == 0, 0.0, row / np.where(den == 0, 1.0, den))
     return out
+
+
+BLOCK = 1 << 20  # float64 scores per block of query rows (8 MB): the references' working set
+
+
+def row_blocks(lo, hi, heads: int, *arrays):
+    """Blocks of query rows the references compute together: (rows, keys, seen), slices of rows and of the keys
+    they span, and `seen`, a [rows, keys] mask of what each row sees (None: all of `keys`). Rows of different
+    ranges share a block only when `arrays` are all finite: a masked score's weight is then an exact 0 and every
+    product with it too, so a masked key changes nothing; with an inf or NaN about (0 * inf is NaN), rows of one
+    range [lo, hi) at a time, each over its visible keys only, as the op's mask says."""
+    sq = len(lo)
+    mixed = all(np.isfinite(a).all() for a in arrays)
+    i = 0
+    while i < sq:
+        j = i + 1
+        if mixed:
+            span = max(1, int(hi[i:].max() - lo[i:].min()))
+            j = min(sq, i + max(1, BLOCK // (max(1, heads) * span)))
+        else:
+            while j < sq and lo[j] == lo[i] and hi[j] == hi[i]:
+                j += 1
+        k0, k1 = int(lo[i:j].min()), int(hi[i:j].max())
+        if k1 > k0:
+            keys = np.arange(k0, k1)
+            seen = (keys >= lo[i:j, None]) & (keys < hi[i:j, None])
+            yield slice(i, j), slice(k0, k1), None if seen.all() else seen
+        i = j
 
 
 _WHY = "docs/numerics.md 3.3: K-accumulating (over D and Sk), norm-wise against max|r|"
@@ -406,12 +432,12 @@ def _saved(q, k, v, causal, scale, softcap=None, sliding_window=None):
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     lo, hi = visible_range(sq, sk, causal, sliding_window)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for i in range(sq):
-            if hi[i] > lo[i]:
-                s = capped(np.einsum("bhd,bhkd->bhk", q[:, :, i], k[:, :, lo[i]:hi[i]]) * scale, softcap)
-                m = s.max(axis=-1)
-                m_ref = np.where(m == -np.inf, 0.0, m)
-                lse[:, :, i] = m + np.log(np.exp(s - m_ref[..., None]).sum(axis=-1))
+        for rows, keys, seen in row_blocks(lo, hi, b * hq, q, k):
+            s = capped(np.einsum("bhqd,bhkd->bhqk", q[:, :, rows], k[:, :, keys]) * scale, softcap)
+            s = s if seen is None else np.where(seen, s, -np.inf)
+            m = s.max(axis=-1)
+            m_ref = np.where(m == -np.inf, 0.0, m)
+            lse[:, :, rows] = m + np.log(np.exp(s - m_ref[..., None]).sum(axis=-1))  # no key seen: -inf
     return (lse,)
 
 
@@ -462,26 +488,27 @@ def _vjp(grad, q, k, v, out, lse, causal, scale, softcap, sliding_window, slope:
     with np.errstate(invalid="ignore", over="ignore"):
         big_d = np.sum(grad * out, axis=-1)  # D = rowsum(dO·O)
         lo, hi = visible_range(sq, sk, causal, sliding_window)
-        for i in range(sq):
-            if hi[i] > lo[i]:  # each row over its visible keys only: masked k and v never enter
-                _row_grads(i, slice(lo[i], hi[i]), grad, q, kr, vr, lse, big_d, scale, softcap, slope, dq, dk, dvv)
+        for rows, keys, seen in row_blocks(lo, hi, b * hq, grad, q, k, v):  # masked k and v never enter
+            _block_grads(rows, keys, seen, grad, q, kr, vr, lse, big_d, scale, softcap, slope, dq, dk, dvv)
     return dq, dk.reshape(b, hkv, g, sk, d).sum(axis=2), dvv.reshape(b, hkv, g, sk, dv).sum(axis=2)
 
 
-def _row_grads(i, n, grad, q, kr, vr, lse, big_d, scale, softcap, slope, dq, dk, dv):
-    """Query row i's share of the gradients, over its visible keys n (a slice) (float64, in place)."""
-    live = (lse[:, :, i] != -np.inf)[..., None]  # -inf: no visible finite score, output 0, no gradient
-    raw = np.einsum("bhd,bhkd->bhk", q[:, :, i], kr[:, :, n]) * scale
+def _block_grads(r, n, seen, grad, q, kr, vr, lse, big_d, scale, softcap, slope, dq, dk, dv):
+    """Query rows r's share of the gradients, over their keys n (slices; `seen`: which each row sees, None: all)
+    (float64, in place)."""
+    live = (lse[:, :, r] != -np.inf)[..., None]  # -inf: no visible finite score, output 0, no gradient
+    use = live if seen is None else live & seen
+    raw = np.einsum("bhqd,bhkd->bhqk", q[:, :, r], kr[:, :, n]) * scale
     s = capped(raw, softcap)
-    p = np.where(live, np.exp(s - np.where(live, lse[:, :, i, None], 0.0)), 0.0)
-    dp = np.einsum("bhd,bhkd->bhk", grad[:, :, i], vr[:, :, n])
-    ds = np.where(live, p * (dp - big_d[:, :, i, None]), 0.0)
+    p = np.where(use, np.exp(s - np.where(live, lse[:, :, r, None], 0.0)), 0.0)
+    dp = np.einsum("bhqd,bhkd->bhqk", grad[:, :, r], vr[:, :, n])
+    ds = np.where(use, p * (dp - big_d[:, :, r, None]), 0.0)
     if softcap is not None and slope:  # d(c tanh(raw / c)) / d raw = 1 - tanh²
         ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
-    dq[:, :, i] = np.where(live, np.einsum("bhk,bhkd->bhd", ds, kr[:, :, n]) * scale, 0.0)
-    live4 = live[..., None]
-    dk[:, :, n] += np.where(live4, ds[..., None] * q[:, :, i, None, :] * scale, 0.0)
-    dv[:, :, n] += np.where(live4, p[..., None] * grad[:, :, i, None, :], 0.0)
+    dq[:, :, r] = np.where(live, np.einsum("bhqk,bhkd->bhqd", ds, kr[:, :, n]) * scale, 0.0)
+    # ds and p are 0 where a row is dead or blind; a dead row's q and dO zeroed too (0 * inf is NaN)
+    dk[:, :, n] += np.einsum("bhqk,bhqd->bhkd", ds, np.where(live, q[:, :, r], 0.0)) * scale
+    dv[:, :, n] += np.einsum("bhqk,bhqd->bhkd", p, np.where(live, grad[:, :, r], 0.0))
 
 
 @attention_backward.error_cases

@@ -307,31 +307,19 @@ def _backward_reference(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cau
 
 
 def _vjp(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap, window, slope: bool):
-    """The float64 gradients, token by token over its visible keys; slope=False drops the soft cap's chain rule (a
-    mutant)."""
-    tk, hkv, d = k.shape
-    hq, dv = q.shape[1], v.shape[2]
-    g = hq // hkv
-    dq, dk, dvv = np.zeros(q.shape), np.zeros((tk, hq, d)), np.zeros((tk, hq, dv))
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    with np.errstate(invalid="ignore", over="ignore"):
-        big_d = np.sum(grad * out, axis=-1)  # D = rowsum(dO·O), [Tq, Hq]
-        for qs, ks in sequences(cu_q, cu_k):
-            lo, hi = dense.visible_range(qs.stop - qs.start, ks.stop - ks.start, causal, window)
-            for i in np.flatnonzero(hi > lo):
-                t, n = qs.start + i, slice(ks.start + lo[i], ks.start + hi[i])
-                live = lse[:, t] != -np.inf  # [Hq]; -inf: no visible finite score, output 0, no gradient
-                raw, s = _scores(q[t], k[n], g, scale, softcap)
-                p = np.where(live[:, None], np.exp(s - np.where(live, lse[:, t], 0.0)[:, None]), 0.0)
-                dp = np.einsum("hd,khd->hk", grad[t], np.repeat(v[n], g, axis=1))
-                ds = np.where(live[:, None], p * (dp - big_d[t][:, None]), 0.0)
-                if softcap is not None and slope:  # d(c tanh(raw / c)) / d raw = 1 - tanh²
-                    ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
-                dq[t] = np.where(live[:, None], np.einsum("hk,khd->hd", ds, np.repeat(k[n], g, axis=1)) * scale, 0.0)
-                on = live[None, :, None]
-                dk[n] += np.where(on, ds.T[..., None] * q[t][None] * scale, 0.0)
-                dvv[n] += np.where(on, p.T[..., None] * grad[t][None], 0.0)
-    return dq, dk.reshape(tk, hkv, g, d).sum(axis=2), dvv.reshape(tk, hkv, g, dv).sum(axis=2)
+    """The float64 gradients, sequence by sequence as dense attention's (its reference VJP over each sequence's
+    tokens as [1, H, T, D]); slope=False drops the soft cap's chain rule (a mutant)."""
+    dq, dk, dvv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for qs, ks in sequences(cu_q, cu_k):
+        if qs.stop == qs.start or ks.stop == ks.start:
+            continue  # no query, or nothing to see: no gradient
+        heads = [as_heads(np.asarray(a[t], np.float64)) for a, t in ((grad, qs), (q, qs), (k, ks), (v, ks), (out, qs))]
+        g, q1, k1, v1, o1 = heads
+        grads = dense._vjp(g, q1, k1, v1, o1, np.asarray(lse[:, qs], np.float64)[None], causal, scale, softcap, window,
+                           slope)
+        for full, part, t in zip((dq, dk, dvv), grads, (qs, ks, ks)):
+            full[t] = part[0].transpose(1, 0, 2)
+    return dq, dk, dvv
 
 
 @varlen_attention_backward.error_cases

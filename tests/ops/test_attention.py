@@ -334,3 +334,45 @@ def test_decode_loop_leaves_non_finite_rows_to_the_blocks():
     assert _fused.attention_decode(q, k, v, 0.3, None, 0, 9) is None
     got = kernel(q, k, v, True, None)
     np.testing.assert_array_equal(got, cpu_attention._attention(q, k, v, True, None, None))
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, None, None), (True, None, None), (True, 3, None),
+                                                   (True, 5, 2.0), (False, None, 2.0)])
+@pytest.mark.parametrize("sq,sk", [(9, 9), (5, 12), (12, 5), (1, 7)])
+def test_reference_row_blocks_match_brute_force(monkeypatch, sq, sk, causal, window, softcap):
+    """The reference computes rows of different visible ranges together when the inputs are finite (row_blocks):
+    with blocks of one to a few rows (BLOCK shrunk) it agrees with the brute-force mask."""
+    import opport.ops.attention as mod
+
+    q, k, v = qkv(2, 4, 2, sq, sk, 8, 5, seed=sq + 3 * sk)
+    want = brute_force_capped(q, k, v, causal, softcap, window)
+    for block in (1 << 20, 2 * 8 * sk, 1):
+        monkeypatch.setattr(mod, "BLOCK", block)
+        got = spec.run_reference(q, k, v, causal, None, softcap, window)
+        assert np.allclose(got, want, rtol=1e-12, atol=1e-12), block
+
+
+def test_reference_and_its_vjp_never_see_masked_non_finite_values():
+    """An inf or NaN under the mask changes nothing for the rows that do not see it (forward and dq), while finite
+    inputs take the blocks of mixed ranges: both paths give the same gradients."""
+    import opport.ops.attention as mod
+
+    q, k, v = qkv(1, 2, 1, 6, 6, 8)
+    grad = np.random.default_rng(1).standard_normal((1, 2, 6, 8))
+    out, (lse,) = spec.run_reference(q, k, v, True, None), mod._saved(q, k, v, True, None)
+    clean = mod._vjp(grad, q, k, v, out, lse, True, None, None, None, True)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, :, 3:], v2[:, :, 3:] = np.nan, np.inf  # masked for rows 0..2
+    dirty = spec.run_reference(q, k2, v2, True, None)
+    assert np.allclose(dirty[:, :, :3], out[:, :, :3], rtol=1e-14, atol=1e-14) and np.isnan(dirty[:, :, 3:]).all()
+    dq = mod._vjp(grad, q, k2, v2, out, lse, True, None, None, None, True)[0]
+    assert np.allclose(dq[:, :, :3], clean[0][:, :, :3], rtol=1e-12, atol=1e-12)
+    blocks = mod.row_blocks
+    by_range = lambda lo, hi, heads, *arrays: blocks(lo, hi, heads, *arrays, np.array(np.nan))  # the per-range path
+    mod.row_blocks = by_range
+    try:
+        again = mod._vjp(grad, q, k, v, out, lse, True, None, None, None, True)
+    finally:
+        mod.row_blocks = blocks
+    for a, b in zip(clean, again):
+        assert np.allclose(a, b, rtol=1e-12, atol=1e-12)
