@@ -14,11 +14,14 @@ venv: $(STAMP)
 
 # pip takes torch (pip's configuration may point at a local CPU wheel; uv reads no pip.conf), uv the rest: it
 # downloads in parallel (the rest of the venv 55-60 s with pip against 24 s, uv's cache cold, bytecode compiled);
-# torch already there satisfies what the extras ask of it, so uv keeps it.
+# torch already there satisfies what the extras ask of it, so uv keeps it. --system-certs: the machine's CA store,
+# as pip's (a network that re-signs TLS, as this VM's does, fails uv's bundled roots unless SSL_CERT_FILE is set).
+UV ?= uv==0.13.9
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q uv "$(TORCH)"
-	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install -q --compile-bytecode -e ".[cuda,jax,transformers,bench,fleet,test]"
+	$(BIN)/pip install -q "$(UV)" "$(TORCH)"
+	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install -q --system-certs --compile-bytecode \
+	  -e ".[cuda,jax,transformers,bench,fleet,test]"
 	touch $(STAMP)
 
 run: venv
