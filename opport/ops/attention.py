@@ -154,21 +154,22 @@ def row_blocks(lo, hi, heads: int, *arrays):
     product with it too, so a masked key changes nothing; with an inf or NaN about (0 * inf is NaN), rows of one
     range [lo, hi) at a time, each over its visible keys only, as the op's mask says."""
     sq = len(lo)
+    if not sq:
+        return
     mixed = all(np.isfinite(a).all() for a in arrays)
+    step = max(1, BLOCK // (max(1, heads) * max(1, int(hi.max() - lo.min()))))
     i = 0
     while i < sq:
-        j = i + 1
-        if mixed:
-            span = max(1, int(hi[i:].max() - lo[i:].min()))
-            j = min(sq, i + max(1, BLOCK // (max(1, heads) * span)))
-        else:
-            while j < sq and lo[j] == lo[i] and hi[j] == hi[i]:
-                j += 1
+        j = min(sq, i + step) if mixed else i + 1
+        while not mixed and j < sq and lo[j] == lo[i] and hi[j] == hi[i]:
+            j += 1
         k0, k1 = int(lo[i:j].min()), int(hi[i:j].max())
         if k1 > k0:
-            keys = np.arange(k0, k1)
-            seen = (keys >= lo[i:j, None]) & (keys < hi[i:j, None])
-            yield slice(i, j), slice(k0, k1), None if seen.all() else seen
+            seen = None
+            if mixed:
+                keys = np.arange(k0, k1)
+                seen = (keys >= lo[i:j, None]) & (keys < hi[i:j, None])
+            yield slice(i, j), slice(k0, k1), None if seen is None or seen.all() else seen
         i = j
 
 

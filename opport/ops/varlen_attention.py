@@ -313,10 +313,8 @@ def _vjp(grad, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap, window, sl
     for qs, ks in sequences(cu_q, cu_k):
         if qs.stop == qs.start or ks.stop == ks.start:
             continue  # no query, or nothing to see: no gradient
-        heads = [as_heads(np.asarray(a[t], np.float64)) for a, t in ((grad, qs), (q, qs), (k, ks), (v, ks), (out, qs))]
-        g, q1, k1, v1, o1 = heads
-        grads = dense._vjp(g, q1, k1, v1, o1, np.asarray(lse[:, qs], np.float64)[None], causal, scale, softcap, window,
-                           slope)
+        g, q1, k1, v1, o1 = (as_heads(a[t]) for a, t in ((grad, qs), (q, qs), (k, ks), (v, ks), (out, qs)))
+        grads = dense._vjp(g, q1, k1, v1, o1, lse[None, :, qs], causal, scale, softcap, window, slope)
         for full, part, t in zip((dq, dk, dvv), grads, (qs, ks, ks)):
             full[t] = part[0].transpose(1, 0, 2)
     return dq, dk, dvv
