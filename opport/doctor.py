@@ -85,3 +85,15 @@ def _cpu_name() -> str:
 
 def python_line() -> str:
     return f"python {platform.python_version()} on {platform.machine()} ({sys.platform})"
+
+
+def torch_native_line() -> str | None:
+    """Whether small float32 training calls of silu, swiglu and layernorm on torch CPU tensors run as native autograd
+    nodes here (opport/integrations/torch_native.py), or None where torch is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return None
+    from opport.integrations import torch_native
+
+    return f"torch native autograd nodes (cpu: silu, swiglu, layernorm): {torch_native.status()}"

@@ -187,6 +187,18 @@ def call(op, bound: tuple, backend: str | None):
     return _run_converted(plan, bound)
 
 
+def plan_of(op, bound: tuple, backend: str | None) -> Plan:
+    """The plan a call of `op` on `bound` runs (cached like a call's), without running it: validation errors are
+    raised as the call would raise them. For paths that run the same kernel another way (torch's native nodes)."""
+    key_fn = _key_functions.get(op) or key_function(op)
+    key = key_fn(bound, backend)
+    try:
+        plan = _SELECTIONS.get(key)
+    except TypeError:  # an unhashable scalar
+        plan = None
+    return plan if plan is not None else _miss(op, bound, backend, key, key_fn)
+
+
 def _miss(op, bound: tuple, backend: str | None, key: tuple, key_fn) -> Plan:
     """Plan a call the cache has not seen, and cache the plan if the settings did not change meanwhile."""
     name = context.requested_backend(backend)

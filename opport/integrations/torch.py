@@ -199,7 +199,8 @@ def autograd_call(spec, bound: tuple, backend: str | None):
                                       message=f"{spec.name}: not differentiable; call it under torch.no_grad()")
     _refuse_constant_grads(spec, bound)
     if not torch.compiler.is_compiling():
-        return _eager(spec, backend, bound)
+        out = _native(spec, bound, backend)
+        return _eager(spec, backend, bound) if out is NotImplemented else out
     if spec.value_and_grad_op is not None and _fused_when_traced(spec.name, _described(spec, bound), backend):
         # the fused value-and-grad, whose autograd formula scales its saved gradients
         return OPS[spec.value_and_grad_op.name](*bound, backend=backend)[0]
@@ -287,9 +288,14 @@ def _backward_recorded(ctx, grad) -> tuple:
     r = ctx.r
     with torch.no_grad():
         grads = _gradients(ctx, grad)
-    anchor = torch.zeros((), requires_grad=True)  # makes them part of the graph, whatever they came from
-    grads = tuple(None if g is None else _FirstOrder.apply(r.spec, g, anchor) for g in grads)
+    grads = first_order_grads(r.spec, grads)
     return (None, None, *(grads[j] if j is not None else None for j in r.grad_of_param))
+
+
+def first_order_grads(spec, grads) -> tuple:
+    """Gradients made part of the graph (create_graph=True) that raise UnsupportedError if differentiated again."""
+    anchor = torch.zeros((), requires_grad=True)  # makes them part of the graph, whatever they came from
+    return tuple(None if g is None else _FirstOrder.apply(spec, g, anchor) for g in grads)
 
 
 class _Recipe:
@@ -329,6 +335,17 @@ def _eager_apply():
 
 
 _eager = _eager_apply()
+_native_run = None
+
+
+def _native(spec, bound: tuple, backend):
+    """The call through its native autograd node (opport/integrations/torch_native.py), or NotImplemented."""
+    global _native_run
+    if _native_run is None:  # imported on the first eager training call (it imports the cpu backend's loops)
+        from opport.integrations import torch_native
+
+        _native_run = torch_native.run
+    return _native_run(spec, bound, backend)
 _grad_enabled = torch.is_grad_enabled
 
 

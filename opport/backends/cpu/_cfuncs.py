@@ -1,0 +1,70 @@
+"""C entry points of the fused loops (numba `cfunc`s): what a native caller (opport/integrations/torch_native.cpp,
+torch's autograd nodes for small float32 calls) runs without Python in between. Each wraps its op's loop over
+raw float32 buffers, exactly as the op file's small-call path calls it (the same loop, the same arguments), and
+returns what the loop returns: the count of elements or rows it left, which the caller then hands to the op's
+NumPy kernel whole (the kernel reruns the loop and the careful formula on what it left: the same bits).
+
+Scratch (flags, partial sums) is the caller's, as in the op files (numba's own allocations cannot be poisoned by
+the conformance suite, and need not be made here). `addresses()` compiles them once (cached on disk) and returns
+{name: C function address}; None where numba is absent.
+"""
+
+from __future__ import annotations
+
+from opport.backends.cpu import _fused
+
+_ADDRESSES: dict | None = None
+
+
+def addresses() -> dict | None:
+    global _ADDRESSES
+    if _ADDRESSES is None and _fused.numba is not None:
+        _ADDRESSES = {name: fn.address for name, fn in _compile().items()}
+    return _ADDRESSES
+
+
+def _compile() -> dict:
+    from numba import carray, cfunc, types
+
+    f32, f64, u8 = (types.CPointer(t) for t in (types.float32, types.float64, types.uint8))
+    i64 = types.int64
+    loops = _fused._HERE
+
+    def entry(sig):
+        return cfunc(sig, cache=True, nogil=True)
+
+    silu_f, silu_b = loops["_silu"], loops["_silu_grad"]
+    swiglu_f, swiglu_b = loops["_swiglu"], loops["_swiglu_grad"]
+    ln_f, ln_b = loops["_ln_fwd"], loops["_ln_bwd"]
+    lanes = _fused.LANES
+
+    @entry(i64(f32, f32, i64, u8))
+    def silu_forward(x, y, n, fl):
+        return silu_f(carray(x, n), carray(y, n), False, carray(fl, 1))
+
+    @entry(i64(f32, f32, f32, i64, u8))
+    def silu_backward(x, g, dx, n, fl):
+        return silu_b(carray(x, n), carray(g, n), carray(dx, n), False, carray(fl, 1))
+
+    @entry(i64(f32, f32, f32, i64, u8))
+    def swiglu_forward(gate, up, y, n, fl):
+        return swiglu_f(carray(gate, n), carray(up, n), carray(y, n), False, carray(fl, 1))
+
+    @entry(i64(f32, f32, f32, f32, f32, i64, u8))
+    def swiglu_backward(gate, up, g, dgate, dup, n, fl):
+        return swiglu_b(carray(gate, n), carray(up, n), carray(g, n), carray(dgate, n), carray(dup, n), False,
+                        carray(fl, 1))
+
+    @entry(i64(f32, f32, f32, f32, i64, i64, types.float32, u8, f32))
+    def layernorm_forward(x, w, b, y, rows, n, eps, bad, acc):
+        return ln_f(carray(x, (rows, n)), carray(w, n), True, carray(b, n), True, eps, carray(y, (rows, n)),
+                    carray(bad, rows), carray(acc, lanes))
+
+    @entry(i64(f32, f32, f64, f32, f64, f64, i64, i64, types.float64, u8, f64))
+    def layernorm_backward(x, g, w, dx, dw, db, rows, n, eps, bad, scratch):
+        s = carray(scratch, 2 * lanes + n)  # the op file's one scratch allocation: two lane sums, then xhat
+        return ln_b(carray(x, (rows, n)), carray(g, (rows, n)), carray(w, n), True, eps, carray(dx, (rows, n)),
+                    carray(dw, n), carray(db, n), carray(bad, rows), s[:lanes], s[lanes:2 * lanes], s[2 * lanes:])
+
+    return {f.__name__: f for f in (silu_forward, silu_backward, swiglu_forward, swiglu_backward,
+                                    layernorm_forward, layernorm_backward)}

@@ -1,0 +1,161 @@
+// opport's cpu kernels as native torch autograd nodes (opport/integrations/torch_native.py says when they run).
+//
+// A Python torch.autograd.Function costs tens of microseconds per forward + backward before any kernel runs; a
+// decode-sized call's kernels take about ten. These nodes are C++ torch::autograd::Functions whose forward and
+// backward call the fused loops' C entry points (opport/backends/cpu/_cfuncs.py) on the tensors' memory: the same
+// loops, arguments and bits as the op files' small-call paths. Where a loop leaves elements or rows (NaN, inf,
+// overflow), or the upstream gradient is not float32, the node calls the op's Python kernel for the whole call,
+// which reruns the loop and the careful formula: the same result as the Python path, always. Under
+// create_graph=True the backward is the Python one too (its gradients refuse a second backward).
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+
+namespace py = pybind11;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using at::Tensor;
+
+namespace {
+
+constexpr int64_t kLanes = 64;  // opport.backends.cpu._fused.LANES (checked when the module is bound)
+
+typedef int64_t (*Map1)(float*, float*, int64_t, uint8_t*);
+typedef int64_t (*Map2)(float*, float*, float*, int64_t, uint8_t*);
+typedef int64_t (*Map3x2)(float*, float*, float*, float*, float*, int64_t, uint8_t*);
+typedef int64_t (*LnFwd)(float*, float*, float*, float*, int64_t, int64_t, float, uint8_t*, float*);
+typedef int64_t (*LnBwd)(float*, float*, double*, float*, double*, double*, int64_t, int64_t, double, uint8_t*,
+                         double*);
+
+struct Entry {  // one op: its loops' C entry points and its Python kernels (forward, backward)
+  void* forward = nullptr;
+  void* backward = nullptr;
+  PyObject* py_forward = nullptr;  // owned for the process's life (never released at exit, when no GIL is held)
+  PyObject* py_backward = nullptr;
+};
+Entry silu_k, swiglu_k, layernorm_k;
+
+Entry& entry(const std::string& name) {
+  if (name == "silu") return silu_k;
+  if (name == "swiglu") return swiglu_k;
+  if (name == "layernorm") return layernorm_k;
+  throw std::invalid_argument("opport torch_native: no node for op " + name);
+}
+
+float* f32(const Tensor& t) { return t.data_ptr<float>(); }
+
+// The op's Python kernel on these arguments (tensors, then scalars): a list of tensors. Called with or without
+// the GIL held (the autograd engine runs C++ nodes without it).
+template <class... A>
+std::vector<Tensor> python(PyObject* fn, A&&... args) {
+  py::gil_scoped_acquire gil;
+  return py::reinterpret_borrow<py::object>(fn)(std::forward<A>(args)...).template cast<std::vector<Tensor>>();
+}
+
+// The upstream gradient as the loops take it: contiguous float32, else none (the Python kernel takes it).
+bool loop_grad(const Tensor& g) { return g.scalar_type() == at::kFloat; }
+
+struct Silu : public torch::autograd::Function<Silu> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x) {
+    ctx->save_for_backward({x});
+    Tensor y = at::empty_like(x);
+    uint8_t flag = 0;
+    if (reinterpret_cast<Map1>(silu_k.forward)(f32(x), f32(y), x.numel(), &flag))
+      y = python(silu_k.py_forward, x.detach())[0];
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    Tensor x = ctx->get_saved_variables()[0];
+    if (at::GradMode::is_enabled() || !loop_grad(grads[0]))
+      return python(silu_k.py_backward, grads[0], x, at::GradMode::is_enabled());
+    Tensor g = grads[0].contiguous(), dx = at::empty_like(x);
+    uint8_t flag = 0;
+    if (reinterpret_cast<Map2>(silu_k.backward)(f32(x), f32(g), f32(dx), x.numel(), &flag))
+      return python(silu_k.py_backward, g, x, false);
+    return {dx};
+  }
+};
+
+struct Swiglu : public torch::autograd::Function<Swiglu> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    Tensor y = at::empty_like(gate);
+    uint8_t flag = 0;
+    if (reinterpret_cast<Map2>(swiglu_k.forward)(f32(gate), f32(up), f32(y), gate.numel(), &flag))
+      y = python(swiglu_k.py_forward, gate.detach(), up.detach())[0];
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &gate = saved[0], &up = saved[1];
+    if (at::GradMode::is_enabled() || !loop_grad(grads[0]))
+      return python(swiglu_k.py_backward, grads[0], gate, up, at::GradMode::is_enabled());
+    Tensor g = grads[0].contiguous(), dgate = at::empty_like(gate), dup = at::empty_like(up);
+    uint8_t flag = 0;
+    if (reinterpret_cast<Map3x2>(swiglu_k.backward)(f32(gate), f32(up), f32(g), f32(dgate), f32(dup), gate.numel(),
+                                                    &flag))
+      return python(swiglu_k.py_backward, g, gate, up, false);
+    return {dgate, dup};
+  }
+};
+
+struct LayerNorm : public torch::autograd::Function<LayerNorm> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+    ctx->save_for_backward({x, w, b});
+    ctx->saved_data["eps"] = eps;
+    const int64_t n = x.size(-1), rows = x.numel() / n;
+    Tensor y = at::empty_like(x);
+    std::vector<uint8_t> bad(rows);
+    std::vector<float> acc(kLanes);
+    if (reinterpret_cast<LnFwd>(layernorm_k.forward)(f32(x), f32(w), f32(b), f32(y), rows, n, static_cast<float>(eps),
+                                                     bad.data(), acc.data()))
+      y = python(layernorm_k.py_forward, x.detach(), w.detach(), b.detach(), eps)[0];
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &w = saved[1], &b = saved[2];
+    const double eps = ctx->saved_data["eps"].toDouble();
+    variable_list out;
+    if (at::GradMode::is_enabled() || !loop_grad(grads[0])) {
+      out = python(layernorm_k.py_backward, grads[0], x, w, b, eps, at::GradMode::is_enabled());
+    } else {
+      const int64_t n = x.size(-1), rows = x.numel() / n;
+      Tensor g = grads[0].contiguous(), dx = at::empty_like(x);
+      Tensor w64 = w.to(at::kDouble), sums = at::zeros({2, n}, w64.options());  // dweight, dbias in float64
+      std::vector<uint8_t> bad(rows);
+      std::vector<double> scratch(2 * kLanes + n);
+      if (reinterpret_cast<LnBwd>(layernorm_k.backward)(f32(x), f32(g), w64.data_ptr<double>(), f32(dx),
+                                                        sums.data_ptr<double>(), sums.data_ptr<double>() + n, rows, n,
+                                                        eps, bad.data(), scratch.data()))
+        out = python(layernorm_k.py_backward, g, x, w, b, eps, false);
+      else
+        out = {dx, sums[0].to(at::kFloat), sums[1].to(at::kFloat)};
+    }
+    out.emplace_back();  // eps
+    return out;
+  }
+};
+
+void bind(const std::string& name, int64_t forward, int64_t backward, py::object py_forward, py::object py_backward,
+          int64_t lanes) {
+  if (lanes != kLanes) throw std::invalid_argument("opport torch_native: LANES changed; rebuild the extension");
+  Entry& e = entry(name);
+  e.forward = reinterpret_cast<void*>(forward);
+  e.backward = reinterpret_cast<void*>(backward);
+  e.py_forward = py_forward.release().ptr();
+  e.py_backward = py_backward.release().ptr();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bind", &bind);
+  m.def("silu", [](const Tensor& x) { return Silu::apply(x); });
+  m.def("swiglu", [](const Tensor& gate, const Tensor& up) { return Swiglu::apply(gate, up); });
+  m.def("layernorm", [](const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+    return LayerNorm::apply(x, w, b, eps);
+  });
+}

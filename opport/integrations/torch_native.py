@@ -1,0 +1,192 @@
+"""Native torch autograd nodes for small float32 calls of silu, swiglu and layernorm on the cpu backend.
+
+Through torch autograd, a decode-sized call (1 x 14336 silu, 1 x 4096 layernorm) is mostly fixed cost: a Python
+`torch.autograd.Function` alone costs about 25 us forward + backward (45-70 us with three inputs), its kernels
+about 10-20 us, torch's own op 35-45 us in all. The nodes in torch_native.cpp are C++ autograd Functions that call
+the fused loops' C entry points (opport/backends/cpu/_cfuncs.py) on the tensors' memory, and the op's cpu kernel
+(Python) for a call a loop does not finish (NaN, inf, overflow) or under create_graph=True: the same kernels, the
+same bits as the Python Function path (`_Eager` in opport/integrations/torch.py), which every other call keeps.
+
+When a call takes a node (`run`): the dispatcher's plan for it is the op's one cpu kernel, every array is a plain
+contiguous float32 CPU tensor (layernorm: weight and bias given) smaller than one block of the kernel's own
+block machinery (the size it runs inline on the calling thread anyway), the fused loops are on (`OPPORT_NUMBA`),
+and no torch.func transform is active. The rest of a call is the dispatcher's: validation, the backend settings,
+strict mode (all through `plan_of`).
+
+The extension is compiled once per machine (`python -m opport.integrations.torch_native`, run by `make venv`;
+about 25 s) into torch's extension directory, named by a hash of its source and torch's version, and only
+loaded afterwards: a call never compiles. Not built (or no compiler): the Python Function path runs, the same
+kernels; `opport doctor` says which (`status()`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from opport.backends.cpu import _cfuncs, _fused
+from opport.backends.cpu._common import PARALLEL_MIN, block_rows, num_threads
+from opport.dispatch import registry
+from opport.dispatch.core import plan_of
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+CFLAGS = ["-O2"]
+
+_MODULE = None  # the loaded extension, or False once loading failed (STATUS says why)
+STATUS = "not loaded yet"
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_ELIGIBLE: dict = {}  # dispatcher plan -> whether its calls take a node (a plan stands for one selection key)
+
+
+def module_name() -> str:
+    """The extension's name: its source, flags and torch's version hashed (a changed source is another module)."""
+    h = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    return f"opport_torch_native_{h.hexdigest()[:16]}"
+
+
+def _library_path() -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = module_name()
+    return Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+
+
+def build(verbose: bool = False):
+    """Compile the extension (torch.utils.cpp_extension, ninja) if it is not built yet; returns its path."""
+    from torch.utils.cpp_extension import load
+
+    path = _library_path()
+    if not path.exists():
+        load(module_name(), [str(SOURCE)], extra_cflags=CFLAGS, verbose=verbose)
+    return path
+
+
+def load():
+    """The bound extension module, or None (not built, no numba, or it failed to load: STATUS says which)."""
+    global _MODULE, STATUS
+    if _MODULE is None:
+        _MODULE, STATUS = _load()
+    return _MODULE or None
+
+
+def _load():
+    if _cfuncs.addresses() is None:
+        return False, "off: numba is not installed (the fused loops are what the nodes run)"
+    path = _library_path()
+    if not path.exists():
+        return False, f"not built ({path.name}): `python -m opport.integrations.torch_native` builds it"
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(module_name(), str(path))
+        spec = importlib.util.spec_from_file_location(module_name(), str(path), loader=loader)
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+        _bind(mod)
+    except (ImportError, OSError, ValueError, RuntimeError) as e:
+        return False, f"failed to load {path}: {type(e).__name__}: {e}"
+    return mod, f"loaded ({path})"
+
+
+def _bind(mod) -> None:
+    from opport.integrations.torch import first_order_grads
+
+    cf = _cfuncs.addresses()
+    cpu = registry.get_backend("cpu")
+    for name, spec in _SPECS.items():
+        fwd, bwd = (registry.kernels(s, cpu)[0].fn for s in (spec, spec.backward_op))
+        mod.bind(name, cf[f"{name}_forward"], cf[f"{name}_backward"], _forward(fwd), _backward(spec, bwd, first_order_grads),
+                 _fused.LANES)
+
+
+def _forward(kernel):
+    def forward(*args):
+        return [_from_numpy(kernel(*_numpy(args)))]
+
+    return forward
+
+
+def _backward(spec, kernel, first_order_grads):
+    """The backward node's Python path: the cpu kernel; under create_graph=True its gradients computed without
+    recording and refusing a second backward (as `_Eager`'s)."""
+
+    def backward(*args):
+        recorded = args[-1]
+        with torch.no_grad():
+            grads = [_from_numpy(g) for g in kernel(*_numpy(args[:-1]))]
+        return list(first_order_grads(spec, grads)) if recorded else grads
+
+    return backward
+
+
+def _numpy(args) -> list:
+    return [a.numpy(force=True) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _from_numpy(a):
+    return torch.from_numpy(a)
+
+
+def run(spec, bound: tuple, backend: str | None):
+    """The call through its native node, or NotImplemented where it does not take one (module docstring)."""
+    name = spec.name
+    if name not in _SPECS or torch._C._are_functorch_transforms_active():
+        return NotImplemented
+    for i in spec.array_pos:
+        if type(bound[i]) not in _PLAIN:
+            return NotImplemented
+    plan = plan_of(spec, bound, backend)  # raises the call's own validation errors
+    ok = _ELIGIBLE.get(plan)
+    if ok is None:
+        ok = _eligible(spec, bound, plan)
+    if not ok or not _fused.enabled() or load() is None:
+        return NotImplemented
+    num_threads()  # OPPORT_NUM_THREADS validated on every call, as the cpu kernels do
+    m = _MODULE
+    if name == "layernorm":
+        return m.layernorm(bound[0], bound[1], bound[2], float(bound[3]))
+    return m.silu(bound[0]) if name == "silu" else m.swiglu(bound[0], bound[1])
+
+
+def _eligible(spec, bound: tuple, plan) -> bool:
+    cpu = registry.get_backend("cpu")
+    ok = (plan.kernel.backend == "cpu" and plan.check is None
+          and all(len(registry.kernels(s, cpu)) == 1 for s in (spec, spec.backward_op))
+          and all(_plain32(bound[i]) for i in spec.array_pos))
+    if ok:
+        x = bound[0]
+        n = x.shape[-1] if x.dim() else 1
+        ok = 0 < x.numel() < PARALLEL_MIN and (spec.name != "layernorm" or x.numel() // n <= block_rows(n))
+    if len(_ELIGIBLE) >= registry.SELECTIONS_MAX:
+        _ELIGIBLE.clear()
+    _ELIGIBLE[plan] = ok
+    return ok
+
+
+def _plain32(t) -> bool:
+    return (t is not None and t.dtype is torch.float32 and t.layout is torch.strided and t.device.type == "cpu"
+            and t.is_contiguous() and not t.is_neg() and not t.is_conj())
+
+
+def status() -> str:
+    """Whether the nodes run here, for `opport doctor`."""
+    load()
+    return STATUS
+
+
+def _specs() -> dict:
+    from opport.ops import get_op
+
+    return {name: get_op(name) for name in ("silu", "swiglu", "layernorm")}
+
+
+_SPECS = _specs()
+
+
+if __name__ == "__main__":  # python -m opport.integrations.torch_native [--verbose]
+    print(f"opport torch_native: built {build(verbose='--verbose' in sys.argv[1:] or bool(os.environ.get('VERBOSE')))}")
+    print(f"opport torch_native: {status()}")
