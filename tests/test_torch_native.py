@@ -1,0 +1,169 @@
+"""The native torch autograd nodes (opport/integrations/torch_native.py): which calls take them, and that they give the
+Python Function path's results and gradients bit for bit, the loops' left-over elements and rows included."""
+
+import pytest
+import torch
+
+import opport
+from opport.backends.cpu._common import PARALLEL_MIN
+from opport.integrations import torch_native
+
+NATIVE = "CppNode"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    torch_native.build()  # a path check where `make native` ran (make run / make test); else ~25 s, once
+    torch_native._MODULE = None  # load again (this process may have looked before the build)
+    assert torch_native.load() is not None, torch_native.STATUS
+
+
+def _inputs(shapes, special, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ins = [torch.randn(*s, generator=gen) for s in shapes]
+    special(ins)
+    return ins
+
+
+def _run(fn, ins, grad_of=lambda y: torch.randn(y.shape, generator=torch.Generator().manual_seed(7))):
+    leaves = [t.clone().requires_grad_() for t in ins]
+    y = fn(*leaves)
+    grads = torch.autograd.grad(y, leaves, grad_of(y))
+    return y.grad_fn.name(), [y.detach(), *grads]
+
+
+def _bits(ts):
+    return [t.view(torch.int32) for t in ts]
+
+
+def _same_as_python(fn, ins, monkeypatch, **kw):
+    node, native = _run(fn, ins, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(torch_native, "_SPECS", {})  # every call takes the Python Function path
+        python_node, python = _run(fn, ins, **kw)
+    assert NATIVE in node and NATIVE not in python_node, (node, python_node)
+    for a, b in zip(_bits(native), _bits(python)):
+        assert torch.equal(a, b)
+    return native
+
+
+def _none(ins):
+    pass
+
+
+def _awkward(ins):
+    """NaN, infinities, a deep negative tail (exp overflows), huge values: elements and rows the loops leave."""
+    x = ins[0].view(-1)
+    x[1], x[3], x[5], x[8] = float("nan"), float("-inf"), -200.0, float("inf")
+    if len(ins) > 1 and ins[1].dim() > 1:
+        ins[1].view(-1)[5] = 3e38
+
+
+def _overflow_row(ins):
+    ins[0][1] = 3e38 * ins[0][1].sign()  # a row whose statistics overflow float32 (the NumPy kernel's rescaled path)
+
+
+LAYERNORM = (lambda x, w, b: opport.layernorm(x, w, b))
+
+CASES = [
+    ("silu", opport.silu, [(1, 14336)], _none),
+    ("silu-awkward", opport.silu, [(3, 100)], _awkward),
+    ("swiglu", opport.swiglu, [(1, 14336), (1, 14336)], _none),
+    ("swiglu-awkward", opport.swiglu, [(2, 64), (2, 64)], _awkward),
+    ("layernorm", LAYERNORM, [(1, 4096), (4096,), (4096,)], _none),
+    ("layernorm-3d", LAYERNORM, [(2, 3, 64), (64,), (64,)], _none),
+    ("layernorm-awkward", LAYERNORM, [(4, 64), (64,), (64,)], _awkward),
+    ("layernorm-overflow", LAYERNORM, [(4, 64), (64,), (64,)], _overflow_row),
+    ("layernorm-two", LAYERNORM, [(5, 2), (2,), (2,)], _none),  # rows of 2: the backward loop leaves them all
+]
+
+
+@pytest.mark.parametrize("name,fn,shapes,special", CASES, ids=[c[0] for c in CASES])
+def test_native_node_matches_the_python_path_bitwise(name, fn, shapes, special, monkeypatch):
+    out = _same_as_python(fn, _inputs(shapes, special), monkeypatch)
+    if special is _none:
+        assert all(torch.isfinite(t).all() for t in out)
+
+
+@pytest.mark.parametrize("name,fn,shapes,special", CASES[::2], ids=[c[0] for c in CASES[::2]])
+def test_a_non_contiguous_upstream_gradient(name, fn, shapes, special, monkeypatch):
+    """y.sum().backward() hands the node an expanded (stride 0) gradient."""
+    _same_as_python(fn, _inputs(shapes, special), monkeypatch, grad_of=lambda y: torch.ones(()).expand(y.shape))
+
+
+def test_calls_the_nodes_do_not_take_run_the_python_function():
+    x = torch.randn(4, 64)
+    w = torch.randn(64)
+    declined = {
+        "bfloat16": lambda: opport.silu(x.bfloat16().requires_grad_()),
+        "float64": lambda: opport.silu(x.double().requires_grad_()),
+        "non-contiguous": lambda: opport.silu(torch.randn(64, 4).t().requires_grad_()),
+        "one block or more": lambda: opport.silu(torch.randn(PARALLEL_MIN).requires_grad_()),
+        "no bias": lambda: opport.layernorm(x.requires_grad_(), w, None),
+    }
+    for why, call in declined.items():
+        assert NATIVE not in call().grad_fn.name(), why
+    assert NATIVE in opport.silu(torch.randn(PARALLEL_MIN - 1, requires_grad=True)).grad_fn.name()
+
+
+def test_fused_loops_off_means_the_python_path(monkeypatch):
+    monkeypatch.setenv("OPPORT_NUMBA", "0")
+    assert NATIVE not in opport.silu(torch.randn(8, requires_grad=True)).grad_fn.name()
+
+
+def test_validation_errors_come_first():
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(opport.ShapeError) as info:
+        opport.layernorm(x, torch.randn(7), torch.randn(8))
+    assert info.value.op == "layernorm"
+    with pytest.raises(opport.ShapeError):
+        opport.swiglu(x, torch.randn(2, 9))
+
+
+def test_create_graph_gives_first_order_gradients_that_refuse_a_second_backward(monkeypatch):
+    x = torch.randn(3, 16, requires_grad=True)
+    (gx,) = torch.autograd.grad(opport.silu(x).sum(), x, create_graph=True)
+    with monkeypatch.context() as m:
+        m.setattr(torch_native, "_SPECS", {})
+        (want,) = torch.autograd.grad(opport.silu(x).sum(), x)
+    assert torch.equal(gx.detach(), want)
+    with pytest.raises(opport.UnsupportedError, match="double backward"):
+        gx.sum().backward()
+
+
+def test_an_input_modified_in_place_after_the_forward_is_caught():
+    x = torch.randn(2, 32, requires_grad=True)
+    h = x * 1
+    y = opport.silu(h)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_gradients_reach_leaves_through_a_module():
+    ln = torch.nn.LayerNorm(48)
+    x = torch.randn(5, 48, requires_grad=True)
+    opport.layernorm(x, ln.weight, ln.bias, ln.eps).pow(2).sum().backward()
+    want = [torch.autograd.grad(torch.nn.functional.layer_norm(x, (48,), ln.weight, ln.bias, ln.eps).pow(2).sum(), t)[0]
+            for t in (x, ln.weight, ln.bias)]
+    for got, w in zip((x.grad, ln.weight.grad, ln.bias.grad), want):
+        torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-4)
+
+
+def test_the_awkward_cases_reach_the_python_kernels():
+    """The cases above take the nodes' Python branch: their loops leave elements or rows, forward and backward."""
+    import numpy as np
+
+    from opport.backends.cpu import _fused
+
+    loops, fl = _fused._HERE, np.zeros(1, np.uint8)
+    x = _inputs([(3, 100)], _awkward)[0].numpy().reshape(-1)
+    g, out = np.ones_like(x), np.empty_like(x)
+    assert loops["_silu"](x, out, False, fl) and loops["_silu_grad"](x, g, out, False, fl)
+    gate, up = (t.numpy().reshape(-1) for t in _inputs([(2, 64), (2, 64)], _awkward))
+    assert loops["_swiglu"](gate, up, out[:128], False, fl)
+    assert loops["_swiglu_grad"](gate, up, g[:128], out[:128], out[128:256], False, fl)
+    x, w, b = (t.numpy() for t in _inputs([(4, 64), (64,), (64,)], _overflow_row))
+    assert _fused.ln_forward(x, w, b, 1e-5, np.empty_like(x)) is not None
+    x2 = np.random.default_rng(0).standard_normal((5, 2)).astype(np.float32)
+    assert _fused.ln_backward(x2, x2, np.ones(2), 1e-5, np.empty_like(x2), np.zeros(2), np.zeros(2)) is not None
