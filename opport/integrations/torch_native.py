@@ -42,6 +42,7 @@ _MODULE = None  # the loaded extension, or False once loading failed (STATUS say
 STATUS = "not loaded yet"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ELIGIBLE: dict = {}  # dispatcher plan -> whether its calls take a node (a plan stands for one selection key)
+_BOUND: dict = {}  # op name -> (forward, backward) cpu kernels the node calls where a loop leaves work
 
 
 def module_name() -> str:
@@ -98,7 +99,7 @@ def _bind(mod) -> None:
     cf = _cfuncs.addresses()
     cpu = registry.get_backend("cpu")
     for name, spec in _SPECS.items():
-        fwd, bwd = (registry.kernels(s, cpu)[0].fn for s in (spec, spec.backward_op))
+        fwd, bwd = _BOUND[name] = tuple(registry.kernels(s, cpu)[0].fn for s in (spec, spec.backward_op))
         mod.bind(name, cf[f"{name}_forward"], cf[f"{name}_backward"], _forward(fwd), _backward(spec, bwd, first_order_grads),
                  _fused.LANES)
 
@@ -143,7 +144,7 @@ def run(spec, bound: tuple, backend: str | None):
     ok = _ELIGIBLE.get(plan)
     if ok is None:
         ok = _eligible(spec, bound, plan)
-    if not ok or not _fused.enabled() or load() is None:
+    if not ok or not _fused.enabled():
         return NotImplemented
     num_threads()  # OPPORT_NUM_THREADS validated on every call, as the cpu kernels do
     m = _MODULE
@@ -153,9 +154,11 @@ def run(spec, bound: tuple, backend: str | None):
 
 
 def _eligible(spec, bound: tuple, plan) -> bool:
+    """Whether calls of this plan take the node: the op's cpu kernels are the ones the node was bound to (a kernel
+    registered or swapped since makes a new plan, and sends its calls the Python way), the arrays plain float32."""
     cpu = registry.get_backend("cpu")
-    ok = (plan.kernel.backend == "cpu" and plan.check is None
-          and all(len(registry.kernels(s, cpu)) == 1 for s in (spec, spec.backward_op))
+    ok = (load() is not None and plan.kernel.backend == "cpu" and plan.check is None
+          and tuple(k.fn for s in (spec, spec.backward_op) for k in registry.kernels(s, cpu)) == _BOUND[spec.name]
           and all(_plain32(bound[i]) for i in spec.array_pos))
     if ok:
         x = bound[0]
