@@ -40,6 +40,7 @@ from opport.autodiff import (
 )
 from opport.dispatch import call
 from opport.dispatch.adapters import NumpyAdapter, metas_of
+from opport.integrations._first_order import double_backward_error, first_order_grads
 from opport.integrations.samples import small_cases
 from opport.ops import all_ops
 
@@ -292,12 +293,6 @@ def _backward_recorded(ctx, grad) -> tuple:
     return (None, None, *(grads[j] if j is not None else None for j in r.grad_of_param))
 
 
-def first_order_grads(spec, grads) -> tuple:
-    """Gradients made part of the graph (create_graph=True) that raise UnsupportedError if differentiated again."""
-    anchor = torch.zeros((), requires_grad=True)  # makes them part of the graph, whatever they came from
-    return tuple(None if g is None else _FirstOrder.apply(spec, g, anchor) for g in grads)
-
-
 class _Recipe:
     """Where `_Eager`'s gradients go, worked out once per op: the positions of the backward's `wrt` arguments among
     the op's parameters, and per parameter the index of its gradient (None for a parameter without one)."""
@@ -347,19 +342,6 @@ def _native(spec, bound: tuple, backend):
         _native_run = torch_native.run
     return _native_run(spec, bound, backend)
 _grad_enabled = torch.is_grad_enabled
-
-
-class _FirstOrder(torch.autograd.Function):
-    """A gradient that may be used but not differentiated: double backward raises UnsupportedError."""
-
-    @staticmethod
-    def forward(ctx, spec, g, anchor):
-        ctx.spec = spec
-        return g.view_as(g)
-
-    @staticmethod
-    def backward(ctx, _):
-        raise _double_backward(ctx.spec)
 
 
 def _integers_not_differentiable(ctx, spec, out):
@@ -460,16 +442,9 @@ def _scale_unit_grad_(g: torch.Tensor, grad: torch.Tensor) -> None:
 
 def _no_double_backward(spec):
     def backward(ctx, *grads):
-        raise _double_backward(spec)
+        raise double_backward_error(spec)
 
     return backward
-
-
-def _double_backward(spec) -> errors.UnsupportedError:
-    return errors.UnsupportedError(op=spec.name, arg=None, constraint=f"{spec.name}.double_backward",
-                                   expected="first derivatives only", got="a second backward",
-                                   message=f"{spec.name}: double backward (gradients of gradients) is not "
-                                           "supported by opport's backward kernels")
 
 
 def _register_all():

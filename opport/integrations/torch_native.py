@@ -34,6 +34,7 @@ from opport.backends.cpu import _cfuncs, _fused
 from opport.backends.cpu._common import PARALLEL_MIN, block_rows, num_threads
 from opport.dispatch import registry
 from opport.dispatch.core import plan_of
+from opport.integrations._first_order import first_order_grads
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 CFLAGS = ["-O2"]
@@ -77,9 +78,15 @@ def load():
 
 
 def _load():
-    if _cfuncs.addresses() is None:
-        return False, "off: numba is not installed (the fused loops are what the nodes run)"
-    path = _library_path()
+    try:
+        if _cfuncs.addresses() is None:
+            return False, "off: numba is not installed (the fused loops are what the nodes run)"
+    except Exception as e:  # noqa: BLE001 - a numba that cannot compile them: the Python path, doctor says why
+        return False, f"the fused loops' C entry points did not compile: {type(e).__name__}: {e}"
+    try:
+        path = _library_path()  # (torch makes the extension directory if it is missing)
+    except OSError as e:
+        return False, f"no extension directory: {type(e).__name__}: {e}"
     if not path.exists():
         return False, f"not built ({path.name}): `python -m opport.integrations.torch_native` builds it"
     try:
@@ -94,8 +101,6 @@ def _load():
 
 
 def _bind(mod) -> None:
-    from opport.integrations.torch import first_order_grads
-
     cf = _cfuncs.addresses()
     cpu = registry.get_backend("cpu")
     for name, spec in _SPECS.items():
