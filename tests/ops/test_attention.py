@@ -104,6 +104,7 @@ def test_matches_torch_sdpa(sq, sk):
 def test_many_blocks_and_head_chunks(monkeypatch, dtype):
     """Tiny blocks and a tiny budget: every block boundary, partly masked blocks and one-head steps are exercised."""
     monkeypatch.setattr(cpu_attention, "BLOCK_Q", 4)
+    monkeypatch.setattr(cpu_attention, "BLOCK_Q_MASKED", 3)  # masked calls' own block rows
     monkeypatch.setattr(cpu_attention, "BLOCK_K", 5)
     monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 1)
     for sq, sk, causal in ((23, 31, True), (31, 23, True), (17, 17, False)):
@@ -211,6 +212,7 @@ def test_window_skips_and_masks_across_small_blocks(monkeypatch, dtype):
     """Tiny blocks: windows that start inside a key block, blocks before every row's window (skipped), and
     NaN/inf in keys that only rows outside their window could see."""
     monkeypatch.setattr(cpu_attention, "BLOCK_Q", 4)
+    monkeypatch.setattr(cpu_attention, "BLOCK_Q_MASKED", 3)  # masked calls' own block rows
     monkeypatch.setattr(cpu_attention, "BLOCK_K", 5)
     monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 1)
     for sq, sk, w in ((23, 31, 6), (31, 23, 3), (17, 17, 1)):

@@ -1,8 +1,8 @@
 """attention on NumPy: flash-style blocks over queries and keys with an online softmax (float32 for 16-bit).
 
 Memory: per step the temporaries are a [n, g·bq, bk] score block (n KV heads, of one batch entry or,
-for contiguous inputs, of several; g query heads per KV head; bq = min(Sq, BLOCK_Q) query rows and
-bk = BLOCK_K · BLOCK_Q / bq keys) plus the [n, g·bq, Dv] accumulator, with n chosen so a score block
+for contiguous inputs, of several; g query heads per KV head; bq = min(Sq, BLOCK_Q) query rows, BLOCK_Q_MASKED
+under a causal mask or a window, and bk = BLOCK_K · BLOCK_Q / bq keys) plus the [n, g·bq, Dv] accumulator, with n chosen so a score block
 stays under SCORE_BUDGET bytes; nothing grows with Sq·Sk. GQA reads each KV head once
 for its g query heads through broadcasting matmuls, so K and V are never repeated in memory.
 """
@@ -18,6 +18,11 @@ from opport.dtypes import acc_of
 from opport.ops.attention import attention as spec
 
 BLOCK_Q = 128  # query rows per block (per query head); 128 x 256 measured 10-25% faster than 64 x 128
+# under a causal mask or a window, 64: each block then skips the keys none of its rows sees, and its score block stays
+# in L2 (1 MB a core here). A tiny Llama's q [4, 4, 128, 64] (GQA 2, causal): forward 2.7 -> 1.4 ms, backward 4.9 ->
+# 3.4-4.5 ms; S 256: backward 8.0 -> 4.9 ms; S 512-2048 within noise (docs/performance.md). Without a mask 64 loses
+# (S 128: forward 1.06 -> 1.17, backward 4.7 -> 5.5 ms), so full attention keeps 128.
+BLOCK_Q_MASKED = 64
 BLOCK_K = 256  # keys per block, for full query blocks; fewer query rows take proportionally more keys
 SCORE_BUDGET = 4 << 20  # bytes of one float32 score block; bounds n, the KV heads done at once
 # the backward's: its block holds four score-sized arrays (P, dP in float64, dS) where the forward's holds one or two;
@@ -26,16 +31,21 @@ SCORE_BUDGET = 4 << 20  # bytes of one float32 score block; bounds n, the KV hea
 BACKWARD_SCORE_BUDGET = 256 << 10
 
 
-def _blocks(sq: int, sk: int, g: int, itemsize: int, budget: int = 0) -> tuple:
-    """(keys per block, KV heads per step) for query blocks of min(sq, BLOCK_Q) rows.
+def _blocks(sq: int, sk: int, g: int, itemsize: int, bq: int, budget: int = 0) -> tuple:
+    """(keys per block, KV heads per step) for query blocks of min(sq, bq) rows.
 
-    A query block of fewer rows (decode: one) takes BLOCK_Q / rows times the keys, so that a score block
+    A query block of fewer rows (decode: one) takes bq / rows times the keys, so that a score block
     holds about as many elements as a full one and a decode step is a few large NumPy calls instead of
     many small ones; the heads per step then fill `budget` bytes (SCORE_BUDGET by default).
     """
-    rows = max(1, min(sq, BLOCK_Q))
-    bk = max(1, min(sk, BLOCK_K * max(1, BLOCK_Q // rows)))
+    rows = max(1, min(sq, bq))
+    bk = max(1, min(sk, BLOCK_K * max(1, bq // rows)))
     return bk, max(1, (budget or SCORE_BUDGET) // (g * rows * bk * itemsize))
+
+
+def _block_rows(mask) -> int:
+    """Query rows per block: fewer under a mask (BLOCK_Q_MASKED: why)."""
+    return BLOCK_Q_MASKED if mask.causal or mask.window is not None else BLOCK_Q
 
 
 def _batch_heads_merge(*arrays) -> bool:
@@ -110,13 +120,14 @@ def _attention(q, k, v, causal: bool, scale, lse, softcap=None, window=None):
     # [B, Hq, ...] viewed as [B, Hkv, g, ...] (splitting an axis never copies): query head kv·g + j reads KV head kv
     qg, og = q.reshape(b, hkv, g, sq, d), out.reshape(b, hkv, g, sq, dv)
     lg = None if lse is None else lse.reshape(b, hkv, g, sq)  # lse is ours, contiguous: a view
-    bk, step = _blocks(sq, k.shape[2], g, acc_t.itemsize)
+    bq = _block_rows(mask)
+    bk, step = _blocks(sq, k.shape[2], g, acc_t.itemsize, bq)
     with np.errstate(over="ignore"):
         for bi in range(b):
             for h0 in range(0, hkv, step):
                 heads = slice(h0, min(h0 + step, hkv))
-                for i0 in range(0, sq, BLOCK_Q):
-                    i1 = min(i0 + BLOCK_Q, sq)
+                for i0 in range(0, sq, bq):
+                    i1 = min(i0 + bq, sq)
                     o, l_rows = _query_block(qg[bi, heads, :, i0:i1], k[bi, heads], v[bi, heads], i0, mask, scale, bk)
                     store(og[bi, heads, :, i0:i1], o)
                     if lg is not None:
@@ -258,14 +269,15 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=Non
     q, k, v, grad, out, lse, dq, dk, dv = arrays
     b, sq = q.shape[0], q.shape[2]
     qg, gg, og, lg, dqg = (a.reshape(b, hkv, g, *a.shape[2:]) for a in (q, grad, out, lse, dq))
-    bk, step = _blocks(sq, k.shape[2], g, acc_t.itemsize, BACKWARD_SCORE_BUDGET)
+    bq = _block_rows(mask)
+    bk, step = _blocks(sq, k.shape[2], g, acc_t.itemsize, bq, BACKWARD_SCORE_BUDGET)
     with np.errstate(over="ignore", invalid="ignore"):
         for bi in range(b):
             for h0 in range(0, hkv, step):
                 hs = slice(h0, min(h0 + step, hkv))
                 dk_acc, dv_acc = np.zeros(k[bi, hs].shape, acc_t), np.zeros(v[bi, hs].shape, acc_t)
-                for i0 in range(0, sq, BLOCK_Q):
-                    r = slice(i0, min(i0 + BLOCK_Q, sq))
+                for i0 in range(0, sq, bq):
+                    r = slice(i0, min(i0 + bq, sq))
                     rows = (qg[bi, hs, :, r], gg[bi, hs, :, r], og[bi, hs, :, r], lg[bi, hs, :, r])
                     dq_rows = _backward_block(*rows, k[bi, hs], v[bi, hs], i0, mask, scale, bk, dk_acc, dv_acc)
                     store(dqg[bi, hs, :, r], dq_rows)
