@@ -111,7 +111,7 @@ def _bind(mod) -> None:
 
 def _forward(kernel):
     def forward(*args):
-        return [_from_numpy(kernel(*_numpy(args)))]
+        return [torch.from_numpy(kernel(*_numpy(args)))]
 
     return forward
 
@@ -123,7 +123,7 @@ def _backward(spec, kernel, first_order_grads):
     def backward(*args):
         recorded = args[-1]
         with torch.no_grad():
-            grads = [_from_numpy(g) for g in kernel(*_numpy(args[:-1]))]
+            grads = [torch.from_numpy(g) for g in kernel(*_numpy(args[:-1]))]
         return list(first_order_grads(spec, grads)) if recorded else grads
 
     return backward
@@ -131,10 +131,6 @@ def _backward(spec, kernel, first_order_grads):
 
 def _numpy(args) -> list:
     return [a.numpy(force=True) if isinstance(a, torch.Tensor) else a for a in args]
-
-
-def _from_numpy(a):
-    return torch.from_numpy(a)
 
 
 def run(spec, bound: tuple, backend: str | None):
@@ -152,10 +148,7 @@ def run(spec, bound: tuple, backend: str | None):
     if not ok or not _fused.enabled():
         return NotImplemented
     num_threads()  # OPPORT_NUM_THREADS validated on every call, as the cpu kernels do
-    m = _MODULE
-    if name == "layernorm":
-        return m.layernorm(bound[0], bound[1], bound[2], float(bound[3]))
-    return m.silu(bound[0]) if name == "silu" else m.swiglu(bound[0], bound[1])
+    return _NODES[name][0](_MODULE, bound)
 
 
 def _eligible(spec, bound: tuple, plan) -> bool:
@@ -168,7 +161,7 @@ def _eligible(spec, bound: tuple, plan) -> bool:
     if ok:
         x = bound[0]
         n = x.shape[-1] if x.dim() else 1
-        ok = 0 < x.numel() < PARALLEL_MIN and (spec.name != "layernorm" or x.numel() // n <= block_rows(n))
+        ok = 0 < x.numel() < PARALLEL_MIN and (not _NODES[spec.name][1] or x.numel() // n <= block_rows(n))
     if len(_ELIGIBLE) >= registry.SELECTIONS_MAX:
         _ELIGIBLE.clear()
     _ELIGIBLE[plan] = ok
@@ -186,10 +179,18 @@ def status() -> str:
     return STATUS
 
 
+# op -> (its node called on the bound arguments, whether the kernel works on rows: one block holds whole rows)
+_NODES = {
+    "silu": (lambda m, b: m.silu(b[0]), False),
+    "swiglu": (lambda m, b: m.swiglu(b[0], b[1]), False),
+    "layernorm": (lambda m, b: m.layernorm(b[0], b[1], b[2], float(b[3])), True),
+}
+
+
 def _specs() -> dict:
     from opport.ops import get_op
 
-    return {name: get_op(name) for name in ("silu", "swiglu", "layernorm")}
+    return {name: get_op(name) for name in _NODES}
 
 
 _SPECS = _specs()
