@@ -65,6 +65,8 @@ def build(verbose: bool = False):
 
     path = _library_path()
     if not path.exists():
+        bin_dir = str(Path(sys.executable).parent)  # a venv's own ninja (pip's), found by torch on PATH
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
         load(module_name(), [str(SOURCE)], extra_cflags=CFLAGS, verbose=verbose)
     return path
 
