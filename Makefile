@@ -17,15 +17,18 @@ venv: $(STAMP)
 # torch already there satisfies what the extras ask of it, so uv keeps it. --system-certs: the machine's CA store,
 # as pip's (a network that re-signs TLS, as this VM's does, fails uv's bundled roots unless SSL_CERT_FILE is set).
 UV ?= uv==0.13.9
+# The native autograd nodes compile (torch's headers only, ~28 s of one core) while uv installs the rest (runpy: a
+# script's own folder would come first on sys.path, and opport/integrations/torch.py would shadow torch).
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q "$(UV)" "$(TORCH)"
+	$(BIN)/pip install -q "$(UV)" "$(TORCH)" "ninja>=1.11"
+	$(BIN)/python -c 'import runpy; runpy.run_path("opport/integrations/_native_build.py", run_name="__main__")' & \
 	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install -q --system-certs --compile-bytecode \
-	  -e ".[cuda,jax,transformers,bench,fleet,test]"
+	  -e ".[cuda,jax,transformers,bench,fleet,test]"; rc=$$?; wait $$! && exit $$rc
 	touch $(STAMP)
 
 # the native torch autograd nodes of small cpu training calls (opport/integrations/torch_native.py): compiled once
-# into torch's extension directory (~25 s on 2 cores), a path check afterwards
+# into torch's extension directory (by the venv's recipe; here again only if its source changed), then loaded
 native: venv
 	$(BIN)/python -m opport.integrations.torch_native
 

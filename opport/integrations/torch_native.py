@@ -21,12 +21,10 @@ kernels; `opport doctor` says which (`status()`).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.machinery
 import importlib.util
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -35,40 +33,13 @@ from opport.backends.cpu._common import PARALLEL_MIN, block_rows, num_threads
 from opport.dispatch import registry
 from opport.dispatch.core import plan_of
 from opport.integrations._first_order import first_order_grads
-
-SOURCE = Path(__file__).with_suffix(".cpp")
-CFLAGS = ["-O2"]
+from opport.integrations._native_build import build, library_path, module_name
 
 _MODULE = None  # the loaded extension, or False once loading failed (STATUS says why)
 STATUS = "not loaded yet"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ELIGIBLE: dict = {}  # dispatcher plan -> whether its calls take a node (a plan stands for one selection key)
 _BOUND: dict = {}  # op name -> (forward, backward) cpu kernels the node calls where a loop leaves work
-
-
-def module_name() -> str:
-    """The extension's name: its source, flags and torch's version hashed (a changed source is another module)."""
-    h = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, torch.__version__, sys.version_info[:2])).encode())
-    return f"opport_torch_native_{h.hexdigest()[:16]}"
-
-
-def _library_path() -> Path:
-    from torch.utils.cpp_extension import _get_build_directory
-
-    name = module_name()
-    return Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-
-
-def build(verbose: bool = False):
-    """Compile the extension (torch.utils.cpp_extension, ninja) if it is not built yet; returns its path."""
-    from torch.utils.cpp_extension import load
-
-    path = _library_path()
-    if not path.exists():
-        bin_dir = str(Path(sys.executable).parent)  # a venv's own ninja (pip's), found by torch on PATH
-        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
-        load(module_name(), [str(SOURCE)], extra_cflags=CFLAGS, verbose=verbose)
-    return path
 
 
 def load():
@@ -86,7 +57,7 @@ def _load():
     except Exception as e:  # noqa: BLE001 - a numba that cannot compile them: the Python path, doctor says why
         return False, f"the fused loops' C entry points did not compile: {type(e).__name__}: {e}"
     try:
-        path = _library_path()  # (torch makes the extension directory if it is missing)
+        path = library_path()  # (torch makes the extension directory if it is missing)
     except OSError as e:
         return False, f"no extension directory: {type(e).__name__}: {e}"
     if not path.exists():
