@@ -18,11 +18,12 @@ venv: $(STAMP)
 # as pip's (a network that re-signs TLS, as this VM's does, fails uv's bundled roots unless SSL_CERT_FILE is set).
 UV ?= uv==0.13.9
 # The native autograd nodes compile (torch's headers only, ~28 s of one core) while uv installs the rest (runpy: a
-# script's own folder would come first on sys.path, and opport/integrations/torch.py would shadow torch).
+# script's own folder would come first on sys.path, and opport/integrations/torch.py would shadow torch; -W: torch
+# warns that NumPy is not installed yet).
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(UV)" "$(TORCH)" "ninja>=1.11"
-	$(BIN)/python -c 'import runpy; runpy.run_path("opport/integrations/_native_build.py", run_name="__main__")' & \
+	$(BIN)/python -W 'ignore:Failed to initialize NumPy' -c 'import runpy; runpy.run_path("opport/integrations/_native_build.py", run_name="__main__")' & \
 	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install -q --system-certs --compile-bytecode \
 	  -e ".[cuda,jax,transformers,bench,fleet,test]"; rc=$$?; wait $$! && exit $$rc
 	touch $(STAMP)
@@ -43,7 +44,7 @@ run: native
 # CI checks the smoke tier too (make run's) after the gate: every case it runs must have run in the gate and passed
 # there (--covered-by judges it from the gate's report, in seconds, instead of running it a second time). The tiers
 # nest by construction (tests/test_conformance_tiers.py); this proves it on the real run.
-# pip and apt (the venv, then the native nodes' build, and chromium) run side by side, their output printed whole per step. pytest and the gate
+# pip and apt (the venv, its native nodes compiled beside uv, and chromium) run side by side, their output printed whole per step. pytest and the gate
 # run one after the other: side by side (-j2) they took 16 min against 13.6 min in turn (both saturate 2 cores).
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target native chromium
