@@ -1,9 +1,9 @@
 """attention on NumPy: flash-style blocks over queries and keys with an online softmax (float32 for 16-bit).
 
 Memory: per step the temporaries are a [n, g·bq, bk] score block (n KV heads, of one batch entry or,
-for contiguous inputs, of several; g query heads per KV head; bq = min(Sq, BLOCK_Q) query rows, BLOCK_Q_MASKED
-under a causal mask or a window, and bk = BLOCK_K · bq / rows keys) plus the [n, g·bq, Dv] accumulator, with n
-chosen so a score block stays under SCORE_BUDGET bytes; nothing grows with Sq·Sk. GQA reads each KV head once
+for contiguous inputs, of several; g query heads per KV head; bq = min(Sq, B) query rows with B = BLOCK_Q, or
+BLOCK_Q_MASKED under a causal mask or a window, and bk = BLOCK_K · B / bq keys) plus the [n, g·bq, Dv] accumulator,
+with n chosen so a score block stays under SCORE_BUDGET bytes; nothing grows with Sq·Sk. GQA reads each KV head once
 for its g query heads through broadcasting matmuls, so K and V are never repeated in memory.
 """
 
