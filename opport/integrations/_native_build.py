@@ -1,6 +1,6 @@
 """Building torch_native.cpp (the native autograd nodes, opport/integrations/torch_native.py): torch and the standard
-library only, so that `make venv` can compile it as a script (`python opport/integrations/_native_build.py`) while uv
-still installs the rest of opport's dependencies."""
+library only, so that `make venv` can compile it (through runpy: run as `python <file>`, its folder's torch.py would
+shadow torch) while uv still installs the rest of opport's dependencies."""
 
 from __future__ import annotations
 

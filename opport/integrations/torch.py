@@ -330,6 +330,7 @@ def _eager_apply():
 
 
 _eager = _eager_apply()
+_grad_enabled = torch.is_grad_enabled
 _native_run = None
 
 
@@ -341,7 +342,6 @@ def _native(spec, bound: tuple, backend):
 
         _native_run = torch_native.run
     return _native_run(spec, bound, backend)
-_grad_enabled = torch.is_grad_enabled
 
 
 def _integers_not_differentiable(ctx, spec, out):

@@ -54,7 +54,7 @@ std::vector<Tensor> python(PyObject* fn, A&&... args) {
   return py::reinterpret_borrow<py::object>(fn)(std::forward<A>(args)...).template cast<std::vector<Tensor>>();
 }
 
-// The upstream gradient as the loops take it: contiguous float32, else none (the Python kernel takes it).
+// Whether the loops take this upstream gradient: float32 (made contiguous first); another dtype goes to Python.
 bool loop_grad(const Tensor& g) { return g.scalar_type() == at::kFloat; }
 
 struct Silu : public torch::autograd::Function<Silu> {

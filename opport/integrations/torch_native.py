@@ -13,10 +13,10 @@ block machinery (the size it runs inline on the calling thread anyway), the fuse
 and no torch.func transform is active. The rest of a call is the dispatcher's: validation, the backend settings,
 strict mode (all through `plan_of`).
 
-The extension is compiled once per machine (`python -m opport.integrations.torch_native`, run by `make venv`;
-about 25 s) into torch's extension directory, named by a hash of its source and torch's version, and only
-loaded afterwards: a call never compiles. Not built (or no compiler): the Python Function path runs, the same
-kernels; `opport doctor` says which (`status()`).
+The extension is compiled once per machine (`make venv`, beside uv's install, or `python -m
+opport.integrations.torch_native`; about 28 s) into torch's extension directory, named by a hash of its source,
+flags, torch's and Python's versions (_native_build.py), and only loaded afterwards: a call never compiles. Not
+built (or no compiler): the Python Function path runs, the same kernels; `opport doctor` says which (`status()`).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _eligible(spec, bound: tuple, plan) -> bool:
     """Whether calls of this plan take the node: the op's cpu kernels are the ones the node was bound to (a kernel
     registered or swapped since makes a new plan, and sends its calls the Python way), the arrays plain float32."""
     cpu = registry.get_backend("cpu")
-    ok = (load() is not None and plan.kernel.backend == "cpu" and plan.check is None
+    ok = (load() is not None and plan.check is None and plan.kernel.fn is _BOUND[spec.name][0]
           and tuple(k.fn for s in (spec, spec.backward_op) for k in registry.kernels(s, cpu)) == _BOUND[spec.name]
           and all(_plain32(bound[i]) for i in spec.array_pos))
     if ok:
