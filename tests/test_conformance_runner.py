@@ -368,3 +368,22 @@ def test_smoke_tier_is_a_sample_of_fast():
                        for tier in ("smoke", "fast"))
         fixed = lambda names: {n for n in names if not n.startswith("hyp-") and "@" not in n}
         assert fixed(smoke) and smoke <= fast and len(smoke) < len(fast)  # every case, tests/test_conformance_tiers.py
+
+
+def test_layout_cases_put_every_array_on_the_views_device():
+    """A layout case hands a torch kernel torch tensors only: an array the layout leaves alone (rmsnorm's 1-D
+    weight beside a transposed x) moves to the views' device too. Left as NumPy it passed under Triton's
+    interpreter (CPU tensors) and was a device mismatch on a real GPU (the H200 run of 2026-12-04)."""
+    torch = pytest.importorskip("torch")
+    from opport.conformance.cases import LAYOUTS, applies, declared_cases, lay_out
+    from opport.ops import all_ops, with_derived
+
+    seen = 0
+    for spec in with_derived(all_ops().values()):
+        for case in declared_cases(spec, "float32")[:4]:
+            for layout in [lay for lay in LAYOUTS if applies(lay, case)]:
+                laid = lay_out(case, layout, "cpu")
+                arrays = [a for a in (*laid.args, *laid.kwargs.values()) if hasattr(a, "shape")]
+                assert all(isinstance(a, torch.Tensor) for a in arrays), (spec.name, case.name, layout)
+                seen += len(laid.moved)
+    assert seen  # some case left an array alone and it was moved

@@ -384,24 +384,36 @@ class Laid:
     ref_kwargs: dict
     buffers: list  # the memory behind the kernel's inputs, gaps included (checked for writes)
     views: list = field(default_factory=list)  # the strided views made (layout cases)
+    moved: list = field(default_factory=list)  # arrays the layout leaves alone, as tensors on the views' device
 
 
 def lay_out(case: Case, layout: str | None, torch_device: str | None) -> Laid:
     """Build the kernel's inputs: NumPy arrays as given (layout None), or views of padded buffers.
 
     With `torch_device`, views are torch tensors on that device (the buffer is moved first, then
-    viewed there, so strides survive); otherwise NumPy views. `expanded` replaces an array by its
-    first entry broadcast along axis 0 (stride 0), so the reference sees those values.
+    viewed there, so strides survive), and so is every array the layout does not apply to (a 1-D weight
+    beside a transposed x): a NumPy array beside a CUDA tensor is a device mismatch the dispatcher rejects;
+    otherwise NumPy views. `expanded` replaces an array by its first entry broadcast along axis 0
+    (stride 0), so the reference sees those values.
     """
     if layout is None:  # copies: a kernel that writes into its input changes neither the case nor the reference's
         args = tuple(a.copy(order="K") if isinstance(a, np.ndarray) else a for a in case.args)
         kwargs = {k: v.copy(order="K") if isinstance(v, np.ndarray) else v for k, v in case.kwargs.items()}
         return Laid(args, kwargs, case.args, case.kwargs, [a for a in (*args, *kwargs.values()) if isinstance(a, np.ndarray)])
-    buffers, views = [], []
+    buffers, views, moved = [], [], []
 
     def one(a):
-        if not isinstance(a, np.ndarray) or not _arg_applies(layout, a):
+        if not isinstance(a, np.ndarray):
             return a, a
+        if not _arg_applies(layout, a):
+            if not torch_device:
+                return a, a
+            from opport.dispatch.adapters import NumpyAdapter
+
+            t = NumpyAdapter.to_torch(a.copy(order="C"), torch_device)
+            buffers.append(t)
+            moved.append(t)
+            return t, a
         view, values, buf = _view(a, layout, torch_device)
         buffers.append(buf)
         views.append(view)
@@ -410,7 +422,7 @@ def lay_out(case: Case, layout: str | None, torch_device: str | None) -> Laid:
     pairs = [one(a) for a in case.args]
     kw = {k: one(v) for k, v in case.kwargs.items()}
     return Laid(tuple(p[0] for p in pairs), {k: p[0] for k, p in kw.items()},
-                tuple(p[1] for p in pairs), {k: p[1] for k, p in kw.items()}, buffers, views)
+                tuple(p[1] for p in pairs), {k: p[1] for k, p in kw.items()}, buffers, views, moved)
 
 
 def _gap_value(dtype: np.dtype):

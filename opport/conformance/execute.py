@@ -451,8 +451,9 @@ def _write_case(spec, b, case, dtype: str, laid, kernel, res: dict):
 
 
 def _laid_out(laid, bound: list, positions: tuple) -> bool:
-    """Whether the written arguments are layout views (fresh buffers) rather than the case's own arrays."""
-    return all(any(bound[i] is v for v in laid.views) for i in positions)
+    """Whether the written arguments are layout views or moved tensors (fresh buffers) rather than the case's own
+    arrays."""
+    return all(any(bound[i] is v for v in (*laid.views, *laid.moved)) for i in positions)
 
 
 def _judge_written(spec, case, dtype: str, index: int, got, old, ref, region, res: dict) -> list:
