@@ -168,3 +168,67 @@ def test_the_awkward_cases_reach_the_python_kernels():
     assert _fused.ln_forward(x, w, b, 1e-5, np.empty_like(x)) is not None
     x2 = np.random.default_rng(0).standard_normal((5, 2)).astype(np.float32)
     assert _fused.ln_backward(x2, x2, np.ones(2), 1e-5, np.empty_like(x2), np.zeros(2), np.zeros(2)) is not None
+
+
+RMSNORM = (lambda x, w: opport.rmsnorm(x, w, 1e-6))
+ADD_RMSNORM = (lambda x, r, w: opport.add_rmsnorm(x, r, w, 1e-5))
+FORWARD_CASES = CASES + [  # rmsnorm and add_rmsnorm: forwards only (calls that record take the Python Function)
+    ("rmsnorm", RMSNORM, [(1, 1, 256), (256,)], _none),
+    ("rmsnorm-awkward", RMSNORM, [(4, 64), (64,)], _awkward),
+    ("rmsnorm-overflow", RMSNORM, [(4, 64), (64,)], _overflow_row),
+    ("add_rmsnorm", ADD_RMSNORM, [(1, 1, 256), (1, 1, 256), (256,)], _none),
+    ("add_rmsnorm-awkward", ADD_RMSNORM, [(4, 64), (4, 64), (64,)], _awkward),
+    ("add_rmsnorm-overflow", ADD_RMSNORM, [(4, 64), (4, 64), (64,)], _overflow_row),
+]
+
+
+def _outs(y) -> list:
+    return list(y) if isinstance(y, tuple) else [y]
+
+
+@pytest.mark.parametrize("name,fn,shapes,special", FORWARD_CASES, ids=[c[0] for c in FORWARD_CASES])
+def test_calls_without_gradients_take_the_nodes_forward(name, fn, shapes, special, monkeypatch):
+    """Decode's calls (no grad mode, inference mode, or no input requiring grad) run the native forward: the
+    dispatcher's result bit for bit, the loops' left-over elements and rows included."""
+    from opport.integrations import NATIVE_OPS
+
+    assert set(torch_native._NODES) == NATIVE_OPS
+    ins = _inputs(shapes, special)
+    op = name.split("-")[0]
+    with monkeypatch.context() as m:
+        m.setattr(torch_native, "_SPECS", {})  # the dispatcher's way
+        with torch.no_grad():
+            want = _bits(_outs(fn(*ins)))
+    taken = []
+    node = torch_native._NODES[op]
+    monkeypatch.setitem(torch_native._NODES, op, (node[0], lambda mod, b: taken.append(1) or node[1](mod, b), *node[2:]))
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        with mode():
+            ys = _outs(fn(*ins))
+        assert len(ys) == len(want) and not any(y.requires_grad for y in ys), mode
+        assert all(torch.equal(y.view(torch.int32), w) for y, w in zip(ys, want)), mode
+    assert len(taken) == 3
+
+
+def test_norm_calls_the_forwards_do_not_take(monkeypatch):
+    """rmsnorm: an offset (Gemma's 1 + weight) or no weight goes the dispatcher's way; rmsnorm and add_rmsnorm
+    calls that autograd records take the Python Function (no node), with the same values."""
+    x, r, w = torch.randn(2, 32), torch.randn(2, 32), torch.randn(32)
+    taken = []
+    for op in ("rmsnorm", "add_rmsnorm"):
+        node = torch_native._NODES[op]
+        monkeypatch.setitem(torch_native._NODES, op, (node[0], lambda mod, b, f=node[1]: taken.append(1) or f(mod, b),
+                                                      *node[2:]))
+    with torch.no_grad():
+        opport.rmsnorm(x, w, 1e-6, offset=1.0)
+        opport.rmsnorm(x, None, 1e-6)
+        opport.rmsnorm(x.double(), w.double(), 1e-6)
+    assert not taken
+    xg = x.clone().requires_grad_()
+    y = opport.rmsnorm(xg, w, 1e-6)
+    normed, total = opport.add_rmsnorm(xg, r, w, 1e-6)
+    assert not taken and NATIVE not in y.grad_fn.name() and NATIVE not in normed.grad_fn.name()
+    with torch.no_grad():
+        assert torch.equal(opport.rmsnorm(x, w, 1e-6), y.detach()) and len(taken) == 1
+        n2, t2 = opport.add_rmsnorm(x, r, w, 1e-6)
+        assert torch.equal(n2, normed.detach()) and torch.equal(t2, total.detach()) and len(taken) == 2

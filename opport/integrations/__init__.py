@@ -36,6 +36,10 @@ def route(spec, bound: tuple, backend: str | None):
             from opport.integrations.torch import autograd_call
 
             return autograd_call(spec, bound, backend)
+        if spec.name in NATIVE_OPS:  # nothing to record: the native node's forward alone, where the call takes one
+            out = (_native_call or _bind_native())(spec, bound, backend)
+            if out is not NotImplemented:
+                return out
     jax = sys.modules.get("jax")
     if jax is not None and not spec.writes:  # JAX arrays are immutable: an op that writes in place refuses them
         tracer = jax.core.Tracer
@@ -46,6 +50,10 @@ def route(spec, bound: tuple, backend: str | None):
                 return traced_call(spec, bound, backend)
     return NotImplemented
 
+
+# ops with a native torch node (opport/integrations/torch_native.py: small float32 cpu calls), which calls without
+# gradients take too (decode): named here so that other ops' calls import nothing
+NATIVE_OPS = frozenset({"silu", "swiglu", "layernorm", "rmsnorm", "add_rmsnorm"})
 
 # torch's checks, bound once torch is imported (by the caller: opport never imports it); this route runs on
 # every call with a torch first argument, where each attribute lookup costs.
@@ -61,6 +69,17 @@ def _bind_torch() -> bool:
         return False
     _is_compiling, _grad_enabled, _TORCH = torch.compiler.is_compiling, torch.is_grad_enabled, torch
     return True
+
+
+_native_call = None
+
+
+def _bind_native():
+    global _native_call
+    from opport.integrations.torch import native_call
+
+    _native_call = native_call
+    return native_call
 
 
 def _grad_check(spec):

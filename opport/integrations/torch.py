@@ -334,14 +334,24 @@ _grad_enabled = torch.is_grad_enabled
 _native_run = None
 
 
+def native_call(spec, bound: tuple, backend: str | None):
+    """A call that records nothing (no grad mode, or no input requiring grad) through its native node's forward
+    alone where it takes one (torch_native.run), else NotImplemented: the dispatcher's way, with its conversions.
+    Under torch.compile the custom op stays (route asks before this)."""
+    return (_native_run or _bind_native())(spec, bound, backend, False)
+
+
 def _native(spec, bound: tuple, backend):
     """The call through its native autograd node (opport/integrations/torch_native.py), or NotImplemented."""
-    global _native_run
-    if _native_run is None:  # imported on the first eager training call (it imports the cpu backend's loops)
-        from opport.integrations import torch_native
+    return (_native_run or _bind_native())(spec, bound, backend)
 
-        _native_run = torch_native.run
-    return _native_run(spec, bound, backend)
+
+def _bind_native():
+    global _native_run
+    from opport.integrations import torch_native  # on the first call that may take a node (it imports the loops)
+
+    _native_run = torch_native.run
+    return _native_run
 
 
 def _integers_not_differentiable(ctx, spec, out):

@@ -26,6 +26,7 @@ typedef int64_t (*Map1)(float*, float*, int64_t, uint8_t*);
 typedef int64_t (*Map2)(float*, float*, float*, int64_t, uint8_t*);
 typedef int64_t (*Map3x2)(float*, float*, float*, float*, float*, int64_t, uint8_t*);
 typedef int64_t (*LnFwd)(float*, float*, float*, float*, int64_t, int64_t, float, uint8_t*, float*);
+typedef int64_t (*RmsFwd)(float*, float*, float*, int64_t, int64_t, float, uint8_t*, float*);
 typedef int64_t (*LnBwd)(float*, float*, double*, float*, double*, double*, int64_t, int64_t, double, uint8_t*,
                          double*);
 
@@ -35,12 +36,14 @@ struct Entry {  // one op: its loops' C entry points and its Python kernels (for
   PyObject* py_forward = nullptr;  // owned for the process's life (never released at exit, when no GIL is held)
   PyObject* py_backward = nullptr;
 };
-Entry silu_k, swiglu_k, layernorm_k;
+Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k;  // the norms: forwards only (no node)
 
 Entry& entry(const std::string& name) {
   if (name == "silu") return silu_k;
   if (name == "swiglu") return swiglu_k;
   if (name == "layernorm") return layernorm_k;
+  if (name == "rmsnorm") return rmsnorm_k;
+  if (name == "add_rmsnorm") return add_rmsnorm_k;
   throw std::invalid_argument("opport torch_native: no node for op " + name);
 }
 
@@ -57,14 +60,65 @@ std::vector<Tensor> python(PyObject* fn, A&&... args) {
 // Whether the loops take this upstream gradient: float32 (made contiguous first); another dtype goes to Python.
 bool loop_grad(const Tensor& g) { return g.scalar_type() == at::kFloat; }
 
+// Each op's forward computation, shared by its autograd node and the calls that record nothing (decode).
+Tensor silu_forward(const Tensor& x) {
+  Tensor y = at::empty_like(x);
+  uint8_t flag = 0;
+  if (reinterpret_cast<Map1>(silu_k.forward)(f32(x), f32(y), x.numel(), &flag))
+    y = python(silu_k.py_forward, x.detach())[0];
+  return y;
+}
+
+Tensor swiglu_forward(const Tensor& gate, const Tensor& up) {
+  Tensor y = at::empty_like(gate);
+  uint8_t flag = 0;
+  if (reinterpret_cast<Map2>(swiglu_k.forward)(f32(gate), f32(up), f32(y), gate.numel(), &flag))
+    y = python(swiglu_k.py_forward, gate.detach(), up.detach())[0];
+  return y;
+}
+
+Tensor layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  Tensor y = at::empty_like(x);
+  std::vector<uint8_t> bad(rows);
+  std::vector<float> acc(kLanes);
+  if (reinterpret_cast<LnFwd>(layernorm_k.forward)(f32(x), f32(w), f32(b), f32(y), rows, n, static_cast<float>(eps),
+                                                   bad.data(), acc.data()))
+    y = python(layernorm_k.py_forward, x.detach(), w.detach(), b.detach(), eps)[0];
+  return y;
+}
+
+// rmsnorm with a weight and offset 0 (the Python side checks both)
+Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  Tensor y = at::empty_like(x);
+  std::vector<uint8_t> bad(rows);
+  std::vector<float> acc(kLanes);
+  if (reinterpret_cast<RmsFwd>(rmsnorm_k.forward)(f32(x), f32(w), f32(y), rows, n, static_cast<float>(eps), bad.data(),
+                                                  acc.data()))
+    y = python(rmsnorm_k.py_forward, x.detach(), w.detach(), eps)[0];
+  return y;
+}
+
+// (normed, sum): the sum rounded once in float32 (NumPy's np.add), then rmsnorm of it
+std::vector<Tensor> add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& w, double eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  Tensor total = at::empty_like(x), y = at::empty_like(x);
+  const float *a = f32(x), *b = f32(residual);
+  float* t = f32(total);
+  for (int64_t i = 0; i < x.numel(); ++i) t[i] = a[i] + b[i];
+  std::vector<uint8_t> bad(rows);
+  std::vector<float> acc(kLanes);
+  if (reinterpret_cast<RmsFwd>(add_rmsnorm_k.forward)(t, f32(w), f32(y), rows, n, static_cast<float>(eps), bad.data(),
+                                                      acc.data()))
+    return python(add_rmsnorm_k.py_forward, x.detach(), residual.detach(), w.detach(), eps);
+  return {y, total};
+}
+
 struct Silu : public torch::autograd::Function<Silu> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x) {
     ctx->save_for_backward({x});
-    Tensor y = at::empty_like(x);
-    uint8_t flag = 0;
-    if (reinterpret_cast<Map1>(silu_k.forward)(f32(x), f32(y), x.numel(), &flag))
-      y = python(silu_k.py_forward, x.detach())[0];
-    return y;
+    return silu_forward(x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     Tensor x = ctx->get_saved_variables()[0];
@@ -81,11 +135,7 @@ struct Silu : public torch::autograd::Function<Silu> {
 struct Swiglu : public torch::autograd::Function<Swiglu> {
   static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up) {
     ctx->save_for_backward({gate, up});
-    Tensor y = at::empty_like(gate);
-    uint8_t flag = 0;
-    if (reinterpret_cast<Map2>(swiglu_k.forward)(f32(gate), f32(up), f32(y), gate.numel(), &flag))
-      y = python(swiglu_k.py_forward, gate.detach(), up.detach())[0];
-    return y;
+    return swiglu_forward(gate, up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
@@ -105,14 +155,7 @@ struct LayerNorm : public torch::autograd::Function<LayerNorm> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
     ctx->save_for_backward({x, w, b});
     ctx->saved_data["eps"] = eps;
-    const int64_t n = x.size(-1), rows = x.numel() / n;
-    Tensor y = at::empty_like(x);
-    std::vector<uint8_t> bad(rows);
-    std::vector<float> acc(kLanes);
-    if (reinterpret_cast<LnFwd>(layernorm_k.forward)(f32(x), f32(w), f32(b), f32(y), rows, n, static_cast<float>(eps),
-                                                     bad.data(), acc.data()))
-      y = python(layernorm_k.py_forward, x.detach(), w.detach(), b.detach(), eps)[0];
-    return y;
+    return layernorm_forward(x, w, b, eps);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
@@ -146,7 +189,7 @@ void bind(const std::string& name, int64_t forward, int64_t backward, py::object
   e.forward = reinterpret_cast<void*>(forward);
   e.backward = reinterpret_cast<void*>(backward);
   e.py_forward = py_forward.release().ptr();
-  e.py_backward = py_backward.release().ptr();
+  e.py_backward = py_backward.release().ptr();  // None for the forward-only ops
 }
 
 }  // namespace
@@ -158,4 +201,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layernorm", [](const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
     return LayerNorm::apply(x, w, b, eps);
   });
+  // no node: for calls that record nothing (no grad mode, or no input requiring grad)
+  m.def("silu_forward", &silu_forward);
+  m.def("swiglu_forward", &swiglu_forward);
+  m.def("layernorm_forward", &layernorm_forward);
+  m.def("rmsnorm_forward", &rmsnorm_forward);
+  m.def("add_rmsnorm_forward", &add_rmsnorm_forward);
 }

@@ -1,4 +1,5 @@
-"""Native torch autograd nodes for small float32 calls of silu, swiglu and layernorm on the cpu backend.
+"""Native torch autograd nodes for small float32 calls of silu, swiglu and layernorm on the cpu backend, and their
+forwards alone for calls that record nothing (decode: no grad mode, or no input requiring grad).
 
 Through torch autograd, a decode-sized call (1 x 14336 silu, 1 x 4096 layernorm) is mostly fixed cost: a Python
 `torch.autograd.Function` alone costs about 25 us forward + backward (45-70 us with three inputs), its kernels
@@ -78,13 +79,15 @@ def _bind(mod) -> None:
     cpu = registry.get_backend("cpu")
     for name, spec in _SPECS.items():
         fwd, bwd = _BOUND[name] = tuple(registry.kernels(s, cpu)[0].fn for s in (spec, spec.backward_op))
-        mod.bind(name, cf[f"{name}_forward"], cf[f"{name}_backward"], _forward(fwd), _backward(spec, bwd, first_order_grads),
-                 _fused.LANES)
+        entry = _NODES[name][0] is not None  # a node: the backward's loop and kernel too
+        mod.bind(name, cf[f"{_LOOPS.get(name, name)}_forward"], cf[f"{name}_backward"] if entry else 0, _forward(fwd),
+                 _backward(spec, bwd, first_order_grads) if entry else None, _fused.LANES)
 
 
 def _forward(kernel):
     def forward(*args):
-        return [torch.from_numpy(kernel(*_numpy(args)))]
+        out = kernel(*_numpy(args))
+        return [torch.from_numpy(o) for o in (out if isinstance(out, tuple) else (out,))]
 
     return forward
 
@@ -106,8 +109,9 @@ def _numpy(args) -> list:
     return [a.numpy(force=True) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def run(spec, bound: tuple, backend: str | None):
-    """The call through its native node, or NotImplemented where it does not take one (module docstring)."""
+def run(spec, bound: tuple, backend: str | None, record: bool = True):
+    """The call through its native node (`record`: autograd records it) or the node's forward alone (a call that
+    records nothing), or NotImplemented where it does not take one (module docstring)."""
     name = spec.name
     if name not in _SPECS or torch._C._are_functorch_transforms_active():
         return NotImplemented
@@ -118,10 +122,11 @@ def run(spec, bound: tuple, backend: str | None):
     ok = _ELIGIBLE.get(plan)
     if ok is None:
         ok = _eligible(spec, bound, plan)
-    if not ok or not _fused.enabled():
+    node, forward, _, when = _NODES[name]
+    if not ok or not _fused.enabled() or (record and node is None) or (when is not None and not when(bound)):
         return NotImplemented
     num_threads()  # OPPORT_NUM_THREADS validated on every call, as the cpu kernels do
-    return _NODES[name][0](_MODULE, bound)
+    return (node if record else forward)(_MODULE, bound)
 
 
 def _eligible(spec, bound: tuple, plan) -> bool:
@@ -134,7 +139,7 @@ def _eligible(spec, bound: tuple, plan) -> bool:
     if ok:
         x = bound[0]
         n = x.shape[-1] if x.dim() else 1
-        ok = 0 < x.numel() < PARALLEL_MIN and (not _NODES[spec.name][1] or x.numel() // n <= block_rows(n))
+        ok = 0 < x.numel() < PARALLEL_MIN and (not _NODES[spec.name][2] or x.numel() // n <= block_rows(n))
     if len(_ELIGIBLE) >= registry.SELECTIONS_MAX:
         _ELIGIBLE.clear()
     _ELIGIBLE[plan] = ok
@@ -152,12 +157,18 @@ def status() -> str:
     return STATUS
 
 
-# op -> (its node called on the bound arguments, whether the kernel works on rows: one block holds whole rows)
+# op -> (its node called on the bound arguments (None: calls that record go the Python way), its forward alone,
+# whether the kernel works on rows (one block holds whole rows), a check of the call's scalars or None). The
+# norms' arrays must all be given (a weight, layernorm's bias): _plain32 refuses None.
 _NODES = {
-    "silu": (lambda m, b: m.silu(b[0]), False),
-    "swiglu": (lambda m, b: m.swiglu(b[0], b[1]), False),
-    "layernorm": (lambda m, b: m.layernorm(b[0], b[1], b[2], float(b[3])), True),
+    "silu": (lambda m, b: m.silu(b[0]), lambda m, b: m.silu_forward(b[0]), False, None),
+    "swiglu": (lambda m, b: m.swiglu(b[0], b[1]), lambda m, b: m.swiglu_forward(b[0], b[1]), False, None),
+    "layernorm": (lambda m, b: m.layernorm(b[0], b[1], b[2], float(b[3])),
+                  lambda m, b: m.layernorm_forward(b[0], b[1], b[2], float(b[3])), True, None),
+    "rmsnorm": (None, lambda m, b: m.rmsnorm_forward(b[0], b[1], float(b[2])), True, lambda b: b[3] == 0),
+    "add_rmsnorm": (None, lambda m, b: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]))), True, None),
 }
+_LOOPS = {"add_rmsnorm": "rmsnorm"}  # add_rmsnorm's forward: the sum, then rmsnorm's loop on it
 
 
 def _specs() -> dict:

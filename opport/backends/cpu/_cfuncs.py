@@ -36,6 +36,7 @@ def _compile() -> dict:
     silu_f, silu_b = loops["_silu"], loops["_silu_grad"]
     swiglu_f, swiglu_b = loops["_swiglu"], loops["_swiglu_grad"]
     ln_f, ln_b = loops["_ln_fwd"], loops["_ln_bwd"]
+    rms_f = loops["_rms_fwd"]
     lanes = _fused.LANES
 
     @entry(i64(f32, f32, i64, u8))
@@ -66,5 +67,10 @@ def _compile() -> dict:
         return ln_b(carray(x, (rows, n)), carray(g, (rows, n)), carray(w, n), True, eps, carray(dx, (rows, n)),
                     carray(dw, n), carray(db, n), carray(bad, rows), s[:lanes], s[lanes:2 * lanes], s[2 * lanes:])
 
+    @entry(i64(f32, f32, f32, i64, i64, types.float32, u8, f32))
+    def rmsnorm_forward(x, w, y, rows, n, eps, bad, acc):  # with a weight; add_rmsnorm's too, on the rounded sum
+        return rms_f(carray(x, (rows, n)), carray(w, n), True, eps, carray(y, (rows, n)), carray(bad, rows),
+                     carray(acc, lanes))
+
     return {f.__name__: f for f in (silu_forward, silu_backward, swiglu_forward, swiglu_backward,
-                                    layernorm_forward, layernorm_backward)}
+                                    layernorm_forward, layernorm_backward, rmsnorm_forward)}
