@@ -88,12 +88,14 @@ def python_line() -> str:
 
 
 def torch_native_line() -> str | None:
-    """Whether small float32 training calls of silu, swiglu and layernorm on torch CPU tensors run as native autograd
-    nodes here (opport/integrations/torch_native.py), or None where torch is not installed."""
+    """Whether small float32 calls on torch CPU tensors run natively here (opport/integrations/torch_native.py):
+    training calls of silu, swiglu and layernorm as autograd nodes, calls without gradients of those and of rmsnorm
+    and add_rmsnorm as plain forwards; None where torch is not installed."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
         return None
     from opport.integrations import torch_native
 
-    return f"torch native autograd nodes (cpu: silu, swiglu, layernorm): {torch_native.status()}"
+    return (f"torch native autograd nodes (cpu: silu, swiglu, layernorm; without gradients also rmsnorm, add_rmsnorm): "
+            f"{torch_native.status()}")
