@@ -201,7 +201,7 @@ def test_calls_without_gradients_take_the_nodes_forward(name, fn, shapes, specia
             want = _bits(_outs(fn(*ins)))
     taken = []
     node = torch_native._NODES[op]
-    monkeypatch.setitem(torch_native._NODES, op, (node[0], lambda mod, b: taken.append(1) or node[1](mod, b), *node[2:]))
+    monkeypatch.setitem(torch_native._NODES, op, node._replace(forward=lambda mod, b: taken.append(1) or node.forward(mod, b)))
     for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
         with mode():
             ys = _outs(fn(*ins))
@@ -217,8 +217,8 @@ def test_norm_calls_the_forwards_do_not_take(monkeypatch):
     taken = []
     for op in ("rmsnorm", "add_rmsnorm"):
         node = torch_native._NODES[op]
-        monkeypatch.setitem(torch_native._NODES, op, (node[0], lambda mod, b, f=node[1]: taken.append(1) or f(mod, b),
-                                                      *node[2:]))
+        monkeypatch.setitem(torch_native._NODES, op,
+                            node._replace(forward=lambda mod, b, f=node.forward: taken.append(1) or f(mod, b)))
     with torch.no_grad():
         opport.rmsnorm(x, w, 1e-6, offset=1.0)
         opport.rmsnorm(x, None, 1e-6)

@@ -36,8 +36,8 @@ def route(spec, bound: tuple, backend: str | None):
             from opport.integrations.torch import autograd_call
 
             return autograd_call(spec, bound, backend)
-        if spec.name in NATIVE_OPS:  # nothing to record: the native node's forward alone, where the call takes one
-            out = (_native_call or _bind_native())(spec, bound, backend)
+        if spec.name in NATIVE_OPS and _native_candidate(bound[spec.array_pos[0]]):
+            out = (_native_run or _bind_native())(spec, bound, backend, False)  # nothing to record: the forward alone
             if out is not NotImplemented:
                 return out
     jax = sys.modules.get("jax")
@@ -51,8 +51,8 @@ def route(spec, bound: tuple, backend: str | None):
     return NotImplemented
 
 
-# ops with a native torch node (opport/integrations/torch_native.py: small float32 cpu calls), which calls without
-# gradients take too (decode): named here so that other ops' calls import nothing
+# ops with native torch calls (opport/integrations/torch_native.py: small float32 cpu calls), which calls without
+# gradients take (decode): named here so that other ops' calls import nothing
 NATIVE_OPS = frozenset({"silu", "swiglu", "layernorm", "rmsnorm", "add_rmsnorm"})
 
 # torch's checks, bound once torch is imported (by the caller: opport never imports it); this route runs on
@@ -71,15 +71,21 @@ def _bind_torch() -> bool:
     return True
 
 
-_native_call = None
+_native_run = None
 
 
 def _bind_native():
-    global _native_call
-    from opport.integrations.torch import native_call
+    global _native_run
+    from opport.integrations import torch_native  # (it imports the cpu backend's loops: not for other calls)
 
-    _native_call = native_call
-    return native_call
+    _native_run = torch_native.run
+    return _native_run
+
+
+def _native_candidate(x) -> bool:
+    """Whether a call that records nothing may take a native forward: a float32 CPU tensor first (the rest, e.g.
+    the dispatcher's plan, torch_native.run asks); CUDA, 16-bit and JAX calls pass on at the cost of this look."""
+    return getattr(x, "dtype", None) is _TORCH.float32 and x.is_cpu
 
 
 def _grad_check(spec):

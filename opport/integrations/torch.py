@@ -28,7 +28,7 @@ import inspect
 import numpy as np
 import torch
 
-from opport import errors
+from opport import errors, integrations
 from opport.autodiff import (
     backward,
     floating_grads,
@@ -331,27 +331,11 @@ def _eager_apply():
 
 _eager = _eager_apply()
 _grad_enabled = torch.is_grad_enabled
-_native_run = None
-
-
-def native_call(spec, bound: tuple, backend: str | None):
-    """A call that records nothing (no grad mode, or no input requiring grad) through its native node's forward
-    alone where it takes one (torch_native.run), else NotImplemented: the dispatcher's way, with its conversions.
-    Under torch.compile the custom op stays (route asks before this)."""
-    return (_native_run or _bind_native())(spec, bound, backend, False)
 
 
 def _native(spec, bound: tuple, backend):
     """The call through its native autograd node (opport/integrations/torch_native.py), or NotImplemented."""
-    return (_native_run or _bind_native())(spec, bound, backend)
-
-
-def _bind_native():
-    global _native_run
-    from opport.integrations import torch_native  # on the first call that may take a node (it imports the loops)
-
-    _native_run = torch_native.run
-    return _native_run
+    return (integrations._native_run or integrations._bind_native())(spec, bound, backend)
 
 
 def _integers_not_differentiable(ctx, spec, out):

@@ -26,6 +26,8 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -79,7 +81,7 @@ def _bind(mod) -> None:
     cpu = registry.get_backend("cpu")
     for name, spec in _SPECS.items():
         fwd, bwd = _BOUND[name] = tuple(registry.kernels(s, cpu)[0].fn for s in (spec, spec.backward_op))
-        entry = _NODES[name][0] is not None  # a node: the backward's loop and kernel too
+        entry = _NODES[name].node is not None  # a node: the backward's loop and kernel too
         mod.bind(name, cf[f"{_LOOPS.get(name, name)}_forward"], cf[f"{name}_backward"] if entry else 0, _forward(fwd),
                  _backward(spec, bwd, first_order_grads) if entry else None, _fused.LANES)
 
@@ -122,11 +124,11 @@ def run(spec, bound: tuple, backend: str | None, record: bool = True):
     ok = _ELIGIBLE.get(plan)
     if ok is None:
         ok = _eligible(spec, bound, plan)
-    node, forward, _, when = _NODES[name]
-    if not ok or not _fused.enabled() or (record and node is None) or (when is not None and not when(bound)):
+    native = _NODES[name]
+    if not ok or not _fused.enabled() or (record and native.node is None) or (native.when and not native.when(bound)):
         return NotImplemented
     num_threads()  # OPPORT_NUM_THREADS validated on every call, as the cpu kernels do
-    return (node if record else forward)(_MODULE, bound)
+    return (native.node if record else native.forward)(_MODULE, bound)
 
 
 def _eligible(spec, bound: tuple, plan) -> bool:
@@ -139,7 +141,7 @@ def _eligible(spec, bound: tuple, plan) -> bool:
     if ok:
         x = bound[0]
         n = x.shape[-1] if x.dim() else 1
-        ok = 0 < x.numel() < PARALLEL_MIN and (not _NODES[spec.name][2] or x.numel() // n <= block_rows(n))
+        ok = 0 < x.numel() < PARALLEL_MIN and (not _NODES[spec.name].row_wise or x.numel() // n <= block_rows(n))
     if len(_ELIGIBLE) >= registry.SELECTIONS_MAX:
         _ELIGIBLE.clear()
     _ELIGIBLE[plan] = ok
@@ -157,16 +159,23 @@ def status() -> str:
     return STATUS
 
 
-# op -> (its node called on the bound arguments (None: calls that record go the Python way), its forward alone,
-# whether the kernel works on rows (one block holds whole rows), a check of the call's scalars or None). The
-# norms' arrays must all be given (a weight, layernorm's bias): _plain32 refuses None.
+class _Native(NamedTuple):
+    """An op's native calls on its bound arguments. The norms' arrays must all be given (a weight, layernorm's bias):
+    _plain32 refuses None."""
+
+    node: Callable | None  # its autograd node (None: calls that record go the Python way)
+    forward: Callable  # its forward alone, for calls that record nothing
+    row_wise: bool  # the kernel works on rows: one block must hold whole rows
+    when: Callable | None = None  # a check of the call's scalars (not in the plan's cached eligibility)
+
+
 _NODES = {
-    "silu": (lambda m, b: m.silu(b[0]), lambda m, b: m.silu_forward(b[0]), False, None),
-    "swiglu": (lambda m, b: m.swiglu(b[0], b[1]), lambda m, b: m.swiglu_forward(b[0], b[1]), False, None),
-    "layernorm": (lambda m, b: m.layernorm(b[0], b[1], b[2], float(b[3])),
-                  lambda m, b: m.layernorm_forward(b[0], b[1], b[2], float(b[3])), True, None),
-    "rmsnorm": (None, lambda m, b: m.rmsnorm_forward(b[0], b[1], float(b[2])), True, lambda b: b[3] == 0),
-    "add_rmsnorm": (None, lambda m, b: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]))), True, None),
+    "silu": _Native(lambda m, b: m.silu(b[0]), lambda m, b: m.silu_forward(b[0]), False),
+    "swiglu": _Native(lambda m, b: m.swiglu(b[0], b[1]), lambda m, b: m.swiglu_forward(b[0], b[1]), False),
+    "layernorm": _Native(lambda m, b: m.layernorm(b[0], b[1], b[2], float(b[3])),
+                         lambda m, b: m.layernorm_forward(b[0], b[1], b[2], float(b[3])), True),
+    "rmsnorm": _Native(None, lambda m, b: m.rmsnorm_forward(b[0], b[1], float(b[2])), True, lambda b: b[3] == 0),
+    "add_rmsnorm": _Native(None, lambda m, b: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]))), True),
 }
 _LOOPS = {"add_rmsnorm": "rmsnorm"}  # add_rmsnorm's forward: the sum, then rmsnorm's loop on it
 
