@@ -153,7 +153,7 @@ def _short(dtype: str) -> str:
 
 
 def cmd_doctor(args) -> int:
-    from opport.doctor import backend_status, python_line, torch_native_line
+    from opport.doctor import backend_status, cpu_heap_line, python_line, torch_native_line
 
     console = Console()
     table = Table(title="opport backends on this machine")
@@ -167,6 +167,7 @@ def cmd_doctor(args) -> int:
             table.add_row(escape(name), "[green]ok[/green]", escape(s["mode"]), escape(versions))
     console.print(table)
     console.print(escape(python_line()))
+    console.print(escape(cpu_heap_line()))
     native = torch_native_line()
     if native is not None:
         console.print(escape(native))

@@ -87,6 +87,13 @@ def python_line() -> str:
     return f"python {platform.python_version()} on {platform.machine()} ({sys.platform})"
 
 
+def cpu_heap_line() -> str:
+    """glibc's top pad for the cpu kernels' temporaries (opport/backends/cpu/_heap.py), as it is set once they load."""
+    from opport.backends.cpu import _heap
+
+    return f"cpu kernels' heap (glibc malloc, OPPORT_MALLOC_TOP_PAD): {_heap.keep()}"
+
+
 def torch_native_line() -> str | None:
     """Whether small float32 calls on torch CPU tensors run natively here (opport/integrations/torch_native.py):
     training calls of silu, swiglu and layernorm as autograd nodes, calls without gradients of those and of rmsnorm

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import threadpoolctl
 
+from opport.backends.cpu import _heap
 from opport.dtypes import acc_of
 from opport.errors import ArgumentError
 
@@ -37,6 +38,7 @@ BLAS_INLINE = 1 << 18  # a GEMM of at most this many multiply-adds (M*N*K) runs 
 # whatever its thread limit (65536 * GEMM_MULTITHREAD_THRESHOLD, 4 by default): such calls skip the limiter
 
 _ACC_SELF = (np.dtype(np.float32), np.dtype(np.float64))  # dtypes that compute in themselves
+_heap.keep()  # once a process, when the kernels load: the temporaries' pages stay mapped (_heap.py)
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
 # Every float16 as float32, exactly (NaN payloads too): a 256 KiB table that stays in L2. Looking it up
