@@ -183,3 +183,92 @@ def test_switch_reads_the_environment(monkeypatch):
     assert not _fused.enabled(np.dtype("float64"))  # float64 keeps the NumPy kernels (one compiled signature)
     monkeypatch.setattr(_fused, "numba", None)
     assert not _fused.enabled()
+
+
+# ---------------------------------------------------------------------------- attention's score blocks
+
+def _attention_inputs(dtype: str, sq: int = 100, sk: int = 100, seed: int = 5):
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    q, k, v = (rng.standard_normal(s).astype(dt) for s in ((2, 4, sq, 32), (2, 2, sk, 32), (2, 2, sk, 32)))
+    return q, k, v, rng.standard_normal((2, 4, sq, 32)).astype(dt)
+
+
+ATTENTION_CALLS = [  # (causal, sliding_window, sq, sk)
+    (True, None, 100, 100), (False, None, 70, 300), (True, 24, 100, 100), (True, None, 1, 40), (True, None, 40, 90)]
+
+
+def _attention_run(monkeypatch, numba_on: bool, args, causal, window):
+    monkeypatch.setenv("OPPORT_NUMBA", "1" if numba_on else "0")
+    spec = get_op("attention")
+    q, k, v, g = args
+    out, lse = cpu_kernel(spec.train_forward)(q, k, v, causal, None, None, window)
+    return (out, lse, *cpu_kernel(spec.backward_op)(g, q, k, v, out, lse, causal, None, None, window))
+
+
+def test_attention_blocks_take_the_fused_loops_and_switch_off(monkeypatch):
+    calls = _spy(monkeypatch, ("attention_softmax", "attention_grad_scores"))
+    args = _attention_inputs("float32")
+    _attention_run(monkeypatch, True, args, True, None)
+    assert calls["attention_softmax"] > 0 and calls["attention_grad_scores"] > 0, calls
+    calls.update(attention_softmax=0, attention_grad_scores=0)
+    _attention_run(monkeypatch, False, args, True, None)
+    assert not any(calls.values()), calls
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16"))
+@pytest.mark.parametrize("causal,window,sq,sk", ATTENTION_CALLS)
+def test_attention_fused_blocks_agree_with_numpy_and_the_reference(monkeypatch, dtype, causal, window, sq, sk):
+    """Output, lse and the three gradients within the ops' tolerances of the NumPy blocks, and the output within
+    attention's tolerance of the float64 reference (full, causal, windowed, decode-length and Sq < Sk calls)."""
+    spec = get_op("attention")
+    args = _attention_inputs(dtype, sq, sk)
+    fused = _attention_run(monkeypatch, True, args, causal, window)
+    plain = _attention_run(monkeypatch, False, args, causal, window)
+    tols = [spec.tolerances[dtype], None] + [spec.backward_op.tolerances[dtype]] * 3
+    for i, (f, p, tol) in enumerate(zip(fused, plain, tols)):
+        assert f.dtype == p.dtype and f.shape == p.shape
+        if tol is None:  # lse, float32: the same rows of -inf, values within float32 rounding of the sums
+            np.testing.assert_allclose(f, p, rtol=1e-6, atol=1e-6)
+            continue
+        v = compare(f, p.astype(np.float64), tol, dtype)
+        assert v.ok, f"output {i} {dtype} causal={causal} window={window}: fused vs NumPy: {v.message}"
+    kwargs = {"causal": causal, "sliding_window": window}
+    assert_matches(spec, Case("fused", args[:3], kwargs), dtype, fused[0])
+
+
+def test_attention_softmax_loop_declines_non_finite_scores_and_writes_nothing():
+    rng = np.random.default_rng(1)
+    s = rng.standard_normal((2, 8, 16)).astype(np.float32)
+    m = np.full((2, 8, 1), -np.inf, np.float32)
+    for bad in (np.nan, np.inf, -np.inf):
+        t = s.copy()
+        t[1, 3, 5] = bad
+        before = t.copy()
+        assert _fused.attention_softmax(t, np.float32(0.5), None, 8, m) is None
+        np.testing.assert_array_equal(t, before)
+    # a -inf or NaN score the mask hides does not matter: hidden keys are never read
+    t = s.copy()
+    t[:, 0, 9:] = np.nan  # row 0 sees keys [0, 9)
+    vis = (np.zeros(8, np.int64), np.array([9] + [16] * 7))
+    m_new, psum = _fused.attention_softmax(t, np.float32(0.5), vis, 8, m)
+    assert (t[:, 0, 9:] == 0).all() and np.isfinite(psum).all()
+    expect = np.exp(s[:, 0, :9] * np.float32(0.5) - (s[:, 0, :9] * np.float32(0.5)).max(-1, keepdims=True))
+    np.testing.assert_allclose(t[:, 0, :9], expect, rtol=3e-7)
+
+
+def test_attention_grad_loop_zeroes_rows_that_see_nothing_and_declines_non_finite_gradients():
+    rng = np.random.default_rng(2)
+    s = rng.standard_normal((1, 4, 8)).astype(np.float32)
+    lse = np.array([[[3.0], [np.inf], [2.5], [4.0]]], np.float32)  # row 1: no visible key (the kernel sets +inf)
+    dp, big_d = rng.standard_normal((1, 4, 8)), rng.standard_normal((1, 4, 1))
+    t = s.copy()
+    ds = _fused.attention_grad_scores(t, np.float32(1.0), None, 4, lse, dp, big_d)
+    assert (t[0, 1] == 0).all() and (ds[0, 1] == 0).all()
+    p = np.exp(s[0, 0] - np.float32(3.0))
+    np.testing.assert_allclose(t[0, 0], p, rtol=3e-7)
+    np.testing.assert_allclose(ds[0, 0], (dp[0, 0] - big_d[0, 0]).astype(np.float32) * p, rtol=1e-6)
+    dp[0, 2, 3] = np.nan
+    t = s.copy()
+    assert _fused.attention_grad_scores(t, np.float32(1.0), None, 4, lse, dp, big_d) is None
+    np.testing.assert_array_equal(t, s)

@@ -1227,3 +1227,124 @@ def attention_decode(q, k, v, scale, softcap, kstart: int, kend: int):
     if _attn_decode(q, k, v, float(scale), 0.0 if softcap is None else float(softcap), kstart, kend, out, lse, s):
         return None
     return out, lse
+
+
+# --------------------------------------------------------------------------- attention's score blocks
+
+if numba is not None:
+
+    @_jit
+    def _attn_softmax(s, scale, vis_a, vis_b, bq, m_old, m_new, psum, acc):
+        """One key block of the online softmax, rows of s [rows, bk] (query row r sees keys [vis_a[r % bq],
+        vis_b[r % bq]) of the block): s -> p = exp(s scale - m_ref) in place, 0 at hidden keys, with m_new = max(m_old,
+        the row's scaled scores), m_ref = m_new (0 while it is -inf) and psum = the row's sum of p.
+        The NumPy kernel's arithmetic in the same order (s scale, then - m_ref, in float32); exp is _exp32, its
+        argument held at -87 (a key that far below the max weighs 1.6e-38 instead of a subnormal, against the max's
+        own 1). Returns 1, having written nothing, where a visible scaled score is not finite or m_old is NaN or +inf
+        (the NumPy kernel then takes the block; it weighs a -inf score 0). Three loops a row, each vectorised: the
+        maxima in LANES lanes (which also count what the loop declines: no early exit), the exp map, the sum in
+        LANES lanes (added in order, then the tail). Each row's visible keys are a slice: indexing s[i, j] with a
+        j of unknown sign made numba wrap negative indices, which kept the loops scalar (3.5 ns an exp, 0.4 here)."""
+        rows, bk = s.shape
+        nbad = 0
+        for i in range(rows):
+            r = i % bq
+            si = s[i, vis_a[r]:vis_b[r]]
+            n = si.size
+            m_fl = n - n % LANES
+            acc[:] = -np.inf
+            for j0 in range(0, m_fl, LANES):
+                for k in range(LANES):
+                    x = si[j0 + k] * scale
+                    nbad += not np.isfinite(x)
+                    acc[k] = max(acc[k], x)
+            mx = m_old[i]
+            nbad += not mx < np.inf
+            for k in range(LANES):
+                mx = max(mx, acc[k])
+            for j in range(m_fl, n):
+                x = si[j] * scale
+                nbad += not np.isfinite(x)
+                mx = max(mx, x)
+            m_new[i] = mx
+        if nbad:
+            return 1
+        lo = np.float32(-87.0)
+        for i in range(rows):
+            r = i % bq
+            a, b = vis_a[r], max(vis_a[r], vis_b[r])
+            s[i, :a] = 0
+            s[i, b:] = 0
+            si = s[i, a:b]
+            ref = m_new[i] if m_new[i] > -np.inf else np.float32(0.0)
+            for j in range(si.size):
+                si[j] = _exp32(max(si[j] * scale - ref, lo))
+            psum[i] = _lane_sum(si, np.float32(0.0), np.float32(0.0), False, acc)
+        return 0
+
+    @_jit
+    def _attn_grad_scores(s, scale, vis_a, vis_b, bq, lse, dp, big_d, ds):
+        """The backward's elementwise block: s [rows, bk] -> P = exp(s scale - lse) in place and ds = float32(dp - D) P
+        (dp float64, D = big_d[row] float64), both 0 at hidden keys and in rows whose lse is +inf (the rows that see
+        nothing). The NumPy kernel's arithmetic in the same order; exp as in _attn_softmax. Returns 1, having written
+        nothing, where a visible score, s scale - lse (above 87) or dp - D is not finite: a counting pass first, then
+        the map (both vectorised; visible keys as slices, as there)."""
+        rows, bk = s.shape
+        nbad = 0
+        for i in range(rows):
+            li = lse[i]
+            if li == np.inf:
+                continue
+            r = i % bq
+            si, dpi, d = s[i, vis_a[r]:vis_b[r]], dp[i, vis_a[r]:vis_b[r]], big_d[i]
+            for j in range(si.size):
+                x = si[j] * scale - li
+                nbad += not (np.isfinite(x) and x <= 87.0 and np.isfinite(dpi[j] - d))
+        if nbad:
+            return 1
+        lo = np.float32(-87.0)
+        for i in range(rows):
+            r = i % bq
+            li = lse[i]
+            a, b = (vis_a[r], max(vis_a[r], vis_b[r])) if li != np.inf else (0, 0)
+            s[i, :a] = 0
+            s[i, b:] = 0
+            ds[i, :a] = 0
+            ds[i, b:] = 0
+            si, dpi, dsi, d = s[i, a:b], dp[i, a:b], ds[i, a:b], big_d[i]
+            for j in range(si.size):
+                p = _exp32(max(si[j] * scale - li, lo))
+                si[j] = p
+                dsi[j] = np.float32(dpi[j] - d) * p
+        return 0
+
+
+def _visible(nvis, bq: int, bk: int) -> tuple:
+    """Per query row of the block, its visible keys [a, b) as int64 arrays (all bk keys where nvis is None)."""
+    if nvis is None:
+        return np.zeros(bq, np.int64), np.full(bq, bk, np.int64)
+    return nvis[0].astype(np.int64), nvis[1].astype(np.int64)
+
+
+def attention_softmax(s, scale, nvis, bq: int, m_old):
+    """_attn_softmax on a score block s [n, R, bk] float32 (C-contiguous, R = g bq rows) and the running max
+    m_old [n, R, 1]: (m_new, psum), both [n, R, 1], with s now P; None (s untouched) where the loop declines."""
+    n, rows, bk = s.shape
+    a, b = _visible(nvis, bq, bk)
+    m_new, psum = np.empty((n, rows, 1), np.float32), np.empty((n, rows, 1), np.float32)  # all written, or dropped
+    if _attn_softmax(s.reshape(n * rows, bk), s.dtype.type(scale), a, b, bq, m_old.reshape(-1), m_new.reshape(-1),
+                     psum.reshape(-1), _lanes(np.float32)):
+        return None
+    return m_new, psum
+
+
+def attention_grad_scores(s, scale, nvis, bq: int, lse, dp, big_d):
+    """_attn_grad_scores on s [n, R, bk] float32, lse [n, R, 1] float32, dp [n, R, bk] and D [n, R, 1] float64:
+    dS [n, R, bk] float32, with s now P; None (s untouched) where the loop declines."""
+    n, rows, bk = s.shape
+    a, b = _visible(nvis, bq, bk)
+    ds = np.empty(s.shape, np.float32)  # all written, or dropped
+    if _attn_grad_scores(s.reshape(n * rows, bk), s.dtype.type(scale), a, b, bq, np.ascontiguousarray(lse).reshape(-1),
+                         dp.reshape(n * rows, bk), np.ascontiguousarray(big_d).reshape(-1), ds.reshape(n * rows, bk)):
+        return None
+    return ds

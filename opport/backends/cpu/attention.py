@@ -23,6 +23,12 @@ BLOCK_Q = 128  # query rows per block (per query head); 128 x 256 measured 10-25
 # 3.4-4.5 ms; S 256: backward 8.0 -> 4.9 ms; S 512-2048 within noise (docs/performance.md). Without a mask 64 loses
 # (S 128: forward 1.06 -> 1.17, backward 4.7 -> 5.5 ms), so full attention keeps 128.
 BLOCK_Q_MASKED = 64
+# the backward of a masked call of at most BACKWARD_SHORT query rows: 32 (the diagonal blocks' masked half is less of
+# the work). q [4, 4, S, 64] causal, GQA 2, one thread, 2026-12-04: S 128 backward 2.69 -> 2.42 ms, S 256 8.7 -> 8.2;
+# S 512 even (29.0), S 1024 slower (103 -> 109); the forward lost at 256 and beyond (3.3 -> 3.6 ms) and gained
+# nothing at 128, so it keeps 64.
+BLOCK_Q_MASKED_BACKWARD = 32
+BACKWARD_SHORT = 256
 BLOCK_K = 256  # keys per block, for full query blocks; fewer query rows take proportionally more keys
 SCORE_BUDGET = 4 << 20  # bytes of one float32 score block; bounds n, the KV heads done at once
 # the backward's: its block holds four score-sized arrays (P, dP in float64, dS) where the forward's holds one or two;
@@ -43,9 +49,11 @@ def _blocks(sq: int, sk: int, g: int, itemsize: int, bq: int, budget: int = 0) -
     return bk, max(1, (budget or SCORE_BUDGET) // (g * rows * bk * itemsize))
 
 
-def _block_rows(mask) -> int:
-    """Query rows per block: fewer under a mask (BLOCK_Q_MASKED: why)."""
-    return BLOCK_Q_MASKED if mask.causal or mask.window is not None else BLOCK_Q
+def _block_rows(mask, backward: bool = False, sq: int = 0) -> int:
+    """Query rows per block: fewer under a mask (BLOCK_Q_MASKED: why), fewer still in a short masked backward."""
+    if not (mask.causal or mask.window is not None):
+        return BLOCK_Q
+    return BLOCK_Q_MASKED_BACKWARD if backward and sq <= BACKWARD_SHORT else BLOCK_Q_MASKED
 
 
 MERGE_COPY_MAX = 16 << 20  # bytes of inputs copied so that the batch merges (_batch_heads_merge)
@@ -203,27 +211,27 @@ def _query_block(qb, k, v, i0: int, mask: _Mask, scale, bk: int):
     m = np.full((n, g * bq, 1), -np.inf, acc_t)
     den = acc = None  # set by the first key block, which has nothing to rescale
     kstart, kend = mask.keys(i0, bq)
+    fast = _fused.enabled(acc_t) and acc_t == _F32 and mask.softcap is None  # float32 blocks: the fused loop
     with np.errstate(invalid="ignore", over="ignore"):
         for j0 in range(kstart, kend, bk):
             j1 = min(j0 + bk, kend)
             s = np.matmul(q2, upcast(k[:, j0:j1]).swapaxes(-1, -2))  # [n, g·bq, bk], then in place
-            s *= scale
-            if mask.softcap is not None:
-                mask.cap(s)
             vb = upcast(v[:, j0:j1])
             nvis = mask.ranges(i0, bq, j0, j1)
-            if nvis is not None:  # some row of this block cannot see some key of it
-                hidden = _hidden(nvis, j1 - j0)  # [bq, bk], the same for every head
-                np.copyto(s.reshape(n, g, bq, -1), -np.inf, where=hidden)  # NaN scores of masked keys too
-            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
-            m_ref = np.where(m_new == -np.inf, 0, m_new)  # nothing seen yet: keep exp() at 0, not NaN
-            p = np.exp(np.subtract(s, m_ref, out=s), out=s)
+            fused = _fused.attention_softmax(s, scale, nvis, bq, m) if fast else None
+            if fused is not None:  # the same steps in one loop: s is P
+                m_new, psum = fused
+                m_ref = np.where(m_new == -np.inf, 0, m_new)
+            else:
+                m_new, m_ref = _softmax_block(s, scale, nvis, mask, n, g, bq, m)
+                psum = s.sum(axis=-1, keepdims=True)
+            p = s
             if acc is None:
-                den, acc = p.sum(axis=-1, keepdims=True), _pv(p, vb, nvis, g)
+                den, acc = psum, _pv(p, vb, nvis, g)
             else:
                 alpha = np.exp(m - m_ref)
                 den *= alpha
-                den += p.sum(axis=-1, keepdims=True)
+                den += psum
                 acc *= alpha
                 acc += _pv(p, vb, nvis, g)
             m = m_new
@@ -239,6 +247,20 @@ def _query_block(qb, k, v, i0: int, mask: _Mask, scale, bk: int):
         else:
             acc /= den
         return acc.reshape(n, g, bq, dv), lse.reshape(n, g, bq)
+
+
+def _softmax_block(s, scale, nvis, mask: _Mask, n: int, g: int, bq: int, m) -> tuple:
+    """The NumPy steps of one key block: s -> exp(s scale - m_ref) in place, masked keys -inf first; (m_new, m_ref)."""
+    s *= scale
+    if mask.softcap is not None:
+        mask.cap(s)
+    if nvis is not None:  # some row of this block cannot see some key of it
+        hidden = _hidden(nvis, s.shape[-1])  # [bq, bk], the same for every head
+        np.copyto(s.reshape(n, g, bq, -1), -np.inf, where=hidden)  # NaN scores of masked keys too
+    m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+    m_ref = np.where(m_new == -np.inf, 0, m_new)  # nothing seen yet: keep exp() at 0, not NaN
+    np.exp(np.subtract(s, m_ref, out=s), out=s)
+    return m_new, m_ref
 
 
 def _pv(p, vb, nvis, g: int):
@@ -289,17 +311,18 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=Non
     q, k, v, grad, out, lse, dq, dk, dv = arrays
     b, sq = q.shape[0], q.shape[2]
     qg, gg, og, lg, dqg = (a.reshape(b, hkv, g, *a.shape[2:]) for a in (q, grad, out, lse, dq))
-    bq = _block_rows(mask)
+    bq = _block_rows(mask, backward=True, sq=sq)
     bk, step = _blocks(sq, k.shape[2], g, acc_t.itemsize, bq, BACKWARD_SCORE_BUDGET)
     with np.errstate(over="ignore", invalid="ignore"):
         for bi in range(b):
             for h0 in range(0, hkv, step):
                 hs = slice(h0, min(h0 + step, hkv))
                 dk_acc, dv_acc = np.zeros(k[bi, hs].shape, acc_t), np.zeros(v[bi, hs].shape, acc_t)
+                v64 = v[bi, hs].astype(np.float64)  # dP's operand, once for all query blocks (as big as dv_acc twice)
                 for i0 in range(0, sq, bq):
                     r = slice(i0, min(i0 + bq, sq))
                     rows = (qg[bi, hs, :, r], gg[bi, hs, :, r], og[bi, hs, :, r], lg[bi, hs, :, r])
-                    dq_rows = _backward_block(*rows, k[bi, hs], v[bi, hs], i0, mask, scale, bk, dk_acc, dv_acc)
+                    dq_rows = _backward_block(*rows, k[bi, hs], v64, i0, mask, scale, bk, dk_acc, dv_acc)
                     store(dqg[bi, hs, :, r], dq_rows)
                 dk_acc *= scale
                 store(dk[bi, hs], dk_acc)
@@ -312,11 +335,11 @@ def _merged(a: np.ndarray) -> np.ndarray:
     return a.reshape(1, a.shape[0] * a.shape[1], *a.shape[2:])
 
 
-def _backward_block(qb, gb, ob, lb, k, v, i0: int, mask: _Mask, scale, bk: int, dk_acc, dv_acc):
-    """One block of query rows [n, g, bq, ...] against the keys it can see: adds its dK (unscaled) and dV into
-    the accumulators [n, Sk, ...] and returns its dQ [n, g, bq, D]."""
+def _backward_block(qb, gb, ob, lb, k, v64, i0: int, mask: _Mask, scale, bk: int, dk_acc, dv_acc):
+    """One block of query rows [n, g, bq, ...] against the keys it can see (v64: v in float64): adds its dK
+    (unscaled) and dV into the accumulators [n, Sk, ...] and returns its dQ [n, g, bq, D]."""
     n, g, bq, d = qb.shape
-    dv = v.shape[2]
+    dv = v64.shape[2]
     q2, do2 = upcast(qb).reshape(n, g * bq, d), upcast(gb).reshape(n, g * bq, dv)
     do64 = do2.astype(np.float64, copy=False)  # dP - D is formed in float64: see attention_backward
     big_d = np.add.reduce(do64 * ob.reshape(n, g * bq, dv), axis=-1, keepdims=True)  # D = rowsum(dO·O)
@@ -328,25 +351,16 @@ def _backward_block(qb, gb, ob, lb, k, v, i0: int, mask: _Mask, scale, bk: int, 
         lse = np.where(dead, np.inf, lse)  # exp(s - inf) = 0
     dq = np.zeros((n, g * bq, d), q2.dtype)
     kstart, kend = mask.keys(i0, bq)
+    fast = _fused.enabled(q2.dtype) and q2.dtype == _F32 and mask.softcap is None  # the fused loop (float32 blocks)
     for j0 in range(kstart, kend, bk):
         j1 = min(j0 + bk, kend)
-        kb, vb = upcast(k[:, j0:j1]), upcast(v[:, j0:j1])
+        kb = upcast(k[:, j0:j1])
         p = np.matmul(q2, kb.swapaxes(-1, -2))  # [n, g·bq, bk], then in place: s, s - lse, P
-        p *= scale
-        slope = None if mask.softcap is None else mask.cap(p, slope=True)
-        p -= lse
-        np.exp(p, out=p)
-        dp = np.matmul(do64, vb.astype(np.float64, copy=False).swapaxes(-1, -2))  # dP, then dP - D
-        dp -= big_d
-        ds = dp.astype(q2.dtype, copy=False)
-        ds *= p
-        if slope is not None:
-            ds *= slope
+        dp = np.matmul(do64, v64[:, j0:j1].swapaxes(-1, -2))  # dP, then dP - D
         nvis = mask.ranges(i0, bq, j0, j1)
-        if nvis is not None:  # some row of this block cannot see some key of it
-            hidden = _hidden(nvis, j1 - j0)  # [bq, bk], the same for every head
-            np.copyto(p.reshape(n, g, bq, -1), 0, where=hidden)  # (exp of a masked NaN score is NaN)
-            np.copyto(ds.reshape(n, g, bq, -1), 0, where=hidden)  # (0 · inf of a masked v is NaN)
+        ds = _fused.attention_grad_scores(p, scale, nvis, bq, lse, dp, big_d) if fast else None
+        if ds is None:
+            ds = _grad_scores(p, dp, big_d, scale, lse, nvis, mask, n, g, bq)
         if nvis is not None and not (np.isfinite(q2).all() and np.isfinite(do2).all() and np.isfinite(kb).all()):
             _prefix_products(p, ds, q2, do2, kb, nvis, dq, dk_acc[:, j0:j1], dv_acc[:, j0:j1])
         else:
@@ -357,6 +371,25 @@ def _backward_block(qb, gb, ob, lb, k, v, i0: int, mask: _Mask, scale, bk: int, 
     if dead.any():
         np.copyto(dq, 0, where=dead)  # (0 · a non-finite visible k)
     return dq.reshape(n, g, bq, d)
+
+
+def _grad_scores(p, dp, big_d, scale, lse, nvis, mask: _Mask, n: int, g: int, bq: int):
+    """The NumPy steps of one key block: p (the scores) -> P = exp(s scale - lse) in place; dS = (dP - D) P, both 0 at
+    masked keys (times the soft cap's slope where there is one)."""
+    p *= scale
+    slope = None if mask.softcap is None else mask.cap(p, slope=True)
+    p -= lse
+    np.exp(p, out=p)
+    dp -= big_d
+    ds = dp.astype(p.dtype, copy=False)
+    ds *= p
+    if slope is not None:
+        ds *= slope
+    if nvis is not None:  # some row of this block cannot see some key of it
+        hidden = _hidden(nvis, p.shape[-1])  # [bq, bk], the same for every head
+        np.copyto(p.reshape(n, g, bq, -1), 0, where=hidden)  # (exp of a masked NaN score is NaN)
+        np.copyto(ds.reshape(n, g, bq, -1), 0, where=hidden)  # (0 · inf of a masked v is NaN)
+    return ds
 
 
 def _prefix_products(p, ds, q2, do2, kb, nvis, dq, dk_blk, dv_blk) -> None:
