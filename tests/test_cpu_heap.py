@@ -38,8 +38,8 @@ def test_repeated_kernel_calls_fault_no_pages_in():
 @pytest.mark.skipif(not GLIBC, reason="mallopt's top pad is glibc's")
 def test_the_pad_is_set_once_the_kernels_load_and_the_environment_decides():
     code = "from opport.backends.cpu import _common, _heap; print(_heap.state)"
-    assert _run(code).stdout.strip() == "top pad 64 MiB"
-    assert _run(code, OPPORT_MALLOC_TOP_PAD="8388608").stdout.strip() == "top pad 8 MiB"
+    assert _run(code).stdout.strip() == "top pad 64 MiB, mmap threshold 32 MiB"
+    assert _run(code, OPPORT_MALLOC_TOP_PAD="8388608").stdout.strip() == "top pad 8 MiB, mmap threshold 32 MiB"
     assert _run(code, OPPORT_MALLOC_TOP_PAD="0").stdout.strip() == "off (OPPORT_MALLOC_TOP_PAD=0)"
     assert _run(code, MALLOC_TOP_PAD_="1048576").stdout.strip() == "left as the environment sets it"
     assert _run(code, GLIBC_TUNABLES="glibc.malloc.trim_threshold=1").stdout.strip() == "left as the environment sets it"

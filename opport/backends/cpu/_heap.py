@@ -5,7 +5,8 @@ memory at the heap's top back to the system once more than 128 KB of it is free 
 call's arrays fault their pages in again, zeroed by the kernel: on the 2-core VM a tiny Llama's attention forward
 [4, 4, 128, 64] spent 0.8 of its 2.1 ms in page faults (293 a call), its backward 1.1 of 4.0 ms. With a 64 MiB pad
 glibc keeps that much free memory when it trims and grows the heap by as much at once: 1.2 and 2.9 ms. torch's own
-CPU tensors come from the same malloc and gain the same (docs/cpu.md, "Memory").
+CPU tensors come from the same malloc and gain the same (docs/cpu.md, "Memory"). Arrays of 32 MiB and more are
+mapped for themselves, as glibc does by default at its largest threshold (MMAP_THRESHOLD).
 
 Set once, when the cpu kernels load, for the whole process: `OPPORT_MALLOC_TOP_PAD` (bytes; 0 leaves glibc as it
 is). Left alone where the user tuned glibc's malloc already (MALLOC_TOP_PAD_, MALLOC_TRIM_THRESHOLD_,
@@ -20,7 +21,12 @@ import os
 from opport.errors import ArgumentError
 
 TOP_PAD = 64 << 20  # the default pad, bytes: a few of the largest blocks the kernels make (SCORE_BUDGET is 4 MB)
-_M_TOP_PAD = -2  # glibc's malloc.h
+# Setting any of glibc's thresholds freezes the mmap threshold, which glibc otherwise raises to the size of each
+# mmapped block freed (up to 32 MiB): frozen at its initial 128 KB, every larger array the heap's free top cannot
+# hold is mmapped and faulted in anew (torch's 14 MB gelu temporaries: the cpu bench's system time 15 -> 44 s).
+# So the threshold is set to that 32 MiB ceiling, where glibc's own adjustment would end.
+MMAP_THRESHOLD = 32 << 20
+_M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3  # glibc's malloc.h
 _USER_KNOBS = ("MALLOC_TOP_PAD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 state = "not set"  # what keep() did, for `opport doctor`
 
@@ -48,8 +54,9 @@ def keep() -> str:
     elif not _glibc():
         state = "not glibc: left alone"
     else:
-        ok = ctypes.CDLL(None).mallopt(_M_TOP_PAD, pad)
-        state = f"top pad {pad / 2**20:g} MiB" if ok == 1 else "mallopt refused the pad"
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TOP_PAD, pad) == 1
+        state = f"top pad {pad / 2**20:g} MiB, mmap threshold 32 MiB" if ok else "mallopt refused the pad"
     return state
 
 
