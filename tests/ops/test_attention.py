@@ -158,17 +158,24 @@ def test_cost_counts_visible_pairs():
 
 
 @pytest.mark.parametrize("sq", (1, 5))
-def test_batches_merged_or_not_give_the_same_result(sq):
+def test_batches_merged_or_not_give_the_same_result(sq, monkeypatch):
     """Contiguous inputs run all batch entries as one [1, B*H] problem (decode: one large step); a KV cache
-    laid out [B, S, H, D] cannot merge without a copy and runs batch by batch. Both must agree bitwise."""
+    laid out [B, S, H, D] cannot merge as views: it is copied while the copies stay under MERGE_COPY_MAX, and
+    runs batch by batch above it. All three must agree bitwise."""
     q, k, v = (a.astype(np.float32) for a in qkv(3, 8, 2, sq, 40, 16, seed=11))
-    assert cpu_attention._batch_heads_merge(q, k, v)
+    assert cpu_attention._batch_heads_merge(q, k, v) == (q, k, v)  # the arrays themselves: no copy
     kt = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     vt = np.ascontiguousarray(v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-    assert not cpu_attention._batch_heads_merge(q, kt, vt)
+    assert not cpu_attention._views_merged(kt) and not cpu_attention._views_merged(vt)
+    copied = cpu_attention._batch_heads_merge(q, kt, vt)
+    assert copied[0] is q and copied[1].flags.c_contiguous and copied[2].flags.c_contiguous
     for causal in (False, True):
         merged = kernel(q, k, v, causal, None)
         assert np.array_equal(merged, kernel(q, kt, vt, causal, None))
+        with monkeypatch.context() as m:
+            m.setattr(cpu_attention, "MERGE_COPY_MAX", 0)
+            assert cpu_attention._batch_heads_merge(q, kt, vt) is None  # over the cap: batch by batch
+            assert np.array_equal(merged, kernel(q, kt, vt, causal, None))
         case = opport.spec.Case(f"batches-{sq}", (q, k, v), {"causal": causal})
         assert_matches(case, "float32", merged)
 

@@ -126,12 +126,16 @@ def test_heads_per_step_do_not_change_the_bits(monkeypatch, causal, window, soft
             np.testing.assert_array_equal(a, b)
 
 
-def test_merged_batches_and_strided_inputs_agree_bitwise():
+def test_merged_batches_and_strided_inputs_agree_bitwise(monkeypatch):
     q, k, v = qkv(3, 4, 2, 6, 9, 8, seed=6, dtype="float32")
     g = cast(np.random.default_rng(7).standard_normal((3, 4, 6, 8)), "float32")
     merged = backward(q, k, v, g, True)
-    kt = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # a [B, S, H, D] cache: no merge
-    assert cpu_attention._batch_heads_merge(q, k, v) and not cpu_attention._batch_heads_merge(q, kt, v)
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # a [B, S, H, D] cache: merged as a copy
+    assert cpu_attention._views_merged(k) and not cpu_attention._views_merged(kt)
+    for a, b in zip(merged, backward(q, kt, v, g, True)):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.setattr(cpu_attention, "MERGE_COPY_MAX", 0)  # no copies: batch by batch
+    assert cpu_attention._batch_heads_merge(q, kt, v, g, g) is None
     for a, b in zip(merged, backward(q, kt, v, g, True)):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(merged, backward(q, k, v, g, True)):
