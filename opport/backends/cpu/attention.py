@@ -60,6 +60,7 @@ MERGE_COPY_MAX = 16 << 20  # bytes of inputs copied so that the batch merges (_b
 
 
 def _views_merged(a: np.ndarray) -> bool:
+    """Whether [B, H, ...] `a` views its batch and head axes as one B*H axis (a reshape that does not copy)."""
     return a.shape[0] == 1 or a.shape[1] == 1 or a.strides[0] == a.shape[1] * a.strides[1]
 
 
