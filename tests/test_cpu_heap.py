@@ -10,6 +10,7 @@ import pytest
 
 from opport.backends.cpu import _heap
 from opport.backends.cpu import attention as cpu_attention
+from opport.errors import ArgumentError
 
 GLIBC = _heap._glibc()
 
@@ -35,20 +36,24 @@ def test_repeated_kernel_calls_fault_no_pages_in():
     assert faults < 100, f"{faults} page faults in 20 calls"
 
 
+def test_the_environment_decides_the_pad():
+    assert _heap.decide({}, True) == (64 << 20, "top pad 64 MiB, mmap threshold 32 MiB")
+    assert _heap.decide({"OPPORT_MALLOC_TOP_PAD": "8388608"}, True) == (8 << 20, "top pad 8 MiB, mmap threshold 32 MiB")
+    assert _heap.decide({"OPPORT_MALLOC_TOP_PAD": "0"}, True) == (0, "off (OPPORT_MALLOC_TOP_PAD=0)")
+    for env in ({"MALLOC_TOP_PAD_": "1048576"}, {"MALLOC_MMAP_THRESHOLD_": "1"},
+                {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}):
+        assert _heap.decide(env, True) == (0, "left as the environment sets it")
+    assert _heap.decide({}, False) == (0, "not glibc: left alone")
+    with pytest.raises(ArgumentError, match="OPPORT_MALLOC_TOP_PAD"):
+        _heap.decide({"OPPORT_MALLOC_TOP_PAD": "lots"}, True)
+
+
 @pytest.mark.skipif(not GLIBC, reason="mallopt's top pad is glibc's")
-def test_the_pad_is_set_once_the_kernels_load_and_the_environment_decides():
-    code = "from opport.backends.cpu import _common, _heap; print(_heap.state)"
+def test_the_pad_is_set_when_the_kernels_load_not_on_import_and_a_bad_one_fails_the_call():
+    code = ("import sys, numpy as np, opport; assert 'opport.backends.cpu._heap' not in sys.modules; "
+            "opport.rmsnorm(np.ones((2, 4), np.float32), np.ones(4, np.float32)); "
+            "from opport.backends.cpu import _heap; print(_heap.state)")
     assert _run(code).stdout.strip() == "top pad 64 MiB, mmap threshold 32 MiB"
-    assert _run(code, OPPORT_MALLOC_TOP_PAD="8388608").stdout.strip() == "top pad 8 MiB, mmap threshold 32 MiB"
-    assert _run(code, OPPORT_MALLOC_TOP_PAD="0").stdout.strip() == "off (OPPORT_MALLOC_TOP_PAD=0)"
-    assert _run(code, MALLOC_TOP_PAD_="1048576").stdout.strip() == "left as the environment sets it"
-    assert _run(code, GLIBC_TUNABLES="glibc.malloc.trim_threshold=1").stdout.strip() == "left as the environment sets it"
-    # importing opport alone changes nothing: the pad comes with the cpu kernels
-    assert _run("import opport, sys; print('opport.backends.cpu._heap' in sys.modules)").stdout.strip() == "False"
-
-
-def test_a_bad_pad_is_an_argument_error_naming_the_variable():
-    r = _run("import numpy as np, opport; opport.rmsnorm(np.ones((2, 4), np.float32), np.ones(4, np.float32))",
-             OPPORT_MALLOC_TOP_PAD="lots")
+    r = _run(code, OPPORT_MALLOC_TOP_PAD="lots")
     assert r.returncode != 0
     assert "ArgumentError" in r.stderr and "OPPORT_MALLOC_TOP_PAD" in r.stderr and "'lots'" in r.stderr

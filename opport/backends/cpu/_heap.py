@@ -31,8 +31,8 @@ _USER_KNOBS = ("MALLOC_TOP_PAD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHO
 state = "not set"  # what keep() did, for `opport doctor`
 
 
-def _requested() -> int:
-    raw = os.environ.get("OPPORT_MALLOC_TOP_PAD", "").strip()
+def _requested(environ) -> int:
+    raw = environ.get("OPPORT_MALLOC_TOP_PAD", "").strip()
     if not raw:
         return TOP_PAD
     if not raw.isdigit():
@@ -46,18 +46,24 @@ def keep() -> str:
     global state
     if state != "not set":
         return state
-    pad = _requested()
-    if pad == 0:
-        state = "off (OPPORT_MALLOC_TOP_PAD=0)"
-    elif any(k in os.environ for k in _USER_KNOBS) or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        state = "left as the environment sets it"
-    elif not _glibc():
-        state = "not glibc: left alone"
-    else:
+    pad, state = decide(os.environ, _glibc())
+    if pad:
         libc = ctypes.CDLL(None)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TOP_PAD, pad) == 1
-        state = f"top pad {pad / 2**20:g} MiB, mmap threshold 32 MiB" if ok else "mallopt refused the pad"
+        if not (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TOP_PAD, pad) == 1):
+            state = "mallopt refused the pad"
     return state
+
+
+def decide(environ, glibc: bool) -> tuple:
+    """(the pad to set, 0 for none; what that means, for `state`) for an environment."""
+    pad = _requested(environ)
+    if pad == 0:
+        return 0, "off (OPPORT_MALLOC_TOP_PAD=0)"
+    if any(k in environ for k in _USER_KNOBS) or "malloc" in environ.get("GLIBC_TUNABLES", ""):
+        return 0, "left as the environment sets it"
+    if not glibc:
+        return 0, "not glibc: left alone"
+    return pad, f"top pad {pad / 2**20:g} MiB, mmap threshold 32 MiB"
 
 
 def _glibc() -> bool:
