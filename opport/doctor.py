@@ -88,10 +88,17 @@ def python_line() -> str:
 
 
 def cpu_heap_line() -> str:
-    """glibc's top pad for the cpu kernels' temporaries (opport/backends/cpu/_heap.py), as it is set once they load."""
+    """glibc's top pad for the cpu kernels' temporaries (opport/backends/cpu/_heap.py): what was set if the kernels
+    have loaded, else what they would set. Only reads: doctor changes no malloc setting, and a bad
+    OPPORT_MALLOC_TOP_PAD is reported here, not raised (the kernels raise it)."""
     from opport.backends.cpu import _heap
+    from opport.errors import ArgumentError
 
-    return f"cpu kernels' heap (glibc malloc, OPPORT_MALLOC_TOP_PAD): {_heap.keep()}"
+    try:
+        state = _heap.state if _heap.state != "not set" else _heap.decide(os.environ, _heap._glibc())[1]
+    except ArgumentError as e:
+        state = f"error: {e}"
+    return f"cpu kernels' heap (glibc malloc, OPPORT_MALLOC_TOP_PAD): {state}"
 
 
 def torch_native_line() -> str | None:

@@ -57,3 +57,13 @@ def test_the_pad_is_set_when_the_kernels_load_not_on_import_and_a_bad_one_fails_
     r = _run(code, OPPORT_MALLOC_TOP_PAD="lots")
     assert r.returncode != 0
     assert "ArgumentError" in r.stderr and "OPPORT_MALLOC_TOP_PAD" in r.stderr and "'lots'" in r.stderr
+
+
+def test_doctor_reports_the_pad_and_a_bad_value_without_raising(monkeypatch):
+    from opport.doctor import cpu_heap_line
+
+    assert cpu_heap_line().endswith(_heap.state if _heap.state != "not set" else _heap.decide(os.environ, GLIBC)[1])
+    monkeypatch.setattr(_heap, "state", "not set")  # as in a process whose kernels have not loaded
+    monkeypatch.setenv("OPPORT_MALLOC_TOP_PAD", "lots")
+    line = cpu_heap_line()
+    assert "error" in line and "OPPORT_MALLOC_TOP_PAD" in line and "'lots'" in line
