@@ -281,3 +281,80 @@ def test_without_a_budget_the_affinity_is_read_at_most_once_a_second(monkeypatch
     assert common.num_threads() == 1 and len(reads) == 2, "a changed affinity not seen after a second"
     monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
     assert common.num_threads() == 2 and len(reads) == 2, "the budget decides where it is set"
+
+
+def test_a_guests_large_products_run_on_torchs_pool(monkeypatch, spy):
+    """As torch's guest (torch's pool has several threads) with a budget of several, a product of at least
+    GUEST_GEMM_MIN multiply-adds is torch.matmul on the same memory (torch's pool, all its threads: BLAS is held to
+    one there); smaller products, a budget of 1, torch on one thread and NumPy's arrays stay with np.matmul."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    rng = np.random.default_rng(1)
+    big = [rng.standard_normal(s).astype(np.float32) for s in ((256, 128), (128, 64))]  # 2M multiply-adds
+    small = list(_ab())
+    assert 256 * 128 * 64 >= common.GUEST_GEMM_MIN > 96 * 80 * 64
+    seen, real = [], torch.matmul
+
+    def torch_matmul(x, y):
+        seen.append(tuple(x.shape))
+        return real(x, y)
+
+    monkeypatch.setattr(torch, "matmul", torch_matmul)
+    before = torch.get_num_threads()
+    try:
+        for torch_threads, budget, arrays, on_torch in ((2, "2", big, True), (2, "2", small, False),
+                                                        (2, "1", big, False), (1, "2", big, False)):
+            torch.set_num_threads(torch_threads)
+            monkeypatch.setenv("OPPORT_NUM_THREADS", budget)
+            seen.clear(), spy.clear()
+            out = opport.matmul(*(torch.from_numpy(m) for m in arrays), backend="cpu")
+            assert (seen, len(spy)) == (([(256, 128)], 0) if on_torch else ([], 1)), (torch_threads, budget)
+            np.testing.assert_allclose(out.numpy(), arrays[0] @ arrays[1], rtol=1e-5, atol=1e-4)
+        seen.clear()
+        opport.matmul(*big, backend="cpu")  # NumPy's arrays: no guest
+        assert seen == []
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_guests_product_of_arrays_torch_cannot_view_stays_with_numpy(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(common._inside, "guest", True)
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    common._torch[:] = [torch]
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((256, 128)).astype(np.float32), rng.standard_normal((128, 64)).astype(np.float32)
+    ro = a.copy()
+    ro.flags.writeable = False
+    for x, y in ((ro, b), (a[::-1], b), (a, b.astype(np.float64))):  # read-only, negative strides, mixed dtypes
+        np.testing.assert_array_equal(common.gemm(x, y), np.matmul(x, y))
+    assert isinstance(common.gemm(a, b), np.ndarray)
+
+
+def test_a_guests_row_kernels_run_inline_below_the_guest_threshold(monkeypatch):
+    """torch's OpenMP workers spin on the other cores for a few ms after each torch op: as its guest, a row kernel
+    wakes opport's pool only from GUEST_PARALLEL_MIN elements (NumPy's arrays: from PARALLEL_MIN)."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    woken, real = [], common._executor
+
+    def executor(workers):
+        woken.append(workers)
+        return real(workers)
+
+    monkeypatch.setattr(common, "_executor", executor)
+    x = np.random.default_rng(3).standard_normal((512, 1024)).astype(np.float32)  # 512K elements: above PARALLEL_MIN
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = opport.gelu(torch.from_numpy(x), backend="cpu")
+        assert woken == []
+        monkeypatch.setattr(common, "GUEST_PARALLEL_MIN", common.PARALLEL_MIN)
+        np.testing.assert_array_equal(opport.gelu(torch.from_numpy(x), backend="cpu").numpy(), out.numpy())
+        assert woken == [1]
+        woken.clear()
+        monkeypatch.setattr(common, "GUEST_PARALLEL_MIN", 1 << 24)
+        np.testing.assert_array_equal(opport.gelu(x, backend="cpu"), out.numpy())  # NumPy's arrays: the pool
+        assert woken == [1]
+    finally:
+        torch.set_num_threads(before)

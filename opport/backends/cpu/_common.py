@@ -34,6 +34,9 @@ from opport.errors import ArgumentError
 BLOCK_ELEMS = 1 << 18  # elements per block: 1 MiB per float32 temporary, a few MiB per block
 PARALLEL_MIN = 1 << 18  # below this many elements the hand-off to a pool thread (~60 us measured) costs
 # about what it saves
+GUEST_PARALLEL_MIN = 1 << 24  # the same as torch's guest (`guest`): torch's OpenMP workers spin on the other cores
+# for a few ms after each torch op, so the pool's threads gained nothing below this (gelu 256 x 14336 right after a
+# torch matmul, 2 threads: 3.4 ms against 3.2 inline; a tiny Llama's swiglu fwd + bwd: 1.4 against 1.2)
 BLAS_INLINE = 1 << 18  # a GEMM of at most this many multiply-adds (M*N*K) runs on the calling thread in OpenBLAS
 # whatever its thread limit (65536 * GEMM_MULTITHREAD_THRESHOLD, 4 by default): such calls skip the limiter
 
@@ -296,6 +299,7 @@ def guest(kind: str):
     import torch
 
     torch_threads = torch.get_num_threads
+    _torch[:] = [torch]
 
     def wrap(fn):
         @functools.wraps(fn)
@@ -311,6 +315,30 @@ def guest(kind: str):
         return run
 
     return wrap
+
+
+_torch: list = []  # [the torch module] once the dispatcher has wrapped a kernel for torch's tensors (`guest`)
+GUEST_GEMM_MIN = 1 << 20  # multiply-adds from which a guest's product goes to torch's pool (its ~7 us of calls pay)
+
+
+def gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """np.matmul(a, b) for same-dtype float operands. In a kernel running as torch's guest (torch's intra-op pool
+    has several threads: `guest`) with a budget of several threads, a product of at least GUEST_GEMM_MIN
+    multiply-adds runs as torch.matmul on the same memory, on torch's pool: BLAS is held to one thread there so
+    as not to fight that pool for the cores, and torch's GEMM uses all of them (the tiny Llama's LM-head loss,
+    fwd + bwd 512 x 256 x 2048 at 2 threads: 20.5 -> 11.3 ms). Operands torch cannot view (read-only, negative
+    strides) stay with NumPy. Bits: those of another GEMM, as BLAS's own thread count may change them."""
+    if _inside.guest and a.dtype == b.dtype and _gemm_work(a, b) >= GUEST_GEMM_MIN and num_threads() > 1 \
+            and a.flags.writeable and b.flags.writeable and min(a.strides + b.strides, default=0) >= 0:
+        torch = _torch[0]
+        return torch.matmul(torch.from_numpy(a), torch.from_numpy(b)).numpy()
+    return np.matmul(a, b)
+
+
+def _gemm_work(a: np.ndarray, b: np.ndarray) -> int:
+    """Multiply-adds of np.matmul(a, b) for operands of at least 2 dimensions: batch x M x N x K."""
+    batch = max(a.size // max(a.shape[-1] * a.shape[-2], 1), b.size // max(b.shape[-1] * b.shape[-2], 1))
+    return batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
@@ -343,7 +371,8 @@ def one_block(x2: np.ndarray) -> bool:
 def parallel_rows(n_rows: int, row_elems: int, body, blas: bool = False) -> None:
     """Call `body(rows)` for row slices covering [0, n_rows), in blocks of `block_rows(row_elems)` rows.
 
-    Inputs of at least PARALLEL_MIN elements are split into one contiguous range of rows per thread, at most
+    Inputs of at least PARALLEL_MIN elements (GUEST_PARALLEL_MIN as torch's guest) are split into one contiguous
+    range of rows per thread, at most
     `num_threads()` threads and one per block (the caller's thread takes the first range); smaller ones, and a
     call from inside a share, run inline on the calling thread without touching the pool or BLAS's limit.
     `blas=True` says that `body` calls BLAS itself: while the pool runs, BLAS is then held to 1 thread, once
@@ -357,7 +386,8 @@ def parallel_rows(n_rows: int, row_elems: int, body, blas: bool = False) -> None
     step = block_rows(row_elems)
     nested = _inside.on
     wanted = num_threads()  # validated on every call, small ones too
-    threads = 1 if nested or n_rows * row_elems < PARALLEL_MIN else min(wanted, -(-n_rows // step))
+    least = GUEST_PARALLEL_MIN if _inside.guest else PARALLEL_MIN
+    threads = 1 if nested or n_rows * row_elems < least else min(wanted, -(-n_rows // step))
     outer = (nested, _inside.pooled)  # the workers run only when not nested, and their state is outer's then
     pooled = outer[1] or threads > 1
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from opport.backends.cpu._common import num_threads
+from opport.backends.cpu._common import gemm, num_threads
 from opport.dispatch import is_batch_invariant
 
 try:
@@ -33,7 +33,7 @@ def active() -> bool:
 
 def dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a [M, K] @ b [K, N]: BLAS, or `rows_matmul` under the batch-invariant mode (rows are a batch's rows)."""
-    return rows_matmul(a, b) if active() else a @ b
+    return rows_matmul(a, b) if active() else gemm(a, b)
 
 
 def rows_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

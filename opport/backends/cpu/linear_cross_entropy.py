@@ -9,7 +9,7 @@ import numpy as np
 
 from opport.arraymath import reduce_losses
 from opport.backends.cpu import _fused, _invariant
-from opport.backends.cpu._common import upcast, uses_blas
+from opport.backends.cpu._common import gemm, upcast, uses_blas
 from opport.backends.cpu.cross_entropy import _at_target, _coefficients, _fix_rows, _row_losses, _write_grad
 from opport.dispatch import impl
 from opport.dtypes import acc_of
@@ -141,10 +141,10 @@ def head_gradients(hidden, weight, bias, t, dlogits) -> tuple:
                 x = upcast(hidden[rows])
                 d = dlogits(x, rows, c0, c1)
                 hit, col, dt = _take_targets(d, t[rows], c0, c1)
-                dh_tile = d @ wc
+                dh_tile = gemm(d, wc)
                 dh_tile[hit] += dt[:, None] * wc[col]
                 dh[rows] += dh_tile
-                dw_acc += d.T @ x
+                dw_acc += gemm(d.T, x)
                 _fused.add_scaled_rows(dw_acc, col, dt, x, hit)  # in row order: deterministic
                 db_acc += d.sum(axis=0)
                 np.add.at(db_acc, col, dt)
@@ -290,8 +290,8 @@ def _block_gradients(x, d, weight, t, dw, db) -> np.ndarray:
     for c0 in range(0, v, VOCAB_CHUNK):
         c1 = min(c0 + VOCAB_CHUNK, v)
         wc, dc = upcast(weight[c0:c1]), d[:, c0:c1]
-        dh += dc @ wc
-        dw[c0:c1] += dc.T @ x
+        dh += gemm(dc, wc)
+        dw[c0:c1] += gemm(dc.T, x)
         if db is not None:
             db[c0:c1] += dc.sum(axis=0)
     if hit.size:

@@ -5,7 +5,7 @@ import math
 import numpy as np
 
 from opport.backends.cpu import _invariant
-from opport.backends.cpu._common import upcast, uses_blas
+from opport.backends.cpu._common import gemm, upcast, uses_blas
 from opport.dispatch import impl
 from opport.ops.matmul import matmul as spec
 
@@ -31,7 +31,7 @@ def matmul(a: np.ndarray, b: np.ndarray, bias) -> np.ndarray:
             out = _invariant.rows_matmul(upcast(a).reshape(rows, a.shape[-1]), upcast(b)).reshape(
                 *a.shape[:-1], b.shape[1])
         else:
-            out = np.matmul(upcast(a), upcast(b))
+            out = gemm(upcast(a), upcast(b))
         if bias is not None:
             out += upcast(bias)
         return out.astype(a.dtype, copy=False)  # beyond the dtype's range -> inf, as the exact result rounds
@@ -50,11 +50,11 @@ def matmul_backward(grad: np.ndarray, a: np.ndarray, b: np.ndarray, bias):
     rows = math.prod(a.shape[:-1])  # (-1 cannot be inferred when K or N is 0)
     g, af, bf = upcast(grad), upcast(a), upcast(b)
     with np.errstate(invalid="ignore", over="ignore"):
-        da = np.matmul(g, bf.swapaxes(-1, -2))
+        da = gemm(g, bf.swapaxes(-1, -2))
         if b.ndim == 2:
-            db = np.matmul(af.reshape(rows, k).T, g.reshape(rows, n))
+            db = gemm(af.reshape(rows, k).T, g.reshape(rows, n))
         else:
-            db = np.matmul(af.swapaxes(-1, -2), g)
+            db = gemm(af.swapaxes(-1, -2), g)
         dbias = None if bias is None else np.add.reduce(g.reshape(rows, n), axis=0)
         return da.astype(a.dtype, copy=False), db.astype(b.dtype, copy=False), \
             None if dbias is None else dbias.astype(bias.dtype, copy=False)
