@@ -92,19 +92,53 @@ def test_a_non_contiguous_upstream_gradient(name, fn, shapes, special, monkeypat
     _same_as_python(fn, _inputs(shapes, special), monkeypatch, grad_of=lambda y: torch.ones(()).expand(y.shape))
 
 
-def test_calls_the_nodes_do_not_take_run_the_python_function():
+def test_calls_the_nodes_do_not_take_run_the_python_function(monkeypatch):
     x = torch.randn(4, 64)
     w = torch.randn(64)
     declined = {
         "bfloat16": lambda: opport.silu(x.bfloat16().requires_grad_()),
         "float64": lambda: opport.silu(x.double().requires_grad_()),
         "non-contiguous": lambda: opport.silu(torch.randn(64, 4).t().requires_grad_()),
-        "one block or more": lambda: opport.silu(torch.randn(PARALLEL_MIN).requires_grad_()),
+        "one block or more, torch on one thread": lambda: opport.silu(torch.randn(PARALLEL_MIN).requires_grad_()),
         "no bias": lambda: opport.layernorm(x.requires_grad_(), w, None),
+        "rows of one block or more": lambda: opport.layernorm(torch.randn(PARALLEL_MIN // 64, 64).requires_grad_(),
+                                                              w, torch.randn(64)),
     }
-    for why, call in declined.items():
-        assert NATIVE not in call().grad_fn.name(), why
-    assert NATIVE in opport.silu(torch.randn(PARALLEL_MIN - 1, requires_grad=True)).grad_fn.name()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for why, call in declined.items():
+            assert NATIVE not in call().grad_fn.name(), why
+        assert NATIVE in opport.silu(torch.randn(PARALLEL_MIN - 1, requires_grad=True)).grad_fn.name()
+        torch.set_num_threads(2)  # as torch's guest, elementwise calls of any size take the node; rows do not
+        assert NATIVE in opport.silu(torch.randn(PARALLEL_MIN, requires_grad=True)).grad_fn.name()
+        assert NATIVE not in declined["rows of one block or more"]().grad_fn.name()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("budget", ["1", "2"])
+@pytest.mark.parametrize("name,fn,shapes,special", [
+    ("silu", opport.silu, [(5, PARALLEL_MIN // 4 + 3)], _none),
+    ("swiglu", opport.swiglu, [(3, PARALLEL_MIN // 2 + 1), (3, PARALLEL_MIN // 2 + 1)], _none),
+    ("swiglu-awkward", opport.swiglu, [(2, PARALLEL_MIN), (2, PARALLEL_MIN)], _awkward),
+], ids=["silu", "swiglu", "swiglu-awkward"])
+def test_large_calls_as_torchs_guest_split_over_torchs_pool_bitwise(name, fn, shapes, special, budget, monkeypatch):
+    """As torch's guest (torch's pool has several threads) an elementwise call of one block or more takes the node,
+    its loops split over torch's pool in ranges of GRAIN elements (or whole with OPPORT_NUM_THREADS=1): the Python
+    Function path's bits (opport's own pool, inline as torch's guest), left-over elements included."""
+    monkeypatch.setenv("OPPORT_NUM_THREADS", budget)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        grains = []
+        node = torch_native._NODES[name.split("-")[0]]
+        monkeypatch.setitem(torch_native._NODES, name.split("-")[0], node._replace(
+            node=lambda mod, b, grain: grains.append(grain) or node.node(mod, b, grain)))
+        _same_as_python(fn, _inputs(shapes, special), monkeypatch)
+        assert grains == [torch_native.GRAIN if budget == "2" else shapes[0][0] * shapes[0][1]]
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_fused_loops_off_means_the_python_path(monkeypatch):
@@ -201,7 +235,8 @@ def test_calls_without_gradients_take_the_nodes_forward(name, fn, shapes, specia
             want = _bits(_outs(fn(*ins)))
     taken = []
     node = torch_native._NODES[op]
-    monkeypatch.setitem(torch_native._NODES, op, node._replace(forward=lambda mod, b: taken.append(1) or node.forward(mod, b)))
+    monkeypatch.setitem(torch_native._NODES, op,
+                        node._replace(forward=lambda mod, b, grain: taken.append(1) or node.forward(mod, b, grain)))
     for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
         with mode():
             ys = _outs(fn(*ins))
@@ -218,7 +253,7 @@ def test_norm_calls_the_forwards_do_not_take(monkeypatch):
     for op in ("rmsnorm", "add_rmsnorm"):
         node = torch_native._NODES[op]
         monkeypatch.setitem(torch_native._NODES, op,
-                            node._replace(forward=lambda mod, b, f=node.forward: taken.append(1) or f(mod, b)))
+                            node._replace(forward=lambda mod, b, grain, f=node.forward: taken.append(1) or f(mod, b, grain)))
     with torch.no_grad():
         opport.rmsnorm(x, w, 1e-6, offset=1.0)
         opport.rmsnorm(x, None, 1e-6)

@@ -12,12 +12,13 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("torch_native.cpp")
-CFLAGS = ["-O2"]
+CFLAGS = ["-O2", "-fopenmp"]  # at::parallel_for is OpenMP pragmas in headers: without it, one thread
+LDFLAGS = ["-fopenmp"]  # DT_NEEDED libgomp.so.1: the loader binds torch's own copy, loaded first (one thread pool)
 
 
 def module_name() -> str:
     """The extension's name: its source, flags and torch's version hashed (a changed source is another module)."""
-    h = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    h = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2])).encode())
     return f"opport_torch_native_{h.hexdigest()[:16]}"
 
 
@@ -37,7 +38,7 @@ def build(verbose: bool = False) -> Path:
     if not path.exists():
         bin_dir = str(Path(sys.executable).parent)  # a venv's own ninja (pip's), found by torch on PATH
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
-        load(module_name(), [str(SOURCE)], extra_cflags=CFLAGS, verbose=verbose)
+        load(module_name(), [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=verbose)
     return path
 
 

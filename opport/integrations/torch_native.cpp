@@ -1,7 +1,8 @@
 // opport's cpu kernels as native torch autograd nodes (opport/integrations/torch_native.py says when they run).
 //
 // A Python torch.autograd.Function costs tens of microseconds per forward + backward before any kernel runs; a
-// decode-sized call's kernels take about ten. These nodes are C++ torch::autograd::Functions whose forward and
+// decode-sized call's kernels take about ten. silu's and swiglu's larger calls, as torch's guest, split their loops
+// over torch's own intra-op pool (at::parallel_for), the only threads free of torch's spinning workers. These nodes are C++ torch::autograd::Functions whose forward and
 // backward call the fused loops' C entry points (opport/backends/cpu/_cfuncs.py) on the tensors' memory: the same
 // loops, arguments and bits as the op files' small-call paths. Where a loop leaves elements or rows (NaN, inf,
 // overflow), or the upstream gradient is not float32, the node calls the op's Python kernel for the whole call,
@@ -10,8 +11,11 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
+
+#include <atomic>
 
 namespace py = pybind11;
 using torch::autograd::AutogradContext;
@@ -60,19 +64,37 @@ std::vector<Tensor> python(PyObject* fn, A&&... args) {
 // Whether the loops take this upstream gradient: float32 (made contiguous first); another dtype goes to Python.
 bool loop_grad(const Tensor& g) { return g.scalar_type() == at::kFloat; }
 
+// An elementwise loop `run(offset, count)` over [0, n) in ranges of at least `grain` elements on torch's intra-op
+// pool (one range, on this thread, where n <= grain): whether any range left elements. Each element's result is the
+// loop's whatever range it falls in, so the split does not change a bit.
+template <class F>
+bool ranges(int64_t n, int64_t grain, F run) {
+  std::atomic<bool> left{false};
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    if (run(begin, end - begin)) left = true;
+  });
+  return left;
+}
+
 // Each op's forward computation, shared by its autograd node and the calls that record nothing (decode).
-Tensor silu_forward(const Tensor& x) {
+Tensor silu_forward(const Tensor& x, int64_t grain) {
   Tensor y = at::empty_like(x);
-  uint8_t flag = 0;
-  if (reinterpret_cast<Map1>(silu_k.forward)(f32(x), f32(y), x.numel(), &flag))
+  float *px = f32(x), *py = f32(y);
+  if (ranges(x.numel(), grain, [&](int64_t o, int64_t n) {
+        uint8_t flag = 0;
+        return reinterpret_cast<Map1>(silu_k.forward)(px + o, py + o, n, &flag);
+      }))
     y = python(silu_k.py_forward, x.detach())[0];
   return y;
 }
 
-Tensor swiglu_forward(const Tensor& gate, const Tensor& up) {
+Tensor swiglu_forward(const Tensor& gate, const Tensor& up, int64_t grain) {
   Tensor y = at::empty_like(gate);
-  uint8_t flag = 0;
-  if (reinterpret_cast<Map2>(swiglu_k.forward)(f32(gate), f32(up), f32(y), gate.numel(), &flag))
+  float *pg = f32(gate), *pu = f32(up), *py = f32(y);
+  if (ranges(gate.numel(), grain, [&](int64_t o, int64_t n) {
+        uint8_t flag = 0;
+        return reinterpret_cast<Map2>(swiglu_k.forward)(pg + o, pu + o, py + o, n, &flag);
+      }))
     y = python(swiglu_k.py_forward, gate.detach(), up.detach())[0];
   return y;
 }
@@ -116,38 +138,57 @@ std::vector<Tensor> add_rmsnorm_forward(const Tensor& x, const Tensor& residual,
 }
 
 struct Silu : public torch::autograd::Function<Silu> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, int64_t grain) {
     ctx->save_for_backward({x});
-    return silu_forward(x);
+    ctx->saved_data["grain"] = grain;
+    return silu_forward(x, grain);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     Tensor x = ctx->get_saved_variables()[0];
-    if (at::GradMode::is_enabled() || !loop_grad(grads[0]))
-      return python(silu_k.py_backward, grads[0], x, at::GradMode::is_enabled());
-    Tensor g = grads[0].contiguous(), dx = at::empty_like(x);
-    uint8_t flag = 0;
-    if (reinterpret_cast<Map2>(silu_k.backward)(f32(x), f32(g), f32(dx), x.numel(), &flag))
-      return python(silu_k.py_backward, g, x, false);
-    return {dx};
+    variable_list out;
+    if (at::GradMode::is_enabled() || !loop_grad(grads[0])) {
+      out = python(silu_k.py_backward, grads[0], x, at::GradMode::is_enabled());
+    } else {
+      Tensor g = grads[0].contiguous(), dx = at::empty_like(x);
+      float *px = f32(x), *pg = f32(g), *pd = f32(dx);
+      if (ranges(x.numel(), ctx->saved_data["grain"].toInt(), [&](int64_t o, int64_t n) {
+            uint8_t flag = 0;
+            return reinterpret_cast<Map2>(silu_k.backward)(px + o, pg + o, pd + o, n, &flag);
+          }))
+        out = python(silu_k.py_backward, g, x, false);
+      else
+        out = {dx};
+    }
+    out.emplace_back();  // grain
+    return out;
   }
 };
 
 struct Swiglu : public torch::autograd::Function<Swiglu> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up, int64_t grain) {
     ctx->save_for_backward({gate, up});
-    return swiglu_forward(gate, up);
+    ctx->saved_data["grain"] = grain;
+    return swiglu_forward(gate, up, grain);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const Tensor &gate = saved[0], &up = saved[1];
-    if (at::GradMode::is_enabled() || !loop_grad(grads[0]))
-      return python(swiglu_k.py_backward, grads[0], gate, up, at::GradMode::is_enabled());
-    Tensor g = grads[0].contiguous(), dgate = at::empty_like(gate), dup = at::empty_like(up);
-    uint8_t flag = 0;
-    if (reinterpret_cast<Map3x2>(swiglu_k.backward)(f32(gate), f32(up), f32(g), f32(dgate), f32(dup), gate.numel(),
-                                                    &flag))
-      return python(swiglu_k.py_backward, g, gate, up, false);
-    return {dgate, dup};
+    variable_list out;
+    if (at::GradMode::is_enabled() || !loop_grad(grads[0])) {
+      out = python(swiglu_k.py_backward, grads[0], gate, up, at::GradMode::is_enabled());
+    } else {
+      Tensor g = grads[0].contiguous(), dgate = at::empty_like(gate), dup = at::empty_like(up);
+      float *pa = f32(gate), *pb = f32(up), *pg = f32(g), *pda = f32(dgate), *pdb = f32(dup);
+      if (ranges(gate.numel(), ctx->saved_data["grain"].toInt(), [&](int64_t o, int64_t n) {
+            uint8_t flag = 0;
+            return reinterpret_cast<Map3x2>(swiglu_k.backward)(pa + o, pb + o, pg + o, pda + o, pdb + o, n, &flag);
+          }))
+        out = python(swiglu_k.py_backward, g, gate, up, false);
+      else
+        out = {dgate, dup};
+    }
+    out.emplace_back();  // grain
+    return out;
   }
 };
 
@@ -196,8 +237,8 @@ void bind(const std::string& name, int64_t forward, int64_t backward, py::object
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind", &bind);
-  m.def("silu", [](const Tensor& x) { return Silu::apply(x); });
-  m.def("swiglu", [](const Tensor& gate, const Tensor& up) { return Swiglu::apply(gate, up); });
+  m.def("silu", [](const Tensor& x, int64_t grain) { return Silu::apply(x, grain); });
+  m.def("swiglu", [](const Tensor& gate, const Tensor& up, int64_t grain) { return Swiglu::apply(gate, up, grain); });
   m.def("layernorm", [](const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
     return LayerNorm::apply(x, w, b, eps);
   });

@@ -11,7 +11,9 @@ same bits as the Python Function path (`_Eager` in opport/integrations/torch.py)
 When a call takes a node (`run`): the dispatcher's plan for it is the op's one cpu kernel, every array is a plain
 contiguous float32 CPU tensor (layernorm: weight and bias given) smaller than one block of the kernel's own
 block machinery (the size it runs inline on the calling thread anyway), the fused loops are on (`OPPORT_NUMBA`),
-and no torch.func transform is active. The rest of a call is the dispatcher's: validation, the backend settings,
+and no torch.func transform is active. silu and swiglu (elementwise) also take larger calls as torch's guest
+(torch's pool has several threads): their loops then run in ranges of GRAIN elements on torch's pool
+(at::parallel_for), the same bits. The rest of a call is the dispatcher's: validation, the backend settings,
 strict mode (all through `plan_of`).
 
 The extension is compiled once per machine (`make venv`, beside uv's install, or `python -m
@@ -127,8 +129,12 @@ def run(spec, bound: tuple, backend: str | None, record: bool = True):
     native = _NODES[name]
     if not ok or not _fused.enabled() or (record and native.node is None) or (native.when and not native.when(bound)):
         return NotImplemented
-    num_threads()  # OPPORT_NUM_THREADS validated on every call, as the cpu kernels do
-    return (native.node if record else native.forward)(_MODULE, bound)
+    budget = num_threads()  # OPPORT_NUM_THREADS validated on every call, as the cpu kernels do
+    if ok == _GUEST:  # one block or more: only as torch's guest, split over torch's pool
+        if torch.get_num_threads() <= 1:
+            return NotImplemented  # opport's pool runs it (the Python Function path)
+        return (native.node if record else native.forward)(_MODULE, bound, GRAIN if budget > 1 else bound[0].numel())
+    return (native.node if record else native.forward)(_MODULE, bound, _WHOLE)
 
 
 def _eligible(spec, bound: tuple, plan) -> bool:
@@ -142,6 +148,8 @@ def _eligible(spec, bound: tuple, plan) -> bool:
         x = bound[0]
         n = x.shape[-1] if x.dim() else 1
         ok = 0 < x.numel() < PARALLEL_MIN and (not _NODES[spec.name].row_wise or x.numel() // n <= block_rows(n))
+        if not ok and x.numel() >= PARALLEL_MIN and not _NODES[spec.name].row_wise:
+            ok = _GUEST
     if len(_ELIGIBLE) >= registry.SELECTIONS_MAX:
         _ELIGIBLE.clear()
     _ELIGIBLE[plan] = ok
@@ -163,20 +171,27 @@ class _Native(NamedTuple):
     """An op's native calls on its bound arguments. The norms' arrays must all be given (a weight, layernorm's bias):
     _plain32 refuses None."""
 
-    node: Callable | None  # its autograd node (None: calls that record go the Python way)
-    forward: Callable  # its forward alone, for calls that record nothing
+    node: Callable | None  # its autograd node (module, bound, grain) (None: calls that record go the Python way)
+    forward: Callable  # its forward alone (module, bound, grain), for calls that record nothing
     row_wise: bool  # the kernel works on rows: one block must hold whole rows
     when: Callable | None = None  # a check of the call's scalars (not in the plan's cached eligibility)
 
 
 _NODES = {
-    "silu": _Native(lambda m, b: m.silu(b[0]), lambda m, b: m.silu_forward(b[0]), False),
-    "swiglu": _Native(lambda m, b: m.swiglu(b[0], b[1]), lambda m, b: m.swiglu_forward(b[0], b[1]), False),
-    "layernorm": _Native(lambda m, b: m.layernorm(b[0], b[1], b[2], float(b[3])),
-                         lambda m, b: m.layernorm_forward(b[0], b[1], b[2], float(b[3])), True),
-    "rmsnorm": _Native(None, lambda m, b: m.rmsnorm_forward(b[0], b[1], float(b[2])), True, lambda b: b[3] == 0),
-    "add_rmsnorm": _Native(None, lambda m, b: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]))), True),
+    "silu": _Native(lambda m, b, grain: m.silu(b[0], grain), lambda m, b, grain: m.silu_forward(b[0], grain), False),
+    "swiglu": _Native(lambda m, b, grain: m.swiglu(b[0], b[1], grain),
+                      lambda m, b, grain: m.swiglu_forward(b[0], b[1], grain), False),
+    "layernorm": _Native(lambda m, b, _: m.layernorm(b[0], b[1], b[2], float(b[3])),
+                         lambda m, b, _: m.layernorm_forward(b[0], b[1], b[2], float(b[3])), True),
+    "rmsnorm": _Native(None, lambda m, b, _: m.rmsnorm_forward(b[0], b[1], float(b[2])), True, lambda b: b[3] == 0),
+    "add_rmsnorm": _Native(None, lambda m, b, _: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]))), True),
 }
+# Elementwise calls of one block or more take the nodes only as torch's guest (torch's pool has several threads), and
+# split their loops over that pool in ranges of GRAIN elements (at::parallel_for): opport's own pool gains nothing
+# against torch's spinning workers (docs/cpu.md, Threads). Smaller calls run whole on the calling thread.
+GRAIN = 1 << 16  # elements per range: ~30-100 us of a loop, well above a range's hand-off
+_WHOLE = 1 << 62  # a grain no call reaches: one range
+_GUEST = 2  # _eligible's answer for those calls (True: a small call, any threads)
 _LOOPS = {"add_rmsnorm": "rmsnorm"}  # add_rmsnorm's forward: the sum, then rmsnorm's loop on it
 
 
