@@ -133,7 +133,7 @@ def run(spec, bound: tuple, backend: str | None, record: bool = True):
     if ok == _GUEST:  # one block or more: only as torch's guest, split over torch's pool
         if torch.get_num_threads() <= 1:
             return NotImplemented  # opport's pool runs it (the Python Function path)
-        return (native.node if record else native.forward)(_MODULE, bound, GRAIN if budget > 1 else bound[0].numel())
+        return (native.node if record else native.forward)(_MODULE, bound, GRAIN if budget > 1 else _WHOLE)
     return (native.node if record else native.forward)(_MODULE, bound, _WHOLE)
 
 
