@@ -284,9 +284,10 @@ def test_without_a_budget_the_affinity_is_read_at_most_once_a_second(monkeypatch
 
 
 def test_a_guests_large_products_run_on_torchs_pool(monkeypatch, spy):
-    """As torch's guest (torch's pool has several threads) with a budget of several, a product of at least
-    GUEST_GEMM_MIN multiply-adds is torch.matmul on the same memory (torch's pool, all its threads: BLAS is held to
-    one there); smaller products, a budget of 1, torch on one thread and NumPy's arrays stay with np.matmul."""
+    """As torch's guest (torch's pool has several threads) with a budget of several, a product whose matrices take at
+    least GUEST_GEMM_MIN multiply-adds each is torch.matmul on the same memory (torch's pool, all its threads: BLAS is
+    held to one there); smaller products, batches of small matrices, a budget of 1, torch on one thread and NumPy's
+    arrays stay with np.matmul."""
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
     rng = np.random.default_rng(1)
@@ -310,7 +311,12 @@ def test_a_guests_large_products_run_on_torchs_pool(monkeypatch, spy):
             out = opport.matmul(*(torch.from_numpy(m) for m in arrays), backend="cpu")
             assert (seen, len(spy)) == (([(256, 128)], 0) if on_torch else ([], 1)), (torch_threads, budget)
             np.testing.assert_allclose(out.numpy(), arrays[0] @ arrays[1], rtol=1e-5, atol=1e-4)
-        seen.clear()
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+        seen.clear(), spy.clear()
+        batch = [rng.standard_normal(s).astype(np.float32) for s in ((8, 64, 64), (8, 64, 128))]  # 0.5M a matrix
+        opport.matmul(*(torch.from_numpy(m) for m in batch), backend="cpu")
+        assert (seen, len(spy)) == ([], 1)  # a batch of small matrices: torch's threads do not pay
         opport.matmul(*big, backend="cpu")  # NumPy's arrays: no guest
         assert seen == []
     finally:

@@ -318,27 +318,24 @@ def guest(kind: str):
 
 
 _torch: list = []  # [the torch module] once the dispatcher has wrapped a kernel for torch's tensors (`guest`)
-GUEST_GEMM_MIN = 1 << 20  # multiply-adds from which a guest's product goes to torch's pool (its ~7 us of calls pay)
+GUEST_GEMM_MIN = 1 << 20  # multiply-adds per matrix from which a guest's product goes to torch's pool
 
 
 def gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """np.matmul(a, b) for same-dtype float operands. In a kernel running as torch's guest (torch's intra-op pool
-    has several threads: `guest`) with a budget of several threads, a product of at least GUEST_GEMM_MIN
-    multiply-adds runs as torch.matmul on the same memory, on torch's pool: BLAS is held to one thread there so
-    as not to fight that pool for the cores, and torch's GEMM uses all of them (the tiny Llama's LM-head loss,
-    fwd + bwd 512 x 256 x 2048 at 2 threads: 20.5 -> 11.3 ms). Operands torch cannot view (read-only, negative
-    strides) stay with NumPy. Bits: those of another GEMM, as BLAS's own thread count may change them."""
-    if _inside.guest and a.dtype == b.dtype and _gemm_work(a, b) >= GUEST_GEMM_MIN and num_threads() > 1 \
-            and a.flags.writeable and b.flags.writeable and min(a.strides + b.strides, default=0) >= 0:
+    has several threads: `guest`) with a budget of several threads, a product whose matrices take at least
+    GUEST_GEMM_MIN multiply-adds each runs as torch.matmul on the same memory, on torch's pool: BLAS is held to one
+    thread there so as not to fight that pool for the cores, and torch's GEMM uses all of them (the tiny Llama's
+    LM-head loss, fwd + bwd 512 x 256 x 2048 at 2 threads, a torch op before each call: 20.6 -> 12.9 ms). Batches
+    of small matrices stay with NumPy: torch's threads did not pay there (attention's blocks, [8, 64, 64] @
+    [8, 64, 128]: 7.1 against 5.9 ms a call with them; attention does not use this), nor do operands torch cannot
+    view (read-only, negative strides). Bits: those of another GEMM, as BLAS's own thread count may change them."""
+    if _inside.guest and a.dtype == b.dtype and a.shape[-2] * a.shape[-1] * b.shape[-1] >= GUEST_GEMM_MIN \
+            and num_threads() > 1 and a.flags.writeable and b.flags.writeable \
+            and min(a.strides + b.strides, default=0) >= 0:
         torch = _torch[0]
         return torch.matmul(torch.from_numpy(a), torch.from_numpy(b)).numpy()
     return np.matmul(a, b)
-
-
-def _gemm_work(a: np.ndarray, b: np.ndarray) -> int:
-    """Multiply-adds of np.matmul(a, b) for operands of at least 2 dimensions: batch x M x N x K."""
-    batch = max(a.size // max(a.shape[-1] * a.shape[-2], 1), b.size // max(b.shape[-1] * b.shape[-2], 1))
-    return batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:

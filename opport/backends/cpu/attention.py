@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from opport.backends.cpu import _fused
-from opport.backends.cpu._common import _F32, gemm, store, upcast, uses_blas
+from opport.backends.cpu._common import _F32, store, upcast, uses_blas
 from opport.dispatch import impl
 from opport.dtypes import acc_of
 from opport.ops.attention import attention as spec
@@ -216,7 +216,7 @@ def _query_block(qb, k, v, i0: int, mask: _Mask, scale, bk: int):
     with np.errstate(invalid="ignore", over="ignore"):
         for j0 in range(kstart, kend, bk):
             j1 = min(j0 + bk, kend)
-            s = gemm(q2, upcast(k[:, j0:j1]).swapaxes(-1, -2))  # [n, g·bq, bk], then in place
+            s = np.matmul(q2, upcast(k[:, j0:j1]).swapaxes(-1, -2))  # [n, g·bq, bk], then in place
             vb = upcast(v[:, j0:j1])
             nvis = mask.ranges(i0, bq, j0, j1)
             fused = _fused.attention_softmax(s, scale, nvis, bq, m) if fast else None
@@ -267,7 +267,7 @@ def _softmax_block(s, scale, nvis, mask: _Mask, n: int, g: int, bq: int, m) -> t
 def _pv(p, vb, nvis, g: int):
     """p [n, g·bq, bk] @ v [n, bk, Dv] without letting non-finite values of masked v rows leak through 0·v."""
     if nvis is None or np.isfinite(vb).all():
-        return gemm(p, vb)
+        return np.matmul(p, vb)
     n, _, dv = vb.shape
     bq = nvis[0].size
     p4 = p.reshape(n, g, bq, -1)
@@ -356,8 +356,8 @@ def _backward_block(qb, gb, ob, lb, k, v64, i0: int, mask: _Mask, scale, bk: int
     for j0 in range(kstart, kend, bk):
         j1 = min(j0 + bk, kend)
         kb = upcast(k[:, j0:j1])
-        p = gemm(q2, kb.swapaxes(-1, -2))  # [n, g·bq, bk], then in place: s, s - lse, P
-        dp = gemm(do64, v64[:, j0:j1].swapaxes(-1, -2))  # dP, then dP - D
+        p = np.matmul(q2, kb.swapaxes(-1, -2))  # [n, g·bq, bk], then in place: s, s - lse, P
+        dp = np.matmul(do64, v64[:, j0:j1].swapaxes(-1, -2))  # dP, then dP - D
         nvis = mask.ranges(i0, bq, j0, j1)
         ds = _fused.attention_grad_scores(p, scale, nvis, bq, lse, dp, big_d) if fast else None
         if ds is None:
@@ -365,9 +365,9 @@ def _backward_block(qb, gb, ob, lb, k, v64, i0: int, mask: _Mask, scale, bk: int
         if nvis is not None and not (np.isfinite(q2).all() and np.isfinite(do2).all() and np.isfinite(kb).all()):
             _prefix_products(p, ds, q2, do2, kb, nvis, dq, dk_acc[:, j0:j1], dv_acc[:, j0:j1])
         else:
-            dv_acc[:, j0:j1] += gemm(p.swapaxes(-1, -2), do2)
-            dk_acc[:, j0:j1] += gemm(ds.swapaxes(-1, -2), q2)
-            dq += gemm(ds, kb)
+            dv_acc[:, j0:j1] += np.matmul(p.swapaxes(-1, -2), do2)
+            dk_acc[:, j0:j1] += np.matmul(ds.swapaxes(-1, -2), q2)
+            dq += np.matmul(ds, kb)
     dq *= scale
     if dead.any():
         np.copyto(dq, 0, where=dead)  # (0 · a non-finite visible k)
