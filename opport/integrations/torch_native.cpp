@@ -33,6 +33,7 @@ typedef int64_t (*LnFwd)(float*, float*, float*, float*, int64_t, int64_t, float
 typedef int64_t (*RmsFwd)(float*, float*, float*, int64_t, int64_t, float, uint8_t*, float*);
 typedef int64_t (*LnBwd)(float*, float*, double*, float*, double*, double*, int64_t, int64_t, double, uint8_t*,
                          double*);
+typedef int64_t (*RmsBwd)(float*, float*, double*, float*, double*, int64_t, int64_t, double, uint8_t*, double*);
 
 struct Entry {  // one op: its loops' C entry points and its Python kernels (forward, backward)
   void* forward = nullptr;
@@ -40,7 +41,7 @@ struct Entry {  // one op: its loops' C entry points and its Python kernels (for
   PyObject* py_forward = nullptr;  // owned for the process's life (never released at exit, when no GIL is held)
   PyObject* py_backward = nullptr;
 };
-Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k;  // the norms: forwards only (no node)
+Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k;  // add_rmsnorm: forward only (no node)
 
 Entry& entry(const std::string& name) {
   if (name == "silu") return silu_k;
@@ -223,6 +224,38 @@ struct LayerNorm : public torch::autograd::Function<LayerNorm> {
   }
 };
 
+// rmsnorm with a weight and offset 0 (the Python side checks both); its backward in float64 as the Python path's:
+// dweight summed over the call's one block of rows, then rounded once to float32.
+struct RmsNorm : public torch::autograd::Function<RmsNorm> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, double eps) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["eps"] = eps;
+    return rmsnorm_forward(x, w, eps);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &w = saved[1];
+    const double eps = ctx->saved_data["eps"].toDouble();
+    variable_list out;
+    if (at::GradMode::is_enabled() || !loop_grad(grads[0])) {
+      out = python(rmsnorm_k.py_backward, grads[0], x, w, eps, at::GradMode::is_enabled());
+    } else {
+      const int64_t n = x.size(-1), rows = x.numel() / n;
+      Tensor g = grads[0].contiguous(), dx = at::empty_like(x);
+      Tensor w64 = w.to(at::kDouble), dw = at::zeros({n}, w64.options());
+      std::vector<uint8_t> bad(rows);
+      std::vector<double> scratch(kLanes + n);
+      if (reinterpret_cast<RmsBwd>(rmsnorm_k.backward)(f32(x), f32(g), w64.data_ptr<double>(), f32(dx),
+                                                       dw.data_ptr<double>(), rows, n, eps, bad.data(), scratch.data()))
+        out = python(rmsnorm_k.py_backward, g, x, w, eps, false);
+      else
+        out = {dx, dw.to(at::kFloat)};
+    }
+    out.emplace_back();  // eps
+    return out;
+  }
+};
+
 void bind(const std::string& name, int64_t forward, int64_t backward, py::object py_forward, py::object py_backward,
           int64_t lanes) {
   if (lanes != kLanes) throw std::invalid_argument("opport torch_native: LANES changed; rebuild the extension");
@@ -242,6 +275,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layernorm", [](const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
     return LayerNorm::apply(x, w, b, eps);
   });
+  m.def("rmsnorm", [](const Tensor& x, const Tensor& w, double eps) { return RmsNorm::apply(x, w, eps); });
   // no node: for calls that record nothing (no grad mode, or no input requiring grad)
   m.def("silu_forward", &silu_forward);
   m.def("swiglu_forward", &swiglu_forward);

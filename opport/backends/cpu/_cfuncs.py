@@ -36,7 +36,7 @@ def _compile() -> dict:
     silu_f, silu_b = loops["_silu"], loops["_silu_grad"]
     swiglu_f, swiglu_b = loops["_swiglu"], loops["_swiglu_grad"]
     ln_f, ln_b = loops["_ln_fwd"], loops["_ln_bwd"]
-    rms_f = loops["_rms_fwd"]
+    rms_f, rms_b = loops["_rms_fwd"], loops["_rms_bwd"]
     lanes = _fused.LANES
 
     @entry(i64(f32, f32, i64, u8))
@@ -72,5 +72,12 @@ def _compile() -> dict:
         return rms_f(carray(x, (rows, n)), carray(w, n), True, eps, carray(y, (rows, n)), carray(bad, rows),
                      carray(acc, lanes))
 
+    @entry(i64(f32, f32, f64, f32, f64, i64, i64, types.float64, u8, f64))
+    def rmsnorm_backward(x, g, w, dx, dw, rows, n, eps, bad, scratch):  # with a weight, offset 0, no h
+        s = carray(scratch, lanes + n)  # the op file's scratch: the lane sums, then xhat
+        xs = carray(x, (rows, n))
+        return rms_b(xs, carray(g, (rows, n)), carray(w, n), True, eps, xs[:1, :1], False, carray(dx, (rows, n)),
+                     carray(dw, n), carray(bad, rows), s[:lanes], s[lanes:])  # (x's first element: h, never read)
+
     return {f.__name__: f for f in (silu_forward, silu_backward, swiglu_forward, swiglu_backward,
-                                    layernorm_forward, layernorm_backward, rmsnorm_forward)}
+                                    layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward)}
