@@ -111,5 +111,5 @@ def torch_native_line() -> str | None:
         return None
     from opport.integrations import torch_native
 
-    return (f"torch native autograd nodes (cpu: silu, swiglu, layernorm; without gradients also rmsnorm, add_rmsnorm): "
+    return (f"torch native autograd nodes (cpu: silu, swiglu, layernorm, rmsnorm; without gradients also add_rmsnorm): "
             f"{torch_native.status()}")
