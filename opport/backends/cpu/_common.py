@@ -327,9 +327,10 @@ def gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     GUEST_GEMM_MIN multiply-adds each runs as torch.matmul on the same memory, on torch's pool: BLAS is held to one
     thread there so as not to fight that pool for the cores, and torch's GEMM uses all of them (the tiny Llama's
     LM-head loss, fwd + bwd 512 x 256 x 2048 at 2 threads, a torch op before each call: 20.6 -> 12.9 ms). Batches
-    of small matrices stay with NumPy: torch's threads did not pay there (attention's blocks, [8, 64, 64] @
-    [8, 64, 128]: 7.1 against 5.9 ms a call with them; attention does not use this), nor do operands torch cannot
-    view (read-only, negative strides). Bits: those of another GEMM, as BLAS's own thread count may change them."""
+    of small matrices stay with NumPy: torch's threads did not pay there ([8, 64, 64] @ [8, 64, 128] fwd + bwd: 1.77
+    against 1.84 ms; attention's blocks are such batches, and opport.attention ran slower with them in a model,
+    q [4, 4, 128, 64] 7.1 against 5.9 ms, so attention keeps np.matmul), nor do operands torch cannot view
+    (read-only, negative strides). Bits: those of another GEMM, as BLAS's own thread count may change them."""
     if _inside.guest and a.dtype == b.dtype and a.shape[-2] * a.shape[-1] * b.shape[-1] >= GUEST_GEMM_MIN \
             and num_threads() > 1 and a.flags.writeable and b.flags.writeable \
             and min(a.strides + b.strides, default=0) >= 0:
