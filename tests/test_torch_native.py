@@ -268,3 +268,21 @@ def test_norm_calls_the_forwards_do_not_take(monkeypatch):
         assert torch.equal(opport.rmsnorm(x, w, 1e-6), y.detach()) and len(taken) == 1
         n2, t2 = opport.add_rmsnorm(x, r, w, 1e-6)
         assert torch.equal(n2, normed.detach()) and torch.equal(t2, total.detach()) and len(taken) == 2
+
+
+def test_building_leaves_the_extensions_name_alone(monkeypatch, tmp_path):
+    """torch's load() appends its own -L/-l flags to the lists it is given: the build hands it copies, so the name the
+    same process then loads (a hash of the flags) is the one it built."""
+    import torch.utils.cpp_extension as cpp
+
+    from opport.integrations import _native_build
+
+    def load(name, sources, extra_cflags=None, extra_ldflags=None, verbose=False):
+        extra_cflags.append("-DTORCH_APPENDED")
+        extra_ldflags.append("-ltorch")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there: build() calls load()
+    monkeypatch.setattr(cpp, "load", load)
+    before = _native_build.module_name()
+    _native_build.build()
+    assert _native_build.module_name() == before

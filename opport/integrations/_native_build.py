@@ -38,7 +38,8 @@ def build(verbose: bool = False) -> Path:
     if not path.exists():
         bin_dir = str(Path(sys.executable).parent)  # a venv's own ninja (pip's), found by torch on PATH
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
-        load(module_name(), [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=verbose)
+        # copies: torch's load() appends its own -L/-l flags to the lists it is given, which would change module_name()
+        load(module_name(), [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=verbose)
     return path
 
 

@@ -138,6 +138,24 @@ std::vector<Tensor> add_rmsnorm_forward(const Tensor& x, const Tensor& residual,
   return {y, total};
 }
 
+// Every node's backward: under create_graph=True or for a gradient that is not float32, the op's Python kernel on
+// (grad, args..., recorded); else `loops(g)` on the contiguous gradient, which returns the input gradients, or nothing
+// where a loop left work (then the Python kernel on g). Last, no gradient for the forward's one scalar argument
+// (grain or eps).
+template <class Loops, class... A>
+variable_list backward_of(const Entry& k, const Tensor& grad, Loops loops, const A&... args) {
+  variable_list out;
+  if (at::GradMode::is_enabled() || !loop_grad(grad)) {
+    out = python(k.py_backward, grad, args..., at::GradMode::is_enabled());
+  } else {
+    Tensor g = grad.contiguous();
+    out = loops(g);
+    if (out.empty()) out = python(k.py_backward, g, args..., false);
+  }
+  out.emplace_back();
+  return out;
+}
+
 struct Silu : public torch::autograd::Function<Silu> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, int64_t grain) {
     ctx->save_for_backward({x});
@@ -146,22 +164,17 @@ struct Silu : public torch::autograd::Function<Silu> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     Tensor x = ctx->get_saved_variables()[0];
-    variable_list out;
-    if (at::GradMode::is_enabled() || !loop_grad(grads[0])) {
-      out = python(silu_k.py_backward, grads[0], x, at::GradMode::is_enabled());
-    } else {
-      Tensor g = grads[0].contiguous(), dx = at::empty_like(x);
+    const int64_t grain = ctx->saved_data["grain"].toInt();
+    return backward_of(silu_k, grads[0], [&](const Tensor& g) -> variable_list {
+      Tensor dx = at::empty_like(x);
       float *px = f32(x), *pg = f32(g), *pd = f32(dx);
-      if (ranges(x.numel(), ctx->saved_data["grain"].toInt(), [&](int64_t o, int64_t n) {
+      if (ranges(x.numel(), grain, [&](int64_t o, int64_t n) {
             uint8_t flag = 0;
             return reinterpret_cast<Map2>(silu_k.backward)(px + o, pg + o, pd + o, n, &flag);
           }))
-        out = python(silu_k.py_backward, g, x, false);
-      else
-        out = {dx};
-    }
-    out.emplace_back();  // grain
-    return out;
+        return {};
+      return {dx};
+    }, x);
   }
 };
 
@@ -174,22 +187,17 @@ struct Swiglu : public torch::autograd::Function<Swiglu> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const Tensor &gate = saved[0], &up = saved[1];
-    variable_list out;
-    if (at::GradMode::is_enabled() || !loop_grad(grads[0])) {
-      out = python(swiglu_k.py_backward, grads[0], gate, up, at::GradMode::is_enabled());
-    } else {
-      Tensor g = grads[0].contiguous(), dgate = at::empty_like(gate), dup = at::empty_like(up);
+    const int64_t grain = ctx->saved_data["grain"].toInt();
+    return backward_of(swiglu_k, grads[0], [&](const Tensor& g) -> variable_list {
+      Tensor dgate = at::empty_like(gate), dup = at::empty_like(up);
       float *pa = f32(gate), *pb = f32(up), *pg = f32(g), *pda = f32(dgate), *pdb = f32(dup);
-      if (ranges(gate.numel(), ctx->saved_data["grain"].toInt(), [&](int64_t o, int64_t n) {
+      if (ranges(gate.numel(), grain, [&](int64_t o, int64_t n) {
             uint8_t flag = 0;
             return reinterpret_cast<Map3x2>(swiglu_k.backward)(pa + o, pb + o, pg + o, pda + o, pdb + o, n, &flag);
           }))
-        out = python(swiglu_k.py_backward, g, gate, up, false);
-      else
-        out = {dgate, dup};
-    }
-    out.emplace_back();  // grain
-    return out;
+        return {};
+      return {dgate, dup};
+    }, gate, up);
   }
 };
 
@@ -203,24 +211,18 @@ struct LayerNorm : public torch::autograd::Function<LayerNorm> {
     auto saved = ctx->get_saved_variables();
     const Tensor &x = saved[0], &w = saved[1], &b = saved[2];
     const double eps = ctx->saved_data["eps"].toDouble();
-    variable_list out;
-    if (at::GradMode::is_enabled() || !loop_grad(grads[0])) {
-      out = python(layernorm_k.py_backward, grads[0], x, w, b, eps, at::GradMode::is_enabled());
-    } else {
+    return backward_of(layernorm_k, grads[0], [&](const Tensor& g) -> variable_list {
       const int64_t n = x.size(-1), rows = x.numel() / n;
-      Tensor g = grads[0].contiguous(), dx = at::empty_like(x);
+      Tensor dx = at::empty_like(x);
       Tensor w64 = w.to(at::kDouble), sums = at::zeros({2, n}, w64.options());  // dweight, dbias in float64
       std::vector<uint8_t> bad(rows);
       std::vector<double> scratch(2 * kLanes + n);
       if (reinterpret_cast<LnBwd>(layernorm_k.backward)(f32(x), f32(g), w64.data_ptr<double>(), f32(dx),
                                                         sums.data_ptr<double>(), sums.data_ptr<double>() + n, rows, n,
                                                         eps, bad.data(), scratch.data()))
-        out = python(layernorm_k.py_backward, g, x, w, b, eps, false);
-      else
-        out = {dx, sums[0].to(at::kFloat), sums[1].to(at::kFloat)};
-    }
-    out.emplace_back();  // eps
-    return out;
+        return {};
+      return {dx, sums[0].to(at::kFloat), sums[1].to(at::kFloat)};
+    }, x, w, b, eps);
   }
 };
 
@@ -236,23 +238,17 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
     auto saved = ctx->get_saved_variables();
     const Tensor &x = saved[0], &w = saved[1];
     const double eps = ctx->saved_data["eps"].toDouble();
-    variable_list out;
-    if (at::GradMode::is_enabled() || !loop_grad(grads[0])) {
-      out = python(rmsnorm_k.py_backward, grads[0], x, w, eps, at::GradMode::is_enabled());
-    } else {
+    return backward_of(rmsnorm_k, grads[0], [&](const Tensor& g) -> variable_list {
       const int64_t n = x.size(-1), rows = x.numel() / n;
-      Tensor g = grads[0].contiguous(), dx = at::empty_like(x);
+      Tensor dx = at::empty_like(x);
       Tensor w64 = w.to(at::kDouble), dw = at::zeros({n}, w64.options());
       std::vector<uint8_t> bad(rows);
       std::vector<double> scratch(kLanes + n);
       if (reinterpret_cast<RmsBwd>(rmsnorm_k.backward)(f32(x), f32(g), w64.data_ptr<double>(), f32(dx),
                                                        dw.data_ptr<double>(), rows, n, eps, bad.data(), scratch.data()))
-        out = python(rmsnorm_k.py_backward, g, x, w, eps, false);
-      else
-        out = {dx, dw.to(at::kFloat)};
-    }
-    out.emplace_back();  // eps
-    return out;
+        return {};
+      return {dx, dw.to(at::kFloat)};
+    }, x, w, eps);
   }
 };
 

@@ -34,7 +34,7 @@ from opport.errors import ArgumentError
 BLOCK_ELEMS = 1 << 18  # elements per block: 1 MiB per float32 temporary, a few MiB per block
 PARALLEL_MIN = 1 << 18  # below this many elements the hand-off to a pool thread (~60 us measured) costs
 # about what it saves
-GUEST_PARALLEL_MIN = 1 << 24  # the same as torch's guest (`guest`): torch's OpenMP workers spin on the other cores
+GUEST_PARALLEL_MIN = 1 << 24  # PARALLEL_MIN as torch's guest (`guest`): torch's OpenMP workers spin on the other cores
 # for a few ms after each torch op, so the pool's threads gained nothing below this (gelu 256 x 14336 right after a
 # torch matmul, 2 threads: 3.4 ms against 3.2 inline; a tiny Llama's swiglu fwd + bwd: 1.4 against 1.2)
 BLAS_INLINE = 1 << 18  # a GEMM of at most this many multiply-adds (M*N*K) runs on the calling thread in OpenBLAS
