@@ -207,13 +207,42 @@ def _attention_run(monkeypatch, numba_on: bool, args, causal, window):
 
 
 def test_attention_blocks_take_the_fused_loops_and_switch_off(monkeypatch):
+    """16-bit blocks (upcast to float32) go through the score-block loops; float32 calls take the compiled tasks."""
     calls = _spy(monkeypatch, ("attention_softmax", "attention_grad_scores"))
-    args = _attention_inputs("float32")
+    args = _attention_inputs("float16")
     _attention_run(monkeypatch, True, args, True, None)
     assert calls["attention_softmax"] > 0 and calls["attention_grad_scores"] > 0, calls
     calls.update(attention_softmax=0, attention_grad_scores=0)
     _attention_run(monkeypatch, False, args, True, None)
     assert not any(calls.values()), calls
+
+
+def test_float32_attention_takes_the_tasks_and_switches_off(monkeypatch):
+    from opport.backends.cpu import _attn_tasks
+
+    ran = []
+    real = _attn_tasks._run
+    monkeypatch.setattr(_attn_tasks, "_run", lambda kind, *a: ran.append(kind) or real(kind, *a))
+    args = _attention_inputs("float32")
+    _attention_run(monkeypatch, True, args, True, None)
+    assert ran == ["forward", "backward"]
+    ran.clear()
+    _attention_run(monkeypatch, False, args, True, None)
+    _attention_run(monkeypatch, True, args, True, 24)  # a window: the blocks
+    assert ran == []
+
+
+@pytest.mark.parametrize("where", ("q", "k", "v", "g"))
+def test_attention_tasks_leave_non_finite_calls_to_the_numpy_kernel(monkeypatch, where):
+    """A NaN anywhere: NaN where the NumPy kernel puts it and nowhere else (a task that meets it declines and the NumPy
+    kernel runs the whole call, or, a NaN of v in a block every row sees, it reaches the rows that see it)."""
+    args = list(_attention_inputs("float32"))
+    args["qkvg".index(where)][1, 1, 60, 3] = np.nan
+    fused = _attention_run(monkeypatch, True, args, True, None)
+    plain = _attention_run(monkeypatch, False, args, True, None)
+    for f, p in zip(fused, plain):
+        np.testing.assert_array_equal(np.isnan(f), np.isnan(p))
+        np.testing.assert_allclose(f[~np.isnan(f)], p[~np.isnan(p)], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16"))

@@ -58,12 +58,23 @@ def test_a_whole_problem_blas_kernel_gives_blas_the_budget_and_restores_the_call
         matmul_backward_kernel(np.ones((96, 64), np.float32), a, b, None)
         assert blas_limit() == 2  # back after each call
     assert [lim for _, lim in spy] == [budget] * 3  # forward: 1 product; backward: 2
-    q = np.ones((1, 2, 128, 16), np.float32)  # 2 x 128 x 128 x 32 multiply-adds: above BLAS_INLINE, limited
+    q = np.ones((1, 2, 128, 16), np.float64)  # 2 x 128 x 128 x 32 multiply-adds: above BLAS_INLINE, limited
     spy.clear()
     with threadpool_limits(limits=2, user_api="blas"):
         attention_kernel(q, q, q, False, None)
         assert blas_limit() == 2
     assert spy and {lim for _, lim in spy} == {budget}
+    # float32: the compiled tasks, whose products call numba's BLAS (scipy's OpenBLAS, loaded when they compile)
+    from opport.backends.cpu import _attn_tasks as tasks
+
+    if not tasks._fused.enabled():
+        return  # (numba absent or OPPORT_NUMBA=0: the blocks above are the whole story)
+    seen, real = [], tasks.compiled
+    monkeypatch.setattr(tasks, "compiled", lambda: (real(), seen.append(blas_limit()))[0])
+    with threadpool_limits(limits=2, user_api="blas"):
+        attention_kernel(q.astype(np.float32), q.astype(np.float32), q.astype(np.float32), False, None)
+        assert blas_limit() == 2
+    assert seen == [budget]
 
 
 def test_the_callers_blas_limit_is_a_cap_not_raised(monkeypatch, spy):

@@ -286,3 +286,30 @@ def test_building_leaves_the_extensions_name_alone(monkeypatch, tmp_path):
     before = _native_build.module_name()
     _native_build.build()
     assert _native_build.module_name() == before
+
+
+@pytest.mark.parametrize("causal,sq,sk", [(True, 128, 128), (False, 70, 300), (True, 40, 90)])
+def test_attention_tasks_on_torch_pool_match_the_calling_thread_bitwise(causal, sq, sk, monkeypatch):
+    """float32 attention as torch's guest spreads its tasks (_attn_tasks.py) over torch's pool: the same bits as the
+    tasks run one after another on the calling thread (torch at one thread), forward and gradients, and the pool
+    is what ran them."""
+    import opport.integrations.torch  # noqa: F401 - it hands the cpu kernels torch's pool (POOL_TASKS)
+    from opport.backends.cpu import _common
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, s, 32, generator=gen) for h, s in ((4, sq), (2, sk), (2, sk)))
+    ran = []
+    real = _common.POOL_TASKS[0]
+    monkeypatch.setattr(_common, "POOL_TASKS", [lambda: ran.append(1) or real()])
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            ran.clear()
+            results[n] = _run(lambda a, b, c: opport.attention(a, b, c, causal=causal), (q, k, v))[1]
+            assert len(ran) == (2 if n > 1 else 0), (n, ran)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(_bits(results[1]), _bits(results[2])):
+        assert torch.equal(a, b)

@@ -38,6 +38,7 @@ from opport.autodiff import (
     scale_unit_grads,
     training_forward,
 )
+from opport.backends.cpu import _common as _cpu_common
 from opport.dispatch import call
 from opport.dispatch.adapters import NumpyAdapter, metas_of
 from opport.integrations._first_order import double_backward_error, first_order_grads
@@ -336,6 +337,18 @@ _grad_enabled = torch.is_grad_enabled
 def _native(spec, bound: tuple, backend):
     """The call through its native autograd node (opport/integrations/torch_native.py), or NotImplemented."""
     return (integrations._native_run or integrations._bind_native())(spec, bound, backend)
+
+
+def _pool_tasks():
+    """The native extension's run_tasks (compiled tasks spread over torch's intra-op pool), or None where it is not
+    loaded: the cpu kernels' way onto torch's threads when they run as its guest (cpu/_common.pool_tasks)."""
+    from opport.integrations import torch_native
+
+    mod = torch_native.load()
+    return None if mod is None else mod.run_tasks
+
+
+_cpu_common.POOL_TASKS[:] = [_pool_tasks]
 
 
 def _integers_not_differentiable(ctx, spec, out):

@@ -262,6 +262,23 @@ void bind(const std::string& name, int64_t forward, int64_t backward, py::object
   e.py_backward = py_backward.release().ptr();  // None for the forward-only ops
 }
 
+// Tasks [0, n) of a compiled task function (a numba cfunc: opport/backends/cpu/_attn_tasks.py) on torch's intra-op
+// pool, the GIL released: the number of tasks that declined (returned non-zero). Each task writes memory of its own,
+// so which thread runs it changes no bit.
+typedef int64_t (*Task)(int64_t, int64_t*, double*);
+int64_t run_tasks(int64_t fn, int64_t n, int64_t ints, int64_t floats) {
+  py::gil_scoped_release nogil;
+  std::atomic<int64_t> declined{0};
+  Task task = reinterpret_cast<Task>(fn);
+  int64_t* iv = reinterpret_cast<int64_t*>(ints);
+  double* fv = reinterpret_cast<double*>(floats);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      if (task(t, iv, fv)) declined++;
+  });
+  return declined;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -278,4 +295,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layernorm_forward", &layernorm_forward);
   m.def("rmsnorm_forward", &rmsnorm_forward);
   m.def("add_rmsnorm_forward", &add_rmsnorm_forward);
+  m.def("run_tasks", &run_tasks);
 }

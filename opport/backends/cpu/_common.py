@@ -186,6 +186,22 @@ class _BlasLimit:
                 self.libs = [lib for lib in threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers
                              if lib.num_threads is not None]
 
+    def found_more(self) -> None:
+        """Take in the BLAS libraries loaded since `_find` (scipy's OpenBLAS, which numba's products call, loads when
+        they first compile): a call in progress applies its limit to them at once."""
+        libs = [lib for lib in threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers
+                if lib.num_threads is not None]
+        with self.lock:
+            known = {lib.filepath for lib in self.libs or ()}
+            new = [lib for lib in libs if lib.filepath not in known]
+            if self.libs is None or not new:
+                return
+            self.libs = self.libs + new
+            if self.wants:
+                limits = [lib.num_threads for lib in new]
+                self.saved, self.applied = self.saved + limits, self.applied + limits
+                self._apply()
+
     def forked(self) -> None:
         """In a child forked while a call held BLAS's limit (possibly in another thread, which the child lacks):
         a fresh lock, and the user's limits back."""
@@ -234,6 +250,11 @@ class _BlasLimit:
 _blas = _BlasLimit()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_blas.forked)
+
+
+def blas_loaded() -> None:
+    """A BLAS library may have loaded since the first kernel call: put it under opport's limit too."""
+    _blas.found_more()
 
 
 def blas_limit() -> int | None:
@@ -318,6 +339,16 @@ def guest(kind: str):
 
 
 _torch: list = []  # [the torch module] once the dispatcher has wrapped a kernel for torch's tensors (`guest`)
+# [a function returning the native extension's run_tasks, or None]: set by opport.integrations.torch at import
+POOL_TASKS: list = []
+
+
+def pool_tasks():
+    """`run_tasks(fn, n, ints, floats)` of the native extension (tasks spread over torch's intra-op pool), for a
+    kernel running as torch's guest with a budget of several threads; else None (the caller runs its tasks itself)."""
+    if not (_inside.guest and POOL_TASKS and num_threads() > 1):
+        return None
+    return POOL_TASKS[0]()
 GUEST_GEMM_MIN = 1 << 20  # multiply-adds per matrix from which a guest's product goes to torch's pool
 
 

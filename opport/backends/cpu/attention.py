@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from opport.backends.cpu import _fused
+from opport.backends.cpu import _attn_tasks, _fused
 from opport.backends.cpu._common import _F32, store, upcast, uses_blas
 from opport.dispatch import impl
 from opport.dtypes import acc_of
@@ -35,6 +35,13 @@ SCORE_BUDGET = 4 << 20  # bytes of one float32 score block; bounds n, the KV hea
 # at 4 MB they left L2 (1 MB a core here) and the backward ran 1.5-1.8x slower (docs/cpu.md). It sets the heads per
 # step only: each head's arithmetic, and so its bits, do not depend on it.
 BACKWARD_SCORE_BUDGET = 256 << 10
+
+
+# the compiled tasks' blocks (_attn_tasks.py): no Python between blocks, so smaller ones cost only their BLAS calls
+TASK_BLOCK_Q = 128
+TASK_BLOCK_Q_MASKED = 32
+TASK_BLOCK_Q_BACKWARD = 32
+TASK_BLOCK_K_BACKWARD = 128
 
 
 def _blocks(sq: int, sk: int, g: int, itemsize: int, bq: int, budget: int = 0) -> tuple:
@@ -137,6 +144,11 @@ def _attention(q, k, v, causal: bool, scale, lse, softcap=None, window=None):
     hkv, dv = k.shape[1], v.shape[3]
     g = hq // hkv
     out = np.empty((b, hq, sq, dv), q.dtype)
+    if _attn_tasks.covers(q, k, v, softcap, window):  # float32: the compiled tasks, on torch's pool as its guest
+        rows = lse if lse is not None else np.empty(q.shape[:3], np.float32)
+        bq = TASK_BLOCK_Q_MASKED if causal else TASK_BLOCK_Q
+        if _attn_tasks.forward(q, k, v, causal, 1.0 / math.sqrt(d) if scale is None else scale, bq, BLOCK_K, out, rows):
+            return out
     acc_t = acc_of(q.dtype)
     scale = acc_t.type(1.0 / math.sqrt(d) if scale is None else scale)
     mask = _Mask(sq, k.shape[2], causal, window, None if softcap is None else acc_t.type(softcap))
@@ -305,6 +317,10 @@ def attention_backward(grad, q, k, v, out, lse, causal: bool, scale, softcap=Non
     scale = acc_t.type(1.0 / math.sqrt(q.shape[3]) if scale is None else scale)
     mask = _Mask(q.shape[2], k.shape[2], causal, sliding_window, None if softcap is None else acc_t.type(softcap))
     result = np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
+    if _attn_tasks.covers(q, k, v, softcap, sliding_window) and grad.dtype is _F32 and out.dtype is _F32 \
+            and lse.dtype is _F32 and _attn_tasks.backward(grad, q, k, v, out, lse, causal, scale, TASK_BLOCK_Q_BACKWARD,
+                                                         TASK_BLOCK_K_BACKWARD, *result):
+        return result
     arrays = (q, k, v, grad, out, lse, *result)
     merged = _batch_heads_merge(q, k, v, grad, out)
     if merged is not None:  # as the forward: one [1, B*H] problem

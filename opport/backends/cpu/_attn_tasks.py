@@ -1,0 +1,268 @@
+"""attention's float32 forward and backward as numba tasks: each task one KV head's share of the work, the whole of it
+compiled (its products through BLAS, numba's np.dot; its score blocks through _fused's loops), so that tasks run on
+any thread without Python: one after another on the calling thread (`run`), or spread over torch's intra-op pool by
+the native extension (opport/integrations/torch_native.cpp, `run_tasks`) when the kernel runs as torch's guest.
+
+A task's arithmetic depends on its own inputs only, and the split into tasks on the shapes only, so the results are
+bitwise the same whichever thread runs which task and however many there are.
+
+Forward task t: KV head h = t // nqb and query block ib = t % nqb; its g query heads' rows of the block are stacked
+[g bq, D] (as the NumPy kernel's blocks: one product per key block for the g heads that share the KV head), then the
+online softmax over key blocks of bk keys. Backward task h: all of KV head h (its g query heads, every query block),
+so dK and dV accumulate in the task and no two tasks write the same memory. The arithmetic is the NumPy kernel's
+(attention.py): P recomputed from the saved lse, dP - D formed in float64, dS in float32.
+
+Covered: float32 q, k, v, causal (bottom-right) or no mask, no soft cap, no sliding window. A task returns 1 (the
+caller then runs the NumPy kernel on the whole call) where a score block holds a non-finite score, a row saw no key
+(lse -inf), or a partly masked block meets non-finite values (0 * NaN would cross the mask).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opport.backends.cpu import _common, _fused
+
+_F32 = np.dtype(np.float32)
+
+# the arguments' layout: ints = [q, k, v, out, lse, (grad, dq, dk, dv,)] addresses, then INTS; floats = [scale]
+INTS = ("hkv", "g", "sq", "sk", "d", "dv", "bq", "bk", "causal")
+
+_COMPILED: dict = {}
+
+
+def _build() -> dict:
+    """The task loops and their C entry points (cfuncs), compiled once (cached on disk)."""
+    import numba
+    from llvmlite import ir
+    from numba import carray, cfunc, types
+    from numba.extending import intrinsic
+
+    jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
+    softmax, grad_scores, lanes_n = _fused._attn_softmax, _fused._attn_grad_scores, _fused.LANES
+
+    @intrinsic
+    def f32_at(typingctx, addr):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+
+        return types.CPointer(types.float32)(types.int64), codegen
+
+    @jit
+    def visible(vb, nr, i0, j0, w, off, causal):
+        """Per row r of the block, the keys of [j0, j0 + w) it sees are [0, vb[r]); whether some row misses one."""
+        partial = False
+        for r in range(nr):
+            b = min(max(i0 + r + off + 1 - j0, 0), w) if causal else w
+            vb[r] = b
+            partial |= b < w
+        return partial
+
+    @jit
+    def finite(a):  # a 2-D block
+        bad = 0
+        for i in range(a.shape[0]):
+            for x in a[i]:
+                bad += not np.isfinite(x)
+        return bad == 0
+
+    @jit
+    def key_end(i0, nr, sk, off, causal):
+        return max(min(sk, i0 + nr + off), 0) if causal else sk
+
+    @jit
+    def forward_task(t, q, k, v, out, lse, g, bq, bk, causal, scale):
+        hq, sq, d = q.shape
+        sk, dv = k.shape[1], v.shape[2]
+        nqb = (sq + bq - 1) // bq
+        h, ib = t // nqb, t % nqb
+        i0 = ib * bq
+        nr = min(bq, sq - i0)
+        rows, off = g * nr, sk - sq
+        qs = np.zeros((rows, d), np.float32)  # (np.zeros: the conformance suite poisons np.empty, which numba resolves)
+        for j in range(g):
+            qs[j * nr:(j + 1) * nr] = q[h * g + j, i0:i0 + nr]
+        m = np.full(rows, -np.inf, np.float32)
+        m_new, psum, den = np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        acc, pv = np.zeros((rows, dv), np.float32), np.zeros((rows, dv), np.float32)
+        s_all = np.zeros(rows * bk, np.float32)
+        va, vb, lanes = np.zeros(nr, np.int64), np.zeros(nr, np.int64), np.zeros(lanes_n, np.float32)
+        kend = key_end(i0, nr, sk, off, causal)
+        for j0 in range(0, kend, bk):
+            j1 = min(j0 + bk, kend)
+            kb, vblk = k[h, j0:j1], v[h, j0:j1]
+            if visible(vb, nr, i0, j0, j1 - j0, off, causal) and not finite(vblk):
+                return 1
+            s = s_all[:rows * (j1 - j0)].reshape((rows, j1 - j0))
+            np.dot(qs, kb.T, s)
+            if softmax(s, scale, va, vb, nr, m, m_new, psum, lanes):
+                return 1
+            np.dot(s, vblk, pv)
+            if j0 == 0:
+                den[:] = psum
+                acc[:] = pv
+            else:
+                for r in range(rows):
+                    ref = m_new[r] if m_new[r] > -np.inf else np.float32(0)
+                    alpha = np.exp(m[r] - ref)
+                    den[r] = den[r] * alpha + psum[r]
+                    acc[r] *= alpha
+                    acc[r] += pv[r]
+            m[:] = m_new
+        for r in range(rows):
+            if den[r] == 0:  # no key seen, or only -inf scores: the NumPy kernel's rule (output 0) takes the call
+                return 1
+        for r in range(rows):
+            hr, i = h * g + r // nr, i0 + r % nr
+            out[hr, i] = acc[r] / den[r]
+            lse[hr, i] = (m[r] if m[r] > -np.inf else np.float32(0)) + np.log(den[r])
+        return 0
+
+    @jit
+    def backward_task(h, q, k, v, out, lse, grad, dq, dk, dv, g, bq, bk, causal, scale):
+        hq, sq, d = q.shape
+        sk, dvn = k.shape[1], v.shape[2]
+        off = sk - sq
+        kh, v64 = k[h], v[h].astype(np.float64)
+        if not finite(kh):
+            return 1
+        dk_acc, dv_acc = np.zeros((sk, d), np.float32), np.zeros((sk, dvn), np.float32)
+        rmax = g * bq
+        qs_all, dos_all = np.zeros(rmax * d, np.float32), np.zeros(rmax * dvn, np.float32)
+        lb_all, d_all = np.zeros(rmax, np.float32), np.zeros(rmax, np.float64)
+        dq_all, dqt_all = np.zeros(rmax * d, np.float32), np.zeros(rmax * d, np.float32)
+        p_all, ds_all, dp_all = np.zeros(rmax * bk, np.float32), np.zeros(rmax * bk, np.float32), np.zeros(rmax * bk)
+        kd, kdv = np.zeros(bk * d, np.float32), np.zeros(bk * dvn, np.float32)
+        va, vb = np.zeros(bq, np.int64), np.zeros(bq, np.int64)
+        for i0 in range(0, sq, bq):
+            nr = min(bq, sq - i0)
+            rows = g * nr
+            qs, dos = qs_all[:rows * d].reshape((rows, d)), dos_all[:rows * dvn].reshape((rows, dvn))
+            lb, big_d = lb_all[:rows], d_all[:rows]
+            dq_blk, dq_part = dq_all[:rows * d].reshape((rows, d)), dqt_all[:rows * d].reshape((rows, d))
+            for r in range(rows):
+                hr, i = h * g + r // nr, i0 + r % nr
+                qs[r], dos[r], lb[r] = q[hr, i], grad[hr, i], lse[hr, i]
+                if lb[r] == -np.inf:  # a row that saw no key: the NumPy kernel's rule takes the call
+                    return 1
+                t = 0.0
+                for c in range(dvn):
+                    t += np.float64(grad[hr, i, c]) * np.float64(out[hr, i, c])
+                big_d[r] = t
+            if not (finite(qs) and finite(dos)):
+                return 1
+            do64 = dos.astype(np.float64)
+            dq_blk[:] = 0
+            kend = key_end(i0, nr, sk, off, causal)
+            for j0 in range(0, kend, bk):
+                j1 = min(j0 + bk, kend)
+                w = j1 - j0
+                kb = kh[j0:j1]
+                visible(vb, nr, i0, j0, w, off, causal)
+                p, ds = p_all[:rows * w].reshape((rows, w)), ds_all[:rows * w].reshape((rows, w))
+                dp = dp_all[:rows * w].reshape((rows, w))
+                np.dot(qs, kb.T, p)
+                np.dot(do64, v64[j0:j1].T, dp)
+                if grad_scores(p, scale, va[:nr], vb[:nr], nr, lb, dp, big_d, ds):
+                    return 1
+                dvb, dkb = kdv[:w * dvn].reshape((w, dvn)), kd[:w * d].reshape((w, d))
+                np.dot(p.T, dos, dvb)
+                dv_acc[j0:j1] += dvb
+                np.dot(ds.T, qs, dkb)
+                dk_acc[j0:j1] += dkb
+                np.dot(ds, kb, dq_part)
+                dq_blk += dq_part
+            for r in range(rows):
+                dq[h * g + r // nr, i0 + r % nr] = dq_blk[r] * scale
+        dk[h] = dk_acc * scale
+        dv[h] = dv_acc
+        return 0
+
+    @jit
+    def forward_all(n, q, k, v, out, lse, g, bq, bk, causal, scale):
+        for t in range(n):
+            if forward_task(t, q, k, v, out, lse, g, bq, bk, causal, scale):
+                return 1
+        return 0
+
+    @jit
+    def backward_all(n, q, k, v, out, lse, grad, dq, dk, dv, g, bq, bk, causal, scale):
+        for t in range(n):
+            if backward_task(t, q, k, v, out, lse, grad, dq, dk, dv, g, bq, bk, causal, scale):
+                return 1
+        return 0
+
+    i64p, f64p = types.CPointer(types.int64), types.CPointer(types.float64)
+    sig = types.int64(types.int64, i64p, f64p)
+    nint = 9 + len(INTS)
+
+    @cfunc(sig, cache=True, nogil=True)
+    def forward_entry(t, ints, floats):
+        iv, scale = carray(ints, nint), np.float32(carray(floats, 1)[0])
+        hkv, g, sq, sk, d, dv, bq, bk, causal = iv[9:]
+        q, out = carray(f32_at(iv[0]), (hkv * g, sq, d)), carray(f32_at(iv[3]), (hkv * g, sq, dv))
+        k, v = carray(f32_at(iv[1]), (hkv, sk, d)), carray(f32_at(iv[2]), (hkv, sk, dv))
+        lse = carray(f32_at(iv[4]), (hkv * g, sq))
+        return forward_task(t, q, k, v, out, lse, g, bq, bk, causal != 0, scale)
+
+    @cfunc(sig, cache=True, nogil=True)
+    def backward_entry(t, ints, floats):
+        iv, scale = carray(ints, nint), np.float32(carray(floats, 1)[0])
+        hkv, g, sq, sk, d, dv, bq, bk, causal = iv[9:]
+        q, out = carray(f32_at(iv[0]), (hkv * g, sq, d)), carray(f32_at(iv[3]), (hkv * g, sq, dv))
+        k, v = carray(f32_at(iv[1]), (hkv, sk, d)), carray(f32_at(iv[2]), (hkv, sk, dv))
+        lse = carray(f32_at(iv[4]), (hkv * g, sq))
+        grad, dq = carray(f32_at(iv[5]), (hkv * g, sq, dv)), carray(f32_at(iv[6]), (hkv * g, sq, d))
+        dk, dvv = carray(f32_at(iv[7]), (hkv, sk, d)), carray(f32_at(iv[8]), (hkv, sk, dv))
+        return backward_task(t, q, k, v, out, lse, grad, dq, dk, dvv, g, bq, bk, causal != 0, scale)
+
+    return {"forward_all": forward_all, "backward_all": backward_all,
+            "forward_entry": forward_entry.address, "backward_entry": backward_entry.address}
+
+
+def compiled() -> dict:
+    if not _COMPILED:
+        _COMPILED.update(_build())
+        _common.blas_loaded()  # numba's products call scipy's OpenBLAS, loaded now: its threads under opport's limit
+    return _COMPILED
+
+
+def covers(q, k, v, softcap, window) -> bool:
+    """Whether the tasks take this call: float32 arrays (`is`: one dtype object), no soft cap, no window, the fused
+    loops on, more than one query row (a decode step has its own loop)."""
+    return (q.dtype is k.dtype is v.dtype is _F32 and softcap is None and window is None and q.shape[2] > 1
+            and _fused.enabled(_F32))
+
+
+def forward(q, k, v, causal: bool, scale, bq: int, bk: int, out, lse) -> bool:
+    """out [B, Hq, Sq, Dv] and lse [B, Hq, Sq] (fresh, contiguous) by the forward tasks; False (the caller runs the
+    NumPy kernel) where a task declined."""
+    b, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    n = b * hkv * -(-sq // bq)
+    dims = (b * hkv, hq // hkv, sq, sk, d, dv, bq, bk, int(causal))
+    return _run("forward", n, _merged((q, k, v, out, lse)), dims, scale)
+
+
+def backward(grad, q, k, v, out, lse, causal: bool, scale, bq: int, bk: int, dq, dk, dv) -> bool:
+    """dq, dk, dv (fresh, contiguous) by the backward tasks, one per KV head; False where a task declined."""
+    b, hq, sq, d = q.shape
+    hkv, sk, dvn = k.shape[1], k.shape[2], v.shape[3]
+    dims = (b * hkv, hq // hkv, sq, sk, d, dvn, bq, bk, int(causal))
+    return _run("backward", b * hkv, _merged((q, k, v, out, lse, grad, dq, dk, dv)), dims, scale)
+
+
+def _merged(arrays) -> tuple:
+    """[B, H, ...] arrays as contiguous [B*H, ...] ones (copies of the views; the fresh outputs are already)."""
+    return tuple(np.ascontiguousarray(a).reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for a in arrays)
+
+
+def _run(kind: str, n: int, arrays: tuple, dims: tuple, scale) -> bool:
+    c = compiled()
+    pool = _common.pool_tasks()
+    if pool is not None:  # torch's pool (the GIL released; arrays stay referenced here until it returns)
+        ints = np.array([a.ctypes.data for a in arrays] + [0] * (9 - len(arrays)) + list(dims), np.int64)
+        floats = np.array([scale], np.float64)
+        return pool(c[f"{kind}_entry"], n, ints.ctypes.data, floats.ctypes.data) == 0
+    g, bq, bk, causal = dims[1], dims[6], dims[7], bool(dims[8])
+    return c[f"{kind}_all"](n, *arrays, g, bq, bk, causal, np.float32(scale)) == 0
