@@ -19,11 +19,14 @@ caller then runs the NumPy kernel on the whole call) where a score block holds a
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 
 from opport.backends.cpu import _common, _fused
 
 _F32 = np.dtype(np.float32)
+_BLAS = importlib.util.find_spec("scipy") is not None  # numba's np.dot calls scipy's BLAS (cython_blas)
 
 # the arguments' layout: ints = [q, k, v, out, lse, (grad, dq, dk, dv,)] addresses, then INTS; floats = [scale]
 INTS = ("hkv", "g", "sq", "sk", "d", "dv", "bq", "bk", "causal")
@@ -40,6 +43,26 @@ def _build() -> dict:
 
     jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
     softmax, grad_scores, lanes_n = _fused._attn_softmax, _fused._attn_grad_scores, _fused.LANES
+
+    @intrinsic
+    def scratch(typingctx, n, dtype):
+        """An uninitialised 1-D array of n elements: numba's allocator, called directly (np.empty, np.zeros and np.full
+        look np.empty up by name when they compile, and the conformance suite stands a poisoning function in for it)."""
+        from numba.core.imputils import impl_ret_new_ref
+        from numba.np.arrayobj import _empty_nd_impl
+
+        arr = types.Array(dtype.dtype, 1, "C")
+
+        def codegen(context, builder, signature, args):
+            return impl_ret_new_ref(context, builder, arr, _empty_nd_impl(context, builder, arr, [args[0]])._getvalue())
+
+        return arr(types.intp, dtype), codegen
+
+    @jit
+    def zeros(n, dtype):
+        a = scratch(n, dtype)
+        a[:] = 0
+        return a
 
     @intrinsic
     def f32_at(typingctx, addr):
@@ -79,15 +102,18 @@ def _build() -> dict:
         i0 = ib * bq
         nr = min(bq, sq - i0)
         rows, off = g * nr, sk - sq
-        qs = np.zeros((rows, d), np.float32)  # (np.zeros: the conformance suite poisons np.empty, which numba resolves)
+        qs = scratch(rows * d, np.float32).reshape((rows, d))
         for j in range(g):
             qs[j * nr:(j + 1) * nr] = q[h * g + j, i0:i0 + nr]
-        m = np.full(rows, -np.inf, np.float32)
-        m_new, psum, den = np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
-        acc, pv = np.zeros((rows, dv), np.float32), np.zeros((rows, dv), np.float32)
-        s_all = np.zeros(rows * bk, np.float32)
-        va, vb, lanes = np.zeros(nr, np.int64), np.zeros(nr, np.int64), np.zeros(lanes_n, np.float32)
+        m = scratch(rows, np.float32)
+        m[:] = -np.inf
+        m_new, psum, den = scratch(rows, np.float32), scratch(rows, np.float32), scratch(rows, np.float32)
+        acc, pv = scratch(rows * dv, np.float32).reshape((rows, dv)), scratch(rows * dv, np.float32).reshape((rows, dv))
+        s_all = scratch(rows * bk, np.float32)
+        va, vb, lanes = zeros(nr, np.int64), scratch(nr, np.int64), scratch(lanes_n, np.float32)
         kend = key_end(i0, nr, sk, off, causal)
+        if kend == 0:  # no key for any row: the NumPy kernel's rule (output 0, lse -inf) takes the call
+            return 1
         for j0 in range(0, kend, bk):
             j1 = min(j0 + bk, kend)
             kb, vblk = k[h, j0:j1], v[h, j0:j1]
@@ -126,14 +152,15 @@ def _build() -> dict:
         kh, v64 = k[h], v[h].astype(np.float64)
         if not finite(kh):
             return 1
-        dk_acc, dv_acc = np.zeros((sk, d), np.float32), np.zeros((sk, dvn), np.float32)
+        dk_acc, dv_acc = zeros(sk * d, np.float32).reshape((sk, d)), zeros(sk * dvn, np.float32).reshape((sk, dvn))
         rmax = g * bq
-        qs_all, dos_all = np.zeros(rmax * d, np.float32), np.zeros(rmax * dvn, np.float32)
-        lb_all, d_all = np.zeros(rmax, np.float32), np.zeros(rmax, np.float64)
-        dq_all, dqt_all = np.zeros(rmax * d, np.float32), np.zeros(rmax * d, np.float32)
-        p_all, ds_all, dp_all = np.zeros(rmax * bk, np.float32), np.zeros(rmax * bk, np.float32), np.zeros(rmax * bk)
-        kd, kdv = np.zeros(bk * d, np.float32), np.zeros(bk * dvn, np.float32)
-        va, vb = np.zeros(bq, np.int64), np.zeros(bq, np.int64)
+        qs_all, dos_all = scratch(rmax * d, np.float32), scratch(rmax * dvn, np.float32)
+        lb_all, d_all = scratch(rmax, np.float32), scratch(rmax, np.float64)
+        dq_all, dqt_all = scratch(rmax * d, np.float32), scratch(rmax * d, np.float32)
+        p_all, ds_all = scratch(rmax * bk, np.float32), scratch(rmax * bk, np.float32)
+        dp_all = scratch(rmax * bk, np.float64)
+        kd, kdv = scratch(bk * d, np.float32), scratch(bk * dvn, np.float32)
+        va, vb = zeros(bq, np.int64), scratch(bq, np.int64)
         for i0 in range(0, sq, bq):
             nr = min(bq, sq - i0)
             rows = g * nr
@@ -229,9 +256,9 @@ def compiled() -> dict:
 
 def covers(q, k, v, softcap, window) -> bool:
     """Whether the tasks take this call: float32 arrays (`is`: one dtype object), no soft cap, no window, the fused
-    loops on, more than one query row (a decode step has its own loop)."""
+    loops on and scipy installed, more than one query row (a decode step has its own loop)."""
     return (q.dtype is k.dtype is v.dtype is _F32 and softcap is None and window is None and q.shape[2] > 1
-            and _fused.enabled(_F32))
+            and _BLAS and _fused.enabled(_F32))
 
 
 def forward(q, k, v, causal: bool, scale, bq: int, bk: int, out, lse) -> bool:
