@@ -348,6 +348,26 @@ def test_a_guests_product_of_arrays_torch_cannot_view_stays_with_numpy(monkeypat
     assert isinstance(common.gemm(a, b), np.ndarray)
 
 
+@pytest.mark.parametrize("guest", [True, False])
+def test_a_guests_accumulating_product_adds_in_place(monkeypatch, guest):
+    """gemm_add: out += a @ b, as torch's guest one addmm_ into out's own memory (no temporary), else out += gemm;
+    either way out holds the sum (within float32 rounding of the float64 one) and stays the same array."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(common._inside, "guest", guest)
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    common._torch[:] = [torch]
+    addmm, real = [], torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda t, x, y: addmm.append(1) or real(t, x, y))
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((128, 256)).astype(np.float32), rng.standard_normal((256, 64)).astype(np.float32)
+    out = rng.standard_normal((512, 64)).astype(np.float32)
+    want = out[100:228].astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)
+    view = out[100:228]
+    common.gemm_add(view, a.T.copy().T, b)  # (a transposed twice: a view torch reads with its strides)
+    np.testing.assert_allclose(out[100:228], want, rtol=1e-5, atol=1e-4)
+    assert addmm == ([1] if guest else [])
+
+
 def test_a_guests_row_kernels_run_inline_below_the_guest_threshold(monkeypatch):
     """torch's OpenMP workers spin on the other cores for a few ms after each torch op: as its guest, a row kernel
     wakes opport's pool only from GUEST_PARALLEL_MIN elements (NumPy's arrays: from PARALLEL_MIN)."""

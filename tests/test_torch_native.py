@@ -313,3 +313,36 @@ def test_attention_tasks_on_torch_pool_match_the_calling_thread_bitwise(causal, 
         torch.set_num_threads(threads)
     for a, b in zip(_bits(results[1]), _bits(results[2])):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_cross_entropy_rows_on_torch_pool_match_the_calling_thread_bitwise(op, monkeypatch):
+    """cross_entropy's row loops (statistics, gradient) as torch's guest split their rows over torch's pool: the same
+    bits as on the calling thread, loss and gradients, a row of NaN and one of inf among them (left to NumPy)."""
+    import opport.integrations.torch  # noqa: F401 - it hands the cpu kernels torch's pool (POOL_TASKS)
+    from opport.backends.cpu import _common
+
+    gen = torch.Generator().manual_seed(4)
+    if op == "cross_entropy":
+        x = torch.randn(300, 1024, generator=gen) * 4
+        x[7, 3], x[200, 9] = float("nan"), float("inf")
+        ins, fn = (x,), lambda a: opport.cross_entropy(a, target, label_smoothing=0.1)
+    else:
+        ins = (torch.randn(300, 64, generator=gen), torch.randn(1024, 64, generator=gen))
+        fn = lambda h, w: opport.linear_cross_entropy(h, w, target)  # noqa: E731
+    target = torch.randint(0, 1024, (300,), generator=gen)
+    ran = []
+    real = _common.POOL_TASKS[0]
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        torch.set_num_threads(2)  # (the head's GEMM goes to torch at 2 threads: both runs there, pool on and off)
+        for pooled in (False, True):
+            monkeypatch.setattr(_common, "POOL_TASKS", [lambda p=pooled: ran.append(p) or (real() if p else None)])
+            ran.clear()
+            results[pooled] = _run(fn, ins, grad_of=lambda y: torch.ones(()))[1]
+            assert ran and set(ran) == {pooled}, ran
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(_bits(results[False]), _bits(results[True])):
+        assert torch.equal(a, b)

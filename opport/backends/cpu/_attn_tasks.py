@@ -37,39 +37,18 @@ _COMPILED: dict = {}
 def _build() -> dict:
     """The task loops and their C entry points (cfuncs), compiled once (cached on disk)."""
     import numba
-    from llvmlite import ir
     from numba import carray, cfunc, types
-    from numba.extending import intrinsic
 
     jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
     softmax, grad_scores, lanes_n = _fused._attn_softmax, _fused._attn_grad_scores, _fused.LANES
 
-    @intrinsic
-    def scratch(typingctx, n, dtype):
-        """An uninitialised 1-D array of n elements: numba's allocator, called directly (np.empty, np.zeros and np.full
-        look np.empty up by name when they compile, and the conformance suite stands a poisoning function in for it)."""
-        from numba.core.imputils import impl_ret_new_ref
-        from numba.np.arrayobj import _empty_nd_impl
-
-        arr = types.Array(dtype.dtype, 1, "C")
-
-        def codegen(context, builder, signature, args):
-            return impl_ret_new_ref(context, builder, arr, _empty_nd_impl(context, builder, arr, [args[0]])._getvalue())
-
-        return arr(types.intp, dtype), codegen
+    scratch, at = _fused._scratch, _fused._at
 
     @jit
     def zeros(n, dtype):
         a = scratch(n, dtype)
         a[:] = 0
         return a
-
-    @intrinsic
-    def f32_at(typingctx, addr):
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
-
-        return types.CPointer(types.float32)(types.int64), codegen
 
     @jit
     def visible(vb, nr, i0, j0, w, off, causal):
@@ -227,20 +206,20 @@ def _build() -> dict:
     def forward_entry(t, ints, floats):
         iv, scale = carray(ints, nint), np.float32(carray(floats, 1)[0])
         hkv, g, sq, sk, d, dv, bq, bk, causal = iv[9:]
-        q, out = carray(f32_at(iv[0]), (hkv * g, sq, d)), carray(f32_at(iv[3]), (hkv * g, sq, dv))
-        k, v = carray(f32_at(iv[1]), (hkv, sk, d)), carray(f32_at(iv[2]), (hkv, sk, dv))
-        lse = carray(f32_at(iv[4]), (hkv * g, sq))
+        q, out = carray(at(iv[0], np.float32), (hkv * g, sq, d)), carray(at(iv[3], np.float32), (hkv * g, sq, dv))
+        k, v = carray(at(iv[1], np.float32), (hkv, sk, d)), carray(at(iv[2], np.float32), (hkv, sk, dv))
+        lse = carray(at(iv[4], np.float32), (hkv * g, sq))
         return forward_task(t, q, k, v, out, lse, g, bq, bk, causal != 0, scale)
 
     @cfunc(sig, cache=True, nogil=True)
     def backward_entry(t, ints, floats):
         iv, scale = carray(ints, nint), np.float32(carray(floats, 1)[0])
         hkv, g, sq, sk, d, dv, bq, bk, causal = iv[9:]
-        q, out = carray(f32_at(iv[0]), (hkv * g, sq, d)), carray(f32_at(iv[3]), (hkv * g, sq, dv))
-        k, v = carray(f32_at(iv[1]), (hkv, sk, d)), carray(f32_at(iv[2]), (hkv, sk, dv))
-        lse = carray(f32_at(iv[4]), (hkv * g, sq))
-        grad, dq = carray(f32_at(iv[5]), (hkv * g, sq, dv)), carray(f32_at(iv[6]), (hkv * g, sq, d))
-        dk, dvv = carray(f32_at(iv[7]), (hkv, sk, d)), carray(f32_at(iv[8]), (hkv, sk, dv))
+        q, out = carray(at(iv[0], np.float32), (hkv * g, sq, d)), carray(at(iv[3], np.float32), (hkv * g, sq, dv))
+        k, v = carray(at(iv[1], np.float32), (hkv, sk, d)), carray(at(iv[2], np.float32), (hkv, sk, dv))
+        lse = carray(at(iv[4], np.float32), (hkv * g, sq))
+        grad, dq = carray(at(iv[5], np.float32), (hkv * g, sq, dv)), carray(at(iv[6], np.float32), (hkv * g, sq, d))
+        dk, dvv = carray(at(iv[7], np.float32), (hkv, sk, d)), carray(at(iv[8], np.float32), (hkv, sk, dv))
         return backward_task(t, q, k, v, out, lse, grad, dq, dk, dvv, g, bq, bk, causal != 0, scale)
 
     return {"forward_all": forward_all, "backward_all": backward_all,

@@ -11,6 +11,8 @@ the conformance suite, and need not be made here). `addresses()` compiles them o
 
 from __future__ import annotations
 
+import numpy as np
+
 from opport.backends.cpu import _fused
 
 _ADDRESSES: dict | None = None
@@ -79,5 +81,32 @@ def _compile() -> dict:
         return rms_b(xs, carray(g, (rows, n)), carray(w, n), True, eps, xs[:1, :1], False, carray(dx, (rows, n)),
                      carray(dw, n), carray(bad, rows), s[:lanes], s[lanes:])  # (x's first element: h, never read)
 
+    # row tasks (int64 task, int64* ints, double* floats), run by the native extension's run_tasks on torch's pool:
+    # ints = the arrays' addresses, then rows, V and the rows per task; task t takes rows [t per, (t + 1) per)
+    ce_s, ce_g, at, scratch = loops["_ce_stats"], loops["_ce_grad"], _fused._at, _fused._scratch
+    task = i64(i64, types.CPointer(i64), f64)
+
+    @entry(task)
+    def ce_stats_rows(t, ints, floats):
+        iv = carray(ints, 10)
+        rows, v, want_d, per = iv[6], iv[7], iv[8] != 0, iv[9]
+        r0, r1 = t * per, min(rows, (t + 1) * per)
+        x, pivot = carray(at(iv[0], np.float32), (rows, v)), carray(at(iv[1], np.float32), rows)
+        m, s, d = carray(at(iv[2], np.float32), rows), carray(at(iv[3], np.float32), rows), carray(at(iv[4], np.float32), rows)
+        bad = carray(at(iv[5], np.uint8), rows)
+        return ce_s(x[r0:r1], pivot[r0:r1], want_d, m[r0:r1], s[r0:r1], d[r0:r1], bad[r0:r1],
+                    scratch(lanes, np.float32), scratch(lanes, np.float32))
+
+    @entry(task)
+    def ce_grad_rows(t, ints, floats):
+        iv = carray(ints, 9)
+        rows, v, per = iv[6], iv[7], iv[8]
+        r0, r1 = t * per, min(rows, (t + 1) * per)
+        x, y = carray(at(iv[0], np.float32), (rows, v)), carray(at(iv[4], np.float32), (rows, v))
+        a, b, c = carray(at(iv[1], np.float32), rows), carray(at(iv[2], np.float32), rows), carray(at(iv[3], np.float32), rows)
+        bad = carray(at(iv[5], np.uint8), rows)
+        return ce_g(x[r0:r1], a[r0:r1], b[r0:r1], np.float32(carray(floats, 1)[0]), c[r0:r1], y[r0:r1], bad[r0:r1])
+
     return {f.__name__: f for f in (silu_forward, silu_backward, swiglu_forward, swiglu_backward,
-                                    layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward)}
+                                    layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward,
+                                    ce_stats_rows, ce_grad_rows)}

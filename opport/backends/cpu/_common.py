@@ -362,12 +362,27 @@ def gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     against 1.84 ms; attention's blocks are such batches, and opport.attention ran slower with them in a model,
     q [4, 4, 128, 64] 7.1 against 5.9 ms, so attention keeps np.matmul), nor do operands torch cannot view
     (read-only, negative strides). Bits: those of another GEMM, as BLAS's own thread count may change them."""
-    if _inside.guest and a.dtype == b.dtype and a.shape[-2] * a.shape[-1] * b.shape[-1] >= GUEST_GEMM_MIN \
-            and num_threads() > 1 and a.flags.writeable and b.flags.writeable \
-            and min(a.strides + b.strides, default=0) >= 0:
+    if _guest_gemm(a, b):
         torch = _torch[0]
         return torch.matmul(torch.from_numpy(a), torch.from_numpy(b)).numpy()
     return np.matmul(a, b)
+
+
+def _guest_gemm(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether `gemm` runs this product on torch's pool (its docstring says when)."""
+    return (_inside.guest and a.dtype == b.dtype and a.shape[-2] * a.shape[-1] * b.shape[-1] >= GUEST_GEMM_MIN
+            and num_threads() > 1 and a.flags.writeable and b.flags.writeable
+            and min(a.strides + b.strides, default=0) >= 0)
+
+
+def gemm_add(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """out += a @ b, where `gemm` would send the product to torch's pool as one addmm_ into out's memory (BLAS adds
+    out in its kernel: no temporary, no second pass over out); else out += gemm(a, b)."""
+    if _guest_gemm(a, b) and out.dtype == a.dtype and out.flags.c_contiguous and out.flags.writeable:
+        torch = _torch[0]
+        torch.from_numpy(out).addmm_(torch.from_numpy(a), torch.from_numpy(b))
+    else:
+        out += gemm(a, b)
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:

@@ -108,6 +108,31 @@ if numba is not None:
 
         return numba.int64(numba.float64), codegen
 
+    @_intrinsic
+    def _scratch(typingctx, n, dtype):
+        """An uninitialised 1-D array of n elements from numba's allocator, called directly: np.empty, np.zeros and
+        np.full look np.empty up by name when they compile, and the conformance suite stands a poisoning function in
+        for it (so loops that allocate compile wherever they first run)."""
+        from numba.core.imputils import impl_ret_new_ref
+        from numba.np.arrayobj import _empty_nd_impl
+
+        arr = numba.types.Array(dtype.dtype, 1, "C")
+
+        def codegen(context, builder, signature, args):
+            return impl_ret_new_ref(context, builder, arr, _empty_nd_impl(context, builder, arr, [args[0]])._getvalue())
+
+        return arr(numba.types.intp, dtype), codegen
+
+    @_intrinsic
+    def _at(typingctx, addr, dtype):
+        """The int64 address `addr` as a pointer to `dtype` (a C entry point's arguments, passed as integers)."""
+        ptr = numba.types.CPointer(dtype.dtype)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+        return ptr(numba.types.int64, dtype), codegen
+
     @_inline
     def _poly_exp32(r):
         """exp(r) for |r| <= ln2/2: Cephes' expf polynomial in fused multiply-adds, its last step unfused (fusing it
@@ -1093,17 +1118,48 @@ def ce_stats(xf: np.ndarray, pivot: np.ndarray, want_d: bool) -> tuple:
     """(m, s, d, rows left to NumPy or None) of cross_entropy's rows, float32 logits [rows, V]."""
     rows = xf.shape[0]
     m, s, d = np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
-    bad = _flags(rows)
-    nbad = _ce_stats(xf, pivot.astype(np.float32), want_d, m, s, d, bad, np.zeros(LANES, np.float32),
-                     np.zeros(LANES, np.float32))
+    bad, pivot = _flags(rows), pivot.astype(np.float32)
+    pool = _row_pool(xf)
+    if pool is not None:
+        nbad = _row_tasks(pool, "ce_stats_rows", (xf, pivot, m, s, d, bad), (int(want_d),), 0.0)
+    else:
+        nbad = _ce_stats(xf, pivot, want_d, m, s, d, bad, np.zeros(LANES, np.float32), np.zeros(LANES, np.float32))
     return m, s, d, (np.flatnonzero(bad) if nbad else None)
 
 
 def ce_grad(xf, a, b, epsv, c, y) -> np.ndarray | None:
     bad = _flags(xf.shape[0])
-    if _ce_grad(xf, a.astype(np.float32), b.astype(np.float32), np.float32(epsv), c.astype(np.float32), y, bad):
-        return np.flatnonzero(bad)
-    return None
+    a, b, c = (np.ascontiguousarray(z, np.float32) for z in (a, b, c))
+    pool = _row_pool(xf, y)
+    if pool is not None:
+        nbad = _row_tasks(pool, "ce_grad_rows", (xf, a, b, c, y, bad), (), float(epsv))
+    else:
+        nbad = _ce_grad(xf, a, b, np.float32(epsv), c, y, bad)
+    return np.flatnonzero(bad) if nbad else None
+
+
+POOL_ROWS_MIN = 1 << 18  # elements from which cross_entropy's row loops split over torch's pool (as its guest)
+ROW_TASKS = 16  # tasks a call splits into (rows are independent: the split changes no bit)
+
+
+def _row_pool(*arrays):
+    """torch's pool (the native extension's run_tasks) for a large enough call on C-contiguous arrays, else None."""
+    from opport.backends.cpu import _common
+
+    if arrays[0].size < POOL_ROWS_MIN or not all(a.flags.c_contiguous for a in arrays):
+        return None
+    return _common.pool_tasks()
+
+
+def _row_tasks(pool, name: str, arrays: tuple, ints: tuple, scalar: float) -> int:
+    """Rows of arrays[0] in ROW_TASKS tasks of the cfunc `name` (_cfuncs.py) on torch's pool: how many declined."""
+    from opport.backends.cpu import _cfuncs
+
+    rows, v = arrays[0].shape
+    per = -(-rows // ROW_TASKS)
+    iv = np.array([a.ctypes.data for a in arrays] + [rows, v, *ints, per], np.int64)
+    fv = np.array([scalar], np.float64)
+    return pool(_cfuncs.addresses()[name], -(-rows // per), iv.ctypes.data, fv.ctypes.data)
 
 
 # --------------------------------------------------------------------------- scattered row updates
