@@ -4,14 +4,13 @@ raw float32 buffers, exactly as the op file's small-call path calls it (the same
 returns what the loop returns: the count of elements or rows it left, which the caller then hands to the op's
 NumPy kernel whole (the kernel reruns the loop and the careful formula on what it left: the same bits).
 
-Scratch (flags, partial sums) is the caller's, as in the op files (numba's own allocations cannot be poisoned by
-the conformance suite, and need not be made here). `addresses()` compiles them once (cached on disk) and returns
-{name: C function address}; None where numba is absent.
+Scratch (flags, partial sums) is the caller's, as in the op files; the row tasks (cross_entropy's loops over a range
+of rows, run on torch's pool) take their lane sums from numba's allocator (`_fused._scratch`). `addresses()`
+compiles them once (_cfunc_defs.py; cached on disk) and returns {name: C function address}; None where numba is
+absent.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from opport.backends.cpu import _fused
 
@@ -26,87 +25,6 @@ def addresses() -> dict | None:
 
 
 def _compile() -> dict:
-    from numba import carray, cfunc, types
+    from opport.backends.cpu import _cfunc_defs  # (compiles, or loads from numba's cache, on first use)
 
-    f32, f64, u8 = (types.CPointer(t) for t in (types.float32, types.float64, types.uint8))
-    i64 = types.int64
-    loops = _fused._HERE
-
-    def entry(sig):
-        return cfunc(sig, cache=True, nogil=True)
-
-    silu_f, silu_b = loops["_silu"], loops["_silu_grad"]
-    swiglu_f, swiglu_b = loops["_swiglu"], loops["_swiglu_grad"]
-    ln_f, ln_b = loops["_ln_fwd"], loops["_ln_bwd"]
-    rms_f, rms_b = loops["_rms_fwd"], loops["_rms_bwd"]
-    lanes = _fused.LANES
-
-    @entry(i64(f32, f32, i64, u8))
-    def silu_forward(x, y, n, fl):
-        return silu_f(carray(x, n), carray(y, n), False, carray(fl, 1))
-
-    @entry(i64(f32, f32, f32, i64, u8))
-    def silu_backward(x, g, dx, n, fl):
-        return silu_b(carray(x, n), carray(g, n), carray(dx, n), False, carray(fl, 1))
-
-    @entry(i64(f32, f32, f32, i64, u8))
-    def swiglu_forward(gate, up, y, n, fl):
-        return swiglu_f(carray(gate, n), carray(up, n), carray(y, n), False, carray(fl, 1))
-
-    @entry(i64(f32, f32, f32, f32, f32, i64, u8))
-    def swiglu_backward(gate, up, g, dgate, dup, n, fl):
-        return swiglu_b(carray(gate, n), carray(up, n), carray(g, n), carray(dgate, n), carray(dup, n), False,
-                        carray(fl, 1))
-
-    @entry(i64(f32, f32, f32, f32, i64, i64, types.float32, u8, f32))
-    def layernorm_forward(x, w, b, y, rows, n, eps, bad, acc):
-        return ln_f(carray(x, (rows, n)), carray(w, n), True, carray(b, n), True, eps, carray(y, (rows, n)),
-                    carray(bad, rows), carray(acc, lanes))
-
-    @entry(i64(f32, f32, f64, f32, f64, f64, i64, i64, types.float64, u8, f64))
-    def layernorm_backward(x, g, w, dx, dw, db, rows, n, eps, bad, scratch):
-        s = carray(scratch, 2 * lanes + n)  # the op file's one scratch allocation: two lane sums, then xhat
-        return ln_b(carray(x, (rows, n)), carray(g, (rows, n)), carray(w, n), True, eps, carray(dx, (rows, n)),
-                    carray(dw, n), carray(db, n), carray(bad, rows), s[:lanes], s[lanes:2 * lanes], s[2 * lanes:])
-
-    @entry(i64(f32, f32, f32, i64, i64, types.float32, u8, f32))
-    def rmsnorm_forward(x, w, y, rows, n, eps, bad, acc):  # with a weight; add_rmsnorm's too, on the rounded sum
-        return rms_f(carray(x, (rows, n)), carray(w, n), True, eps, carray(y, (rows, n)), carray(bad, rows),
-                     carray(acc, lanes))
-
-    @entry(i64(f32, f32, f64, f32, f64, i64, i64, types.float64, u8, f64))
-    def rmsnorm_backward(x, g, w, dx, dw, rows, n, eps, bad, scratch):  # with a weight, offset 0, no h
-        s = carray(scratch, lanes + n)  # the op file's scratch: the lane sums, then xhat
-        xs = carray(x, (rows, n))
-        return rms_b(xs, carray(g, (rows, n)), carray(w, n), True, eps, xs[:1, :1], False, carray(dx, (rows, n)),
-                     carray(dw, n), carray(bad, rows), s[:lanes], s[lanes:])  # (x's first element: h, never read)
-
-    # row tasks (int64 task, int64* ints, double* floats), run by the native extension's run_tasks on torch's pool:
-    # ints = the arrays' addresses, then rows, V and the rows per task; task t takes rows [t per, (t + 1) per)
-    ce_s, ce_g, at, scratch = loops["_ce_stats"], loops["_ce_grad"], _fused._at, _fused._scratch
-    task = i64(i64, types.CPointer(i64), f64)
-
-    @entry(task)
-    def ce_stats_rows(t, ints, floats):
-        iv = carray(ints, 10)
-        rows, v, want_d, per = iv[6], iv[7], iv[8] != 0, iv[9]
-        r0, r1 = t * per, min(rows, (t + 1) * per)
-        x, pivot = carray(at(iv[0], np.float32), (rows, v)), carray(at(iv[1], np.float32), rows)
-        m, s, d = carray(at(iv[2], np.float32), rows), carray(at(iv[3], np.float32), rows), carray(at(iv[4], np.float32), rows)
-        bad = carray(at(iv[5], np.uint8), rows)
-        return ce_s(x[r0:r1], pivot[r0:r1], want_d, m[r0:r1], s[r0:r1], d[r0:r1], bad[r0:r1],
-                    scratch(lanes, np.float32), scratch(lanes, np.float32))
-
-    @entry(task)
-    def ce_grad_rows(t, ints, floats):
-        iv = carray(ints, 9)
-        rows, v, per = iv[6], iv[7], iv[8]
-        r0, r1 = t * per, min(rows, (t + 1) * per)
-        x, y = carray(at(iv[0], np.float32), (rows, v)), carray(at(iv[4], np.float32), (rows, v))
-        a, b, c = carray(at(iv[1], np.float32), rows), carray(at(iv[2], np.float32), rows), carray(at(iv[3], np.float32), rows)
-        bad = carray(at(iv[5], np.uint8), rows)
-        return ce_g(x[r0:r1], a[r0:r1], b[r0:r1], np.float32(carray(floats, 1)[0]), c[r0:r1], y[r0:r1], bad[r0:r1])
-
-    return {f.__name__: f for f in (silu_forward, silu_backward, swiglu_forward, swiglu_backward,
-                                    layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward,
-                                    ce_stats_rows, ce_grad_rows)}
+    return _cfunc_defs.ENTRIES
