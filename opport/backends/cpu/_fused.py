@@ -1114,52 +1114,25 @@ if numba is not None:
         return nbad
 
 
-def ce_stats(xf: np.ndarray, pivot: np.ndarray, want_d: bool) -> tuple:
-    """(m, s, d, rows left to NumPy or None) of cross_entropy's rows, float32 logits [rows, V]."""
+def ce_stats(xf: np.ndarray, pivot: np.ndarray, want_d: bool, rows_on=None) -> tuple:
+    """(m, s, d, rows left to NumPy or None) of cross_entropy's rows, float32 logits [rows, V]. `rows_on`
+    (_cfuncs.row_tasks, optional) may run the rows as tasks on torch's pool instead of on this thread."""
     rows = xf.shape[0]
     m, s, d = np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
     bad, pivot = _flags(rows), pivot.astype(np.float32)
-    pool = _row_pool(xf)
-    if pool is not None:
-        nbad = _row_tasks(pool, "ce_stats_rows", (xf, pivot, m, s, d, bad), (int(want_d),), 0.0)
-    else:
+    nbad = None if rows_on is None else rows_on("ce_stats_rows", (xf, pivot, m, s, d, bad), (int(want_d),))
+    if nbad is None:
         nbad = _ce_stats(xf, pivot, want_d, m, s, d, bad, np.zeros(LANES, np.float32), np.zeros(LANES, np.float32))
     return m, s, d, (np.flatnonzero(bad) if nbad else None)
 
 
-def ce_grad(xf, a, b, epsv, c, y) -> np.ndarray | None:
+def ce_grad(xf, a, b, epsv, c, y, rows_on=None) -> np.ndarray | None:
     bad = _flags(xf.shape[0])
     a, b, c = (np.ascontiguousarray(z, np.float32) for z in (a, b, c))
-    pool = _row_pool(xf, y)
-    if pool is not None:
-        nbad = _row_tasks(pool, "ce_grad_rows", (xf, a, b, c, y, bad), (), float(epsv))
-    else:
+    nbad = None if rows_on is None else rows_on("ce_grad_rows", (xf, a, b, c, y, bad), (), float(epsv))
+    if nbad is None:
         nbad = _ce_grad(xf, a, b, np.float32(epsv), c, y, bad)
     return np.flatnonzero(bad) if nbad else None
-
-
-POOL_ROWS_MIN = 1 << 18  # elements from which cross_entropy's row loops split over torch's pool (as its guest)
-ROW_TASKS = 16  # tasks a call splits into (rows are independent: the split changes no bit)
-
-
-def _row_pool(*arrays):
-    """torch's pool (the native extension's run_tasks) for a large enough call on C-contiguous arrays, else None."""
-    from opport.backends.cpu import _common
-
-    if arrays[0].size < POOL_ROWS_MIN or not all(a.flags.c_contiguous for a in arrays):
-        return None
-    return _common.pool_tasks()
-
-
-def _row_tasks(pool, name: str, arrays: tuple, ints: tuple, scalar: float) -> int:
-    """Rows of arrays[0] in ROW_TASKS tasks of the cfunc `name` (_cfuncs.py) on torch's pool: how many declined."""
-    from opport.backends.cpu import _cfuncs
-
-    rows, v = arrays[0].shape
-    per = -(-rows // ROW_TASKS)
-    iv = np.array([a.ctypes.data for a in arrays] + [rows, v, *ints, per], np.int64)
-    fv = np.array([scalar], np.float64)
-    return pool(_cfuncs.addresses()[name], -(-rows // per), iv.ctypes.data, fv.ctypes.data)
 
 
 # --------------------------------------------------------------------------- scattered row updates

@@ -3,7 +3,7 @@
 import numpy as np
 
 from opport.arraymath import reduce_losses
-from opport.backends.cpu import _fused
+from opport.backends.cpu import _cfuncs, _fused
 from opport.backends.cpu._common import parallel_rows, result_block, store, upcast
 from opport.dispatch import impl
 from opport.dtypes import acc_of
@@ -60,7 +60,7 @@ def _row_losses(x: np.ndarray, t: np.ndarray, eps) -> tuple:
     acc = xt.dtype
     pivot = np.where(np.isfinite(xt), xt, acc.type(0))  # shift for sum(x): exact near x_t, finite always
     if _fused.enabled(x.dtype) and rows:  # one loop per statistic over whole rows; rows it leaves by the chunk loop
-        m, s, d, bad = _fused.ce_stats(upcast(x), pivot, bool(eps))
+        m, s, d, bad = _fused.ce_stats(upcast(x), pivot, bool(eps), _cfuncs.row_tasks)
         if bad is not None:
             m[bad], log_b, d_b = _chunked_stats(x[bad], pivot[bad], eps)
             s[bad] = 1
@@ -170,7 +170,7 @@ def _write_grad(out, logits, rows, t, shift, coef, ignored, valid, eps) -> None:
     if _fused.enabled(logits.dtype):  # whole rows in one loop; the target column and the rows it leaves as below
         xf, dst = upcast(logits[rows]), out[rows]
         y = result_block(dst, xf)
-        bad = _fused.ce_grad(xf, a, b, eps / acc.type(v) if eps else 0, c[:, 0], y)
+        bad = _fused.ce_grad(xf, a, b, eps / acc.type(v) if eps else 0, c[:, 0], y, _cfuncs.row_tasks)
         on = keep.copy()
         if bad is not None:
             on[bad] = False
