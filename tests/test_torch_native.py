@@ -28,9 +28,10 @@ def _inputs(shapes, special, seed=0):
 
 def _run(fn, ins, grad_of=lambda y: torch.randn(y.shape, generator=torch.Generator().manual_seed(7))):
     leaves = [t.clone().requires_grad_() for t in ins]
-    y = fn(*leaves)
-    grads = torch.autograd.grad(y, leaves, grad_of(y))
-    return y.grad_fn.name(), [y.detach(), *grads]
+    ys = fn(*leaves)
+    ys = list(ys) if isinstance(ys, tuple) else [ys]  # add_rmsnorm: (normed, sum), a gradient for each
+    grads = torch.autograd.grad(ys, leaves, [grad_of(y) if i == 0 else grad_of(y) * -0.5 for i, y in enumerate(ys)])
+    return ys[0].grad_fn.name(), [*(y.detach() for y in ys), *grads]
 
 
 def _bits(ts):
@@ -65,6 +66,8 @@ def _overflow_row(ins):
 
 
 LAYERNORM = (lambda x, w, b: opport.layernorm(x, w, b))
+RMSNORM = (lambda x, w: opport.rmsnorm(x, w, 1e-6))
+ADD_RMSNORM = (lambda x, r, w: opport.add_rmsnorm(x, r, w, 1e-5))
 
 CASES = [
     ("silu", opport.silu, [(1, 14336)], _none),
@@ -79,6 +82,9 @@ CASES = [
     ("rmsnorm", (lambda x, w: opport.rmsnorm(x, w, 1e-6)), [(4, 128, 256), (256,)], _none),  # a training call's
     ("rmsnorm-awkward", (lambda x, w: opport.rmsnorm(x, w, 1e-6)), [(4, 64), (64,)], _awkward),
     ("rmsnorm-overflow", (lambda x, w: opport.rmsnorm(x, w, 1e-6)), [(4, 64), (64,)], _overflow_row),
+    ("add_rmsnorm", ADD_RMSNORM, [(4, 128, 256), (4, 128, 256), (256,)], _none),  # a decoder layer's training call
+    ("add_rmsnorm-awkward", ADD_RMSNORM, [(4, 64), (4, 64), (64,)], _awkward),
+    ("add_rmsnorm-overflow", ADD_RMSNORM, [(4, 64), (4, 64), (64,)], _overflow_row),
 ]
 
 
@@ -207,13 +213,9 @@ def test_the_awkward_cases_reach_the_python_kernels():
     assert _fused.ln_backward(x2, x2, np.ones(2), 1e-5, np.empty_like(x2), np.zeros(2), np.zeros(2)) is not None
 
 
-RMSNORM = (lambda x, w: opport.rmsnorm(x, w, 1e-6))
-ADD_RMSNORM = (lambda x, r, w: opport.add_rmsnorm(x, r, w, 1e-5))
-FORWARD_CASES = CASES + [  # add_rmsnorm: forward only (calls that record take the Python Function)
+FORWARD_CASES = CASES + [
     ("rmsnorm-decode", RMSNORM, [(1, 1, 256), (256,)], _none),
-    ("add_rmsnorm", ADD_RMSNORM, [(1, 1, 256), (1, 1, 256), (256,)], _none),
-    ("add_rmsnorm-awkward", ADD_RMSNORM, [(4, 64), (4, 64), (64,)], _awkward),
-    ("add_rmsnorm-overflow", ADD_RMSNORM, [(4, 64), (4, 64), (64,)], _overflow_row),
+    ("add_rmsnorm-decode", ADD_RMSNORM, [(1, 1, 256), (1, 1, 256), (256,)], _none),
 ]
 
 
@@ -247,8 +249,8 @@ def test_calls_without_gradients_take_the_nodes_forward(name, fn, shapes, specia
 
 
 def test_norm_calls_the_forwards_do_not_take(monkeypatch):
-    """rmsnorm: an offset (Gemma's 1 + weight) or no weight goes the dispatcher's way; rmsnorm calls that autograd
-    records take its node, add_rmsnorm's the Python Function (no node), with the same values."""
+    """rmsnorm: an offset (Gemma's 1 + weight) or no weight goes the dispatcher's way; rmsnorm and add_rmsnorm calls
+    that autograd records take their nodes (not the forwards alone), with the same values."""
     x, r, w = torch.randn(2, 32), torch.randn(2, 32), torch.randn(32)
     taken = []
     for op in ("rmsnorm", "add_rmsnorm"):
@@ -263,11 +265,19 @@ def test_norm_calls_the_forwards_do_not_take(monkeypatch):
     xg = x.clone().requires_grad_()
     y = opport.rmsnorm(xg, w, 1e-6)
     normed, total = opport.add_rmsnorm(xg, r, w, 1e-6)
-    assert not taken and NATIVE in y.grad_fn.name() and NATIVE not in normed.grad_fn.name()
+    assert not taken and NATIVE in y.grad_fn.name() and NATIVE in normed.grad_fn.name()
     with torch.no_grad():
         assert torch.equal(opport.rmsnorm(x, w, 1e-6), y.detach()) and len(taken) == 1
         n2, t2 = opport.add_rmsnorm(x, r, w, 1e-6)
         assert torch.equal(n2, normed.detach()) and torch.equal(t2, total.detach()) and len(taken) == 2
+
+
+@pytest.mark.parametrize("used", ["normed", "sum"])
+def test_add_rmsnorm_node_with_one_output_used(used, monkeypatch):
+    """A gradient for one of add_rmsnorm's outputs only (the other's reaches the node as nothing: zeros): the Python
+    Function path's bits."""
+    pick = 0 if used == "normed" else 1
+    _same_as_python(lambda x, r, w: ADD_RMSNORM(x, r, w)[pick], _inputs([(8, 64), (8, 64), (64,)], _none), monkeypatch)
 
 
 def test_building_leaves_the_extensions_name_alone(monkeypatch, tmp_path):

@@ -34,6 +34,8 @@ typedef int64_t (*RmsFwd)(float*, float*, float*, int64_t, int64_t, float, uint8
 typedef int64_t (*LnBwd)(float*, float*, double*, float*, double*, double*, int64_t, int64_t, double, uint8_t*,
                          double*);
 typedef int64_t (*RmsBwd)(float*, float*, double*, float*, double*, int64_t, int64_t, double, uint8_t*, double*);
+typedef int64_t (*AddRmsBwd)(float*, float*, float*, double*, float*, double*, int64_t, int64_t, double, uint8_t*,
+                             double*);
 
 struct Entry {  // one op: its loops' C entry points and its Python kernels (forward, backward)
   void* forward = nullptr;
@@ -41,7 +43,7 @@ struct Entry {  // one op: its loops' C entry points and its Python kernels (for
   PyObject* py_forward = nullptr;  // owned for the process's life (never released at exit, when no GIL is held)
   PyObject* py_backward = nullptr;
 };
-Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k;  // add_rmsnorm: forward only (no node)
+Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k;
 
 Entry& entry(const std::string& name) {
   if (name == "silu") return silu_k;
@@ -262,6 +264,45 @@ void bind(const std::string& name, int64_t forward, int64_t backward, py::object
   e.py_backward = py_backward.release().ptr();  // None for the forward-only ops
 }
 
+// add_rmsnorm with a weight: (normed, sum); the backward from both outputs' gradients (an absent one is zeros) at the
+// saved sum, dx = dresidual (one tensor, as the Python path's one array), dweight in float64 rounded once.
+struct AddRmsNorm : public torch::autograd::Function<AddRmsNorm> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& residual, const Tensor& w,
+                               double eps) {
+    std::vector<Tensor> out = add_rmsnorm_forward(x, residual, w, eps);
+    ctx->save_for_backward({out[1], w});
+    ctx->saved_data["eps"] = eps;
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &total = saved[0], &w = saved[1];
+    const double eps = ctx->saved_data["eps"].toDouble();
+    Tensor gy = grads[0].defined() ? grads[0] : at::zeros_like(total);
+    Tensor gh = grads[1].defined() ? grads[1] : at::zeros_like(total);
+    variable_list out;
+    if (at::GradMode::is_enabled() || !loop_grad(gy) || !loop_grad(gh)) {
+      out = python(add_rmsnorm_k.py_backward, gy, gh, total, w, eps, at::GradMode::is_enabled());
+    } else {
+      gy = gy.contiguous();
+      gh = gh.contiguous();
+      const int64_t n = total.size(-1), rows = total.numel() / n;
+      Tensor dx = at::empty_like(total);
+      Tensor w64 = w.to(at::kDouble), dw = at::zeros({n}, w64.options());
+      std::vector<uint8_t> bad(rows);
+      std::vector<double> scratch(kLanes + n);
+      if (reinterpret_cast<AddRmsBwd>(add_rmsnorm_k.backward)(f32(total), f32(gy), f32(gh), w64.data_ptr<double>(),
+                                                              f32(dx), dw.data_ptr<double>(), rows, n, eps,
+                                                              bad.data(), scratch.data()))
+        out = python(add_rmsnorm_k.py_backward, gy, gh, total, w, eps, false);
+      else
+        out = {dx, dx, dw.to(at::kFloat)};
+    }
+    out.emplace_back();  // eps
+    return out;
+  }
+};
+
 // Tasks [0, n) of a compiled task function (a numba cfunc: opport/backends/cpu/_attn_tasks.py) on torch's intra-op
 // pool, the GIL released: the number of tasks that declined (returned non-zero). Each task writes memory of its own,
 // so which thread runs it changes no bit.
@@ -289,6 +330,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return LayerNorm::apply(x, w, b, eps);
   });
   m.def("rmsnorm", [](const Tensor& x, const Tensor& w, double eps) { return RmsNorm::apply(x, w, eps); });
+  m.def("add_rmsnorm", [](const Tensor& x, const Tensor& residual, const Tensor& w, double eps) {
+    return AddRmsNorm::apply(x, residual, w, eps);
+  });
   // no node: for calls that record nothing (no grad mode, or no input requiring grad)
   m.def("silu_forward", &silu_forward);
   m.def("swiglu_forward", &swiglu_forward);

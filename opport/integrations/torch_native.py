@@ -1,6 +1,5 @@
-"""Native torch autograd nodes for small float32 calls of silu, swiglu, layernorm and rmsnorm on the cpu backend, and
-their forwards alone (add_rmsnorm's too) for calls that record nothing (decode: no grad mode, or no input requiring
-grad).
+"""Native torch autograd nodes for small float32 calls of silu, swiglu, layernorm, rmsnorm and add_rmsnorm on the cpu
+backend, and their forwards alone for calls that record nothing (decode: no grad mode, or no input requiring grad).
 
 Through torch autograd, a decode-sized call (1 x 14336 silu, 1 x 4096 layernorm) is mostly fixed cost: a Python
 `torch.autograd.Function` alone costs about 25 us forward + backward (45-70 us with three inputs), its kernels
@@ -186,7 +185,8 @@ _NODES = {
                          lambda m, b, _: m.layernorm_forward(b[0], b[1], b[2], float(b[3])), True),
     "rmsnorm": _Native(lambda m, b, _: m.rmsnorm(b[0], b[1], float(b[2])),
                        lambda m, b, _: m.rmsnorm_forward(b[0], b[1], float(b[2])), True, lambda b: b[3] == 0),
-    "add_rmsnorm": _Native(None, lambda m, b, _: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]))), True),
+    "add_rmsnorm": _Native(lambda m, b, _: tuple(m.add_rmsnorm(b[0], b[1], b[2], float(b[3]))),
+                           lambda m, b, _: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]))), True),
 }
 # Elementwise calls of one block or more take the nodes only as torch's guest (torch's pool has several threads), and
 # split their loops over that pool in ranges of GRAIN elements (at::parallel_for): opport's own pool gains nothing

@@ -71,6 +71,13 @@ def rmsnorm_backward(x, g, w, dx, dw, rows, n, eps, bad, scratch):  # with a wei
                  carray(dw, n), carray(bad, rows), s[:lanes], s[lanes:])  # (x's first element: h, never read)
 
 
+
+@entry(i64(f32, f32, f32, f64, f32, f64, i64, i64, types.float64, u8, f64))
+def add_rmsnorm_backward(x, g, h, w, dx, dw, rows, n, eps, bad, scratch):  # x: the saved sum; h: its gradient
+    s = carray(scratch, lanes + n)
+    return rms_b(carray(x, (rows, n)), carray(g, (rows, n)), carray(w, n), True, eps, carray(h, (rows, n)), True,
+                 carray(dx, (rows, n)), carray(dw, n), carray(bad, rows), s[:lanes], s[lanes:])
+
 # row tasks (int64 task, int64* ints, double* floats), run by the native extension's run_tasks on torch's pool:
 # ints = the arrays' addresses, then rows, V and the rows per task; task t takes rows [t per, (t + 1) per)
 ce_s, ce_g, at, scratch = loops["_ce_stats"], loops["_ce_grad"], _fused._at, _fused._scratch
@@ -102,4 +109,5 @@ def ce_grad_rows(t, ints, floats):
 
 ENTRIES = {f.__name__: f for f in (silu_forward, silu_backward, swiglu_forward, swiglu_backward,
                                  layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward,
+                                 add_rmsnorm_backward,
                                  ce_stats_rows, ce_grad_rows)}
