@@ -178,31 +178,41 @@ def backward_all(n, q, k, v, out, lse, grad, dq, dk, dv, g, bq, bk, causal, scal
     return 0
 
 
-i64p, f64p = types.CPointer(types.int64), types.CPointer(types.float64)
-sig = types.int64(types.int64, i64p, f64p)
-nint = 9 + 9  # _attn_tasks.INTS
+# ints: the addresses of q, k, v, out, lse, grad, dq, dk, dv (0 where unused), then Hkv (all batch entries'), g, Sq,
+# Sk, D, Dv, bq, bk, causal (_attn_tasks._run); floats: [scale]
+NINT = 18
+sig = types.int64(types.int64, types.CPointer(types.int64), types.CPointer(types.float64))
+
+
+@jit
+def f32s(iv, i, shape):
+    return carray(at(iv[i], np.float32), shape)
+
+
+@jit
+def inputs(iv):
+    """q, k, v, out, lse over the addresses in ints."""
+    hkv, g, sq, sk, d, dv = iv[9], iv[10], iv[11], iv[12], iv[13], iv[14]
+    return (f32s(iv, 0, (hkv * g, sq, d)), f32s(iv, 1, (hkv, sk, d)), f32s(iv, 2, (hkv, sk, dv)),
+            f32s(iv, 3, (hkv * g, sq, dv)), f32s(iv, 4, (hkv * g, sq)))
 
 
 @cfunc(sig, cache=True, nogil=True)
 def forward_entry(t, ints, floats):
-    iv, scale = carray(ints, nint), np.float32(carray(floats, 1)[0])
-    hkv, g, sq, sk, d, dv, bq, bk, causal = iv[9:]
-    q, out = carray(at(iv[0], np.float32), (hkv * g, sq, d)), carray(at(iv[3], np.float32), (hkv * g, sq, dv))
-    k, v = carray(at(iv[1], np.float32), (hkv, sk, d)), carray(at(iv[2], np.float32), (hkv, sk, dv))
-    lse = carray(at(iv[4], np.float32), (hkv * g, sq))
-    return forward_task(t, q, k, v, out, lse, g, bq, bk, causal != 0, scale)
+    iv = carray(ints, NINT)
+    q, k, v, out, lse = inputs(iv)
+    return forward_task(t, q, k, v, out, lse, iv[10], iv[15], iv[16], iv[17] != 0, np.float32(carray(floats, 1)[0]))
 
 
 @cfunc(sig, cache=True, nogil=True)
 def backward_entry(t, ints, floats):
-    iv, scale = carray(ints, nint), np.float32(carray(floats, 1)[0])
-    hkv, g, sq, sk, d, dv, bq, bk, causal = iv[9:]
-    q, out = carray(at(iv[0], np.float32), (hkv * g, sq, d)), carray(at(iv[3], np.float32), (hkv * g, sq, dv))
-    k, v = carray(at(iv[1], np.float32), (hkv, sk, d)), carray(at(iv[2], np.float32), (hkv, sk, dv))
-    lse = carray(at(iv[4], np.float32), (hkv * g, sq))
-    grad, dq = carray(at(iv[5], np.float32), (hkv * g, sq, dv)), carray(at(iv[6], np.float32), (hkv * g, sq, d))
-    dk, dvv = carray(at(iv[7], np.float32), (hkv, sk, d)), carray(at(iv[8], np.float32), (hkv, sk, dv))
-    return backward_task(t, q, k, v, out, lse, grad, dq, dk, dvv, g, bq, bk, causal != 0, scale)
+    iv = carray(ints, NINT)
+    hkv, g, sq, sk, d, dv = iv[9], iv[10], iv[11], iv[12], iv[13], iv[14]
+    q, k, v, out, lse = inputs(iv)
+    grad, dq = f32s(iv, 5, (hkv * g, sq, dv)), f32s(iv, 6, (hkv * g, sq, d))
+    dk, dvv = f32s(iv, 7, (hkv, sk, d)), f32s(iv, 8, (hkv, sk, dv))
+    return backward_task(t, q, k, v, out, lse, grad, dq, dk, dvv, g, iv[15], iv[16], iv[17] != 0,
+                         np.float32(carray(floats, 1)[0]))
 
 
 ENTRIES = {"forward_all": forward_all, "backward_all": backward_all,
