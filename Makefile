@@ -29,7 +29,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # the native torch autograd nodes of small cpu training calls (opport/integrations/torch_native.py): compiled once
-# into torch's extension directory (by the venv's recipe; here again only if its source changed), then loaded
+# into torch's extension directory (by the venv's recipe; here again only if its source changed), then loaded; the
+# numba code it runs (the loops' entry points, attention's tasks) compiled into numba's cache here, in one process
 native: venv
 	$(BIN)/python -m opport.integrations.torch_native
 

@@ -206,6 +206,18 @@ def _specs() -> dict:
 _SPECS = _specs()
 
 
+def _warm_tasks() -> str:
+    """Compile (or load) the numba tasks the extension runs on torch's pool (attention's; the fused loops' entry points
+    load with the extension): once here, in one process, rather than in every test worker that first meets them."""
+    from opport.backends.cpu import _attn_tasks
+
+    if not (_attn_tasks._BLAS and _fused.numba is not None):
+        return "attention tasks: off (no numba or no scipy)"
+    _attn_tasks.compiled()
+    return "attention tasks: compiled"
+
+
 if __name__ == "__main__":  # python -m opport.integrations.torch_native [--verbose]
     print(f"opport torch_native: built {build(verbose='--verbose' in sys.argv[1:] or bool(os.environ.get('VERBOSE')))}")
     print(f"opport torch_native: {status()}")
+    print(f"opport torch_native: {_warm_tasks()}")
