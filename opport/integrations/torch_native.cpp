@@ -280,26 +280,21 @@ struct AddRmsNorm : public torch::autograd::Function<AddRmsNorm> {
     const double eps = ctx->saved_data["eps"].toDouble();
     Tensor gy = grads[0].defined() ? grads[0] : at::zeros_like(total);
     Tensor gh = grads[1].defined() ? grads[1] : at::zeros_like(total);
-    variable_list out;
-    if (at::GradMode::is_enabled() || !loop_grad(gy) || !loop_grad(gh)) {
-      out = python(add_rmsnorm_k.py_backward, gy, gh, total, w, eps, at::GradMode::is_enabled());
-    } else {
-      gy = gy.contiguous();
-      gh = gh.contiguous();
+    // the sum's gradient rides as the Python kernel's second argument; the loop takes it in float32 only
+    return backward_of(add_rmsnorm_k, gy, [&](const Tensor& g) -> variable_list {
+      if (!loop_grad(gh)) return {};
+      Tensor h = gh.contiguous();
       const int64_t n = total.size(-1), rows = total.numel() / n;
       Tensor dx = at::empty_like(total);
       Tensor w64 = w.to(at::kDouble), dw = at::zeros({n}, w64.options());
       std::vector<uint8_t> bad(rows);
       std::vector<double> scratch(kLanes + n);
-      if (reinterpret_cast<AddRmsBwd>(add_rmsnorm_k.backward)(f32(total), f32(gy), f32(gh), w64.data_ptr<double>(),
+      if (reinterpret_cast<AddRmsBwd>(add_rmsnorm_k.backward)(f32(total), f32(g), f32(h), w64.data_ptr<double>(),
                                                               f32(dx), dw.data_ptr<double>(), rows, n, eps,
                                                               bad.data(), scratch.data()))
-        out = python(add_rmsnorm_k.py_backward, gy, gh, total, w, eps, false);
-      else
-        out = {dx, dx, dw.to(at::kFloat)};
-    }
-    out.emplace_back();  // eps
-    return out;
+        return {};
+      return {dx, dx, dw.to(at::kFloat)};
+    }, gh, total, w, eps);
   }
 };
 

@@ -1,6 +1,6 @@
 """attention's float32 forward and backward as numba tasks: each task one KV head's share of the work, the whole of it
 compiled (its products through BLAS, numba's np.dot; its score blocks through _fused's loops), so that tasks run on
-any thread without Python: one after another on the calling thread (`run`), or spread over torch's intra-op pool by
+any thread without Python: one after another on the calling thread (`_run`), or spread over torch's intra-op pool by
 the native extension (opport/integrations/torch_native.cpp, `run_tasks`) when the kernel runs as torch's guest.
 
 A task's arithmetic depends on its own inputs only, and the split into tasks on the shapes only, so the results are
@@ -14,7 +14,8 @@ so dK and dV accumulate in the task and no two tasks write the same memory. The 
 
 Covered: float32 q, k, v, causal (bottom-right) or no mask, no soft cap, no sliding window. A task returns 1 (the
 caller then runs the NumPy kernel on the whole call) where a score block holds a non-finite score, a row saw no key
-(lse -inf), or a partly masked block meets non-finite values (0 * NaN would cross the mask).
+(lse -inf), a forward's partly masked block meets a non-finite value, or a backward task's q, k or dO holds one
+(0 * NaN would cross the mask).
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from opport.backends.cpu import _common, _fused
 
 _F32 = np.dtype(np.float32)
 _BLAS = importlib.util.find_spec("scipy") is not None  # numba's np.dot calls scipy's BLAS (cython_blas)
-
-# the arguments' layout: ints = [q, k, v, out, lse, (grad, dq, dk, dv,)] addresses, then INTS; floats = [scale]
-INTS = ("hkv", "g", "sq", "sk", "d", "dv", "bq", "bk", "causal")
 
 _COMPILED: dict = {}
 

@@ -71,7 +71,6 @@ def rmsnorm_backward(x, g, w, dx, dw, rows, n, eps, bad, scratch):  # with a wei
                  carray(dw, n), carray(bad, rows), s[:lanes], s[lanes:])  # (x's first element: h, never read)
 
 
-
 @entry(i64(f32, f32, f32, f64, f32, f64, i64, i64, types.float64, u8, f64))
 def add_rmsnorm_backward(x, g, h, w, dx, dw, rows, n, eps, bad, scratch):  # x: the saved sum; h: its gradient
     s = carray(scratch, lanes + n)
