@@ -24,6 +24,21 @@ def zeros(n, dtype):
 
 
 @jit
+def add_to(dst, src):
+    """dst += src (2-D) as plain loops: numba's `dst[a:b] += src` on 2-D views runs a tenth of the backward slower."""
+    for i in range(src.shape[0]):
+        for c in range(src.shape[1]):
+            dst[i, c] += src[i, c]
+
+
+@jit
+def scaled_to(dst, src, s):
+    """dst = src * s for one row, in place (numba's `dst[:] = src * s` allocates the product first)."""
+    for c in range(src.size):
+        dst[c] = src[c] * s
+
+
+@jit
 def visible(vb, nr, i0, j0, w, off, causal):
     """Per row r of the block, the keys of [j0, j0 + w) it sees are [0, vb[r]); whether some row misses one."""
     partial = False
@@ -87,15 +102,17 @@ def forward_task(t, q, k, v, out, lse, g, bq, bk, causal, scale):
                 ref = m_new[r] if m_new[r] > -np.inf else np.float32(0)
                 alpha = np.exp(m[r] - ref)
                 den[r] = den[r] * alpha + psum[r]
-                acc[r] *= alpha
-                acc[r] += pv[r]
+                for c in range(dv):
+                    acc[r, c] = acc[r, c] * alpha + pv[r, c]
         m[:] = m_new
     for r in range(rows):
         if den[r] == 0:  # no key seen, or only -inf scores: the NumPy kernel's rule (output 0) takes the call
             return 1
     for r in range(rows):
         hr, i = h * g + r // nr, i0 + r % nr
-        out[hr, i] = acc[r] / den[r]
+        o = out[hr, i]
+        for c in range(dv):
+            o[c] = acc[r, c] / den[r]
         lse[hr, i] = (m[r] if m[r] > -np.inf else np.float32(0)) + np.log(den[r])
     return 0
 
@@ -150,14 +167,15 @@ def backward_task(h, q, k, v, out, lse, grad, dq, dk, dv, g, bq, bk, causal, sca
                 return 1
             dvb, dkb = kdv[:w * dvn].reshape((w, dvn)), kd[:w * d].reshape((w, d))
             np.dot(p.T, dos, dvb)
-            dv_acc[j0:j1] += dvb
+            add_to(dv_acc[j0:j1], dvb)
             np.dot(ds.T, qs, dkb)
-            dk_acc[j0:j1] += dkb
+            add_to(dk_acc[j0:j1], dkb)
             np.dot(ds, kb, dq_part)
-            dq_blk += dq_part
+            add_to(dq_blk, dq_part)
         for r in range(rows):
-            dq[h * g + r // nr, i0 + r % nr] = dq_blk[r] * scale
-    dk[h] = dk_acc * scale
+            scaled_to(dq[h * g + r // nr, i0 + r % nr], dq_blk[r], scale)
+    for j in range(sk):
+        scaled_to(dk[h, j], dk_acc[j], scale)
     dv[h] = dv_acc
     return 0
 

@@ -1152,7 +1152,8 @@ if numba is not None:
 def add_scaled_rows(dst: np.ndarray, col: np.ndarray, dt: np.ndarray, x: np.ndarray, hit: np.ndarray) -> None:
     """`np.add.at(dst, col, dt[:, None] * x[hit])`, the same bits: the LM heads' target terms of dweight, rows of dst
     that several targets may share, added in row order. The loop for float32 (1.6 ms -> 18 us for 512 rows of 256 into
-    2048 x 256, 2026-12-03); NumPy's ufunc.at otherwise."""
+    2048 x 256, 2026-12-03); NumPy's ufunc.at otherwise. Also dhidden's (distinct rows: `dst[col] += ...` bits,
+    98 -> 19 us for 512 x 256, 2026-12-05)."""
     if dst.dtype == x.dtype == dt.dtype == np.float32 and enabled(np.float32):
         _add_scaled_rows(dst, col, dt, x, hit)
     else:

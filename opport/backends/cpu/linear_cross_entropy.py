@@ -142,7 +142,7 @@ def head_gradients(hidden, weight, bias, t, dlogits) -> tuple:
                 d = dlogits(x, rows, c0, c1)
                 hit, col, dt = _take_targets(d, t[rows], c0, c1)
                 dh_tile = gemm(d, wc)
-                dh_tile[hit] += dt[:, None] * wc[col]
+                _fused.add_scaled_rows(dh_tile, hit, dt, wc, col)  # dh_tile[hit] += dt w[col] (rows distinct)
                 dh[rows] += dh_tile
                 dw_acc += gemm(d.T, x)
                 _fused.add_scaled_rows(dw_acc, col, dt, x, hit)  # in row order: deterministic
@@ -300,7 +300,8 @@ def _block_gradients(x, d, weight, t, dw, db) -> np.ndarray:
         if db is not None:
             db[c0:c1] += dc.sum(axis=0)
     if hit.size:
-        dh[hit] += dt[:, None] * upcast(weight[col])
+        w = weight if weight.dtype == dh.dtype else upcast(weight[col])  # a 16-bit weight: only the target rows
+        _fused.add_scaled_rows(dh, hit, dt, w, col if w is weight else np.arange(col.size))  # rows distinct
         _fused.add_scaled_rows(dw, col, dt, x, hit)  # in row order: deterministic
         if db is not None:
             np.add.at(db, col, dt)
