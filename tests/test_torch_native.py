@@ -229,7 +229,7 @@ def test_calls_without_gradients_take_the_nodes_forward(name, fn, shapes, specia
     dispatcher's result bit for bit, the loops' left-over elements and rows included."""
     from opport.integrations import NATIVE_OPS
 
-    assert set(torch_native._NODES) == NATIVE_OPS
+    assert {name for name, n in torch_native._NODES.items() if n.forward is not None} == NATIVE_OPS
     ins = _inputs(shapes, special)
     op = name.split("-")[0]
     with monkeypatch.context() as m:
@@ -300,9 +300,9 @@ def test_building_leaves_the_extensions_name_alone(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("causal,sq,sk", [(True, 128, 128), (False, 70, 300), (True, 40, 90)])
 def test_attention_tasks_on_torch_pool_match_the_calling_thread_bitwise(causal, sq, sk, monkeypatch):
-    """float32 attention as torch's guest spreads its tasks (_attn_tasks.py) over torch's pool: the same bits as the
-    tasks run one after another on the calling thread (torch at one thread), forward and gradients, and the pool
-    is what ran them."""
+    """float32 attention's Python Function path as torch's guest spreads its tasks (_attn_tasks.py) over torch's pool:
+    the same bits as the tasks run one after another on the calling thread (torch at one thread), forward and
+    gradients, and the pool is what ran them."""
     import opport.integrations.torch  # noqa: F401 - it hands the cpu kernels torch's pool (POOL_TASKS)
     from opport.backends.cpu import _common
 
@@ -311,6 +311,7 @@ def test_attention_tasks_on_torch_pool_match_the_calling_thread_bitwise(causal, 
     ran = []
     real = _common.POOL_TASKS[0]
     monkeypatch.setattr(_common, "POOL_TASKS", [lambda: ran.append(1) or real()])
+    monkeypatch.setattr(torch_native, "_SPECS", {})  # the Python Function path (the node's own test is below)
     threads = torch.get_num_threads()
     results = {}
     try:
@@ -356,3 +357,92 @@ def test_cross_entropy_rows_on_torch_pool_match_the_calling_thread_bitwise(op, m
         torch.set_num_threads(threads)
     for a, b in zip(_bits(results[False]), _bits(results[True])):
         assert torch.equal(a, b)
+
+
+def _heads(b, s, h, d, gen, layout):
+    """[B, H, S, D] normal values: contiguous, or the model's view of a [B, S, H, D] projection (strided)."""
+    if layout == "model":
+        return torch.randn(b, s, h, d, generator=gen).transpose(1, 2)
+    return torch.randn(b, h, s, d, generator=gen)
+
+
+def _nan_q(ins):
+    ins[0][0, 1, 5, 3] = float("nan")  # a non-finite score: the tasks decline, the Python kernels run the call
+
+
+def _inf_masked_k(ins):
+    ins[1][1, 0, -1, 0] = float("inf")  # a key the first rows do not see: the forward's partly masked block declines
+
+
+ATTENTION_CASES = [  # (id, causal, scale, (Sq, Sk), layout, special)
+    ("causal-gqa-model-layout", True, None, (128, 128), "model", _none),
+    ("full-longer-keys", False, None, (70, 300), "contiguous", _none),
+    ("causal-fewer-queries-scaled", True, 0.3, (40, 90), "model", _none),
+    ("more-queries-than-keys", True, None, (50, 20), "contiguous", _none),  # rows that see no key: Python kernels
+    ("nan-in-q", True, None, (64, 64), "model", _nan_q),
+    ("inf-in-a-masked-key", True, None, (64, 64), "contiguous", _inf_masked_k),
+]
+
+
+@pytest.mark.parametrize("name,causal,scale,lengths,layout,special", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
+def test_attention_node_matches_the_python_path_bitwise(name, causal, scale, lengths, layout, special, monkeypatch):
+    """As torch's guest, float32 attention that records takes its node (tasks on torch's pool, q, k, v copied once
+    where strided): the Python Function path's output and gradients bit for bit, where the tasks decline too."""
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+    gen = torch.Generator().manual_seed(5)
+    sq, sk = lengths
+    ins = [_heads(2, sq, 4, 32, gen, layout), _heads(2, sk, 2, 32, gen, layout), _heads(2, sk, 2, 32, gen, layout)]
+    special(ins)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = _same_as_python(lambda q, k, v: opport.attention(q, k, v, causal=causal, scale=scale), ins, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+    if special is _none and sq <= sk:
+        assert all(torch.isfinite(t).all() for t in out)
+
+
+def test_attention_calls_the_node_does_not_take_run_the_python_function(monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, h, 16, 8, generator=gen).requires_grad_() for h in (2, 1, 1))
+    declined = {
+        "soft cap": lambda: opport.attention(q, k, v, causal=True, softcap=30.0),
+        "sliding window": lambda: opport.attention(q, k, v, causal=True, sliding_window=4),
+        "one query row (decode)": lambda: opport.attention(q[:, :, :1], k, v),
+        "bfloat16": lambda: opport.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True),
+        "float64": lambda: opport.attention(q.double(), k.double(), v.double(), causal=True),
+    }
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert NATIVE in opport.attention(q, k, v, causal=True).grad_fn.name()
+        for why, call in declined.items():
+            assert NATIVE not in call().grad_fn.name(), why
+        monkeypatch.setenv("OPPORT_NUM_THREADS", "1")  # a budget of one: the tasks run on the calling thread
+        assert NATIVE not in opport.attention(q, k, v, causal=True).grad_fn.name()
+        monkeypatch.delenv("OPPORT_NUM_THREADS")
+        torch.set_num_threads(1)  # not torch's guest: the Python path
+        assert NATIVE not in opport.attention(q, k, v, causal=True).grad_fn.name()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_attention_node_under_create_graph_gives_first_order_gradients(monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, 24, 8, generator=gen).requires_grad_() for h in (2, 1, 1))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y = opport.attention(q, k, v, causal=True)
+        assert NATIVE in y.grad_fn.name()
+        got = torch.autograd.grad(y.sum(), (q, k, v), create_graph=True)
+        with monkeypatch.context() as m:
+            m.setattr(torch_native, "_SPECS", {})
+            want = torch.autograd.grad(opport.attention(q, k, v, causal=True).sum(), (q, k, v))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(got, want):
+        assert torch.equal(a.detach(), b)
+    with pytest.raises(opport.UnsupportedError, match="double backward"):
+        got[0].sum().backward()

@@ -16,6 +16,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <atomic>
+#include <memory>
 
 namespace py = pybind11;
 using torch::autograd::AutogradContext;
@@ -43,7 +44,7 @@ struct Entry {  // one op: its loops' C entry points and its Python kernels (for
   PyObject* py_forward = nullptr;  // owned for the process's life (never released at exit, when no GIL is held)
   PyObject* py_backward = nullptr;
 };
-Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k;
+Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k, attention_k;  // attention's: task entry points
 
 Entry& entry(const std::string& name) {
   if (name == "silu") return silu_k;
@@ -51,6 +52,7 @@ Entry& entry(const std::string& name) {
   if (name == "layernorm") return layernorm_k;
   if (name == "rmsnorm") return rmsnorm_k;
   if (name == "add_rmsnorm") return add_rmsnorm_k;
+  if (name == "attention") return attention_k;
   throw std::invalid_argument("opport torch_native: no node for op " + name);
 }
 
@@ -298,22 +300,109 @@ struct AddRmsNorm : public torch::autograd::Function<AddRmsNorm> {
   }
 };
 
-// Tasks [0, n) of a compiled task function (a numba cfunc: opport/backends/cpu/_attn_tasks.py) on torch's intra-op
-// pool, the GIL released: the number of tasks that declined (returned non-zero). Each task writes memory of its own,
-// so which thread runs it changes no bit.
+// Tasks [0, n) of a compiled task function (a numba cfunc `i64(i64 t, i64* ints, f64* floats)`:
+// opport/backends/cpu/_attn_tasks.py) on torch's intra-op pool: the number of tasks that declined (returned non-zero).
+// Each task writes memory of its own, so which thread runs it changes no bit.
 typedef int64_t (*Task)(int64_t, int64_t*, double*);
-int64_t run_tasks(int64_t fn, int64_t n, int64_t ints, int64_t floats) {
-  py::gil_scoped_release nogil;
+int64_t pool_tasks(void* fn, int64_t n, int64_t* ints, double* floats) {
   std::atomic<int64_t> declined{0};
   Task task = reinterpret_cast<Task>(fn);
-  int64_t* iv = reinterpret_cast<int64_t*>(ints);
-  double* fv = reinterpret_cast<double*>(floats);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      if (task(t, iv, fv)) declined++;
+      if (task(t, ints, floats)) declined++;
   });
   return declined;
 }
+
+int64_t run_tasks(int64_t fn, int64_t n, int64_t ints, int64_t floats) {  // the cpu kernels' way in (GIL held)
+  py::gil_scoped_release nogil;
+  return pool_tasks(reinterpret_cast<void*>(fn), n, reinterpret_cast<int64_t*>(ints), reinterpret_cast<double*>(floats));
+}
+
+// opport's BLAS limiter (cpu/_common.py, Python): BLAS held to one thread while tasks run on torch's pool, as the
+// Python path's kernels are as torch's guest (BLAS threads inside pool threads would fight torch's for the cores).
+PyObject* blas_enter = nullptr;  // owned for the process's life
+PyObject* blas_exit = nullptr;
+
+void bind_blas(py::object enter, py::object exit) {
+  blas_enter = enter.release().ptr();
+  blas_exit = exit.release().ptr();
+}
+
+// Attention's tasks on the tensors' memory, BLAS held to one thread, the GIL released if this thread holds it (the
+// forward, called from Python; the autograd engine runs the backward without it): whether any task declined.
+bool attention_tasks(void* fn, int64_t n, std::vector<int64_t>& ints, double scale) {
+  {
+    py::gil_scoped_acquire gil;
+    py::reinterpret_borrow<py::object>(blas_enter)(1);
+  }
+  int64_t declined;
+  {
+    std::unique_ptr<py::gil_scoped_release> nogil;
+    if (PyGILState_Check()) nogil = std::make_unique<py::gil_scoped_release>();
+    declined = pool_tasks(fn, n, ints.data(), &scale);
+  }
+  py::gil_scoped_acquire gil;
+  py::reinterpret_borrow<py::object>(blas_exit)(1);
+  return declined != 0;
+}
+
+int64_t ptr(const Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr<float>()); }
+
+// The tasks' integer arguments (_attn_loops.py: NINT): q, k, v, out, lse, grad, dq, dk, dv addresses (undefined: 0),
+// then B*Hkv, g, Sq, Sk, D, Dv, the query and key block, causal.
+std::vector<int64_t> attention_ints(const std::vector<Tensor>& t, bool causal, int64_t bq, int64_t bk) {
+  const Tensor &q = t[0], &k = t[1], &v = t[2];
+  std::vector<int64_t> ints;
+  for (const Tensor& a : t) ints.push_back(a.defined() ? ptr(a) : 0);
+  ints.resize(9, 0);
+  for (int64_t x : {k.size(0) * k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), bq, bk,
+                    static_cast<int64_t>(causal)})
+    ints.push_back(x);
+  return ints;
+}
+
+// float32 attention, causal or full, no soft cap or window (the Python side checks): the forward and backward tasks
+// (opport/backends/cpu/_attn_loops.py) on contiguous copies of q, k, v made once and kept for the backward; blocks =
+// (forward query block, forward key block, backward query block, backward key block). Where a task declines
+// (non-finite values in a masked block, a row with no key), the op's Python kernel runs the whole call, as the
+// Python path's kernels do: the same bits.
+struct Attention : public torch::autograd::Function<Attention> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                        double scale, std::vector<int64_t> blocks) {
+    Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+    Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+    Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+    std::vector<int64_t> ints = attention_ints({qc, kc, vc, out, lse}, causal, blocks[0], blocks[1]);
+    const int64_t n = k.size(0) * k.size(1) * ((q.size(2) + blocks[0] - 1) / blocks[0]);
+    if (attention_tasks(attention_k.forward, n, ints, scale)) {
+      std::vector<Tensor> r = python(attention_k.py_forward, qc, kc, vc, causal, scale);
+      out = r[0];
+      lse = r[1];
+    }
+    ctx->save_for_backward({qc, kc, vc, out, lse});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["bq"] = blocks[2];
+    ctx->saved_data["bk"] = blocks[3];
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t bq = ctx->saved_data["bq"].toInt(), bk = ctx->saved_data["bk"].toInt();
+    variable_list result = backward_of(attention_k, grads[0], [&](const Tensor& g) -> variable_list {
+      Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+      std::vector<int64_t> ints = attention_ints({q, k, v, out, lse, g, dq, dk, dv}, causal, bq, bk);
+      if (attention_tasks(attention_k.backward, k.size(0) * k.size(1), ints, scale)) return {};
+      return {dq, dk, dv};
+    }, q, k, v, out, lse, causal, scale);
+    result.resize(6);  // no gradient for causal, scale (backward_of's one) and blocks
+    return result;
+  }
+};
 
 }  // namespace
 
@@ -334,5 +423,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layernorm_forward", &layernorm_forward);
   m.def("rmsnorm_forward", &rmsnorm_forward);
   m.def("add_rmsnorm_forward", &add_rmsnorm_forward);
+  m.def("attention", [](const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale,
+                        std::vector<int64_t> blocks) { return Attention::apply(q, k, v, causal, scale, blocks); });
+  m.def("bind_blas", &bind_blas);
   m.def("run_tasks", &run_tasks);
 }

@@ -1,5 +1,7 @@
 """Native torch autograd nodes for small float32 calls of silu, swiglu, layernorm, rmsnorm and add_rmsnorm on the cpu
-backend, and their forwards alone for calls that record nothing (decode: no grad mode, or no input requiring grad).
+backend, and their forwards alone for calls that record nothing (decode: no grad mode, or no input requiring grad);
+and for float32 attention's training calls as torch's guest, whose compiled tasks (cpu/_attn_tasks.py) the node runs
+on torch's pool on q, k, v copied once (docs/cpu.md, attention's node).
 
 Through torch autograd, a decode-sized call (1 x 14336 silu, 1 x 4096 layernorm) is mostly fixed cost: a Python
 `torch.autograd.Function` alone costs about 25 us forward + backward (45-70 us with three inputs), its kernels
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -34,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from opport.backends.cpu import _cfuncs, _fused
-from opport.backends.cpu._common import PARALLEL_MIN, block_rows, num_threads
+from opport.backends.cpu._common import PARALLEL_MIN, _blas, block_rows, num_threads
 from opport.dispatch import registry
 from opport.dispatch.core import plan_of
 from opport.integrations._first_order import first_order_grads
@@ -79,13 +82,37 @@ def _load():
 
 
 def _bind(mod) -> None:
-    cf = _cfuncs.addresses()
-    cpu = registry.get_backend("cpu")
-    for name, spec in _SPECS.items():
-        fwd, bwd = _BOUND[name] = tuple(registry.kernels(s, cpu)[0].fn for s in (spec, spec.backward_op))
-        entry = _NODES[name].node is not None  # a node: the backward's loop and kernel too
-        mod.bind(name, cf[f"{_LOOPS.get(name, name)}_forward"], cf[f"{name}_backward"] if entry else 0, _forward(fwd),
-                 _backward(spec, bwd, first_order_grads) if entry else None, _fused.LANES)
+    mod.bind_blas(_blas.enter, _blas.exit)
+    for name in _SPECS:
+        if not _NODES[name].tasks:  # a task op binds on its first call (_bound): its tasks compile or load then
+            _bind_op(mod, name)
+
+
+def _bind_op(mod, name: str) -> None:
+    """The op's C entry points (its fused loops', or its compiled tasks') and Python kernels, into the extension;
+    _BOUND[name]: (the op's cpu kernel, the kernel the node calls forward, the backward's)."""
+    spec, cpu = _SPECS[name], registry.get_backend("cpu")
+    trained = spec.train_forward if _NODES[name].tasks else spec  # the tasks' forward keeps lse: the training kernel's
+    kernels = tuple(registry.kernels(s, cpu)[0].fn for s in (spec, trained, spec.backward_op))
+    if _NODES[name].tasks:
+        from opport.backends.cpu import _attn_tasks
+
+        entries = _attn_tasks.compiled()
+        fwd_entry, bwd_entry = entries["forward_entry"], entries["backward_entry"]
+    else:
+        cf = _cfuncs.addresses()
+        fwd_entry, bwd_entry = cf[f"{_LOOPS.get(name, name)}_forward"], cf.get(f"{name}_backward", 0)
+    entry = _NODES[name].node is not None  # a node: the backward's loop and kernel too
+    mod.bind(name, fwd_entry, bwd_entry if entry else 0, _forward(kernels[1]),
+             _backward(spec, kernels[2], first_order_grads) if entry else None, _fused.LANES)
+    _BOUND[name] = kernels
+
+
+def _bound(name: str) -> tuple:
+    """_BOUND[name], binding the op first where it has not been."""
+    if name not in _BOUND:
+        _bind_op(_MODULE, name)
+    return _BOUND[name]
 
 
 def _forward(kernel):
@@ -127,12 +154,13 @@ def run(spec, bound: tuple, backend: str | None, record: bool = True):
     if ok is None:
         ok = _eligible(spec, bound, plan)
     native = _NODES[name]
-    if not ok or not _fused.enabled() or (record and native.node is None) or (native.when and not native.when(bound)):
+    if (not ok or not _fused.enabled() or (native.node if record else native.forward) is None
+            or (native.when and not native.when(bound))):
         return NotImplemented
     budget = num_threads()  # OPPORT_NUM_THREADS validated on every call, as the cpu kernels do
     if ok == _GUEST:  # one block or more: only as torch's guest, split over torch's pool
-        if torch.get_num_threads() <= 1:
-            return NotImplemented  # opport's pool runs it (the Python Function path)
+        if torch.get_num_threads() <= 1 or (native.tasks and budget <= 1):
+            return NotImplemented  # opport's pool runs it, or the tasks run one after another (the Python path)
         return (native.node if record else native.forward)(_MODULE, bound, GRAIN if budget > 1 else _WHOLE)
     return (native.node if record else native.forward)(_MODULE, bound, _WHOLE)
 
@@ -141,10 +169,15 @@ def _eligible(spec, bound: tuple, plan) -> bool:
     """Whether calls of this plan take the node: the op's cpu kernels are the ones the node was bound to (a kernel
     registered or swapped since makes a new plan, and sends its calls the Python way), the arrays plain float32."""
     cpu = registry.get_backend("cpu")
-    ok = (load() is not None and plan.check is None and plan.kernel.fn is _BOUND[spec.name][0]
-          and tuple(k.fn for s in (spec, spec.backward_op) for k in registry.kernels(s, cpu)) == _BOUND[spec.name]
-          and all(_plain32(bound[i]) for i in spec.array_pos))
-    if ok:
+    native = _NODES[spec.name]
+    ok = (load() is not None and plan.check is None and (not native.tasks or _tasks_compile())
+          and plan.kernel.fn is _bound(spec.name)[0]
+          and tuple(registry.kernels(s, cpu)[0].fn for s in (spec, spec.train_forward if native.tasks else spec,
+                                                             spec.backward_op)) == _BOUND[spec.name]
+          and all((_strided32 if native.tasks else _plain32)(bound[i]) for i in spec.array_pos))
+    if ok and native.tasks:
+        ok = _GUEST  # the tasks spread over torch's pool, whatever the size
+    elif ok:
         x = bound[0]
         n = x.shape[-1] if x.dim() else 1
         ok = 0 < x.numel() < PARALLEL_MIN and (not _NODES[spec.name].row_wise or x.numel() // n <= block_rows(n))
@@ -157,8 +190,20 @@ def _eligible(spec, bound: tuple, plan) -> bool:
 
 
 def _plain32(t) -> bool:
+    return _strided32(t) and t.is_contiguous()
+
+
+def _strided32(t) -> bool:
+    """A float32 CPU tensor of any strides (a task op's node copies what is not contiguous, once)."""
     return (t is not None and t.dtype is torch.float32 and t.layout is torch.strided and t.device.type == "cpu"
-            and t.is_contiguous() and not t.is_neg() and not t.is_conj())
+            and not t.is_neg() and not t.is_conj())
+
+
+def _tasks_compile() -> bool:
+    """Whether attention's compiled tasks exist here (numba and scipy, whose BLAS numba's products call)."""
+    from opport.backends.cpu import _attn_tasks
+
+    return _attn_tasks._BLAS and _fused.numba is not None
 
 
 def status() -> str:
@@ -172,9 +217,10 @@ class _Native(NamedTuple):
     _plain32 refuses None."""
 
     node: Callable | None  # its autograd node (module, bound, grain) (None: calls that record go the Python way)
-    forward: Callable  # its forward alone (module, bound, grain), for calls that record nothing
+    forward: Callable | None  # its forward alone (module, bound, grain), for calls that record nothing (None: Python)
     row_wise: bool  # the kernel works on rows: one block must hold whole rows
     when: Callable | None = None  # a check of the call's scalars (not in the plan's cached eligibility)
+    tasks: bool = False  # compiled tasks on torch's pool: any size and strides, only as its guest with a budget > 1
 
 
 _NODES = {
@@ -187,6 +233,10 @@ _NODES = {
                        lambda m, b, _: m.rmsnorm_forward(b[0], b[1], float(b[2])), True, lambda b: b[3] == 0),
     "add_rmsnorm": _Native(lambda m, b, _: tuple(m.add_rmsnorm(b[0], b[1], b[2], float(b[3]))),
                            lambda m, b, _: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]))), True),
+    # (q, k, v, causal, scale, softcap, sliding_window): what the tasks cover (_attn_tasks.covers); a decode step (one
+    # query row) has its own loop, and calls without gradients stay on the Python path (no Function to save there)
+    "attention": _Native(lambda m, b, _: m.attention(b[0], b[1], b[2], bool(b[3]), _scale(b), _attention_blocks(b[3])),
+                         None, False, lambda b: b[5] is None and b[6] is None and b[0].shape[2] > 1, tasks=True),
 }
 # Elementwise calls of one block or more take the nodes only as torch's guest (torch's pool has several threads), and
 # split their loops over that pool in ranges of GRAIN elements (at::parallel_for): opport's own pool gains nothing
@@ -195,6 +245,19 @@ GRAIN = 1 << 16  # elements per range: ~30-100 us of a loop, well above a range'
 _WHOLE = 1 << 62  # a grain no call reaches: one range
 _GUEST = 2  # _eligible's answer for those calls (True: a small call, any threads)
 _LOOPS = {"add_rmsnorm": "rmsnorm"}  # add_rmsnorm's forward: the sum, then rmsnorm's loop on it
+
+
+def _scale(bound) -> float:
+    return 1.0 / math.sqrt(bound[0].shape[3]) if bound[4] is None else float(bound[4])
+
+
+def _attention_blocks(causal) -> list:
+    """The cpu kernel's task blocks (read per call, as the kernel reads them): forward query and key, backward's."""
+    from opport.backends.cpu import attention as cpu_attention
+
+    a = cpu_attention
+    return [a.TASK_BLOCK_Q_MASKED if causal else a.TASK_BLOCK_Q, a.BLOCK_K, a.TASK_BLOCK_Q_BACKWARD,
+            a.TASK_BLOCK_K_BACKWARD]
 
 
 def _specs() -> dict:
