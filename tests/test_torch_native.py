@@ -131,11 +131,18 @@ def test_calls_the_nodes_do_not_take_run_the_python_function(monkeypatch):
     ("silu", opport.silu, [(5, PARALLEL_MIN // 4 + 3)], _none),
     ("swiglu", opport.swiglu, [(3, PARALLEL_MIN // 2 + 1), (3, PARALLEL_MIN // 2 + 1)], _none),
     ("swiglu-awkward", opport.swiglu, [(2, PARALLEL_MIN), (2, PARALLEL_MIN)], _awkward),
-], ids=["silu", "swiglu", "swiglu-awkward"])
+    ("rmsnorm", RMSNORM, [(4, 128, 256), (256,)], _none),
+    ("rmsnorm-overflow", RMSNORM, [(1200, 200), (200,)], _overflow_row),
+    ("rmsnorm-odd", RMSNORM, [(700, 300), (300,)], _none),  # three row tasks, column tasks of 112, 112, 76
+    ("add_rmsnorm", ADD_RMSNORM, [(4, 128, 256), (4, 128, 256), (256,)], _none),
+    ("add_rmsnorm-awkward", ADD_RMSNORM, [(3, 250, 300), (3, 250, 300), (300,)], _awkward),
+], ids=["silu", "swiglu", "swiglu-awkward", "rmsnorm", "rmsnorm-overflow", "rmsnorm-odd", "add_rmsnorm",
+        "add_rmsnorm-awkward"])
 def test_large_calls_as_torchs_guest_split_over_torchs_pool_bitwise(name, fn, shapes, special, budget, monkeypatch):
     """As torch's guest (torch's pool has several threads) an elementwise call of one block or more takes the node,
     its loops split over torch's pool in ranges of GRAIN elements (or whole with OPPORT_NUM_THREADS=1): the Python
-    Function path's bits (opport's own pool, inline as torch's guest), left-over elements included."""
+    Function path's bits (opport's own pool, inline as torch's guest), left-over elements included. rmsnorm's and
+    add_rmsnorm's calls of two GRAINs or more split their rows, and the backward's dweight by columns, the same way."""
     monkeypatch.setenv("OPPORT_NUM_THREADS", budget)
     before = torch.get_num_threads()
     try:

@@ -43,6 +43,8 @@ struct Entry {  // one op: its loops' C entry points and its Python kernels (for
   void* backward = nullptr;
   PyObject* py_forward = nullptr;  // owned for the process's life (never released at exit, when no GIL is held)
   PyObject* py_backward = nullptr;
+  void* rows_task = nullptr;  // rmsnorm's and add_rmsnorm's backward split over torch's pool (_cfunc_defs.py)
+  void* cols_task = nullptr;
 };
 Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k, attention_k;  // attention's: task entry points
 
@@ -57,6 +59,7 @@ Entry& entry(const std::string& name) {
 }
 
 float* f32(const Tensor& t) { return t.data_ptr<float>(); }
+int64_t ptr(const Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr<float>()); }
 
 // The op's Python kernel on these arguments (tensors, then scalars): a list of tensors. Called with or without
 // the GIL held (the autograd engine runs C++ nodes without it).
@@ -79,6 +82,20 @@ bool ranges(int64_t n, int64_t grain, F run) {
     if (run(begin, end - begin)) left = true;
   });
   return left;
+}
+
+// Tasks [0, n) of a compiled task function (a numba cfunc `i64(i64 t, i64* ints, f64* floats)`:
+// opport/backends/cpu/_attn_tasks.py) on torch's intra-op pool: the number of tasks that declined (returned non-zero).
+// Each task writes memory of its own, so which thread runs it changes no bit.
+typedef int64_t (*Task)(int64_t, int64_t*, double*);
+int64_t pool_tasks(void* fn, int64_t n, int64_t* ints, double* floats) {
+  std::atomic<int64_t> declined{0};
+  Task task = reinterpret_cast<Task>(fn);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      if (task(t, ints, floats)) declined++;
+  });
+  return declined;
 }
 
 // Each op's forward computation, shared by its autograd node and the calls that record nothing (decode).
@@ -115,31 +132,72 @@ Tensor layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, doub
   return y;
 }
 
+// rmsnorm's forward loop on rows of x into y, in ranges of rows of at least `grain` elements on torch's pool (rows are
+// independent: the same bits however they split); `sum` (add_rmsnorm) first writes x = a + b, rounded once in float32
+// as NumPy's np.add, over the same rows. Whether any row was left.
+bool rms_forward_rows(void* fn, const float* a, const float* b, float* x, const Tensor& w, float* y, int64_t rows,
+                      int64_t n, double eps, int64_t grain) {
+  const float* pw = f32(w);
+  return ranges(rows, std::max<int64_t>(1, grain / n), [&](int64_t r0, int64_t count) {
+    if (a != nullptr)
+      for (int64_t i = r0 * n; i < (r0 + count) * n; ++i) x[i] = a[i] + b[i];
+    std::vector<uint8_t> bad(count);
+    std::vector<float> acc(kLanes);
+    return reinterpret_cast<RmsFwd>(fn)(x + r0 * n, const_cast<float*>(pw), y + r0 * n, count, n,
+                                        static_cast<float>(eps), bad.data(), acc.data()) != 0;
+  });
+}
+
 // rmsnorm with a weight and offset 0 (the Python side checks both)
-Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
+Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, int64_t grain) {
   const int64_t n = x.size(-1), rows = x.numel() / n;
   Tensor y = at::empty_like(x);
-  std::vector<uint8_t> bad(rows);
-  std::vector<float> acc(kLanes);
-  if (reinterpret_cast<RmsFwd>(rmsnorm_k.forward)(f32(x), f32(w), f32(y), rows, n, static_cast<float>(eps), bad.data(),
-                                                  acc.data()))
+  if (rms_forward_rows(rmsnorm_k.forward, nullptr, nullptr, f32(x), w, f32(y), rows, n, eps, grain))
     y = python(rmsnorm_k.py_forward, x.detach(), w.detach(), eps)[0];
   return y;
 }
 
 // (normed, sum): the sum rounded once in float32 (NumPy's np.add), then rmsnorm of it
-std::vector<Tensor> add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& w, double eps) {
+std::vector<Tensor> add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& w, double eps,
+                                        int64_t grain) {
   const int64_t n = x.size(-1), rows = x.numel() / n;
   Tensor total = at::empty_like(x), y = at::empty_like(x);
-  const float *a = f32(x), *b = f32(residual);
-  float* t = f32(total);
-  for (int64_t i = 0; i < x.numel(); ++i) t[i] = a[i] + b[i];
-  std::vector<uint8_t> bad(rows);
-  std::vector<float> acc(kLanes);
-  if (reinterpret_cast<RmsFwd>(add_rmsnorm_k.forward)(t, f32(w), f32(y), rows, n, static_cast<float>(eps), bad.data(),
-                                                      acc.data()))
+  if (rms_forward_rows(add_rmsnorm_k.forward, f32(x), f32(residual), f32(total), w, f32(y), rows, n, eps, grain))
     return python(add_rmsnorm_k.py_forward, x.detach(), residual.detach(), w.detach(), eps);
   return {y, total};
+}
+
+// rmsnorm's backward loop (with a weight; h: add_rmsnorm's sum gradient, or undefined): {dx, dweight} with dweight
+// summed in float64 over all rows in row order and rounded once, or nothing where a row was left. Calls of at least
+// two `grain`s split over torch's pool: row tasks write dx and each row's 1 / rms, then column tasks sum dweight
+// (each column's sum in row order): the serial loop's bits (_fused._rms_bwd_dx / _rms_dw_cols).
+variable_list rms_backward(const Entry& k, const Tensor& x, const Tensor& g, const Tensor& h, const Tensor& w,
+                           double eps, int64_t grain) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  Tensor dx = at::empty_like(x);
+  Tensor w64 = w.to(at::kDouble), dw = at::zeros({n}, w64.options());
+  std::vector<uint8_t> bad(rows);
+  const int64_t tasks = std::min<int64_t>(rows, x.numel() / grain);
+  if (tasks >= 2 && k.rows_task != nullptr) {
+    Tensor rs = at::empty({rows}, w64.options());
+    const int64_t per_row = (rows + tasks - 1) / tasks, per_col = ((n + tasks - 1) / tasks + 15) / 16 * 16;
+    std::vector<int64_t> ints = {ptr(x), ptr(g), h.defined() ? ptr(h) : 0,
+                                 reinterpret_cast<int64_t>(w64.data_ptr<double>()), ptr(dx),
+                                 reinterpret_cast<int64_t>(dw.data_ptr<double>()),
+                                 reinterpret_cast<int64_t>(rs.data_ptr<double>()),
+                                 reinterpret_cast<int64_t>(bad.data()), rows, n, per_row, per_col};
+    if (pool_tasks(k.rows_task, (rows + per_row - 1) / per_row, ints.data(), &eps)) return {};
+    pool_tasks(k.cols_task, (n + per_col - 1) / per_col, ints.data(), &eps);
+  } else {
+    std::vector<double> scratch(kLanes + n);
+    int64_t left = h.defined()
+        ? reinterpret_cast<AddRmsBwd>(k.backward)(f32(x), f32(g), f32(h), w64.data_ptr<double>(), f32(dx),
+                                                  dw.data_ptr<double>(), rows, n, eps, bad.data(), scratch.data())
+        : reinterpret_cast<RmsBwd>(k.backward)(f32(x), f32(g), w64.data_ptr<double>(), f32(dx),
+                                               dw.data_ptr<double>(), rows, n, eps, bad.data(), scratch.data());
+    if (left) return {};
+  }
+  return {dx, dw.to(at::kFloat)};
 }
 
 // Every node's backward: under create_graph=True or for a gradient that is not float32, the op's Python kernel on
@@ -233,26 +291,22 @@ struct LayerNorm : public torch::autograd::Function<LayerNorm> {
 // rmsnorm with a weight and offset 0 (the Python side checks both); its backward in float64 as the Python path's:
 // dweight summed over the call's one block of rows, then rounded once to float32.
 struct RmsNorm : public torch::autograd::Function<RmsNorm> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, double eps) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, double eps, int64_t grain) {
     ctx->save_for_backward({x, w});
     ctx->saved_data["eps"] = eps;
-    return rmsnorm_forward(x, w, eps);
+    ctx->saved_data["grain"] = grain;
+    return rmsnorm_forward(x, w, eps, grain);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const Tensor &x = saved[0], &w = saved[1];
     const double eps = ctx->saved_data["eps"].toDouble();
-    return backward_of(rmsnorm_k, grads[0], [&](const Tensor& g) -> variable_list {
-      const int64_t n = x.size(-1), rows = x.numel() / n;
-      Tensor dx = at::empty_like(x);
-      Tensor w64 = w.to(at::kDouble), dw = at::zeros({n}, w64.options());
-      std::vector<uint8_t> bad(rows);
-      std::vector<double> scratch(kLanes + n);
-      if (reinterpret_cast<RmsBwd>(rmsnorm_k.backward)(f32(x), f32(g), w64.data_ptr<double>(), f32(dx),
-                                                       dw.data_ptr<double>(), rows, n, eps, bad.data(), scratch.data()))
-        return {};
-      return {dx, dw.to(at::kFloat)};
+    const int64_t grain = ctx->saved_data["grain"].toInt();
+    variable_list out = backward_of(rmsnorm_k, grads[0], [&](const Tensor& g) -> variable_list {
+      return rms_backward(rmsnorm_k, x, g, Tensor(), w, eps, grain);
     }, x, w, eps);
+    out.emplace_back();  // grain
+    return out;
   }
 };
 
@@ -266,53 +320,41 @@ void bind(const std::string& name, int64_t forward, int64_t backward, py::object
   e.py_backward = py_backward.release().ptr();  // None for the forward-only ops
 }
 
+void bind_split(const std::string& name, int64_t rows_task, int64_t cols_task) {
+  Entry& e = entry(name);
+  e.rows_task = reinterpret_cast<void*>(rows_task);
+  e.cols_task = reinterpret_cast<void*>(cols_task);
+}
+
 // add_rmsnorm with a weight: (normed, sum); the backward from both outputs' gradients (an absent one is zeros) at the
 // saved sum, dx = dresidual (one tensor, as the Python path's one array), dweight in float64 rounded once.
 struct AddRmsNorm : public torch::autograd::Function<AddRmsNorm> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& residual, const Tensor& w,
-                               double eps) {
-    std::vector<Tensor> out = add_rmsnorm_forward(x, residual, w, eps);
+                               double eps, int64_t grain) {
+    std::vector<Tensor> out = add_rmsnorm_forward(x, residual, w, eps, grain);
     ctx->save_for_backward({out[1], w});
     ctx->saved_data["eps"] = eps;
+    ctx->saved_data["grain"] = grain;
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const Tensor &total = saved[0], &w = saved[1];
     const double eps = ctx->saved_data["eps"].toDouble();
+    const int64_t grain = ctx->saved_data["grain"].toInt();
     Tensor gy = grads[0].defined() ? grads[0] : at::zeros_like(total);
     Tensor gh = grads[1].defined() ? grads[1] : at::zeros_like(total);
     // the sum's gradient rides as the Python kernel's second argument; the loop takes it in float32 only
-    return backward_of(add_rmsnorm_k, gy, [&](const Tensor& g) -> variable_list {
+    variable_list out = backward_of(add_rmsnorm_k, gy, [&](const Tensor& g) -> variable_list {
       if (!loop_grad(gh)) return {};
-      Tensor h = gh.contiguous();
-      const int64_t n = total.size(-1), rows = total.numel() / n;
-      Tensor dx = at::empty_like(total);
-      Tensor w64 = w.to(at::kDouble), dw = at::zeros({n}, w64.options());
-      std::vector<uint8_t> bad(rows);
-      std::vector<double> scratch(kLanes + n);
-      if (reinterpret_cast<AddRmsBwd>(add_rmsnorm_k.backward)(f32(total), f32(g), f32(h), w64.data_ptr<double>(),
-                                                              f32(dx), dw.data_ptr<double>(), rows, n, eps,
-                                                              bad.data(), scratch.data()))
-        return {};
-      return {dx, dx, dw.to(at::kFloat)};
+      variable_list r = rms_backward(add_rmsnorm_k, total, g, gh.contiguous(), w, eps, grain);
+      if (r.empty()) return {};
+      return {r[0], r[0], r[1]};
     }, gh, total, w, eps);
+    out.emplace_back();  // grain
+    return out;
   }
 };
-
-// Tasks [0, n) of a compiled task function (a numba cfunc `i64(i64 t, i64* ints, f64* floats)`:
-// opport/backends/cpu/_attn_tasks.py) on torch's intra-op pool: the number of tasks that declined (returned non-zero).
-// Each task writes memory of its own, so which thread runs it changes no bit.
-typedef int64_t (*Task)(int64_t, int64_t*, double*);
-int64_t pool_tasks(void* fn, int64_t n, int64_t* ints, double* floats) {
-  std::atomic<int64_t> declined{0};
-  Task task = reinterpret_cast<Task>(fn);
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      if (task(t, ints, floats)) declined++;
-  });
-  return declined;
-}
 
 int64_t run_tasks(int64_t fn, int64_t n, int64_t ints, int64_t floats) {  // the cpu kernels' way in (GIL held)
   py::gil_scoped_release nogil;
@@ -346,8 +388,6 @@ bool attention_tasks(void* fn, int64_t n, std::vector<int64_t>& ints, double sca
   py::reinterpret_borrow<py::object>(blas_exit)(1);
   return declined != 0;
 }
-
-int64_t ptr(const Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr<float>()); }
 
 // The tasks' integer arguments (_attn_loops.py: NINT): q, k, v, out, lse, grad, dq, dk, dv addresses (undefined: 0),
 // then B*Hkv, g, Sq, Sk, D, Dv, the query and key block, causal.
@@ -408,14 +448,17 @@ struct Attention : public torch::autograd::Function<Attention> {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind", &bind);
+  m.def("bind_split", &bind_split);
   m.def("silu", [](const Tensor& x, int64_t grain) { return Silu::apply(x, grain); });
   m.def("swiglu", [](const Tensor& gate, const Tensor& up, int64_t grain) { return Swiglu::apply(gate, up, grain); });
   m.def("layernorm", [](const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
     return LayerNorm::apply(x, w, b, eps);
   });
-  m.def("rmsnorm", [](const Tensor& x, const Tensor& w, double eps) { return RmsNorm::apply(x, w, eps); });
-  m.def("add_rmsnorm", [](const Tensor& x, const Tensor& residual, const Tensor& w, double eps) {
-    return AddRmsNorm::apply(x, residual, w, eps);
+  m.def("rmsnorm", [](const Tensor& x, const Tensor& w, double eps, int64_t grain) {
+    return RmsNorm::apply(x, w, eps, grain);
+  });
+  m.def("add_rmsnorm", [](const Tensor& x, const Tensor& residual, const Tensor& w, double eps, int64_t grain) {
+    return AddRmsNorm::apply(x, residual, w, eps, grain);
   });
   // no node: for calls that record nothing (no grad mode, or no input requiring grad)
   m.def("silu_forward", &silu_forward);

@@ -105,6 +105,8 @@ def _bind_op(mod, name: str) -> None:
     entry = _NODES[name].node is not None  # a node: the backward's loop and kernel too
     mod.bind(name, fwd_entry, bwd_entry if entry else 0, _forward(kernels[1]),
              _backward(spec, kernels[2], first_order_grads) if entry else None, _fused.LANES)
+    if name in _SPLIT:
+        mod.bind_split(name, cf[f"{_SPLIT[name]}_rows"], cf[f"{_SPLIT[name]}_cols"])
     _BOUND[name] = kernels
 
 
@@ -162,7 +164,9 @@ def run(spec, bound: tuple, backend: str | None, record: bool = True):
         if torch.get_num_threads() <= 1 or (native.tasks and budget <= 1):
             return NotImplemented  # opport's pool runs it, or the tasks run one after another (the Python path)
         return (native.node if record else native.forward)(_MODULE, bound, GRAIN if budget > 1 else _WHOLE)
-    return (native.node if record else native.forward)(_MODULE, bound, _WHOLE)
+    # rmsnorm's and add_rmsnorm's rows as torch's guest: ranges of GRAIN elements on torch's pool (_SPLIT)
+    split = name in _SPLIT and budget > 1 and torch.get_num_threads() > 1
+    return (native.node if record else native.forward)(_MODULE, bound, GRAIN if split else _WHOLE)
 
 
 def _eligible(spec, bound: tuple, plan) -> bool:
@@ -229,10 +233,12 @@ _NODES = {
                       lambda m, b, grain: m.swiglu_forward(b[0], b[1], grain), False),
     "layernorm": _Native(lambda m, b, _: m.layernorm(b[0], b[1], b[2], float(b[3])),
                          lambda m, b, _: m.layernorm_forward(b[0], b[1], b[2], float(b[3])), True),
-    "rmsnorm": _Native(lambda m, b, _: m.rmsnorm(b[0], b[1], float(b[2])),
-                       lambda m, b, _: m.rmsnorm_forward(b[0], b[1], float(b[2])), True, lambda b: b[3] == 0),
-    "add_rmsnorm": _Native(lambda m, b, _: tuple(m.add_rmsnorm(b[0], b[1], b[2], float(b[3]))),
-                           lambda m, b, _: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]))), True),
+    "rmsnorm": _Native(lambda m, b, grain: m.rmsnorm(b[0], b[1], float(b[2]), grain),
+                       lambda m, b, grain: m.rmsnorm_forward(b[0], b[1], float(b[2]), grain), True,
+                       lambda b: b[3] == 0),
+    "add_rmsnorm": _Native(lambda m, b, grain: tuple(m.add_rmsnorm(b[0], b[1], b[2], float(b[3]), grain)),
+                           lambda m, b, grain: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]), grain)),
+                           True),
     # (q, k, v, causal, scale, softcap, sliding_window): what the tasks cover (_attn_tasks.covers); a decode step (one
     # query row) has its own loop, and calls without gradients stay on the Python path (no Function to save there)
     "attention": _Native(lambda m, b, _: m.attention(b[0], b[1], b[2], bool(b[3]), _scale(b), _attention_blocks(b[3])),
@@ -245,6 +251,9 @@ GRAIN = 1 << 16  # elements per range: ~30-100 us of a loop, well above a range'
 _WHOLE = 1 << 62  # a grain no call reaches: one range
 _GUEST = 2  # _eligible's answer for those calls (True: a small call, any threads)
 _LOOPS = {"add_rmsnorm": "rmsnorm"}  # add_rmsnorm's forward: the sum, then rmsnorm's loop on it
+# row-wise nodes whose calls of two GRAINs or more split over torch's pool as its guest: the forward by rows, the
+# backward by rows (dx) then by columns (dweight, each column summed in row order): the one-loop bits either way
+_SPLIT = {"rmsnorm": "rms_backward", "add_rmsnorm": "rms_backward"}
 
 
 def _scale(bound) -> float:

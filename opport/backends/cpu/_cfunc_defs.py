@@ -106,7 +106,37 @@ def ce_grad_rows(t, ints, floats):
     return ce_g(x[r0:r1], a[r0:r1], b[r0:r1], np.float32(carray(floats, 1)[0]), c[r0:r1], y[r0:r1], bad[r0:r1])
 
 
+# rmsnorm's and add_rmsnorm's node backward split over torch's pool (torch_native.cpp, rms_backward): row tasks write
+# dx and each row's 1 / rms, then column tasks sum dweight over all rows in row order, _rms_bwd's bits either way.
+# ints = x, g, h (0: none), w (float64), dx, dw (float64), rs (float64), bad addresses, then rows, n, rows per task,
+# columns per task; floats = [eps]
+rms_dx, rms_dw = loops["_rms_bwd_dx"], loops["_rms_dw_cols"]
+
+
+@entry(task)
+def rms_backward_rows(t, ints, floats):
+    iv = carray(ints, 12)
+    rows, n, per = iv[8], iv[9], iv[10]
+    r0, r1 = t * per, min(rows, (t + 1) * per)
+    x, g = carray(at(iv[0], np.float32), (rows, n)), carray(at(iv[1], np.float32), (rows, n))
+    h = carray(at(iv[2] if iv[2] else iv[1], np.float32), (rows, n))  # (g stands in where there is no h: never read)
+    w, dx = carray(at(iv[3], np.float64), n), carray(at(iv[4], np.float32), (rows, n))
+    rs, bad = carray(at(iv[6], np.float64), rows), carray(at(iv[7], np.uint8), rows)
+    return rms_dx(x[r0:r1], g[r0:r1], w, carray(floats, 1)[0], h[r0:r1], iv[2] != 0, dx[r0:r1], rs[r0:r1],
+                  bad[r0:r1], scratch(lanes, np.float64), scratch(n, np.float64))
+
+
+@entry(task)
+def rms_backward_cols(t, ints, floats):
+    iv = carray(ints, 12)
+    rows, n, per = iv[8], iv[9], iv[11]
+    c0, c1 = t * per, min(n, (t + 1) * per)
+    x, g = carray(at(iv[0], np.float32), (rows, n)), carray(at(iv[1], np.float32), (rows, n))
+    rms_dw(x[:, c0:c1], g[:, c0:c1], carray(at(iv[6], np.float64), rows), carray(at(iv[5], np.float64), n)[c0:c1])
+    return 0
+
+
 ENTRIES = {f.__name__: f for f in (silu_forward, silu_backward, swiglu_forward, swiglu_backward,
                                  layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward,
                                  add_rmsnorm_backward,
-                                 ce_stats_rows, ce_grad_rows)}
+                                 ce_stats_rows, ce_grad_rows, rms_backward_rows, rms_backward_cols)}

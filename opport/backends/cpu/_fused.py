@@ -305,58 +305,92 @@ if numba is not None:
                     yi[j] = xi[j] * r
         return nbad
 
+    @_inline
+    def _rms_row_bwd(xi, gi, w, has_w, eps, hi, has_h, di, dw, with_dw, acc, xh):
+        """One row of rmsnorm's backward in float64 (_rms_bwd): di = (g w - xhat mean(g w xhat)) r (+ hi), and
+        dw += g xhat where with_dw; returns r = 1 / rms, or -1 (nothing written) where the sum of squares is not
+        finite."""
+        n = xi.size
+        acc[:] = 0
+        m = n - n % LANES
+        for j0 in range(0, m, LANES):
+            for k in range(LANES):
+                v = np.float64(xi[j0 + k])
+                acc[k] += v * v
+        ss = 0.0
+        for k in range(LANES):
+            ss += acc[k]
+        for j in range(m, n):
+            ss += np.float64(xi[j]) * np.float64(xi[j])
+        ms = ss / n
+        if not np.isfinite(ms):
+            return -1.0
+        r = 1 / np.sqrt(ms + eps)
+        acc[:] = 0
+        for j0 in range(0, m, LANES):
+            for k in range(LANES):
+                j = j0 + k
+                xv = np.float64(xi[j]) * r
+                xh[j] = xv
+                gw = np.float64(gi[j]) * np.float64(w[j]) if has_w else np.float64(gi[j])
+                acc[k] += gw * xv
+        c = 0.0
+        for k in range(LANES):
+            c += acc[k]
+        for j in range(m, n):
+            xv = np.float64(xi[j]) * r
+            xh[j] = xv
+            gw = np.float64(gi[j]) * np.float64(w[j]) if has_w else np.float64(gi[j])
+            c += gw * xv
+        c /= n
+        for j in range(n):
+            gv = np.float64(gi[j])
+            if has_w:
+                if with_dw:
+                    dw[j] += gv * xh[j]
+                gv = gv * np.float64(w[j])
+            d = (gv - xh[j] * c) * r
+            if has_h:
+                d += np.float64(hi[j])
+            di[j] = d
+        return r
+
     @_jit
     def _rms_bwd(x, g, w, has_w, eps, h, has_h, dx, dw, bad, acc, xh):
         """rmsnorm's backward per row in float64: dx = (g w - xhat mean(g w xhat)) r (+ h), dw += g xhat over
         the rows (in row order). bad[i] = 1 where the sum of squares is not finite (the NumPy kernel's rows)."""
-        rows, n = x.shape
         nbad = 0
-        for i in range(rows):
-            xi, gi, di = x[i], g[i], dx[i]
-            acc[:] = 0
-            m = n - n % LANES
-            for j0 in range(0, m, LANES):
-                for k in range(LANES):
-                    v = np.float64(xi[j0 + k])
-                    acc[k] += v * v
-            ss = 0.0
-            for k in range(LANES):
-                ss += acc[k]
-            for j in range(m, n):
-                ss += np.float64(xi[j]) * np.float64(xi[j])
-            ms = ss / n
-            if not np.isfinite(ms):
+        for i in range(x.shape[0]):
+            r = _rms_row_bwd(x[i], g[i], w, has_w, eps, h[i] if has_h else h[0], has_h, dx[i], dw, True, acc, xh)
+            if r < 0:
                 bad[i] = 1
                 nbad += 1
-                continue
-            r = 1 / np.sqrt(ms + eps)
-            acc[:] = 0
-            for j0 in range(0, m, LANES):
-                for k in range(LANES):
-                    j = j0 + k
-                    xv = np.float64(xi[j]) * r
-                    xh[j] = xv
-                    gw = np.float64(gi[j]) * np.float64(w[j]) if has_w else np.float64(gi[j])
-                    acc[k] += gw * xv
-            c = 0.0
-            for k in range(LANES):
-                c += acc[k]
-            for j in range(m, n):
-                xv = np.float64(xi[j]) * r
-                xh[j] = xv
-                gw = np.float64(gi[j]) * np.float64(w[j]) if has_w else np.float64(gi[j])
-                c += gw * xv
-            c /= n
-            for j in range(n):
-                gv = np.float64(gi[j])
-                if has_w:
-                    dw[j] += gv * xh[j]
-                    gv = gv * np.float64(w[j])
-                d = (gv - xh[j] * c) * r
-                if has_h:
-                    d += np.float64(h[i, j])
-                di[j] = d
         return nbad
+
+    @_jit
+    def _rms_bwd_dx(x, g, w, eps, h, has_h, dx, rs, bad, acc, xh):
+        """_rms_bwd's rows (with a weight) without dweight: dx, and each row's r (1 / rms) into rs for
+        _rms_dw_cols, which then gives _rms_bwd's dweight bit for bit. Rows split over threads (no shared output)."""
+        nbad = 0
+        for i in range(x.shape[0]):
+            r = _rms_row_bwd(x[i], g[i], w, True, eps, h[i] if has_h else h[0], has_h, dx[i], w, False, acc, xh)
+            rs[i] = r
+            if r < 0:
+                bad[i] = 1
+                nbad += 1
+        return nbad
+
+    @_jit
+    def _rms_dw_cols(x, g, rs, dw):
+        """dw += g xhat over the rows in row order, xhat = x r as _rms_row_bwd forms it: _rms_bwd's dweight for the
+        columns given (a split over columns keeps each column's sum order). Rows left (r = -1) add nothing."""
+        for i in range(x.shape[0]):
+            r = rs[i]
+            if r < 0:
+                continue
+            xi, gi = x[i], g[i]
+            for j in range(dw.size):
+                dw[j] += np.float64(gi[j]) * (np.float64(xi[j]) * r)
 
     @_jit
     def _ln_fwd(x, w, has_w, b, has_b, eps, y, bad, acc):
