@@ -103,13 +103,13 @@ def cpu_heap_line() -> str:
 
 def torch_native_line() -> str | None:
     """Whether small float32 calls on torch CPU tensors run natively here (opport/integrations/torch_native.py):
-    training calls of silu, swiglu, layernorm, rmsnorm, add_rmsnorm and (as torch's guest) attention as autograd
-    nodes, calls without gradients of the first five as plain forwards; None where torch is not installed."""
+    training calls of silu, swiglu, layernorm, rmsnorm, add_rmsnorm, rope and (as torch's guest) attention as
+    autograd nodes, calls without gradients of the first five as plain forwards; None where torch is not installed."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
         return None
     from opport.integrations import torch_native
 
-    return (f"torch native autograd nodes (cpu: silu, swiglu, layernorm, rmsnorm, add_rmsnorm, attention): "
+    return (f"torch native autograd nodes (cpu: silu, swiglu, layernorm, rmsnorm, add_rmsnorm, rope, attention): "
             f"{torch_native.status()}")

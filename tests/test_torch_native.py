@@ -453,3 +453,47 @@ def test_attention_node_under_create_graph_gives_first_order_gradients(monkeypat
         assert torch.equal(a.detach(), b)
     with pytest.raises(opport.UnsupportedError, match="double backward"):
         got[0].sum().backward()
+
+
+def _tables(shape, seed=8):
+    angle = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return angle.cos(), angle.sin()
+
+
+ROPE_CASES = [  # (id, x [B, S, H, D] viewed as [B, H, S, D] or contiguous [B, H, S, D], tables' shape, interleaved)
+    ("model-layout-batch-tables", "model", (4, 128, 32), False),
+    ("model-layout-shared-table", "model", (1, 128, 32), False),
+    ("contiguous-2d-table-interleaved", "contiguous", (128, 32), True),
+    ("awkward", "contiguous", (4, 128, 32), False),  # NaN and infinities propagate as in the Python kernel
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name,layout,table,interleaved", ROPE_CASES, ids=[c[0] for c in ROPE_CASES])
+def test_rope_node_matches_the_python_path_bitwise(name, layout, table, interleaved, threads, monkeypatch):
+    """rope's training calls take its node, x read in place at its strides (q and k are views of the projections),
+    the rows split over torch's pool as its guest: the Python Function path's bits, forward and gradient."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 128, 4, 64, generator=gen).transpose(1, 2) if layout == "model" else torch.randn(
+        4, 4, 128, 64, generator=gen)
+    if name == "awkward":
+        _awkward([x])
+    cos, sin = _tables(table)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        _same_as_python(lambda t: opport.rope(t, cos, sin, interleaved), [x], monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rope_calls_the_node_does_not_take_run_the_python_function():
+    x = torch.randn(1, 2, 8, 16, requires_grad=True)
+    cos, sin = _tables((8, 8))
+    declined = {
+        "float64 tables": lambda: opport.rope(x, cos.double(), sin.double()),
+        "bfloat16": lambda: opport.rope(x.bfloat16(), cos, sin),
+    }
+    assert NATIVE in opport.rope(x, cos, sin).grad_fn.name()
+    for why, call in declined.items():
+        assert NATIVE not in call().grad_fn.name(), why

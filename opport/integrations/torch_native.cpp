@@ -46,7 +46,7 @@ struct Entry {  // one op: its loops' C entry points and its Python kernels (for
   void* rows_task = nullptr;  // rmsnorm's and add_rmsnorm's backward split over torch's pool (_cfunc_defs.py)
   void* cols_task = nullptr;
 };
-Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k, attention_k;  // attention's: task entry points
+Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k, rope_k, attention_k;  // rope's, attention's: tasks
 
 Entry& entry(const std::string& name) {
   if (name == "silu") return silu_k;
@@ -54,6 +54,7 @@ Entry& entry(const std::string& name) {
   if (name == "layernorm") return layernorm_k;
   if (name == "rmsnorm") return rmsnorm_k;
   if (name == "add_rmsnorm") return add_rmsnorm_k;
+  if (name == "rope") return rope_k;
   if (name == "attention") return attention_k;
   throw std::invalid_argument("opport torch_native: no node for op " + name);
 }
@@ -361,6 +362,48 @@ int64_t run_tasks(int64_t fn, int64_t n, int64_t ints, int64_t floats) {  // the
   return pool_tasks(reinterpret_cast<void*>(fn), n, reinterpret_cast<int64_t*>(ints), reinterpret_cast<double*>(floats));
 }
 
+// rope (float32 x [B, H, S, D] of any strides whose last is 1, float32 tables [S, D/2] or [1 or B, S, D/2]): the
+// rotation's row tasks (_cfunc_defs.rope_rows) in ranges of rows of at least `grain` elements on torch's pool, into a
+// contiguous y. Rows are independent and elementwise (NaN and inf propagate as in the Python kernel: nothing to
+// leave), so the bits are the Python path's however they split; the backward rotates the gradient by the same angles
+// with the sine table negated (exact), as the Python kernel does.
+void rope_rows(const Tensor& x, const Tensor& y, const Tensor& cos, const Tensor& sin, bool interleaved,
+               int64_t grain) {
+  const int64_t d = x.size(3), rows = x.numel() / std::max<int64_t>(d, 1);
+  const int64_t per = std::max<int64_t>(1, grain / std::max<int64_t>(d, 1));
+  std::vector<int64_t> ints = {ptr(x), ptr(y), ptr(cos), ptr(sin), x.size(0), x.size(1), x.size(2), d,
+                               x.stride(0), x.stride(1), x.stride(2), cos.dim() == 3 ? cos.size(0) : 1,
+                               static_cast<int64_t>(interleaved), per};
+  double none = 0;
+  pool_tasks(rope_k.forward, (rows + per - 1) / per, ints.data(), &none);
+}
+
+struct Rope : public torch::autograd::Function<Rope> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved,
+                        int64_t grain) {
+    Tensor c = cos.contiguous(), s = sin.contiguous();
+    Tensor y = at::empty(x.sizes(), x.options());
+    rope_rows(x.stride(3) == 1 ? x : x.contiguous(), y, c, s, interleaved, grain);
+    ctx->save_for_backward({c, s});
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["grain"] = grain;
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &c = saved[0], &s = saved[1];
+    const bool interleaved = ctx->saved_data["interleaved"].toBool();
+    const int64_t grain = ctx->saved_data["grain"].toInt();
+    variable_list out = backward_of(rope_k, grads[0], [&](const Tensor& g) -> variable_list {
+      Tensor dx = at::empty_like(g);
+      rope_rows(g, dx, c, s.neg(), interleaved, grain);
+      return {dx};
+    }, c, s, interleaved);
+    out.resize(5);  // no gradient for the tables (constants), interleaved (backward_of's one) and grain
+    return out;
+  }
+};
+
 // opport's BLAS limiter (cpu/_common.py, Python): BLAS held to one thread while tasks run on torch's pool, as the
 // Python path's kernels are as torch's guest (BLAS threads inside pool threads would fight torch's for the cores).
 PyObject* blas_enter = nullptr;  // owned for the process's life
@@ -466,6 +509,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layernorm_forward", &layernorm_forward);
   m.def("rmsnorm_forward", &rmsnorm_forward);
   m.def("add_rmsnorm_forward", &add_rmsnorm_forward);
+  m.def("rope", [](const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, int64_t grain) {
+    return Rope::apply(x, cos, sin, interleaved, grain);
+  });
   m.def("attention", [](const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale,
                         std::vector<int64_t> blocks) { return Attention::apply(q, k, v, causal, scale, blocks); });
   m.def("bind_blas", &bind_blas);

@@ -1,7 +1,8 @@
 """Native torch autograd nodes for small float32 calls of silu, swiglu, layernorm, rmsnorm and add_rmsnorm on the cpu
 backend, and their forwards alone for calls that record nothing (decode: no grad mode, or no input requiring grad);
-and for float32 attention's training calls as torch's guest, whose compiled tasks (cpu/_attn_tasks.py) the node runs
-on torch's pool on q, k, v copied once (docs/cpu.md, attention's node).
+for rope's training calls, x read in place at its strides; and for float32 attention's training calls as torch's
+guest, whose compiled tasks (cpu/_attn_tasks.py) the node runs on torch's pool on q, k, v copied once (docs/cpu.md,
+rope's node, attention's node).
 
 Through torch autograd, a decode-sized call (1 x 14336 silu, 1 x 4096 layernorm) is mostly fixed cost: a Python
 `torch.autograd.Function` alone costs about 25 us forward + backward (45-70 us with three inputs), its kernels
@@ -101,12 +102,13 @@ def _bind_op(mod, name: str) -> None:
         fwd_entry, bwd_entry = entries["forward_entry"], entries["backward_entry"]
     else:
         cf = _cfuncs.addresses()
-        fwd_entry, bwd_entry = cf[f"{_LOOPS.get(name, name)}_forward"], cf.get(f"{name}_backward", 0)
+        fwd_name, bwd_name = _LOOPS.get(name, (f"{name}_forward", f"{name}_backward"))
+        fwd_entry, bwd_entry = cf[fwd_name], cf.get(bwd_name, 0)
     entry = _NODES[name].node is not None  # a node: the backward's loop and kernel too
     mod.bind(name, fwd_entry, bwd_entry if entry else 0, _forward(kernels[1]),
              _backward(spec, kernels[2], first_order_grads) if entry else None, _fused.LANES)
-    if name in _SPLIT:
-        mod.bind_split(name, cf[f"{_SPLIT[name]}_rows"], cf[f"{_SPLIT[name]}_cols"])
+    if name in _BACKWARD_TASKS:
+        mod.bind_split(name, cf[f"{_BACKWARD_TASKS[name]}_rows"], cf[f"{_BACKWARD_TASKS[name]}_cols"])
     _BOUND[name] = kernels
 
 
@@ -164,7 +166,7 @@ def run(spec, bound: tuple, backend: str | None, record: bool = True):
         if torch.get_num_threads() <= 1 or (native.tasks and budget <= 1):
             return NotImplemented  # opport's pool runs it, or the tasks run one after another (the Python path)
         return (native.node if record else native.forward)(_MODULE, bound, GRAIN if budget > 1 else _WHOLE)
-    # rmsnorm's and add_rmsnorm's rows as torch's guest: ranges of GRAIN elements on torch's pool (_SPLIT)
+    # rmsnorm's, add_rmsnorm's and rope's rows as torch's guest: ranges of GRAIN elements on torch's pool (_SPLIT)
     split = name in _SPLIT and budget > 1 and torch.get_num_threads() > 1
     return (native.node if record else native.forward)(_MODULE, bound, GRAIN if split else _WHOLE)
 
@@ -178,7 +180,7 @@ def _eligible(spec, bound: tuple, plan) -> bool:
           and plan.kernel.fn is _bound(spec.name)[0]
           and tuple(registry.kernels(s, cpu)[0].fn for s in (spec, spec.train_forward if native.tasks else spec,
                                                              spec.backward_op)) == _BOUND[spec.name]
-          and all((_strided32 if native.tasks else _plain32)(bound[i]) for i in spec.array_pos))
+          and all((_strided32 if native.strided else _plain32)(bound[i]) for i in spec.array_pos))
     if ok and native.tasks:
         ok = _GUEST  # the tasks spread over torch's pool, whatever the size
     elif ok:
@@ -224,7 +226,8 @@ class _Native(NamedTuple):
     forward: Callable | None  # its forward alone (module, bound, grain), for calls that record nothing (None: Python)
     row_wise: bool  # the kernel works on rows: one block must hold whole rows
     when: Callable | None = None  # a check of the call's scalars (not in the plan's cached eligibility)
-    tasks: bool = False  # compiled tasks on torch's pool: any size and strides, only as its guest with a budget > 1
+    tasks: bool = False  # compiled tasks on torch's pool: any size, only as its guest with a budget > 1
+    strided: bool = False  # arrays of any strides (the node copies what its loops cannot read in place)
 
 
 _NODES = {
@@ -242,7 +245,11 @@ _NODES = {
     # (q, k, v, causal, scale, softcap, sliding_window): what the tasks cover (_attn_tasks.covers); a decode step (one
     # query row) has its own loop, and calls without gradients stay on the Python path (no Function to save there)
     "attention": _Native(lambda m, b, _: m.attention(b[0], b[1], b[2], bool(b[3]), _scale(b), _attention_blocks(b[3])),
-                         None, False, lambda b: b[5] is None and b[6] is None and b[0].shape[2] > 1, tasks=True),
+                         None, False, lambda b: b[5] is None and b[6] is None and b[0].shape[2] > 1, tasks=True,
+                         strided=True),
+    # (x, cos, sin, interleaved): x read in place at any strides (q and k are views of the projections); its calls
+    # without gradients stay on the Python path (decode's q and k go as one call there)
+    "rope": _Native(lambda m, b, grain: m.rope(b[0], b[1], b[2], bool(b[3]), grain), None, False, strided=True),
 }
 # Elementwise calls of one block or more take the nodes only as torch's guest (torch's pool has several threads), and
 # split their loops over that pool in ranges of GRAIN elements (at::parallel_for): opport's own pool gains nothing
@@ -250,10 +257,14 @@ _NODES = {
 GRAIN = 1 << 16  # elements per range: ~30-100 us of a loop, well above a range's hand-off
 _WHOLE = 1 << 62  # a grain no call reaches: one range
 _GUEST = 2  # _eligible's answer for those calls (True: a small call, any threads)
-_LOOPS = {"add_rmsnorm": "rmsnorm"}  # add_rmsnorm's forward: the sum, then rmsnorm's loop on it
-# row-wise nodes whose calls of two GRAINs or more split over torch's pool as its guest: the forward by rows, the
-# backward by rows (dx) then by columns (dweight, each column summed in row order): the one-loop bits either way
-_SPLIT = {"rmsnorm": "rms_backward", "add_rmsnorm": "rms_backward"}
+# the C entry points (_cfunc_defs.py) an op's node calls, where not <op>_forward / <op>_backward: add_rmsnorm's forward
+# is the sum, then rmsnorm's loop on it; rope's backward is its forward's rows with the sine negated
+_LOOPS = {"add_rmsnorm": ("rmsnorm_forward", "add_rmsnorm_backward"), "rope": ("rope_rows", None)}
+# nodes whose calls below one block split over torch's pool as its guest in ranges of GRAIN elements (two GRAINs or
+# more): rows are independent in their forwards; the norms' backward splits by rows (dx), then by columns (dweight,
+# each column summed in row order: _BACKWARD_TASKS), the one loop's bits either way
+_SPLIT = frozenset({"rmsnorm", "add_rmsnorm", "rope"})
+_BACKWARD_TASKS = {"rmsnorm": "rms_backward", "add_rmsnorm": "rms_backward"}
 
 
 def _scale(bound) -> float:

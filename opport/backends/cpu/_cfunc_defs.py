@@ -136,7 +136,29 @@ def rms_backward_cols(t, ints, floats):
     return 0
 
 
+# rope's node (torch_native.cpp, Rope) in row tasks over torch's pool: rows (b, h, s) of x [B, H, S, D] at any strides
+# (the last one 1) into a contiguous y; the backward is the same rotation with the sine table negated (exact).
+# ints = x, y, cos, sin addresses, B, H, S, D, x's strides in elements (batch, head, position), the tables' batch
+# (1 or B), interleaved, rows per task
+rope_row = loops["_rope_row"]
+
+
+@entry(task)
+def rope_rows(t, ints, floats):
+    iv = carray(ints, 14)
+    nh, ns, d, bc, per = iv[5], iv[6], iv[7], iv[11], iv[13]
+    rows = iv[4] * nh * ns
+    c, sn = carray(at(iv[2], np.float32), (bc * ns, d // 2)), carray(at(iv[3], np.float32), (bc * ns, d // 2))
+    y = carray(at(iv[1], np.float32), (rows, d))
+    for r in range(t * per, min(rows, (t + 1) * per)):
+        b, h, p = r // (nh * ns), (r // ns) % nh, r % ns
+        xr = carray(at(iv[0] + 4 * (b * iv[8] + h * iv[9] + p * iv[10]), np.float32), d)
+        k = (b if bc > 1 else 0) * ns + p
+        rope_row(xr, y[r], c[k], sn[k], iv[12] != 0)
+    return 0
+
+
 ENTRIES = {f.__name__: f for f in (silu_forward, silu_backward, swiglu_forward, swiglu_backward,
                                  layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward,
                                  add_rmsnorm_backward,
-                                 ce_stats_rows, ce_grad_rows, rms_backward_rows, rms_backward_cols)}
+                                 ce_stats_rows, ce_grad_rows, rms_backward_rows, rms_backward_cols, rope_rows)}

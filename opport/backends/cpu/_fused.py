@@ -1034,27 +1034,30 @@ def ln_backward(xf, gf, w, eps: float, dx, dw, db):
 
 if numba is not None:
 
+    @_inline
+    def _rope_row(xr, yr, cr, sr, interleaved):
+        """One row of D features: y = (x1 c - x2 s, x2 c + x1 s) per pair, the NumPy kernel's roundings."""
+        half = cr.size
+        if interleaved:
+            for i in range(half):
+                x1, x2 = xr[2 * i], xr[2 * i + 1]
+                yr[2 * i] = x1 * cr[i] - x2 * sr[i]
+                yr[2 * i + 1] = x2 * cr[i] + x1 * sr[i]
+        else:
+            for i in range(half):
+                x1, x2 = xr[i], xr[i + half]
+                yr[i] = x1 * cr[i] - x2 * sr[i]
+                yr[i + half] = x2 * cr[i] + x1 * sr[i]
+
     @_jit
     def _rope(x, c, sn, interleaved, y):
-        """y = (x1 c - x2 s, x2 c + x1 s) per pair, the NumPy kernel's roundings; x, y [B, H, S, D] (float32),
-        tables [Bc, S, D/2] with Bc = 1 (shared) or B."""
+        """_rope_row over x, y [B, H, S, D] (float32), tables [Bc, S, D/2] with Bc = 1 (shared) or B."""
         nb, nh, ns, d = x.shape
-        half = d // 2
         for b in range(nb):
             cb, sb = c[b if c.shape[0] > 1 else 0], sn[b if c.shape[0] > 1 else 0]
             for h in range(nh):
                 for t in range(ns):
-                    xr, yr, cr, sr = x[b, h, t], y[b, h, t], cb[t], sb[t]
-                    if interleaved:
-                        for i in range(half):
-                            x1, x2 = xr[2 * i], xr[2 * i + 1]
-                            yr[2 * i] = x1 * cr[i] - x2 * sr[i]
-                            yr[2 * i + 1] = x2 * cr[i] + x1 * sr[i]
-                    else:
-                        for i in range(half):
-                            x1, x2 = xr[i], xr[i + half]
-                            yr[i] = x1 * cr[i] - x2 * sr[i]
-                            yr[i + half] = x2 * cr[i] + x1 * sr[i]
+                    _rope_row(x[b, h, t], y[b, h, t], cb[t], sb[t], interleaved)
 
 
 def rope(xb: np.ndarray, c: np.ndarray, sn: np.ndarray, interleaved: bool, y: np.ndarray) -> None:
