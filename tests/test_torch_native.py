@@ -391,11 +391,14 @@ ATTENTION_CASES = [  # (id, causal, scale, (Sq, Sk), layout, special)
 ]
 
 
+@pytest.mark.parametrize("budget", ["1", "2"])
 @pytest.mark.parametrize("name,causal,scale,lengths,layout,special", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
-def test_attention_node_matches_the_python_path_bitwise(name, causal, scale, lengths, layout, special, monkeypatch):
-    """As torch's guest, float32 attention that records takes its node (tasks on torch's pool, q, k, v copied once
-    where strided): the Python Function path's output and gradients bit for bit, where the tasks decline too."""
-    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
+def test_attention_node_matches_the_python_path_bitwise(name, causal, scale, lengths, layout, special, budget,
+                                                        monkeypatch):
+    """float32 attention that records takes its node (q, k, v copied once where strided; the tasks on torch's pool as
+    its guest with a budget of 2, one after another on the calling thread with a budget of 1): the Python Function
+    path's output and gradients bit for bit, where the tasks decline too."""
+    monkeypatch.setenv("OPPORT_NUM_THREADS", budget)
     gen = torch.Generator().manual_seed(5)
     sq, sk = lengths
     ins = [_heads(2, sq, 4, 32, gen, layout), _heads(2, sk, 2, 32, gen, layout), _heads(2, sk, 2, 32, gen, layout)]
@@ -426,11 +429,11 @@ def test_attention_calls_the_node_does_not_take_run_the_python_function(monkeypa
         assert NATIVE in opport.attention(q, k, v, causal=True).grad_fn.name()
         for why, call in declined.items():
             assert NATIVE not in call().grad_fn.name(), why
-        monkeypatch.setenv("OPPORT_NUM_THREADS", "1")  # a budget of one: the tasks run on the calling thread
+        torch.set_num_threads(1)  # not torch's guest, a budget of 2: the Python path (BLAS gets the budget there)
+        monkeypatch.setenv("OPPORT_NUM_THREADS", "2")
         assert NATIVE not in opport.attention(q, k, v, causal=True).grad_fn.name()
-        monkeypatch.delenv("OPPORT_NUM_THREADS")
-        torch.set_num_threads(1)  # not torch's guest: the Python path
-        assert NATIVE not in opport.attention(q, k, v, causal=True).grad_fn.name()
+        monkeypatch.setenv("OPPORT_NUM_THREADS", "1")  # a budget of one: the node, its tasks on the calling thread
+        assert NATIVE in opport.attention(q, k, v, causal=True).grad_fn.name()
     finally:
         torch.set_num_threads(before)
 

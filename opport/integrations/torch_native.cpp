@@ -414,18 +414,24 @@ void bind_blas(py::object enter, py::object exit) {
   blas_exit = exit.release().ptr();
 }
 
-// Attention's tasks on the tensors' memory, BLAS held to one thread, the GIL released if this thread holds it (the
-// forward, called from Python; the autograd engine runs the backward without it): whether any task declined.
-bool attention_tasks(void* fn, int64_t n, std::vector<int64_t>& ints, double scale) {
+// Attention's tasks on the tensors' memory, on torch's pool (`pool`) or one after another on this thread (a budget of
+// one thread), BLAS held to one thread, the GIL released if this thread holds it (the forward, called from Python;
+// the autograd engine runs the backward without it): whether any task declined.
+bool attention_tasks(void* fn, int64_t n, std::vector<int64_t>& ints, double scale, bool pool) {
   {
     py::gil_scoped_acquire gil;
     py::reinterpret_borrow<py::object>(blas_enter)(1);
   }
-  int64_t declined;
+  int64_t declined = 0;
   {
     std::unique_ptr<py::gil_scoped_release> nogil;
     if (PyGILState_Check()) nogil = std::make_unique<py::gil_scoped_release>();
-    declined = pool_tasks(fn, n, ints.data(), &scale);
+    if (pool) {
+      declined = pool_tasks(fn, n, ints.data(), &scale);
+    } else {
+      Task task = reinterpret_cast<Task>(fn);
+      for (int64_t t = 0; t < n && !declined; ++t) declined = task(t, ints.data(), &scale);
+    }
   }
   py::gil_scoped_acquire gil;
   py::reinterpret_borrow<py::object>(blas_exit)(1);
@@ -447,7 +453,7 @@ std::vector<int64_t> attention_ints(const std::vector<Tensor>& t, bool causal, i
 
 // float32 attention, causal or full, no soft cap or window (the Python side checks): the forward and backward tasks
 // (opport/backends/cpu/_attn_loops.py) on contiguous copies of q, k, v made once and kept for the backward; blocks =
-// (forward query block, forward key block, backward query block, backward key block). Where a task declines
+// (forward query block, forward key block, backward query block, backward key block, on torch's pool: 1/0). Where a task declines
 // (non-finite values in a masked block, a row with no key), the op's Python kernel runs the whole call, as the
 // Python path's kernels do: the same bits.
 struct Attention : public torch::autograd::Function<Attention> {
@@ -458,7 +464,7 @@ struct Attention : public torch::autograd::Function<Attention> {
     Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
     std::vector<int64_t> ints = attention_ints({qc, kc, vc, out, lse}, causal, blocks[0], blocks[1]);
     const int64_t n = k.size(0) * k.size(1) * ((q.size(2) + blocks[0] - 1) / blocks[0]);
-    if (attention_tasks(attention_k.forward, n, ints, scale)) {
+    if (attention_tasks(attention_k.forward, n, ints, scale, blocks[4] != 0)) {
       std::vector<Tensor> r = python(attention_k.py_forward, qc, kc, vc, causal, scale);
       out = r[0];
       lse = r[1];
@@ -468,6 +474,7 @@ struct Attention : public torch::autograd::Function<Attention> {
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["bq"] = blocks[2];
     ctx->saved_data["bk"] = blocks[3];
+    ctx->saved_data["pool"] = blocks[4] != 0;
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -476,10 +483,11 @@ struct Attention : public torch::autograd::Function<Attention> {
     const bool causal = ctx->saved_data["causal"].toBool();
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t bq = ctx->saved_data["bq"].toInt(), bk = ctx->saved_data["bk"].toInt();
+    const bool pool = ctx->saved_data["pool"].toBool();
     variable_list result = backward_of(attention_k, grads[0], [&](const Tensor& g) -> variable_list {
       Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
       std::vector<int64_t> ints = attention_ints({q, k, v, out, lse, g, dq, dk, dv}, causal, bq, bk);
-      if (attention_tasks(attention_k.backward, k.size(0) * k.size(1), ints, scale)) return {};
+      if (attention_tasks(attention_k.backward, k.size(0) * k.size(1), ints, scale, pool)) return {};
       return {dq, dk, dv};
     }, q, k, v, out, lse, causal, scale);
     result.resize(6);  // no gradient for causal, scale (backward_of's one) and blocks

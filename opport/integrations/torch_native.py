@@ -163,8 +163,8 @@ def run(spec, bound: tuple, backend: str | None, record: bool = True):
         return NotImplemented
     budget = num_threads()  # OPPORT_NUM_THREADS validated on every call, as the cpu kernels do
     if ok == _GUEST:  # one block or more: only as torch's guest, split over torch's pool
-        if torch.get_num_threads() <= 1 or (native.tasks and budget <= 1):
-            return NotImplemented  # opport's pool runs it, or the tasks run one after another (the Python path)
+        if torch.get_num_threads() <= 1 and (budget > 1 or not native.tasks):
+            return NotImplemented  # opport's pool runs it, or BLAS gets the budget (the Python path)
         return (native.node if record else native.forward)(_MODULE, bound, GRAIN if budget > 1 else _WHOLE)
     # rmsnorm's, add_rmsnorm's and rope's rows as torch's guest: ranges of GRAIN elements on torch's pool (_SPLIT)
     split = name in _SPLIT and budget > 1 and torch.get_num_threads() > 1
@@ -226,7 +226,7 @@ class _Native(NamedTuple):
     forward: Callable | None  # its forward alone (module, bound, grain), for calls that record nothing (None: Python)
     row_wise: bool  # the kernel works on rows: one block must hold whole rows
     when: Callable | None = None  # a check of the call's scalars (not in the plan's cached eligibility)
-    tasks: bool = False  # compiled tasks on torch's pool: any size, only as its guest with a budget > 1
+    tasks: bool = False  # compiled tasks on torch's pool as its guest (budget > 1), else on the calling thread
     strided: bool = False  # arrays of any strides (the node copies what its loops cannot read in place)
 
 
@@ -244,7 +244,8 @@ _NODES = {
                            True),
     # (q, k, v, causal, scale, softcap, sliding_window): what the tasks cover (_attn_tasks.covers); a decode step (one
     # query row) has its own loop, and calls without gradients stay on the Python path (no Function to save there)
-    "attention": _Native(lambda m, b, _: m.attention(b[0], b[1], b[2], bool(b[3]), _scale(b), _attention_blocks(b[3])),
+    "attention": _Native(lambda m, b, grain: m.attention(b[0], b[1], b[2], bool(b[3]), _scale(b),
+                                                         _attention_blocks(b[3], grain != _WHOLE)),
                          None, False, lambda b: b[5] is None and b[6] is None and b[0].shape[2] > 1, tasks=True,
                          strided=True),
     # (x, cos, sin, interleaved): x read in place at any strides (q and k are views of the projections); its calls
@@ -271,13 +272,14 @@ def _scale(bound) -> float:
     return 1.0 / math.sqrt(bound[0].shape[3]) if bound[4] is None else float(bound[4])
 
 
-def _attention_blocks(causal) -> list:
-    """The cpu kernel's task blocks (read per call, as the kernel reads them): forward query and key, backward's."""
+def _attention_blocks(causal, pool: bool) -> list:
+    """The cpu kernel's task blocks (read per call, as the kernel reads them): forward query and key, backward's; then
+    1 where the tasks spread over torch's pool (as its guest with a budget > 1), 0 for one after another."""
     from opport.backends.cpu import attention as cpu_attention
 
     a = cpu_attention
     return [a.TASK_BLOCK_Q_MASKED if causal else a.TASK_BLOCK_Q, a.BLOCK_K, a.TASK_BLOCK_Q_BACKWARD,
-            a.TASK_BLOCK_K_BACKWARD]
+            a.TASK_BLOCK_K_BACKWARD, int(pool)]
 
 
 def _specs() -> dict:
