@@ -220,9 +220,16 @@ def test_the_awkward_cases_reach_the_python_kernels():
     assert _fused.ln_backward(x2, x2, np.ones(2), 1e-5, np.empty_like(x2), np.zeros(2), np.zeros(2)) is not None
 
 
+_ANGLES = torch.randn(1, 16, 4, generator=torch.Generator().manual_seed(10))
+ROPE = (lambda x: opport.rope(x, _ANGLES.cos(), _ANGLES.sin()))  # the tables: constants
+ROPE_DECODE = (lambda x: opport.rope(x, _ANGLES[:, -1:].cos(), _ANGLES[:, -1:].sin()))
+
 FORWARD_CASES = CASES + [
     ("rmsnorm-decode", RMSNORM, [(1, 1, 256), (256,)], _none),
     ("add_rmsnorm-decode", ADD_RMSNORM, [(1, 1, 256), (1, 1, 256), (256,)], _none),
+    ("rope", ROPE, [(2, 3, 16, 8)], _none),
+    ("rope-awkward", ROPE, [(2, 3, 16, 8)], _awkward),
+    ("rope-decode", ROPE_DECODE, [(1, 6, 1, 8)], _none),  # q and k of a decode step, side by side
 ]
 
 

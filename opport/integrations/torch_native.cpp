@@ -378,12 +378,17 @@ void rope_rows(const Tensor& x, const Tensor& y, const Tensor& cos, const Tensor
   pool_tasks(rope_k.forward, (rows + per - 1) / per, ints.data(), &none);
 }
 
+Tensor rope_forward(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, int64_t grain) {
+  Tensor y = at::empty(x.sizes(), x.options());
+  rope_rows(x.stride(3) == 1 ? x : x.contiguous(), y, cos.contiguous(), sin.contiguous(), interleaved, grain);
+  return y;
+}
+
 struct Rope : public torch::autograd::Function<Rope> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved,
                         int64_t grain) {
     Tensor c = cos.contiguous(), s = sin.contiguous();
-    Tensor y = at::empty(x.sizes(), x.options());
-    rope_rows(x.stride(3) == 1 ? x : x.contiguous(), y, c, s, interleaved, grain);
+    Tensor y = rope_forward(x, c, s, interleaved, grain);
     ctx->save_for_backward({c, s});
     ctx->saved_data["interleaved"] = interleaved;
     ctx->saved_data["grain"] = grain;
@@ -517,6 +522,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layernorm_forward", &layernorm_forward);
   m.def("rmsnorm_forward", &rmsnorm_forward);
   m.def("add_rmsnorm_forward", &add_rmsnorm_forward);
+  m.def("rope_forward", &rope_forward);
   m.def("rope", [](const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, int64_t grain) {
     return Rope::apply(x, cos, sin, interleaved, grain);
   });

@@ -248,9 +248,9 @@ _NODES = {
                                                          _attention_blocks(b[3], grain != _WHOLE)),
                          None, False, lambda b: b[5] is None and b[6] is None and b[0].shape[2] > 1, tasks=True,
                          strided=True),
-    # (x, cos, sin, interleaved): x read in place at any strides (q and k are views of the projections); its calls
-    # without gradients stay on the Python path (decode's q and k go as one call there)
-    "rope": _Native(lambda m, b, grain: m.rope(b[0], b[1], b[2], bool(b[3]), grain), None, False, strided=True),
+    # (x, cos, sin, interleaved): x read in place at any strides (q and k are views of the projections)
+    "rope": _Native(lambda m, b, grain: m.rope(b[0], b[1], b[2], bool(b[3]), grain),
+                    lambda m, b, grain: m.rope_forward(b[0], b[1], b[2], bool(b[3]), grain), False, strided=True),
 }
 # Elementwise calls of one block or more take the nodes only as torch's guest (torch's pool has several threads), and
 # split their loops over that pool in ranges of GRAIN elements (at::parallel_for): opport's own pool gains nothing
