@@ -103,8 +103,8 @@ def cpu_heap_line() -> str:
 
 def torch_native_line() -> str | None:
     """Whether small float32 calls on torch CPU tensors run natively here (opport/integrations/torch_native.py):
-    training calls of silu, swiglu, layernorm, rmsnorm, add_rmsnorm, rope and (as torch's guest) attention as
-    autograd nodes, calls without gradients of the first five as plain forwards; None where torch is not installed."""
+    training calls of silu, swiglu, layernorm, rmsnorm, add_rmsnorm, rope and attention as autograd nodes, calls
+    without gradients of those (attention's decode steps) as plain forwards; None where torch is not installed."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:

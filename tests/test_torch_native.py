@@ -230,6 +230,14 @@ FORWARD_CASES = CASES + [
     ("rope", ROPE, [(2, 3, 16, 8)], _none),
     ("rope-awkward", ROPE, [(2, 3, 16, 8)], _awkward),
     ("rope-decode", ROPE_DECODE, [(1, 6, 1, 8)], _none),  # q and k of a decode step, side by side
+    # a decode step's attention (one query row per head, GQA 2): its own loop; a huge key makes it decline
+    ("attention-decode", lambda q, k, v: opport.attention(q, k, v, causal=True), [(2, 4, 1, 8), (2, 2, 9, 8),
+                                                                                 (2, 2, 9, 8)], _none),
+    ("attention-decode-awkward", lambda q, k, v: opport.attention(q, k, v, causal=True), [(1, 4, 1, 8), (1, 2, 9, 8),
+                                                                                         (1, 2, 9, 8)], _awkward),
+    ("attention-decode-window-softcap", lambda q, k, v: opport.attention(q, k, v, causal=True, sliding_window=4,
+                                                                         softcap=20.0), [(1, 4, 1, 8), (1, 2, 9, 8),
+                                                                                         (1, 2, 9, 8)], _none),
 ]
 
 

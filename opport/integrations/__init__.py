@@ -53,7 +53,7 @@ def route(spec, bound: tuple, backend: str | None):
 
 # ops with native torch calls (opport/integrations/torch_native.py: small float32 cpu calls), which calls without
 # gradients take (decode): named here so that other ops' calls import nothing
-NATIVE_OPS = frozenset({"silu", "swiglu", "layernorm", "rmsnorm", "add_rmsnorm", "rope"})
+NATIVE_OPS = frozenset({"silu", "swiglu", "layernorm", "rmsnorm", "add_rmsnorm", "rope", "attention"})
 
 # torch's checks, bound once torch is imported (by the caller: opport never imports it); this route runs on
 # every call with a torch first argument, where each attribute lookup costs.

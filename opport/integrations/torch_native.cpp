@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 
 namespace py = pybind11;
 using torch::autograd::AutogradContext;
@@ -35,6 +36,8 @@ typedef int64_t (*RmsFwd)(float*, float*, float*, int64_t, int64_t, float, uint8
 typedef int64_t (*LnBwd)(float*, float*, double*, float*, double*, double*, int64_t, int64_t, double, uint8_t*,
                          double*);
 typedef int64_t (*RmsBwd)(float*, float*, double*, float*, double*, int64_t, int64_t, double, uint8_t*, double*);
+typedef int64_t (*AttnDecode)(float*, float*, float*, float*, float*, float*, int64_t, int64_t, int64_t, int64_t,
+                              int64_t, int64_t, double, double, int64_t, int64_t);
 typedef int64_t (*AddRmsBwd)(float*, float*, float*, double*, float*, double*, int64_t, int64_t, double, uint8_t*,
                              double*);
 
@@ -45,6 +48,7 @@ struct Entry {  // one op: its loops' C entry points and its Python kernels (for
   PyObject* py_backward = nullptr;
   void* rows_task = nullptr;  // rmsnorm's and add_rmsnorm's backward split over torch's pool (_cfunc_defs.py)
   void* cols_task = nullptr;
+  void* decode = nullptr;  // attention's decode step
 };
 Entry silu_k, swiglu_k, layernorm_k, rmsnorm_k, add_rmsnorm_k, rope_k, attention_k;  // rope's, attention's: tasks
 
@@ -321,6 +325,8 @@ void bind(const std::string& name, int64_t forward, int64_t backward, py::object
   e.py_backward = py_backward.release().ptr();  // None for the forward-only ops
 }
 
+void bind_decode(int64_t decode) { attention_k.decode = reinterpret_cast<void*>(decode); }
+
 void bind_split(const std::string& name, int64_t rows_task, int64_t cols_task) {
   Entry& e = entry(name);
   e.rows_task = reinterpret_cast<void*>(rows_task);
@@ -456,6 +462,21 @@ std::vector<int64_t> attention_ints(const std::vector<Tensor>& t, bool causal, i
   return ints;
 }
 
+// A decode step's attention (one query row per head, float32; keys [kstart, kend), softcap 0 for none) by the fused
+// loop `_attn_decode` on contiguous q, k, v, as the cpu kernel's decode path: its output, or None where the loop
+// declines (a non-finite score or output: the dispatcher's kernel then runs the call).
+std::optional<Tensor> attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, double scale, double softcap,
+                                       int64_t kstart, int64_t kend) {
+  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(3), hkv = k.size(1), sk = k.size(2), dv = v.size(3);
+  Tensor out = at::empty({b, hq, 1, dv}, q.options()), lse = at::empty({b, hq, 1}, q.options());
+  std::vector<float> s((hq / hkv) * sk);
+  if (reinterpret_cast<AttnDecode>(attention_k.decode)(f32(qc), f32(kc), f32(vc), f32(out), f32(lse), s.data(), b, hq,
+                                                       hkv, sk, d, dv, scale, softcap, kstart, kend))
+    return std::nullopt;
+  return out;
+}
+
 // float32 attention, causal or full, no soft cap or window (the Python side checks): the forward and backward tasks
 // (opport/backends/cpu/_attn_loops.py) on contiguous copies of q, k, v made once and kept for the backward; blocks =
 // (forward query block, forward key block, backward query block, backward key block, on torch's pool: 1/0). Where a task declines
@@ -505,6 +526,7 @@ struct Attention : public torch::autograd::Function<Attention> {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind", &bind);
   m.def("bind_split", &bind_split);
+  m.def("bind_decode", &bind_decode);
   m.def("silu", [](const Tensor& x, int64_t grain) { return Silu::apply(x, grain); });
   m.def("swiglu", [](const Tensor& gate, const Tensor& up, int64_t grain) { return Swiglu::apply(gate, up, grain); });
   m.def("layernorm", [](const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
@@ -523,6 +545,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm_forward", &rmsnorm_forward);
   m.def("add_rmsnorm_forward", &add_rmsnorm_forward);
   m.def("rope_forward", &rope_forward);
+  m.def("attention_decode", &attention_decode);
   m.def("rope", [](const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, int64_t grain) {
     return Rope::apply(x, cos, sin, interleaved, grain);
   });

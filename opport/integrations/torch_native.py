@@ -100,6 +100,7 @@ def _bind_op(mod, name: str) -> None:
 
         entries = _attn_tasks.compiled()
         fwd_entry, bwd_entry = entries["forward_entry"], entries["backward_entry"]
+        mod.bind_decode(_cfuncs.addresses()["attention_decode"])
     else:
         cf = _cfuncs.addresses()
         fwd_name, bwd_name = _LOOPS.get(name, (f"{name}_forward", f"{name}_backward"))
@@ -242,12 +243,10 @@ _NODES = {
     "add_rmsnorm": _Native(lambda m, b, grain: tuple(m.add_rmsnorm(b[0], b[1], b[2], float(b[3]), grain)),
                            lambda m, b, grain: tuple(m.add_rmsnorm_forward(b[0], b[1], b[2], float(b[3]), grain)),
                            True),
-    # (q, k, v, causal, scale, softcap, sliding_window): what the tasks cover (_attn_tasks.covers); a decode step (one
-    # query row) has its own loop, and calls without gradients stay on the Python path (no Function to save there)
-    "attention": _Native(lambda m, b, grain: m.attention(b[0], b[1], b[2], bool(b[3]), _scale(b),
-                                                         _attention_blocks(b[3], grain != _WHOLE)),
-                         None, False, lambda b: b[5] is None and b[6] is None and b[0].shape[2] > 1, tasks=True,
-                         strided=True),
+    # (q, k, v, causal, scale, softcap, sliding_window): training calls the tasks cover; decode steps (one query row
+    # per head) without gradients through their own loop
+    "attention": _Native(lambda m, b, grain: _attention_node(m, b, grain),
+                         lambda m, b, grain: _attention_decode(m, b), False, tasks=True, strided=True),
     # (x, cos, sin, interleaved): x read in place at any strides (q and k are views of the projections)
     "rope": _Native(lambda m, b, grain: m.rope(b[0], b[1], b[2], bool(b[3]), grain),
                     lambda m, b, grain: m.rope_forward(b[0], b[1], b[2], bool(b[3]), grain), False, strided=True),
@@ -270,6 +269,29 @@ _BACKWARD_TASKS = {"rmsnorm": "rms_backward", "add_rmsnorm": "rms_backward"}
 
 def _scale(bound) -> float:
     return 1.0 / math.sqrt(bound[0].shape[3]) if bound[4] is None else float(bound[4])
+
+
+def _attention_node(m, b, grain):
+    """attention's node where its tasks cover the call (_attn_tasks.covers: no soft cap, no window, more than one
+    query row), else NotImplemented."""
+    if b[5] is not None or b[6] is not None or b[0].shape[2] <= 1:
+        return NotImplemented
+    return m.attention(b[0], b[1], b[2], bool(b[3]), _scale(b), _attention_blocks(b[3], grain != _WHOLE))
+
+
+def _attention_decode(m, b):
+    """A decode step's output (one query row per head) by `_attn_decode` without the dispatcher, as the cpu kernel's
+    decode path (attention._decode: its keys, its size limit); NotImplemented where that path does not take it."""
+    from opport.backends.cpu import attention as cpu_attention
+
+    q, k, v = b[0], b[1], b[2]
+    if q.shape[2] != 1:
+        return NotImplemented
+    kstart, kend = cpu_attention._Mask(1, k.shape[2], bool(b[3]), b[6], b[5]).keys(0, 1)
+    if kend <= kstart or q.shape[0] * q.shape[1] * (kend - kstart) * (q.shape[3] + v.shape[3]) > _fused.DECODE_MAX:
+        return NotImplemented
+    out = m.attention_decode(q, k, v, _scale(b), 0.0 if b[5] is None else float(b[5]), kstart, kend)
+    return NotImplemented if out is None else out
 
 
 def _attention_blocks(causal, pool: bool) -> list:

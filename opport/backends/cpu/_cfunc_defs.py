@@ -158,7 +158,21 @@ def rope_rows(t, ints, floats):
     return 0
 
 
+# attention's decode step (one query row per head) without the dispatcher (torch_native.cpp, attention_decode):
+# _attn_decode on contiguous q [B, Hq, 1, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] into out [B, Hq, 1, Dv] and
+# lse [B, Hq, 1], scratch s [Hq / Hkv, Sk]; keys [kstart, kend); softcap 0 for none. 1 where the loop declines.
+attn_decode = loops["_attn_decode"]
+
+
+@entry(i64(f32, f32, f32, f32, f32, f32, i64, i64, i64, i64, i64, i64, types.float64, types.float64, i64, i64))
+def attention_decode(q, k, v, out, lse, s, nb, hq, hkv, sk, d, dv, scale, softcap, kstart, kend):
+    return attn_decode(carray(q, (nb, hq, 1, d)), carray(k, (nb, hkv, sk, d)), carray(v, (nb, hkv, sk, dv)), scale,
+                       softcap, kstart, kend, carray(out, (nb, hq, 1, dv)), carray(lse, (nb, hq, 1)),
+                       carray(s, (hq // hkv, sk)))
+
+
 ENTRIES = {f.__name__: f for f in (silu_forward, silu_backward, swiglu_forward, swiglu_backward,
                                  layernorm_forward, layernorm_backward, rmsnorm_forward, rmsnorm_backward,
                                  add_rmsnorm_backward,
-                                 ce_stats_rows, ce_grad_rows, rms_backward_rows, rms_backward_cols, rope_rows)}
+                                 ce_stats_rows, ce_grad_rows, rms_backward_rows, rms_backward_cols, rope_rows,
+                                 attention_decode)}
