@@ -102,6 +102,7 @@ def test_a_non_contiguous_upstream_gradient(name, fn, shapes, special, monkeypat
 
 
 def test_calls_the_nodes_do_not_take_run_the_python_function(monkeypatch):
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "2")  # (at a budget of one thread, large calls take the nodes whole)
     x = torch.randn(4, 64)
     w = torch.randn(64)
     declined = {
@@ -515,3 +516,16 @@ def test_rope_calls_the_node_does_not_take_run_the_python_function():
     assert NATIVE in opport.rope(x, cos, sin).grad_fn.name()
     for why, call in declined.items():
         assert NATIVE not in call().grad_fn.name(), why
+
+
+def test_large_calls_at_a_budget_of_one_thread_take_the_nodes_whole(monkeypatch):
+    """torch on one thread and OPPORT_NUM_THREADS=1: no pool either way, so one block or more takes the node, its loop
+    whole on the calling thread: the Python path's bits."""
+    monkeypatch.setenv("OPPORT_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _same_as_python(opport.swiglu, _inputs([(3, PARALLEL_MIN // 2 + 1), (3, PARALLEL_MIN // 2 + 1)], _none),
+                        monkeypatch)
+    finally:
+        torch.set_num_threads(before)

@@ -163,8 +163,8 @@ def run(spec, bound: tuple, backend: str | None, record: bool = True):
             or (native.when and not native.when(bound))):
         return NotImplemented
     budget = num_threads()  # OPPORT_NUM_THREADS validated on every call, as the cpu kernels do
-    if ok == _GUEST:  # one block or more: only as torch's guest, split over torch's pool
-        if torch.get_num_threads() <= 1 and (budget > 1 or not native.tasks):
+    if ok == _GUEST:  # one block or more: as torch's guest split over torch's pool, whole at a budget of one thread
+        if torch.get_num_threads() <= 1 and budget > 1:
             return NotImplemented  # opport's pool runs it, or BLAS gets the budget (the Python path)
         return (native.node if record else native.forward)(_MODULE, bound, GRAIN if budget > 1 else _WHOLE)
     # rmsnorm's, add_rmsnorm's and rope's rows as torch's guest: ranges of GRAIN elements on torch's pool (_SPLIT)
