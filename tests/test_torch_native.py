@@ -170,6 +170,15 @@ def test_validation_errors_come_first():
     assert info.value.op == "layernorm"
     with pytest.raises(opport.ShapeError):
         opport.swiglu(x, torch.randn(2, 9))
+    q = torch.randn(1, 4, 8, 16, requires_grad=True)  # rope's and attention's nodes: the dispatcher's checks first
+    with pytest.raises(opport.ShapeError) as info:
+        opport.rope(q, torch.randn(8, 7), torch.randn(8, 7))
+    assert (info.value.op, info.value.arg) == ("rope", "cos")
+    with pytest.raises(opport.ShapeError) as info:
+        opport.attention(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16), causal=True)  # 4 heads over 3
+    assert info.value.op == "attention"
+    with torch.no_grad(), pytest.raises(opport.ShapeError):  # the decode step's native forward
+        opport.attention(q[:, :, :1], torch.randn(1, 2, 8, 15), torch.randn(1, 2, 8, 16))
 
 
 def test_create_graph_gives_first_order_gradients_that_refuse_a_second_backward(monkeypatch):

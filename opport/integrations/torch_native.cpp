@@ -294,7 +294,7 @@ struct LayerNorm : public torch::autograd::Function<LayerNorm> {
 };
 
 // rmsnorm with a weight and offset 0 (the Python side checks both); its backward in float64 as the Python path's:
-// dweight summed over the call's one block of rows, then rounded once to float32.
+// dweight summed over the call's rows in row order (rms_backward), then rounded once to float32.
 struct RmsNorm : public torch::autograd::Function<RmsNorm> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, double eps, int64_t grain) {
     ctx->save_for_backward({x, w});
@@ -479,9 +479,9 @@ std::optional<Tensor> attention_decode(const Tensor& q, const Tensor& k, const T
 
 // float32 attention, causal or full, no soft cap or window (the Python side checks): the forward and backward tasks
 // (opport/backends/cpu/_attn_loops.py) on contiguous copies of q, k, v made once and kept for the backward; blocks =
-// (forward query block, forward key block, backward query block, backward key block, on torch's pool: 1/0). Where a task declines
-// (non-finite values in a masked block, a row with no key), the op's Python kernel runs the whole call, as the
-// Python path's kernels do: the same bits.
+// (forward query block, forward key block, backward query block, backward key block, on torch's pool: 1/0). Where
+// a task declines (non-finite values in a masked block, a row with no key), the op's Python kernel runs the whole
+// call, as the Python path's kernels do: the same bits.
 struct Attention : public torch::autograd::Function<Attention> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                         double scale, std::vector<int64_t> blocks) {

@@ -280,17 +280,15 @@ def _attention_node(m, b, grain):
 
 
 def _attention_decode(m, b):
-    """A decode step's output (one query row per head) by `_attn_decode` without the dispatcher, as the cpu kernel's
-    decode path (attention._decode: its keys, its size limit); NotImplemented where that path does not take it."""
+    """A decode step's output (one query row per head) by `_attn_decode` without the dispatcher, for the calls the cpu
+    kernel's decode path takes (attention.decode_call); NotImplemented elsewhere."""
     from opport.backends.cpu import attention as cpu_attention
 
     q, k, v = b[0], b[1], b[2]
-    if q.shape[2] != 1:
+    call = None if q.shape[2] != 1 else cpu_attention.decode_call(q, k, v, bool(b[3]), b[4], b[5], b[6])
+    if call is None:
         return NotImplemented
-    kstart, kend = cpu_attention._Mask(1, k.shape[2], bool(b[3]), b[6], b[5]).keys(0, 1)
-    if kend <= kstart or q.shape[0] * q.shape[1] * (kend - kstart) * (q.shape[3] + v.shape[3]) > _fused.DECODE_MAX:
-        return NotImplemented
-    out = m.attention_decode(q, k, v, _scale(b), 0.0 if b[5] is None else float(b[5]), kstart, kend)
+    out = m.attention_decode(q, k, v, float(call[0]), 0.0 if b[5] is None else float(b[5]), call[1], call[2])
     return NotImplemented if out is None else out
 
 

@@ -1317,11 +1317,10 @@ DECODE_MAX = 1 << 22  # multiply-adds (B Hq Sk (D + Dv)) up to which one query r
 
 def attention_decode(q, k, v, scale, softcap, kstart: int, kend: int):
     """(out [B, Hq, 1, Dv], lse [B, Hq, 1]) of q [B, Hq, 1, D] (float32 q, k, v) over keys [kstart, kend) by
-    `_attn_decode`, or None where it does not take the call (no visible key, too large, a non-finite score or output)."""
+    `_attn_decode`, or None where the loop declines (a non-finite score or output). Which calls come here:
+    cpu/attention.decode_call."""
     b, hq, _, d = q.shape
     dv = v.shape[3]
-    if kend <= kstart or b * hq * (kend - kstart) * (d + dv) > DECODE_MAX:
-        return None
     out, lse = np.empty((b, hq, 1, dv), np.float32), np.empty((b, hq, 1), np.float32)  # all written, or None
     s = np.empty((hq // k.shape[1], k.shape[2]), np.float32)  # scratch from here: numba's own allocations would not
     # compile while the conformance suite's poisoning np.empty stands in for NumPy's

@@ -120,9 +120,19 @@ def _decode(q, k, v, causal: bool, scale, softcap, window):
     their outputs stay the same bits."""
     if q.shape[2] != 1 or not (q.dtype is k.dtype is v.dtype is _F32) or not _fused.enabled(_F32):  # `is`: one object
         return None
-    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    call = decode_call(q, k, v, causal, scale, softcap, window)
+    return None if call is None else _fused.attention_decode(q, k, v, call[0], softcap, call[1], call[2])
+
+
+def decode_call(q, k, v, causal: bool, scale, softcap, window) -> tuple | None:
+    """(scale, kstart, kend) of a call of one query row per head that the decode loop takes (keys to see, at most
+    _fused.DECODE_MAX multiply-adds), else None. Shapes only (NumPy arrays or torch tensors): the kernel's `_decode`
+    and the native extension's decode path (opport/integrations/torch_native.py) both ask here."""
     kstart, kend = _Mask(1, k.shape[2], causal, window, softcap).keys(0, 1)
-    return _fused.attention_decode(q, k, v, scale, softcap, kstart, kend)
+    b, hq, _, d = q.shape
+    if kend <= kstart or b * hq * (kend - kstart) * (d + v.shape[3]) > _fused.DECODE_MAX:
+        return None
+    return (1.0 / math.sqrt(d) if scale is None else scale), kstart, kend
 
 
 @impl(spec.train_forward, "cpu")
